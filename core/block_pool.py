@@ -1,0 +1,101 @@
+"""BlockPool: the fixed set of KV blocks, their reference counts and the prefix-cache map.
+
+Free blocks wait in one ordered queue; allocation takes from the front:
+
+    front [ freed, uncached | never used, by id | freed with a hash, least recent first ] back
+
+A freed block whose contents are hashed stays findable by its hash until allocation reaches
+it (LRU eviction). Freed blocks without a hash go to the front so that memory already touched
+is reused before fresh pages. Hashes are SHA-256 chained from the parent block, so two
+different prefixes sharing a hash would need a SHA-256 collision: hits are not re-checked.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One block of `block_size` token slots in every layer's cache."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Hands out blocks, takes them back, and keeps hashed blocks reusable until evicted."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, KVBlock] = {}
+        # Blocks with id < high_watermark have been handed out at least once (see ModelRunner).
+        self.high_watermark = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take `n` blocks from the front of the free queue, evicting their cached hashes."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")  # caller checks
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            self.high_watermark = max(self.high_watermark, block.block_id + 1)
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cached blocks found by hash (removing them from the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference per block; pass a request's blocks tail-first so tails evict first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Make a full block findable by its hash (the first block with a hash keeps it)."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash of a free block; returns how many were dropped."""
+        dropped = [b for b in self._free.values() if b.block_hash is not None]
+        for block in dropped:
+            self._evict(block)
+        return len(dropped)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,87 @@
+"""EngineConfig: every engine setting in one place, validated at construction.
+
+Field docstrings (the `help` metadata) double as CLI help text in `pkv serve`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
+               "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
+               "TIB": 1024**4}
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Parse bytes given as a number or a string like "512MiB", "2GB", "1.5GiB"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"kv_cache_memory must be bytes or a size like '512MiB' or '2GB', got {value!r}")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+    return size
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. Unknown keys are errors (see `from_dict`)."""
+
+    model: str | None = _opt(None, "Hugging Face folder or .gguf file; default: bundled SmolLM2.")
+    dtype: str = _opt("auto", "Compute dtype: auto, float32, bfloat16, float16 "
+                      "(auto: float32 on CPU, the checkpoint's dtype on GPU).")
+    device: str = _opt("auto", "Device: auto, cpu or cuda.")
+    block_size: int = _opt(16, "Tokens per KV cache block.")
+    kv_cache_memory: int | str | None = _opt(
+        None, "Bytes for the KV cache pool (e.g. 512MiB); overrides memory_utilization.")
+    memory_utilization: float = _opt(
+        0.9, "Fraction of device memory the process may use (weights + KV cache).")
+    max_num_seqs: int = _opt(256, "Most sequences running in one step.")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Most tokens in one step (default: 2048 or max_model_len if smaller).")
+    max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
+    seed: int = _opt(0, "Seed for requests that do not set their own.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(
+                f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> EngineConfig:
+        """Build from a mapping (YAML, kwargs); unknown keys are an error, never dropped."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**options)

@@ -1,0 +1,85 @@
+"""KVCacheManager: block tables per request on top of the BlockPool, with prefix reuse."""
+
+from __future__ import annotations
+
+from pkv.core.block_pool import BlockPool, KVBlock
+from pkv.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates blocks as requests grow, finds cached prefixes, frees on finish/preempt."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks of the request's tokens, and the tokens it covers.
+
+        The last token is never taken from the cache: its logits must be computed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks)
+        need -= len(computed_blocks)
+        # Cache hits sitting in the free queue stop being free once we take them.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # Blocks are registered when scheduled, before their K/V exist: every step writes all
+        # K/V before any attention, so a sharer scheduled in the same step reads them filled.
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks to the pool, tail first (tails are evicted first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks

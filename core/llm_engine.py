@@ -1,0 +1,185 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_from_output
+                -> OutputProcessor (detokenize, stop strings) -> RequestOutput
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from pkv.core.config import EngineConfig
+from pkv.core.kv_cache_manager import KVCacheManager
+from pkv.core.model_loader import open_model
+from pkv.core.model_runner import ModelRunner
+from pkv.core.output_processor import OutputProcessor
+from pkv.core.outputs import RequestOutput
+from pkv.core.request import Request, RequestStatus
+from pkv.core.sampling_params import SamplingParams
+from pkv.core.scheduler import Scheduler
+from pkv.plugins.attention.torch_backend import TorchAttentionBackend
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A live snapshot of the engine, for logs, metrics and tests."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_cached_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_usage: float
+
+
+class LLMEngine:
+    """The synchronous engine core that the offline LLM and the server drive."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        source = open_model(config.model)
+        self.model_name = source.name
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer
+        self.max_model_len = self._max_model_len(config, source.config.max_position_embeddings)
+        self.max_num_batched_tokens = (config.max_num_batched_tokens
+                                       or min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                              max(self.max_model_len, config.max_num_seqs)))
+        self.runner = ModelRunner(config, source, self.max_model_len, TorchAttentionBackend(),
+                                  show_progress)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                       config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
+                                   self.max_num_batched_tokens, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model_max: int) -> int:
+        if config.max_model_len is None:
+            return model_max
+        if config.max_model_len > model_max:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({model_max})")
+        return config.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        salt = cache_salt.encode() if cache_salt else b""
+        children = [
+            Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
+                    eos, self.config.block_size, salt, self._generator(params.seed, i))
+            for i in range(params.n)
+        ]
+        self.output_processor.add_request(request_id, prompt_text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
+                             "which must leave room for at least one generated token")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds max_model_len ({limit})")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed((seed * 1_000_003 + index) % (2**63))
+        return generator
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their blocks; returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        outputs = []
+        for request_id in ids:
+            for child in self.output_processor.children(request_id):
+                if child.request_id in self.scheduler.requests:
+                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
+        sampled_reqs, result = self.runner.execute_model(
+            sched, tables, self.kv_cache.pool.high_watermark)
+        sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
+        self.scheduler.update_from_output(sched, sampled)
+        outputs, stopped = self.output_processor.process(sampled_reqs, logprobs)
+        for request in stopped:  # stop strings end a request in the same step
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        self.num_steps += 1
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
+            num_blocks_free=pool.num_free_blocks, num_cached_blocks=pool.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits, kv_cache_usage=self.kv_cache.usage)
+
+    def generate_until_done(self) -> list[RequestOutput]:
+        """Step until every request finishes; return the final output of each."""
+        finals = []
+        while self.has_unfinished_requests():
+            finals.extend(o for o in self.step() if o.finished)
+        return finals
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.num_blocks * self.runner.kv_bytes_per_block

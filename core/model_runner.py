@@ -1,0 +1,188 @@
+"""ModelRunner: owns the model and the KV cache; turns a SchedulerOutput into sampled tokens.
+
+Per step it flattens the scheduled requests into one batch (input_ids, positions,
+slot_mapping, block_tables, seq_lens, query_start_loc), runs the model once, computes logits
+only for the rows that sample, and samples them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import psutil
+import torch
+
+from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.config import EngineConfig
+from pkv.core.model_config import ModelConfig
+from pkv.core.model_loader import ModelSource
+from pkv.core.models.llama import LlamaForCausalLM
+from pkv.core.progress import progress_bar
+from pkv.core.request import Request
+from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
+from pkv.core.scheduler import SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (bf16 matmul is many times slower without native bf16),
+    the checkpoint's dtype on GPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(model.torch_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+class ModelRunner:
+    """Runs the model over the KV cache, one flattened batch per step."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                 backend: AttentionBackend, show_progress: bool = True) -> None:
+        self.config = config
+        self.model_config = source.config
+        self.block_size = config.block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.config, self.device)
+        self.model = self._load_model(source, max_model_len, backend, show_progress)
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self._num_zeroed_blocks = 0
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+
+    def _load_model(self, source: ModelSource, max_model_len: int, backend: AttentionBackend,
+                    show_progress: bool) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(source.config, backend, max_model_len)
+        model.to_empty(device=self.device)
+        model.tie_weights()
+        model.model.rotary_emb.reset()
+        model.requires_grad_(False)
+        weights = progress_bar(source.weights(), total=source.num_tensors,
+                               description=f"Loading {source.name}", enabled=show_progress)
+        model.load_weights(weights)
+        return model.to(self.dtype).eval()
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+                * cfg.head_dim * elem)
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        per_block = self.kv_bytes_per_block
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.config.kv_cache_memory is not None:
+            budget = int(self.config.kv_cache_memory)
+            num_blocks = budget // per_block
+            source = f"kv_cache_memory={budget} bytes"
+        else:
+            num_blocks = self._blocks_from_utilization(per_block)
+            # More than every running sequence at full length could use is never needed.
+            num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+            source = f"memory_utilization={self.config.memory_utilization}"
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"{source} gives {num_blocks} KV blocks of {self.block_size} tokens, fewer than "
+                f"one sequence of max_model_len={max_model_len} needs ({blocks_per_seq}): raise "
+                "kv_cache_memory or lower max_model_len")
+        return num_blocks
+
+    def _blocks_from_utilization(self, per_block: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+        else:
+            total = psutil.virtual_memory().total
+            used = psutil.Process().memory_info().rss
+        return max(0, int(total * self.config.memory_utilization) - used) // per_block
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        # One allocation for all layers; blocks are zeroed on first use (see _zero_new_blocks),
+        # so a large pool costs no memory until it is used.
+        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+                 cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+
+    def _zero_new_blocks(self, high_watermark: int) -> None:
+        # Attention reads whole blocks and masks the unused slots; masked slots must still hold
+        # finite numbers (0 * NaN is NaN), so blocks are zeroed before their first use.
+        if high_watermark > self._num_zeroed_blocks:
+            self.kv_cache[:, :, self._num_zeroed_blocks:high_watermark].zero_()
+            self._num_zeroed_blocks = high_watermark
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[int]],
+                      high_watermark: int) -> tuple[list[Request], SamplerOutput]:
+        """Run one step; return the requests that sampled and their sampler output."""
+        self._zero_new_blocks(high_watermark)
+        input_ids, positions, meta, logits_idx = self._prepare_inputs(sched, block_tables)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [r for r in sched.scheduled if sched.samples(r)]
+        if not sampling:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[logits_idx])
+        return sampling, self.sampler(logits, [self._sampling_row(r) for r in sampling])
+
+    def _prepare_inputs(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        tables = [block_tables[r.request_id] for r in sched.scheduled]
+        width = max(len(t) for t in tables)
+        table_array = np.zeros((len(tables), width), dtype=np.int32)
+        num_decode_tokens = 0
+        for i, (request, table) in enumerate(zip(sched.scheduled, tables)):
+            n = sched.num_scheduled_tokens[request.request_id]
+            start = request.num_computed_tokens
+            input_ids.extend(request.all_token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            table_array[i, :len(table)] = table
+            positions.append(pos)
+            slots.append(table_array[i, pos // bs].astype(np.int64) * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            if n == 1 and num_decode_tokens == i:
+                num_decode_tokens += 1
+            if sched.samples(request):
+                logits_idx.append(query_start_loc[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(table_array).to(dev),
+            num_decode_tokens=num_decode_tokens,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.from_numpy(np.concatenate(positions)).to(dev), meta,
+                torch.tensor(logits_idx, dtype=torch.long, device=dev))
+
+    @staticmethod
+    def _sampling_row(request: Request) -> SamplingRow:
+        params = request.sampling_params
+        banned: list[int] = []
+        if request.num_output_tokens < params.min_tokens:
+            banned = [*params.stop_token_ids, *request.eos_token_ids]
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
+                           request.generator, banned)

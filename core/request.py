@@ -1,0 +1,89 @@
+"""Request: one sequence's tokens, progress and KV-cache bookkeeping inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from pkv.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """SHA-256 of a full block, chained from its parent so equal hashes mean equal prefixes."""
+    h = hashlib.sha256(parent or b"\0")
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence. `n > 1` requests are fanned out into one Request per sample."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_size: int
+    cache_salt: bytes = b""
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            tokens = self.all_token_ids[i * bs:(i + 1) * bs]
+            self.block_hashes.append(hash_block(parent, tokens, self.cache_salt))
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,152 @@
+"""Sampler: turns a batch of logits into one token per row, on tensors, per-row parameters.
+
+Order: penalties -> min_tokens mask -> (greedy rows: argmax) -> temperature -> top-k ->
+top-p -> min-p -> sample. Sampling draws `argmax(probs / q)` with q ~ Exp(1) (the Gumbel
+trick), so a row with its own seed draws q from its own generator and its result does not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pkv.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    banned_token_ids: list[int]  # stop/eos tokens masked while min_tokens is not reached
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (top-k ids, top-k logprobs, sampled token logprob, sampled token rank) or None
+    logprobs: list[tuple[list[int], list[float], float, int] | None]
+
+
+class Sampler:
+    """Batched sampling with per-request parameters."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for rows without their own seed
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        self._apply_bans(logits, rows)
+        token_ids = self._sample(logits, rows)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(raw_logprobs, token_ids, rows))
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if not idx:
+            return logits
+        vocab = logits.shape[1]
+        sub = logits[idx]
+        out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, logits.device)
+        prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab,
+                                    logits.device) > 0
+        param = lambda name: torch.tensor([getattr(rows[i].params, name) for i in idx],
+                                          device=logits.device).unsqueeze(1)
+        # Repetition (HF/vLLM): over prompt and output; divide positive logits, multiply negative.
+        rep = param("repetition_penalty")
+        seen = prompt_seen | (out_counts > 0)
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalized, sub)
+        # Frequency and presence (OpenAI): over generated tokens only.
+        sub = sub - param("frequency_penalty") * out_counts
+        sub = sub - param("presence_penalty") * (out_counts > 0).float()
+        logits = logits.clone()
+        logits[idx] = sub
+        return logits
+
+    @staticmethod
+    def _apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, row.banned_token_ids] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_idx:
+            return greedy
+        sub_rows = [rows[i] for i in random_idx]
+        probs = self._filtered_probs(logits[random_idx], [r.params for r in sub_rows])
+        q = torch.empty_like(probs)
+        for j, row in enumerate(sub_rows):
+            q[j].exponential_(generator=row.generator or self.generator)
+        greedy[random_idx] = probs.div_(q).argmax(dim=-1)
+        return greedy
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        device = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        logits = logits / temp
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
+        return probs
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
+                  rows: list[SamplingRow]) -> list[tuple[list[int], list[float], float, int] | None]:
+        if raw is None:
+            return [None] * len(rows)
+        k = max(r.params.logprobs or 0 for r in rows)
+        top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        ranks = (raw > chosen.unsqueeze(1)).sum(dim=-1) + 1
+        out: list[tuple[list[int], list[float], float, int] | None] = []
+        for i, row in enumerate(rows):
+            n = row.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            out.append((top_ids[i, :n].tolist(), top_vals[i, :n].tolist(),
+                        float(chosen[i]), int(ranks[i])))
+        return out
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            ids = torch.tensor(tokens, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(tokens), device=device))
+    return counts
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (top_k 0 = off)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = rank >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,86 @@
+"""Per-request sampling parameters, validated at construction (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    `temperature == 0` is greedy. `stop` strings are excluded from the returned text.
+    Penalties follow OpenAI (presence/frequency over generated tokens) and vLLM/HF
+    (repetition over prompt and generated tokens).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    _stop: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop = [self.stop]
+        else:
+            self._stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0  # vLLM uses -1 for "off"; both mean off here.
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens must be >= 1, got {self.max_tokens}",
+        )
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        check(-2 <= self.presence_penalty <= 2,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.repetition_penalty > 0,
+              f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20,
+              f"logprobs must be in [0, 20], got {self.logprobs}")
+        check(all(isinstance(s, str) and s for s in self._stop),
+              "stop must be a non-empty string or a list of non-empty strings")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)

@@ -1,0 +1,147 @@
+"""Scheduler: iteration-level continuous batching under a token budget, with preemption.
+
+Each step: running requests first (a decode token each, or the next prefill chunk), then
+waiting requests while the token budget, `max_num_seqs` and free blocks allow. When blocks run
+out, the most recently admitted running request is preempted by recompute: its blocks are
+freed and it goes back to the front of the queue, to be prefilled again (prompt + outputs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pkv.core.kv_cache_manager import KVCacheManager
+from pkv.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The requests of one step, decodes (one new token) first, and their token counts."""
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    def samples(self, request: Request) -> bool:
+        """Whether this step reaches the end of the request's tokens (and so samples one)."""
+        n = self.num_scheduled_tokens[request.request_id]
+        return request.num_computed_tokens + n == request.num_tokens
+
+
+class Scheduler:
+    """Decides which requests run each step and how many of their tokens."""
+
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda r: out.num_scheduled_tokens[r.request_id] != 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed, num_cached = self.kv_cache.get_computed_blocks(request)
+            n = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, n, computed):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by the step's results; return those that finished."""
+        finished = []
+        for request in out.scheduled:
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish_request(request, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (finished, stopped by a string, or aborted) and free its blocks now."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)

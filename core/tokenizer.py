@@ -1,0 +1,106 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus special tokens and the chat template.
+
+Built from a Hugging Face folder (tokenizer.json) or from GGUF metadata (see gguf_loader).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+# End-of-turn markers of common chat templates: generation stops on them too.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class Tokenizer:
+    """Encodes text, decodes ids, and renders chat messages through the model's template."""
+
+    def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: set[int], add_bos_token: bool,
+                 chat_template: str | None) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        # End-of-turn tokens the template uses count as EOS (SmolLM2's <|im_end|>, ...).
+        self.eos_token_ids = set(eos_token_ids)
+        for tok in _END_OF_TURN:
+            tid = backend.token_to_id(tok)
+            if tid is not None and chat_template and tok in chat_template:
+                self.eos_token_ids.add(tid)
+        self.special_token_ids = {
+            tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return min(self.eos_token_ids) if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent,
+                                                                      ensure_ascii=False)
+            self._template = env.from_string(self.chat_template)
+        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=bos, eos_token=eos, **kwargs)
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template of an HF folder."""
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")
+        backend = HFTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        jinja_path = folder / "chat_template.jinja"
+        if template is None and jinja_path.is_file():
+            template = jinja_path.read_text()
+
+        def token_id(key: str) -> int | None:
+            tok = cfg.get(key)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            return backend.token_to_id(tok) if tok else None
+
+        eos = set(eos_token_ids)
+        if (eos_id := token_id("eos_token")) is not None:
+            eos.add(eos_id)
+        # tokenizer.json's post-processor already adds BOS where the model wants it.
+        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
+                   add_bos_token=False, chat_template=template)

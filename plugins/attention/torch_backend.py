@@ -1,0 +1,69 @@
+"""Reference attention backend in plain torch: runs on any device, favours clarity."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pkv.core.attention import AttentionBackend, AttentionMetadata
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    # [..., num_blocks] -> [..., num_blocks * block_size, num_kv_heads, head_dim]
+    blocks = cache[block_table]
+    return blocks.flatten(-4, -3)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Gathers each sequence's blocks and runs dense attention over them."""
+
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        seq_lens = meta.seq_lens[:nd]
+        num_blocks = (max(meta.seq_lens_cpu[:nd]) + k_cache.shape[1] - 1) // k_cache.shape[1]
+        block_tables = meta.block_tables[:nd, :num_blocks]
+        k = _gather(k_cache, block_tables).permute(0, 2, 3, 1)  # [nd, kvh, hd, L]
+        v = _gather(v_cache, block_tables).transpose(1, 2)  # [nd, kvh, L, hd]
+        q = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(q, k) * scale  # [nd, kvh, group, L]
+        positions = torch.arange(scores.shape[-1], device=q.device)
+        invalid = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [nd, L]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v).view(nd, num_heads, head_dim)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        block_size = k_cache.shape[1]
+        first = meta.num_decode_tokens  # decodes are one token, one sequence each
+        for i in range(first, meta.num_seqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            table = meta.block_tables[i, : (seq_len + block_size - 1) // block_size]
+            k = _gather(k_cache, table)[:seq_len].transpose(0, 1)  # [kvh, L, hd]
+            v = _gather(v_cache, table)[:seq_len].transpose(0, 1)
+            out[start:end] = self._causal(q[start:end].transpose(0, 1), k, v, scale)
+        return out
+
+    @staticmethod
+    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q: [heads, q_len, hd]; k, v: [kv_heads, L, hd]; queries are the last q_len positions.
+        q_len, kv_len = q.shape[1], k.shape[1]
+        if q_len == kv_len:
+            mask = None
+        else:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
