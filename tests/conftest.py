@@ -1,0 +1,76 @@
+"""Shared fixtures: the bundled SmolLM2 (GGUF and a safetensors copy), tiny random models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pkv.core.model_loader import bundled_model_path
+from pkv.tests.helpers import build_tiny_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Prompts of different lengths (3 to ~60 tokens) for batched parity runs.
+PROMPTS = [
+    "Hi there",
+    "The capital of France is",
+    "Write a haiku about the ocean and the moon.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three colors:",
+    "Translate to French: The weather is lovely today, and I would like to go for a long walk "
+    "in the park with my dog before it starts to rain.",
+    "Question: What is 12 plus 30?\nAnswer:",
+]
+
+
+@pytest.fixture(scope="session")
+def smol_gguf() -> Path:
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol_hf_dir(tmp_path_factory: pytest.TempPathFactory, smol_gguf: Path) -> Path:
+    """The bundled GGUF loaded by transformers and saved once as safetensors (fast reloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    tokenizer = AutoTokenizer.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name,
+                                                 dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model while its quantizer is attached.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smol_hf_model(smol_hf_dir: Path):  # noqa: ANN201 - a transformers model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smol_hf_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_hf_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smol_hf_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smol_hf_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def smol_prompt_ids(smol_gguf: Path) -> list[list[int]]:
+    from pkv.core.model_loader import open_model
+
+    tokenizer = open_model(str(smol_gguf)).tokenizer
+    return [tokenizer.encode(p) for p in PROMPTS]
