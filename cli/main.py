@@ -1,0 +1,20 @@
+"""The `pkv` command line (Typer). Bad input ends in a one-line error and a non-zero exit."""
+
+from __future__ import annotations
+
+import typer
+
+from pkv.cli.bench import bench
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="pkv: a self-hosted LLM inference engine.")
+app.command(help="Offline throughput benchmark, with optional baselines in the same run.")(bench)
+
+
+@app.callback()
+def _main() -> None:
+    """pkv: paged KV cache, continuous batching, OpenAI-compatible serving."""
+
+
+if __name__ == "__main__":
+    app()
