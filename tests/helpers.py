@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,8 @@ def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path) -> 
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    _copy_tokenizer_fields(gguf.GGUFReader(str(tokenizer_gguf)), writer)
+    for key, value in _tokenizer_fields(str(tokenizer_gguf)).items():
+        getattr(writer, key)(value)
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -109,13 +111,15 @@ def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path) -> 
     return out
 
 
-def _copy_tokenizer_fields(reader: Any, writer: Any) -> None:
-    f = lambda key: reader.fields[key].contents()
-    writer.add_tokenizer_model(f("tokenizer.ggml.model"))
-    writer.add_tokenizer_pre(f("tokenizer.ggml.pre"))
-    writer.add_token_list(f("tokenizer.ggml.tokens"))
-    writer.add_token_types(f("tokenizer.ggml.token_type"))
-    writer.add_token_merges(f("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(f("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(f("tokenizer.ggml.eos_token_id"))
-    writer.add_chat_template(f("tokenizer.chat_template"))
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(path: str) -> dict[str, Any]:
+    """GGUFWriter method -> value for the tokenizer metadata of a GGUF file (read once)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    keys = {"add_tokenizer_model": "model", "add_tokenizer_pre": "pre", "add_token_list": "tokens",
+            "add_token_types": "token_type", "add_token_merges": "merges",
+            "add_bos_token_id": "bos_token_id", "add_eos_token_id": "eos_token_id"}
+    out = {method: fields[f"tokenizer.ggml.{key}"].contents() for method, key in keys.items()}
+    out["add_chat_template"] = fields["tokenizer.chat_template"].contents()
+    return out
