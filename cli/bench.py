@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from rich.table import Table
 
 from pkv.cli.errors import user_errors
 
-console = Console()
+# Tables are wide: keep them readable when output goes to a file or a CI log.
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 @dataclass

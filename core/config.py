@@ -55,6 +55,9 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
     seed: int = _opt(0, "Seed for requests that do not set their own.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    tensor_parallel_size: int = _opt(1, "Devices to split the model over.")
+    attention_backend: str = _opt("auto", "Attention backend: auto or torch.")
+    quantization: str | None = _opt(None, "Weight quantization method (none yet).")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -73,6 +76,14 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 (tensor parallelism is not "
+                             f"implemented yet), got {self.tensor_parallel_size}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend must be auto or torch, got "
+                             f"{self.attention_backend!r}")
+        if self.quantization is not None:
+            raise ValueError(f"quantization {self.quantization!r} is not available (none yet)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -25,6 +25,19 @@ from pkv.plugins.attention.torch_backend import TorchAttentionBackend
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+class ContextLengthError(ValueError):
+    """The prompt (plus max_tokens) does not fit in max_model_len."""
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to be queued."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+
+
 @dataclass(slots=True)
 class EngineStats:
     """A live snapshot of the engine, for logs, metrics and tests."""
@@ -39,6 +52,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_cache_usage: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
 
 
 class LLMEngine:
@@ -63,6 +78,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_max: int) -> int:
@@ -78,10 +95,14 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt))
+
+    def prepare_request(self, request_id: str | None, prompt: str | list[int],
+                        params: SamplingParams | None = None,
+                        cache_salt: str | None = None) -> PreparedRequest:
+        """Tokenize and validate without touching engine state (safe from another thread)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
         eos = frozenset(self.tokenizer.eos_token_ids)
@@ -91,10 +112,19 @@ class LLMEngine:
                     eos, self.config.block_size, salt, self._generator(params.seed, i))
             for i in range(params.n)
         ]
-        self.output_processor.add_request(request_id, prompt_text, children)
-        for child in children:
+        return PreparedRequest(request_id, prompt_text, children)
+
+    def add_prepared(self, prepared: PreparedRequest) -> str:
+        """Queue a prepared request (on the thread that steps the engine)."""
+        if prepared.request_id in self.output_processor.parents:
+            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        self.output_processor.add_request(prepared.request_id, prepared.prompt,
+                                          prepared.children)
+        for child in prepared.children:
             self.scheduler.add_request(child)
-        return request_id
+        self.num_prompt_tokens += len(prepared.children[0].prompt_token_ids) * len(
+            prepared.children)
+        return prepared.request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -112,11 +142,12 @@ class LLMEngine:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         limit = self.max_model_len
         if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
-                             "which must leave room for at least one generated token")
+            raise ContextLengthError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, which must "
+                "leave room for at least one generated token")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds max_model_len ({limit})")
+            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                                     f"({params.max_tokens}) exceeds max_model_len ({limit})")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
@@ -157,6 +188,7 @@ class LLMEngine:
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
         self.scheduler.update_from_output(sched, sampled)
+        self.num_generation_tokens += len(sampled)
         outputs, stopped = self.output_processor.process(sampled_reqs, logprobs)
         for request in stopped:  # stop strings end a request in the same step
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
@@ -171,7 +203,9 @@ class LLMEngine:
             num_blocks_free=pool.num_free_blocks, num_cached_blocks=pool.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv_cache.prefix_queries,
-            prefix_cache_hits=self.kv_cache.prefix_hits, kv_cache_usage=self.kv_cache.usage)
+            prefix_cache_hits=self.kv_cache.prefix_hits, kv_cache_usage=self.kv_cache.usage,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens)
 
     def generate_until_done(self) -> list[RequestOutput]:
         """Step until every request finishes; return the final output of each."""

@@ -1,0 +1,168 @@
+"""`pkv serve`: load a model, start the engine loop, serve the OpenAI API with uvicorn.
+
+Options come from defaults < `--config FILE.yaml` < flags given on the command line.
+SIGTERM/SIGINT: stop accepting, let in-flight requests finish for `--shutdown-timeout`
+seconds, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from pkv.cli.errors import user_errors
+
+console = Console(stderr=True)
+
+# Options that configure the HTTP side rather than the engine.
+SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
+                  "shutdown_timeout", "allowed_origins", "max_waiting_requests",
+                  "max_body_bytes", "max_n", "max_logprobs", "max_stop_strings",
+                  "max_stop_length")
+
+
+def serve(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled SmolLM2.")] = None,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Require this Bearer key.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model name clients use.")] = None,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV pool size, e.g. 2GiB.")] = None,
+    memory_utilization: Annotated[float, typer.Option(help="Fraction of memory for weights + KV.")] = 0.9,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences per step.")] = 256,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Token budget per step.")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + output.")] = None,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prefixes.")] = True,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
+    attention_backend: Annotated[str, typer.Option(help="auto or torch.")] = "auto",
+    quantization: Annotated[Optional[str], typer.Option(help="Weight quantization method.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
+    config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    shutdown_timeout: Annotated[float, typer.Option(help="Grace period on SIGTERM, seconds.")] = 30.0,
+    allowed_origins: Annotated[Optional[list[str]], typer.Option(help="CORS origins (none by default).")] = None,
+    max_waiting_requests: Annotated[int, typer.Option(help="Queue bound; past it 503.")] = 1024,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 4 * 2**20,
+    max_n: Annotated[int, typer.Option(help="Largest n per request.")] = 16,
+    max_logprobs: Annotated[int, typer.Option(help="Largest logprobs/top_logprobs.")] = 20,
+    max_stop_strings: Annotated[int, typer.Option(help="Most stop strings per request.")] = 16,
+    max_stop_length: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
+) -> None:
+    """Serve a model over the OpenAI API (chat, completions, streaming)."""
+    with user_errors(console):
+        options = _merge_options(ctx, config)
+        _run(options)
+
+
+def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, Any]:
+    """Defaults, then YAML, then flags that were given explicitly."""
+    options = {k: v for k, v in ctx.params.items() if k != "config"}
+    if config_file is None:
+        return options
+    import yaml
+
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist")
+    try:
+        loaded = yaml.safe_load(config_file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{config_file} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{config_file} must hold a mapping of option: value")
+    for key, value in loaded.items():
+        name = str(key).replace("-", "_")
+        if name not in options:
+            raise ValueError(f"unknown option {key!r} in {config_file}")
+        if ctx.get_parameter_source(name) != click.core.ParameterSource.COMMANDLINE:
+            options[name] = value
+    return options
+
+
+def _run(options: dict[str, Any]) -> None:
+    logging.basicConfig(level=options["log_level"].upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pkv.core.async_engine import AsyncLLM
+    from pkv.core.config import EngineConfig
+    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.server.api_server import ServerConfig, build_app
+    from pkv.core.server.serving import ServerLimits
+
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    engine = LLMEngine(EngineConfig.from_dict(
+        {k: v for k, v in options.items() if k in engine_keys}))
+    server_config = ServerConfig(
+        served_model_name=options["served_model_name"] or engine.model_name,
+        api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
+        max_waiting_requests=options["max_waiting_requests"],
+        allowed_origins=list(options["allowed_origins"] or []),
+        limits=ServerLimits(options["max_n"], options["max_logprobs"],
+                            options["max_stop_strings"], options["max_stop_length"]))
+    async_llm = AsyncLLM(engine, server_config.max_waiting_requests)
+    app = build_app(async_llm, server_config)
+    _print_summary(engine, server_config, options)
+    async_llm.start()
+    try:
+        _serve_until_signal(app, options)
+    finally:
+        async_llm.shutdown()
+    console.print("[bold]pkv stopped[/]")
+
+
+def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
+    cfg, runner = engine.model_config, engine.runner
+    kv_gib = engine.kv_cache_bytes / 2**30
+    per_seq = -(-engine.max_model_len // engine.config.block_size)
+    table = Table.grid(padding=(0, 2))
+    rows = [("model", f"{server.served_model_name} ({cfg.architecture}, "
+                      f"{cfg.num_parameters / 1e6:.1f} M parameters)"),
+            ("dtype / device", f"{str(runner.dtype).removeprefix('torch.')} on {runner.device}"),
+            ("KV cache", f"{runner.num_blocks} blocks x {engine.config.block_size} tokens = "
+                         f"{kv_gib:.2f} GiB"),
+            ("max concurrency", f"{engine.config.max_num_seqs} sequences; "
+                                f"{runner.num_blocks / per_seq:.1f}x at max_model_len "
+                                f"{engine.max_model_len}"),
+            ("auth", "Bearer key required" if server.api_key else "none (loopback default)"),
+            ("url", f"http://{options['host']}:{options['port']}/v1")]
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/]", value)
+    console.print(Panel(table, title="pkv serve", expand=False))
+
+
+def _serve_until_signal(app: Any, options: dict[str, Any]) -> None:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises SIGTERM after its shutdown (exit by signal); we exit 0 instead.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            def handle(signum: int, frame: Any) -> None:
+                self.force_exit = self.should_exit
+                self.should_exit = True
+
+            previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+
+    config = uvicorn.Config(app, host=options["host"], port=options["port"],
+                            log_level=options["log_level"], access_log=False,
+                            timeout_graceful_shutdown=int(options["shutdown_timeout"]),
+                            h11_max_incomplete_event_size=64 * 1024)
+    asyncio.run(_Server(config).serve())

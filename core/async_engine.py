@@ -1,0 +1,210 @@
+"""AsyncLLM: the engine stepped by one background thread, each request its own stream.
+
+The HTTP event loop never runs a model step: it prepares requests (tokenize, validate) in a
+worker thread, hands them to the engine thread through a queue, and awaits outputs that the
+engine thread pushes into per-request asyncio queues. Requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pkv.core.llm_engine import LLMEngine, PreparedRequest
+from pkv.core.outputs import RequestOutput
+from pkv.core.sampling_params import SamplingParams
+
+logger = logging.getLogger("pkv.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in flight."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting already."""
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """When a request arrived, got its first token and finished (monotonic seconds)."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """Serve many concurrent requests from one engine stepped in a background thread."""
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024,
+                 on_request_finished: Callable[[RequestOutput, RequestTimings], None]
+                 | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_request_finished = on_request_finished
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self.dead_reason: str | None = None
+        self._thread = threading.Thread(target=self._run, name="pkv-engine", daemon=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loop, failing whatever is still in flight."""
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def check_admission(self) -> None:
+        """Raise before any response starts if the engine is dead or the queue is full."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine loop is not running")
+        waiting = self.num_in_flight - len(self.engine.scheduler.running)
+        if waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{waiting} requests are already waiting; retry later")
+
+    async def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      cache_salt: str | None = None) -> PreparedRequest:
+        """Tokenize and validate off the event loop; raises ValueError on bad input."""
+        return await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
+                                       cache_salt)
+
+    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a prepared request and yield its outputs until it finishes.
+
+        Leaving the iteration early (client gone, cancelled) aborts the request.
+        """
+        self.check_admission()
+        request_id = prepared.request_id
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        timings = RequestTimings(time.monotonic())
+        self._send("add", prepared)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                self._record(item, timings)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._commands.put((kind, payload))
+        self._wakeup.set()
+
+    def _record(self, output: RequestOutput, timings: RequestTimings) -> None:
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        if tokens and timings.first_token is None:
+            timings.first_token = now
+        timings.num_output_tokens = tokens
+        if output.finished:
+            timings.finished = now
+            if self.on_request_finished is not None:
+                self.on_request_finished(output, timings)
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wakeup.clear()
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(0.5)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bad step must not take the server down
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_in_flight(EngineStepError(f"internal error during generation: {exc}"))
+                continue
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+        self._fail_in_flight(EngineDeadError("the server is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload)  # type: ignore[arg-type]
+            elif payload in self.engine.output_processor.parents:
+                self.engine.abort_request(payload)  # type: ignore[arg-type]
+
+    def _add(self, prepared: PreparedRequest) -> None:
+        stream = self._streams.get(prepared.request_id)
+        if stream is None:
+            return  # the client left before the engine saw the request
+        try:
+            self.engine.add_prepared(prepared)
+        except ValueError as exc:
+            stream.put(exc)
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        try:
+            self.engine.abort_request(list(self.engine.output_processor.parents))
+        except Exception as exc:  # the engine's own state is broken: stop serving
+            logger.exception("could not abort requests after a failed step")
+            self.dead_reason = f"engine state is broken: {exc}"
+            self._stop.set()
+        for stream in streams.values():
+            stream.put(error)

@@ -1,0 +1,100 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics, tokenizer endpoints."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+import pkv
+from pkv.core.async_engine import AsyncLLM
+from pkv.core.server.errors import OpenAIError, install_error_handlers
+from pkv.core.server.metrics import ServerMetrics
+from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest)
+from pkv.core.server.serving import OpenAIServing, ServerLimits
+
+
+@dataclass
+class ServerConfig:
+    """HTTP-side settings (engine settings live in EngineConfig)."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    max_waiting_requests: int = 1024
+    allowed_origins: list[str] = field(default_factory=list)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+
+
+def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    """An app serving `async_llm`; the caller starts and stops the engine loop."""
+    app = FastAPI(title="pkv", version=pkv.__version__, docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(async_llm.engine)
+    async_llm.on_request_finished = metrics.observe
+    serving = OpenAIServing(async_llm, config.served_model_name, config.limits)
+    engine = async_llm.engine
+    created = int(time.time())
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completion(body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": created,
+            "owned_by": "pkv", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_llm.is_alive:
+            return Response(status_code=200)
+        raise OpenAIError(503, async_llm.dead_reason or "the engine loop is not running")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pkv.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        tokenizer = engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        vocab = engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise OpenAIError(400, f"tokens must be in [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    # The last added is outermost: body limit, then CORS (preflights carry no key), then auth.
+    if config.api_key:
+        app.add_middleware(AuthMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    return app

@@ -1,0 +1,67 @@
+"""OpenAI error objects: every failure reaches the client as {"error": {...}}, never a trace."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("pkv.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+          503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    """An error to send as an OpenAI error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
+                      "code": code}}
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code),
+                        status_code=err.status, headers=err.headers)
+
+
+def error_bytes(status: int, message: str, param: str | None = None,
+                code: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param, code)).encode()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
+            first.get("msg", "invalid request body"))
+        return error_response(OpenAIError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(OpenAIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(OpenAIError(500, "internal server error"))

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server (its own registry: no global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pkv.core.async_engine import RequestTimings
+from pkv.core.llm_engine import LLMEngine
+from pkv.core.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's live stats at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.engine.get_stats()
+        gauges = {
+            "pkv:num_requests_running": ("Requests in the running batch.", s.num_running),
+            "pkv:num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
+            "pkv:kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).", s.kv_cache_usage),
+            "pkv:kv_blocks_total": ("KV blocks in the pool.", s.num_blocks_total),
+            "pkv:kv_blocks_free": ("KV blocks not held by any request.", s.num_blocks_free),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "pkv:num_preemptions": ("Requests preempted for lack of blocks.", s.num_preemptions),
+            "pkv:prompt_tokens": ("Prompt tokens received.", s.num_prompt_tokens),
+            "pkv:generation_tokens": ("Tokens generated.", s.num_generation_tokens),
+            "pkv:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                         s.prefix_cache_queries),
+            "pkv:prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
+                                      s.prefix_cache_hits),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """Engine gauges plus request latency histograms and outcomes."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("pkv:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pkv:time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pkv:e2e_request_latency_seconds", "Request latency, end to end.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.success = Counter("pkv:request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=self.registry)
+
+    def observe(self, output: RequestOutput, timings: RequestTimings) -> None:
+        if timings.first_token is not None:
+            self.ttft.observe(timings.first_token - timings.arrival)
+            per_sample = timings.num_output_tokens / max(len(output.outputs), 1)
+            if timings.finished is not None and per_sample > 1:
+                self.tpot.observe((timings.finished - timings.first_token) / (per_sample - 1))
+        if timings.finished is not None:
+            self.e2e.observe(timings.finished - timings.arrival)
+        for completion in output.outputs:
+            self.success.labels(completion.finish_reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

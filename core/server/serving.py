@@ -1,0 +1,319 @@
+"""OpenAIServing: chat and text completions on top of AsyncLLM, streamed (SSE) or not.
+
+Everything that can refuse a request (validation, limits, admission) happens before the
+first byte of a response, so a refusal is a status code and never a truncated stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pkv.core.async_engine import AsyncLLM, EngineDeadError, QueueFullError
+from pkv.core.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.outputs import CompletionOutput, RequestOutput
+from pkv.core.sampling_params import SamplingParams
+from pkv.core.server import logprobs_format as lpf
+from pkv.core.server.errors import OpenAIError, error_body
+from pkv.core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+
+@dataclass
+class ServerLimits:
+    """Per-request limits; each breach is a 400 naming the field."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class OpenAIServing:
+    """Turns OpenAI request bodies into engine requests and engine outputs into responses."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, limits: ServerLimits) -> None:
+        self.llm = async_llm
+        self.model_name = served_model_name
+        self.limits = limits
+        self.tokenizer = async_llm.engine.tokenizer
+
+    # ---- validation --------------------------------------------------------------------
+
+    def _check_common(self, body: _SamplingFields, logprobs: int | None) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
+                              f"{self.model_name!r}", "model", "model_not_found")
+        if not 1 <= body.n <= self.limits.max_n:
+            raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
+        if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
+            raise OpenAIError(400, f"logprobs must be between 0 and {self.limits.max_logprobs}",
+                              "logprobs")
+        stops = body.stop_list
+        if len(stops) > self.limits.max_stop_strings:
+            raise OpenAIError(400, f"at most {self.limits.max_stop_strings} stop strings",
+                              "stop")
+        if any(len(s) > self.limits.max_stop_length for s in stops):
+            raise OpenAIError(400, f"stop strings must be at most {self.limits.max_stop_length} "
+                              "characters", "stop")
+
+    @staticmethod
+    def _params(body: _SamplingFields, max_tokens: int | None,
+                logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            # SamplingParams messages start with the field's name.
+            raise OpenAIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+
+    async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       body: _SamplingFields, param: str) -> PreparedRequest:
+        try:
+            return await self.llm.prepare(request_id, prompt, params, body.cache_salt)
+        except ContextLengthError as exc:
+            raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param) from None
+
+    def _admit(self) -> None:
+        try:
+            self.llm.check_admission()
+        except QueueFullError as exc:
+            raise OpenAIError(503, str(exc), headers={"Retry-After": "1"}) from None
+        except EngineDeadError as exc:
+            raise OpenAIError(503, f"the engine is not available: {exc}") from None
+
+    # ---- chat --------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        self._check_common(body, top)
+        params = self._params(body, body.max_completion_tokens or body.max_tokens, top)
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+        except Exception as exc:  # jinja errors from the model's own template
+            raise OpenAIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prepared = await self._prepare(request_id, prompt_ids, params, body, "messages")
+        self._admit()
+        if body.stream:
+            return StreamingResponse(self._chat_stream(body, prepared),
+                                     media_type="text/event-stream")
+        final = await self._collect(prepared, raw)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0) if body.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason} for c in final.outputs]
+        return JSONResponse({"id": request_id, "object": "chat.completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": _usage([final])})
+
+    async def _chat_stream(self, body: ChatCompletionRequest,
+                           prepared: PreparedRequest) -> AsyncIterator[bytes]:
+        base = {"id": prepared.request_id, "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.model_name}
+        n = len(prepared.children)
+        for i in range(n):
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        tracker = _DeltaTracker()
+        final = None
+        try:
+            async for output in self.llm.generate(prepared):
+                final = output
+                for c in output.outputs:
+                    delta = tracker.advance(c.index, c)
+                    if delta is None:
+                        continue
+                    text, lps, ids = delta
+                    yield _sse({**base, "choices": [{
+                        "index": c.index, "delta": {"content": text} if text else {},
+                        "logprobs": lpf.chat(lps, ids, body.top_logprobs or 0)
+                        if body.logprobs and lps else None,
+                        "finish_reason": c.finish_reason}]})
+        except Exception as exc:
+            yield _sse(_stream_error(exc))
+        else:
+            if body.include_usage and final is not None:
+                yield _sse({**base, "choices": [], "usage": _usage([final])})
+        yield _sse("[DONE]")
+
+    # ---- completions -------------------------------------------------------------------
+
+    async def completion(self, body: CompletionRequest, raw: Request
+                         ) -> JSONResponse | StreamingResponse:
+        self._check_common(body, body.logprobs)
+        params = self._params(body, body.max_tokens if body.max_tokens is not None else 16,
+                              body.logprobs)
+        prompts = _prompt_list(body.prompt)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt")
+                    for i, p in enumerate(prompts)]
+        self._admit()
+        if body.stream:
+            return StreamingResponse(self._completion_stream(body, base_id, prepared),
+                                     media_type="text/event-stream")
+        finals = await asyncio.gather(*(self._collect(p, raw) for p in prepared))
+        choices = []
+        for i, final in enumerate(finals):
+            prefix = self._prompt_text(final) if body.echo else ""
+            for c in final.outputs:
+                choices.append({"index": i * body.n + c.index, "text": prefix + c.text,
+                                "logprobs": lpf.completion(c.logprobs, c.token_ids,
+                                                           body.logprobs or 0, len(prefix))
+                                if body.logprobs is not None else None,
+                                "finish_reason": c.finish_reason})
+        return JSONResponse({"id": base_id, "object": "text_completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": _usage(finals)})
+
+    async def _completion_stream(self, body: CompletionRequest, base_id: str,
+                                 prepared: list[PreparedRequest]) -> AsyncIterator[bytes]:
+        base = {"id": base_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        tracker = _DeltaTracker()
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, output in _merge([self.llm.generate(p) for p in prepared]):
+                finals[i] = output
+                for c in output.outputs:
+                    index = i * body.n + c.index
+                    echo = self._prompt_text(output) if body.echo and tracker.is_new(index) else ""
+                    delta = tracker.advance(index, c)
+                    if delta is None:
+                        continue
+                    text, lps, ids = delta
+                    logprobs = (lpf.completion(lps, ids, body.logprobs or 0, len(echo))
+                                if body.logprobs is not None and lps is not None else None)
+                    yield _sse({**base, "choices": [{"index": index, "text": echo + text,
+                                                     "logprobs": logprobs,
+                                                     "finish_reason": c.finish_reason}]})
+        except Exception as exc:
+            yield _sse(_stream_error(exc))
+        else:
+            if body.include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(list(finals.values()))})
+        yield _sse("[DONE]")
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        return output.prompt if output.prompt is not None else self.tokenizer.decode(
+            output.prompt_token_ids)
+
+    # ---- shared ------------------------------------------------------------------------
+
+    async def _collect(self, prepared: PreparedRequest, raw: Request) -> RequestOutput:
+        """Run to the end; abort if the client disconnects while we wait."""
+        async def last() -> RequestOutput:
+            final = None
+            async for output in self.llm.generate(prepared):
+                final = output
+            assert final is not None
+            return final
+
+        task = asyncio.ensure_future(last())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                break
+            if await raw.is_disconnected():
+                task.cancel()  # the generator's cleanup aborts the request
+                raise OpenAIError(499, "client disconnected")
+        try:
+            return task.result()
+        except (EngineDeadError, RuntimeError) as exc:
+            raise OpenAIError(500, str(exc)) from None
+
+
+class _DeltaTracker:
+    """Remembers what each choice of a stream has sent, to emit only what is new."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) sent
+        self.done: set[int] = set()
+
+    def is_new(self, index: int) -> bool:
+        return index not in self.sent
+
+    def advance(self, index: int, c: CompletionOutput
+                ) -> tuple[str, list | None, list[int]] | None:
+        """(new text, new logprobs, new token ids) of a choice, or None if nothing to send."""
+        if index in self.done:
+            return None
+        chars, tokens = self.sent.get(index, (0, 0))
+        text = c.text[chars:]
+        if not text and c.finish_reason is None and index in self.sent:
+            return None
+        self.sent[index] = (len(c.text), len(c.token_ids))
+        if c.finish_reason is not None:
+            self.done.add(index)
+        lps = c.logprobs[tokens:] if c.logprobs is not None else None
+        return text, lps, c.token_ids[tokens:]
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]
+                 ) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise OpenAIError(400, "prompt must not be empty", "prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _usage(finals: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _stream_error(exc: Exception) -> dict:
+    status = 503 if isinstance(exc, EngineDeadError) else 500
+    return error_body(status, str(exc) or "internal error")
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams, tagging each output with its stream's index."""
+    if len(gens) == 1:
+        async for output in gens[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in gen:
+                await queue.put((i, output))
+        except Exception as exc:
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,87 @@
+"""AsyncLLM: concurrent streams from one engine thread, aborts, and a failing step."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pkv.core.async_engine import AsyncLLM, EngineStepError
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.core.sampling_params import SamplingParams
+
+
+@pytest.fixture()
+def async_llm(tiny_llama_dir: Path):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB"),
+                       show_progress=False)
+    llm = AsyncLLM(engine)
+    llm.start()
+    yield llm
+    llm.shutdown()
+
+
+async def _run(llm: AsyncLLM, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    prepared = await llm.prepare(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                             ignore_eos=True))
+    last = None
+    async for output in llm.generate(prepared):
+        last = output
+    return last.outputs[0].token_ids
+
+
+def test_concurrent_requests_match_sequential(async_llm: AsyncLLM):
+    prompts = [[100 + i + j for j in range(5 + 3 * i)] for i in range(6)]
+
+    async def main() -> tuple[list[list[int]], list[list[int]]]:
+        together = await asyncio.gather(*(_run(async_llm, f"c{i}", p, 12)
+                                          for i, p in enumerate(prompts)))
+        alone = [await _run(async_llm, f"s{i}", p, 12) for i, p in enumerate(prompts)]
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    assert together == alone and all(len(t) == 12 for t in together)
+
+
+def test_leaving_a_stream_aborts_and_frees(async_llm: AsyncLLM):
+    async def main() -> None:
+        prepared = await async_llm.prepare("gone", [5, 6, 7], SamplingParams(
+            max_tokens=200, ignore_eos=True))
+        seen = 0
+        async for _ in async_llm.generate(prepared):
+            seen += 1
+            if seen == 3:
+                break
+        for _ in range(100):
+            if async_llm.engine.get_stats().num_blocks_used == 0:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    stats = async_llm.engine.get_stats()
+    assert stats.num_blocks_used == 0 and stats.num_running == 0
+
+
+def test_failing_step_fails_in_flight_requests_and_serving_goes_on(async_llm: AsyncLLM):
+    runner = async_llm.engine.runner
+    real = runner.execute_model
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):  # fault injection: the third step raises
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real(*args, **kwargs)
+
+    runner.execute_model = flaky
+
+    async def main() -> list[int]:
+        with pytest.raises(EngineStepError, match="injected fault"):
+            await _run(async_llm, "victim", [1, 2, 3], 10)
+        return await _run(async_llm, "after", [1, 2, 3], 4)
+
+    assert len(asyncio.run(main())) == 4
+    assert async_llm.is_alive
+    assert async_llm.engine.get_stats().num_blocks_used == 0

@@ -1,0 +1,101 @@
+"""A real `pkv serve` process on a free loopback port, started once per module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key-123"
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    base_url: str
+    api_key: str | None
+    log_path: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_dir: str, *args: str, api_key: str | None = API_KEY,
+                 timeout: float = 120.0) -> RunningServer:
+    port = free_port()
+    log_path = os.path.join(tmp_dir, f"server-{port}.log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PKV_API_KEY", None)
+    if api_key:
+        env["PKV_API_KEY"] = api_key
+    cmd = [sys.executable, "-m", "pkv.cli.main", "serve", "--port", str(port),
+           "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--log-level", "warning",
+           *args]
+    log = open(log_path, "w")
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", api_key, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+
+
+def stop_server(server: RunningServer) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(str(tmp_path_factory.mktemp("server")), "--max-num-seqs", "64")
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def client(server: RunningServer):  # noqa: ANN201 - openai.OpenAI
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
+                         max_retries=0, timeout=120)

@@ -1,0 +1,171 @@
+"""The server over raw HTTP: auth, limits and errors as OpenAI error objects, concurrency,
+client disconnects, metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from pkv.tests.server.conftest import RunningServer, start_server
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+def _post(server: RunningServer, path: str, body: dict | bytes, **kw) -> httpx.Response:
+    headers = {**server.headers, **kw.pop("headers", {})}
+    if isinstance(body, bytes):
+        return httpx.post(server.base_url + path, content=body, timeout=60,
+                          headers={**headers, "content-type": "application/json"})
+    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None,
+                  code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_health_version_and_metrics_names(server: RunningServer):
+    assert httpx.get(f"{server.base_url}/health").status_code == 200  # open without a key
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    names = set(server.metrics())
+    for name in ("pkv:num_requests_running", "pkv:num_requests_waiting",
+                 "pkv:kv_cache_usage_perc", "pkv:kv_blocks_total", "pkv:kv_blocks_free",
+                 "pkv:num_preemptions_total", "pkv:prompt_tokens_total",
+                 "pkv:generation_tokens_total", "pkv:prefix_cache_queries_total",
+                 "pkv:prefix_cache_hits_total"):
+        assert name in names, name
+
+
+def test_auth_is_required_and_compared(server: RunningServer):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key-123"}):
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
+        _assert_error(r, 401)
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(server.base_url + path).status_code == 401
+    assert httpx.post(f"{server.base_url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "prompt",
+     "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "hi " * 1100, "max_tokens": 1}, 400, "prompt",
+     "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, 400, "stop", None),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x" * 300]}, 400, "stop", None),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ({"model": MODEL}, 400, "prompt", None),
+])
+def test_completion_errors(server: RunningServer, body, status, param, code):
+    _assert_error(_post(server, "/v1/completions", body), status, param, code)
+
+
+def test_chat_errors(server: RunningServer):
+    msgs = [{"role": "user", "content": "hi"}]
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400,
+                  "messages")
+    _assert_error(_post(server, "/v1/chat/completions",
+                        {"model": MODEL, "messages": msgs, "logprobs": True,
+                         "top_logprobs": 25}), 400, "logprobs")
+    _assert_error(_post(server, "/v1/chat/completions",
+                        {"model": MODEL, "messages": msgs, "max_completion_tokens": 4000}),
+                  400, "messages", "context_length_exceeded")
+    _assert_error(_post(server, "/v1/chat/completions", b"{not json"), 400)
+    _assert_error(_post(server, "/v1/chat/completions", b"x" * (5 * 2**20)), 413)
+
+
+def test_32_concurrent_streams_complete_with_correct_text(server: RunningServer):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(4)]
+    expected = {p: _post(server, "/v1/completions", {"model": MODEL, "prompt": p,
+                                                     "temperature": 0, "max_tokens": 20}
+                         ).json()["choices"][0]["text"] for p in prompts}
+
+    async def stream(prompt: str) -> str:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 20,
+                    "stream": True}
+            async with client.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                                     headers=server.headers) as r:
+                assert r.status_code == 200
+                text, done = "", False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                assert done
+                return text
+
+    async def run_all() -> list[str]:
+        return await asyncio.gather(*(stream(prompts[i % 4]) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert results == [expected[prompts[i % 4]] for i in range(32)]
+
+
+def test_dropped_stream_returns_its_blocks(server: RunningServer):
+    idle = server.metrics()["pkv:kv_blocks_free"]
+    body = {"model": MODEL, "prompt": "Write a very long story about dragons.",
+            "max_tokens": 600, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      headers=server.headers, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pkv:num_requests_running"] == 0 and m["pkv:kv_blocks_free"] == idle:
+            break
+        time.sleep(0.2)
+    m = server.metrics()
+    assert m["pkv:num_requests_running"] == 0 and m["pkv:kv_blocks_free"] == idle
+    assert m['pkv:request_success_total{finished_reason="abort"}'] >= 1
+
+
+def test_queue_bound_and_sigterm_with_request_in_flight(tmp_path):
+    server = start_server(str(tmp_path), "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                          "--shutdown-timeout", "30", api_key=None)
+    try:
+        body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 48,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                          timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)
+            # One running, one waiting: the next one is refused before any byte is sent.
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                              timeout=60) as waiting:
+                refused = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+                _assert_error(refused, 503)
+                assert refused.headers["retry-after"]
+                waiting.close()
+            server.process.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+        finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest
+                  if x.startswith("data: {")][-1]
+        assert finish == "length"  # the in-flight request ran to its end
+        assert server.process.wait(40) == 0
+        assert "Traceback" not in server.log()
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()

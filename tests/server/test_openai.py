@@ -1,0 +1,92 @@
+"""The server through the official `openai` client: chat, completions, streaming, n, stop,
+logprobs, usage, models."""
+
+from __future__ import annotations
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+def test_chat_stream_joins_to_the_non_streamed_text(client):
+    full = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=MESSAGES,
+                                          temperature=0, max_tokens=32)
+    choice = full.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 10
+    chunks = list(client.chat.completions.create(messages=MESSAGES, model=full.model,
+                                                 temperature=0, max_tokens=32, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_completion_stream_joins_to_the_non_streamed_text(client):
+    full = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                     temperature=0, max_tokens=24)
+    stream = client.completions.create(model=full.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=24, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == full.choices[0].text
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+
+
+def test_n_two_and_several_prompts(client):
+    out = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=[PROMPT, "Hello"],
+                                    n=2, temperature=1.0, seed=7, max_tokens=8)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=MESSAGES,
+                                          n=2, temperature=1.0, seed=1, max_tokens=16)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                     temperature=0, max_tokens=32).choices[0].text
+    stop = full.split()[3]
+    out = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                    temperature=0, max_tokens=32, stop=[stop])
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                         temperature=0, max_tokens=32, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_logprobs(client):
+    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=MESSAGES,
+                                          temperature=0, max_tokens=5, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy picks the top one
+    comp = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                     temperature=0, max_tokens=4, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+def test_echo_and_token_prompts(client, server):
+    import httpx
+
+    ids = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPT},
+                     headers=server.headers).json()["tokens"]
+    by_ids = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=ids,
+                                       temperature=0, max_tokens=6, echo=True)
+    by_text = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                        temperature=0, max_tokens=6)
+    assert by_ids.choices[0].text == PROMPT + by_text.choices[0].text
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids},
+                      headers=server.headers).json()["prompt"]
+    assert text == PROMPT
