@@ -39,9 +39,11 @@ class RequestTimings:
     """When a request arrived, got its first token and finished (monotonic seconds)."""
 
     arrival: float
+    num_samples: int = 1
     first_token: float | None = None
     finished: float | None = None
     num_output_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -57,8 +59,7 @@ class AsyncLLM:
     """Serve many concurrent requests from one engine stepped in a background thread."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024,
-                 on_request_finished: Callable[[RequestOutput, RequestTimings], None]
-                 | None = None) -> None:
+                 on_request_finished: Callable[[RequestTimings], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_request_finished = on_request_finished
@@ -118,7 +119,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        timings = RequestTimings(time.monotonic())
+        timings = RequestTimings(time.monotonic(), len(prepared.children))
         self._send("add", prepared)
         finished = False
         try:
@@ -137,6 +138,9 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+                timings.finished = time.monotonic()
+                timings.finish_reasons = ["abort"] * timings.num_samples
+                self._report(timings)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -153,8 +157,12 @@ class AsyncLLM:
         timings.num_output_tokens = tokens
         if output.finished:
             timings.finished = now
-            if self.on_request_finished is not None:
-                self.on_request_finished(output, timings)
+            timings.finish_reasons = [c.finish_reason or "abort" for c in output.outputs]
+            self._report(timings)
+
+    def _report(self, timings: RequestTimings) -> None:
+        if self.on_request_finished is not None:
+            self.on_request_finished(timings)
 
     # ---- the engine thread -------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from prometheus_client.registry import Collector
 
 from pkv.core.async_engine import RequestTimings
 from pkv.core.llm_engine import LLMEngine
-from pkv.core.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -62,16 +61,16 @@ class ServerMetrics:
         self.success = Counter("pkv:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
 
-    def observe(self, output: RequestOutput, timings: RequestTimings) -> None:
+    def observe(self, timings: RequestTimings) -> None:
         if timings.first_token is not None:
             self.ttft.observe(timings.first_token - timings.arrival)
-            per_sample = timings.num_output_tokens / max(len(output.outputs), 1)
+            per_sample = timings.num_output_tokens / timings.num_samples
             if timings.finished is not None and per_sample > 1:
                 self.tpot.observe((timings.finished - timings.first_token) / (per_sample - 1))
         if timings.finished is not None:
             self.e2e.observe(timings.finished - timings.arrival)
-        for completion in output.outputs:
-            self.success.labels(completion.finish_reason or "abort").inc()
+        for reason in timings.finish_reasons:
+            self.success.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
