@@ -1,208 +1,193 @@
-"""`pkv bench`: offline throughput of the engine, and the same workload through baselines.
+"""`pkv bench`: offline throughput (default) and `pkv bench serve` (online, streaming).
 
-Every request decodes exactly `--output-len` tokens (ignore_eos), greedy, so engines do the
-same work. Ratios are computed between runs of one process, back to back.
+Baselines run in the same process, back to back, so ratios survive a noisy machine.
 """
 
 from __future__ import annotations
 
-import json
-import random
+import asyncio
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
-import psutil
+import click
 import typer
 from rich.console import Console
-from rich.table import Table
+from typer.core import TyperGroup
 
 from pkv.cli.errors import user_errors
 
 # Tables are wide: keep them readable when output goes to a file or a CI log.
-console = Console(width=None if sys.stdout.isatty() else 150)
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
-@dataclass
-class BenchResult:
-    """What one engine did with the workload."""
+class _DefaultRun(TyperGroup):
+    """`pkv bench [MODEL] ...` means `pkv bench run [MODEL] ...`."""
 
-    name: str
-    num_requests: int
-    elapsed_s: float
-    input_tokens: int
-    output_tokens: int
-    num_steps: int = 0
-    peak_blocks: int = 0
-    kv_allocated_bytes: int = 0  # at the peak: blocks in use x block bytes
-    kv_filled_bytes: int = 0  # at the peak: tokens actually held x token bytes
-    peak_rss_bytes: int = 0
-
-    @property
-    def output_tps(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def fragmentation(self) -> float:
-        if not self.kv_allocated_bytes:
-            return 0.0
-        return 1 - self.kv_filled_bytes / self.kv_allocated_bytes
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
 
 
-def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: int,
-                 dataset: Path | None, tokenize) -> list[list[int]]:  # noqa: ANN001
-    """Random token prompts (default) or a JSONL file of {"prompt": ...} lines, as token ids."""
-    if dataset is not None:
-        if not dataset.is_file():
-            raise FileNotFoundError(f"dataset {dataset} does not exist")
-        lines = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()]
-        texts = [entry["prompt"] if isinstance(entry, dict) else str(entry) for entry in lines]
-        if not texts:
-            raise ValueError(f"dataset {dataset} has no prompts")
-        return [tokenize(texts[i % len(texts)]) for i in range(num_prompts)]
-    rng = random.Random(seed)
-    return [[rng.choice(vocab_ids) for _ in range(input_len)] for _ in range(num_prompts)]
+bench_app = typer.Typer(cls=_DefaultRun, no_args_is_help=False, add_completion=False,
+                        help="Benchmarks: offline throughput (default) or `serve` (online).")
 
 
-def run_pkv(engine, prompts: list[list[int]], output_len: int) -> BenchResult:  # noqa: ANN001
-    from pkv.core.progress import make_progress
-    from pkv.core.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    result = BenchResult("pkv", len(prompts), 0.0, sum(map(len, prompts)), 0)
-    per_token = engine.runner.kv_bytes_per_block // engine.config.block_size
-    process = psutil.Process()
-    with make_progress() as progress:
-        task = progress.add_task("pkv", total=len(prompts) * output_len, info="")
-        start = time.perf_counter()
-        for prompt in prompts:
-            engine.add_request(None, prompt, params)
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            result.num_steps += 1
-            used = engine.kv_cache.pool.num_used_blocks
-            if used > result.peak_blocks:
-                held = sum(r.num_computed_tokens for r in engine.scheduler.running)
-                result.peak_blocks = used
-                result.kv_allocated_bytes = used * engine.runner.kv_bytes_per_block
-                result.kv_filled_bytes = held * per_token
-            result.output_tokens += sum(1 for o in outputs for _ in o.outputs)
-            progress.update(task, completed=result.output_tokens,
-                            info=f"{engine.get_stats().num_running} running")
-            if result.num_steps % 16 == 0:
-                result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
-        result.elapsed_s = time.perf_counter() - start
-    result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
-    return result
+def _int_list(value: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be integers separated by commas, got {value!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    return values
 
 
-def run_hf(model_path: Path, prompts: list[list[int]], output_len: int, batch: int,
-           dtype) -> BenchResult:  # noqa: ANN001
-    """transformers `generate`, static batches, left padding, greedy, exactly output_len."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pkv.core.progress import make_progress
-
-    with console.status("Loading the model in transformers"):
-        if model_path.is_dir():
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path.parent,
-                                                         gguf_file=model_path.name, dtype=dtype)
-    model.eval()
-    result = BenchResult(f"hf (batch {batch})", len(prompts), 0.0, sum(map(len, prompts)), 0)
-    process = psutil.Process()
-    with make_progress() as progress:
-        task = progress.add_task("transformers", total=len(prompts) * output_len, info="")
-        start = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            with torch.inference_mode():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
-                                     min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-            result.output_tokens += (out.shape[1] - width) * len(chunk)
-            result.num_steps += output_len
-            progress.update(task, completed=result.output_tokens)
-            result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
-        result.elapsed_s = time.perf_counter() - start
-    return result
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def print_results(results: list[BenchResult]) -> None:
-    table = Table(title="pkv bench: offline throughput")
-    for column in ("engine", "req/s", "out tok/s", "all tok/s", "step ms", "KV blocks",
-                   "KV alloc", "KV filled", "KV waste", "peak RSS"):
-        table.add_column(column, justify="right" if column != "engine" else "left")
-    mib = lambda b: f"{b / 2**20:,.0f} MiB" if b else "-"
-    for r in results:
-        table.add_row(r.name, f"{r.num_requests / r.elapsed_s:.2f}", f"{r.output_tps:.1f}",
-                      f"{(r.input_tokens + r.output_tokens) / r.elapsed_s:.1f}",
-                      f"{1000 * r.elapsed_s / max(r.num_steps, 1):.1f}",
-                      str(r.peak_blocks or "-"), mib(r.kv_allocated_bytes),
-                      mib(r.kv_filled_bytes), f"{100 * r.fragmentation:.1f}%"
-                      if r.kv_allocated_bytes else "-", mib(r.peak_rss_bytes))
-    console.print(table)
-    for other in results[1:]:
-        console.print(f"[bold]pkv / {other.name}: {results[0].output_tps / other.output_tps:.2f}x"
-                      "[/] output tokens/s")
-
-
-def bench(
+@bench_app.command("run")
+def run(
     model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,
-    batch: Annotated[int, typer.Option(help="Concurrent sequences (max_num_seqs).")] = 256,
+    batch: Annotated[str, typer.Option(help="Concurrent sequences; a list (1,16,64) sweeps.")] = "256",
     num_prompts: Annotated[Optional[int], typer.Option(help="Requests (default 2 x batch).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     dataset: Annotated[Optional[Path], typer.Option(help="JSONL file of prompts.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
     warmup: Annotated[int, typer.Option(help="Warm-up requests before timing.")] = 4,
-    baseline: Annotated[Optional[str], typer.Option(help="Also run: hf.")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="Also run: hf or openai.")] = None,
     baseline_batch: Annotated[int, typer.Option(help="Static batch of the hf baseline.")] = 16,
+    url: Annotated[Optional[str], typer.Option(help="Server for --baseline openai.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Key for --url.")] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV pool size, e.g. 2GiB.")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Token budget per step.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest sequence.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching.")] = True,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
-    """Measure pkv (and optionally transformers) on the same prompts, in one process."""
+    """Offline throughput of pkv on one workload, with an optional baseline, same process."""
     with user_errors(console):
-        if baseline not in (None, "hf"):
-            raise ValueError(f"--baseline must be hf, got {baseline!r}")
-        from pkv.core.config import EngineConfig
-        from pkv.core.llm_engine import LLMEngine
-        from pkv.core.sampling_params import SamplingParams
+        batches = _int_list(batch, "--batch")
+        if baseline not in (None, "hf", "openai"):
+            raise ValueError(f"--baseline must be hf or openai, got {baseline!r}")
+        if baseline == "openai" and not url:
+            raise ValueError("--baseline openai needs --url")
+        if input_len < 1 or output_len < 1:
+            raise ValueError("--input-len and --output-len must be >= 1")
+        _run_offline(locals() | {"batches": batches})
 
-        config = EngineConfig(model=model, dtype=dtype, block_size=block_size,
-                              kv_cache_memory=kv_cache_memory, max_num_seqs=batch,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, seed=seed,
-                              enable_prefix_caching=enable_prefix_caching)
-        engine = LLMEngine(config)
-        tokenizer = engine.tokenizer
-        vocab_ids = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_token_ids]
-        prompts = make_prompts(vocab_ids, num_prompts or 2 * batch, input_len, seed, dataset,
-                               tokenizer.encode)
-        for prompt in prompts[:warmup]:
-            engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4))
-        engine.generate_until_done()
-        console.print(f"[bold]{len(prompts)} prompts[/], ~{input_len} tokens in, {output_len} "
-                      f"out, batch {batch}, dtype {engine.runner.dtype}, "
+
+def _run_offline(o: dict[str, Any]) -> None:
+    from pkv.cli import bench_offline as off
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_serve import check_server
+    from pkv.core.config import EngineConfig
+    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.sampling_params import SamplingParams
+
+    headers = _auth(o["api_key"])
+    remote_model = check_server(o["url"], headers) if o["baseline"] == "openai" else None
+    engine = LLMEngine(EngineConfig(
+        model=o["model"], dtype=o["dtype"], block_size=o["block_size"],
+        kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
+        max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
+        seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"]))
+    tok = engine.tokenizer
+    vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
+    for prompt in off.make_prompts(vocab_ids, o["warmup"], 8, o["seed"] + 1, None, tok.encode):
+        engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4))
+    engine.generate_until_done()
+    hf_model = None
+    if o["baseline"] == "hf":
+        from pkv.core.model_loader import bundled_model_path
+
+        with console.status("loading the model in transformers"):
+            path = Path(o["model"]) if o["model"] else bundled_model_path()
+            hf_model = off.load_hf_model(path, engine.runner.dtype)
+    runs = []
+    for b in o["batches"]:
+        prompts = off.make_prompts(vocab_ids, o["num_prompts"] or 2 * b, o["input_len"],
+                                   o["seed"], o["dataset"], tok.encode)
+        console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
+                      f"in, {o['output_len']} out, {engine.runner.dtype}, "
                       f"{engine.runner.num_blocks} KV blocks")
-        results = [run_pkv(engine, prompts, output_len)]
-        if baseline == "hf":
-            path = Path(model) if model else _bundled()
-            results.append(run_hf(path, prompts, output_len, baseline_batch, engine.runner.dtype))
-        print_results(results)
+        result = off.run_pkv(engine, prompts, o["output_len"], b)
+        other = None
+        if hf_model is not None:
+            other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
+        elif remote_model is not None:
+            other = off.run_openai(o["url"], remote_model, headers, prompts, o["output_len"], b)
+        runs.append((result, other))
+        console.print(report.offline_table([result] + ([other] if other else [])))
+        if other is not None:
+            console.print(f"[bold]pkv / {other.name}: {result.output_tps / other.output_tps:.2f}x"
+                          "[/] output tokens/s")
+    if len(runs) > 1:
+        console.print(report.offline_table([r for run in runs for r in run if r is not None]))
+    if o["json_path"]:
+        report.write_json(o["json_path"], report.offline_json(runs), console)
+    if o["plot"]:
+        series = {"pkv": [r.output_tps for r, _ in runs]}
+        latency = {"pkv": [1000 * r.elapsed_s / max(r.num_steps, 1) for r, _ in runs]}
+        if all(other is not None for _, other in runs):
+            series[runs[0][1].name] = [other.output_tps for _, other in runs]
+        report.plot_sweep(o["plot"], o["batches"], series, "mean step time (ms)", latency,
+                          "batch (concurrent sequences)", console)
 
 
-def _bundled() -> Path:
-    from pkv.core.model_loader import bundled_model_path
+@bench_app.command("serve")
+def serve(
+    url: Annotated[str, typer.Option(help="Base URL of an OpenAI-compatible server.")],
+    api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Bearer key.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name (default: the server's first).")] = None,
+    concurrency: Annotated[str, typer.Option(help="Concurrent requests; a list sweeps.")] = "1,16,64",
+    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per level (default 2 x concurrency).")] = None,
+    input_len: Annotated[int, typer.Option(help="Prompt length (about, in tokens).")] = 32,
+    output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
+    request_rate: Annotated[float, typer.Option(help="Poisson arrivals per second (inf: all at once).")] = float("inf"),
+    seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals.")] = 0,
+    slo_ttft_ms: Annotated[Optional[float], typer.Option(help="TTFT goal for goodput.")] = None,
+    slo_tpot_ms: Annotated[Optional[float], typer.Option(help="TPOT goal for goodput.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG over the concurrency sweep.")] = None,
+) -> None:
+    """Online benchmark: streaming chat requests against a running server."""
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_serve import check_server, run_level, synthetic_messages
 
-    return bundled_model_path()
+    with user_errors(console):
+        levels = _int_list(concurrency, "--concurrency")
+        if request_rate <= 0:
+            raise ValueError("--request-rate must be > 0 (or inf)")
+        url = url.rstrip("/").removesuffix("/v1")
+        headers = _auth(api_key)
+        model = model or check_server(url, headers)
+        summaries = []
+        for level in levels:
+            prompts = synthetic_messages(num_prompts or 2 * level, input_len, seed)
+            result = asyncio.run(run_level(
+                url, model, headers, prompts, output_len, level, request_rate,
+                slo_ttft_ms / 1000 if slo_ttft_ms else None,
+                slo_tpot_ms / 1000 if slo_tpot_ms else None, seed))
+            failed = [r.error for r in result.records if not r.ok]
+            if failed:
+                console.print(f"[yellow]{len(failed)} requests failed, e.g. {failed[0]}[/]")
+            summaries.append(result.summary())
+        console.print(report.serve_table(summaries, url))
+        if json_path:
+            report.write_json(json_path, {"url": url, "model": model, **summaries[-1],
+                                          "runs": summaries}, console)
+        if plot:
+            report.plot_sweep(plot, levels, {"output tok/s": [s["output_throughput"]
+                                                              for s in summaries]},
+                              "ms", {"TTFT p50": [s["p50_ttft_ms"] for s in summaries],
+                                     "TPOT p50": [s["p50_tpot_ms"] for s in summaries]},
+                              "concurrency", console)
+
+

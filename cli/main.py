@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from pkv.cli.bench import bench
+from pkv.cli.bench import bench_app
 from pkv.cli.serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="pkv: a self-hosted LLM inference engine.")
 app.command(help="Serve a model over the OpenAI API.")(serve)
-app.command(help="Offline throughput benchmark, with optional baselines in the same run.")(bench)
+app.add_typer(bench_app, name="bench")
 
 
 @app.callback()

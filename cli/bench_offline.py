@@ -1,0 +1,171 @@
+"""The offline workload of `pkv bench`: the same prompts through pkv, transformers, or an
+OpenAI-compatible server. Every request decodes exactly `output_len` tokens, greedy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from pkv.core.progress import make_progress
+
+
+@dataclass
+class BenchResult:
+    """What one engine did with the workload."""
+
+    name: str
+    batch: int
+    num_requests: int
+    elapsed_s: float
+    input_tokens: int
+    output_tokens: int
+    num_steps: int = 0
+    peak_blocks: int = 0
+    kv_allocated_bytes: int = 0  # at the peak: blocks in use x block bytes
+    kv_filled_bytes: int = 0  # at the peak: tokens actually held x token bytes
+    peak_rss_bytes: int = 0
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def fragmentation_pct(self) -> float:
+        if not self.kv_allocated_bytes:
+            return 0.0
+        return 100 * (1 - self.kv_filled_bytes / self.kv_allocated_bytes)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "batch": self.batch, "num_requests": self.num_requests,
+                "elapsed_s": self.elapsed_s, "output_throughput": self.output_tps,
+                "total_throughput": (self.input_tokens + self.output_tokens) / self.elapsed_s,
+                "request_throughput": self.num_requests / self.elapsed_s,
+                "mean_step_ms": 1000 * self.elapsed_s / max(self.num_steps, 1),
+                "peak_kv_blocks": self.peak_blocks, "kv_allocated_bytes": self.kv_allocated_bytes,
+                "kv_filled_bytes": self.kv_filled_bytes,
+                "kv_fragmentation_pct": self.fragmentation_pct,
+                "peak_rss_bytes": self.peak_rss_bytes}
+
+
+def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: int,
+                 dataset: Path | None, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
+    """Random token prompts (default) or a JSONL file of {"prompt": ...} lines, as token ids."""
+    if dataset is not None:
+        if not dataset.is_file():
+            raise FileNotFoundError(f"dataset {dataset} does not exist")
+        try:
+            lines = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"dataset {dataset} is not JSONL: {exc}") from None
+        texts = [e["prompt"] if isinstance(e, dict) and "prompt" in e else str(e) for e in lines]
+        if not texts:
+            raise ValueError(f"dataset {dataset} has no prompts")
+        return [tokenize(texts[i % len(texts)]) for i in range(num_prompts)]
+    rng = random.Random(seed)
+    return [[rng.choice(vocab_ids) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int) -> BenchResult:
+    from pkv.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine.scheduler.max_num_seqs = batch  # one engine serves every batch size of a sweep
+    result = BenchResult("pkv", batch, len(prompts), 0.0, sum(map(len, prompts)), 0)
+    block_bytes = engine.runner.kv_bytes_per_block
+    token_bytes = block_bytes // engine.config.block_size
+    process = psutil.Process()
+    with make_progress() as progress:
+        task = progress.add_task(f"pkv batch {batch}", total=len(prompts) * output_len, info="")
+        start = time.perf_counter()
+        for prompt in prompts:
+            engine.add_request(None, prompt, params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            result.num_steps += 1
+            used = engine.kv_cache.pool.num_used_blocks
+            if used > result.peak_blocks:
+                held = sum(r.num_computed_tokens for r in engine.scheduler.running)
+                result.peak_blocks = used
+                result.kv_allocated_bytes = used * block_bytes
+                result.kv_filled_bytes = held * token_bytes
+            result.output_tokens += len(outputs)
+            progress.update(task, completed=result.output_tokens)
+            if result.num_steps % 16 == 0:
+                result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
+        result.elapsed_s = time.perf_counter() - start
+    result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
+    return result
+
+
+def load_hf_model(model_path: Path, dtype: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if model_path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                                dtype=dtype).eval()
+
+
+def run_hf(model: Any, prompts: list[list[int]], output_len: int, batch: int) -> BenchResult:
+    """transformers `generate`, static batches, left padding, greedy, exactly output_len."""
+    import torch
+
+    result = BenchResult(f"hf (batch {batch})", batch, len(prompts), 0.0,
+                         sum(map(len, prompts)), 0)
+    process = psutil.Process()
+    with make_progress() as progress:
+        task = progress.add_task(f"transformers batch {batch}", total=len(prompts) * output_len,
+                                 info="")
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
+                                     min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            result.output_tokens += (out.shape[1] - width) * len(chunk)
+            result.num_steps += output_len
+            progress.update(task, completed=result.output_tokens)
+            result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
+        result.elapsed_s = time.perf_counter() - start
+    return result
+
+
+def run_openai(url: str, model: str, headers: dict[str, str], prompts: list[list[int]],
+               output_len: int, batch: int) -> BenchResult:
+    """The same prompts as completions (token ids) against a server, `batch` at a time."""
+    import httpx
+
+    result = BenchResult(f"openai {url}", batch, len(prompts), 0.0, sum(map(len, prompts)), 0)
+
+    async def main() -> None:
+        semaphore = asyncio.Semaphore(batch)
+        limits = httpx.Limits(max_connections=batch)
+        with make_progress() as progress:
+            task = progress.add_task(f"{url} batch {batch}", total=len(prompts), info="")
+            async with httpx.AsyncClient(headers=headers, timeout=3600, limits=limits) as client:
+                async def one(prompt: list[int]) -> None:
+                    body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                            "temperature": 0, "ignore_eos": True}
+                    async with semaphore:
+                        r = await client.post(f"{url}/v1/completions", json=body)
+                    if r.status_code != 200:
+                        raise ValueError(f"{url} answered {r.status_code}: {r.text[:200]}")
+                    result.output_tokens += r.json()["usage"]["completion_tokens"]
+                    progress.advance(task)
+
+                await asyncio.gather(*(one(p) for p in prompts))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    result.elapsed_s = time.perf_counter() - start
+    return result

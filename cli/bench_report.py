@@ -1,0 +1,91 @@
+"""Tables, JSON and plots for `pkv bench` results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pkv.cli.bench_offline import BenchResult
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:,.0f} MiB" if b else "-"
+
+
+def offline_table(results: list[BenchResult]) -> Table:
+    table = Table(title="pkv bench: offline throughput")
+    for column in ("engine", "batch", "req/s", "out tok/s", "all tok/s", "step ms",
+                   "KV blocks", "KV alloc", "KV filled", "KV waste", "peak RSS"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for r in results:
+        j = r.as_json()
+        table.add_row(r.name, str(r.batch), f"{j['request_throughput']:.2f}",
+                      f"{j['output_throughput']:.1f}", f"{j['total_throughput']:.1f}",
+                      f"{j['mean_step_ms']:.1f}", str(r.peak_blocks or "-"),
+                      _mib(r.kv_allocated_bytes), _mib(r.kv_filled_bytes),
+                      f"{r.fragmentation_pct:.1f}%" if r.kv_allocated_bytes else "-",
+                      _mib(r.peak_rss_bytes))
+    return table
+
+
+def serve_table(summaries: list[dict[str, Any]], url: str) -> Table:
+    table = Table(title=f"pkv bench serve: {url}")
+    columns = ["concurrency", "done", "req/s", "out tok/s", "goodput"]
+    for name in ("ttft", "tpot", "itl"):
+        columns += [f"{name} p{p}" for p in (50, 90, 99)]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for s in summaries:
+        row = [str(s["concurrency"]), f"{s['completed']}/{s['completed'] + s['failed']}",
+               f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
+               f"{s['goodput']:.2f}"]
+        for name in ("ttft", "tpot", "itl"):
+            row += [f"{s[f'p{p}_{name}_ms']:.0f} ms" for p in (50, 90, 99)]
+        table.add_row(*row)
+    return table
+
+
+def offline_json(runs: list[tuple[BenchResult, BenchResult | None]]) -> dict[str, Any]:
+    """One entry per batch size; the largest batch's figures also at the top level."""
+    entries = []
+    for pkv, baseline in runs:
+        entry = pkv.as_json()
+        if baseline is not None:
+            entry["baseline"] = {**baseline.as_json(),
+                                 "ratio": pkv.output_tps / baseline.output_tps}
+        entries.append(entry)
+    return {**entries[-1], "runs": entries}
+
+
+def write_json(path: Path, data: dict[str, Any], console: Console) -> None:
+    path.write_text(json.dumps(data, indent=2))
+    console.print(f"wrote {path}")
+
+
+def plot_sweep(path: Path, xs: list[int], series: dict[str, list[float]], latency_name: str,
+               latency: dict[str, list[float]], xlabel: str, console: Console) -> None:
+    """Throughput (left) and latency (right) across a sweep, one line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, ys in series.items():
+        ax1.plot(xs, ys, marker="o", label=name)
+    ax1.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput", xscale="log")
+    for name, ys in latency.items():
+        ax2.plot(xs, ys, marker="o", label=name)
+    ax2.set(xlabel=xlabel, ylabel=latency_name, title="latency", xscale="log")
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    console.print(f"wrote {path}")

@@ -1,0 +1,73 @@
+"""`pkv bench` code paths on the tiny model with tiny lengths (no speed is asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pkv.cli.main import app
+
+KEYS = ("output_throughput", "total_throughput", "request_throughput", "peak_rss_bytes",
+        "kv_fragmentation_pct")
+
+
+def _bench(*args: str):
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+def test_offline_sweep_with_hf_baseline_writes_json_and_plot(tmp_path: Path,
+                                                             tiny_llama_dir: Path):
+    out, png = tmp_path / "bench.json", tmp_path / "sweep.png"
+    result = _bench(str(tiny_llama_dir), "--batch", "2,4", "--num-prompts", "4",
+                    "--input-len", "5", "--output-len", "3", "--warmup", "1",
+                    "--kv-cache-memory", "8MiB", "--baseline", "hf", "--baseline-batch", "2",
+                    "--json", str(out), "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [run["batch"] for run in data["runs"]] == [2, 4]
+    for run in data["runs"]:
+        for key in KEYS:
+            assert key in run and key in run["baseline"], key
+        assert run["output_throughput"] > 0 and run["request_throughput"] > 0
+        assert 0 <= run["kv_fragmentation_pct"] < 100
+        assert run["peak_rss_bytes"] > 0 and run["baseline"]["ratio"] > 0
+        assert run["baseline"]["name"].startswith("hf")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "pkv / hf" in result.output
+
+
+def test_dataset_prompts(tmp_path: Path, tiny_llama_dir: Path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Hello there"}\n{"prompt": "Another prompt"}\n')
+    result = _bench(str(tiny_llama_dir), "--batch", "2", "--num-prompts", "3", "--dataset",
+                    str(data), "--output-len", "2", "--kv-cache-memory", "8MiB",
+                    "--json", str(tmp_path / "d.json"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "d.json").read_text())["num_requests"] == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
+    (["--baseline", "openai", "--url", "http://127.0.0.1:9"], "cannot reach"),
+    (["--baseline", "vllm"], "--baseline must be"),
+])
+def test_bad_input_is_one_line_and_nonzero(tiny_llama_dir: Path, args: list[str], message: str):
+    result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", *args)
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_empty_dataset(tmp_path: Path, tiny_llama_dir: Path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", "--dataset", str(empty))
+    assert result.exit_code == 2 and "has no prompts" in result.output
+
+
+def test_unreachable_server_for_bench_serve():
+    result = _bench("serve", "--url", "http://127.0.0.1:9", "--concurrency", "1")
+    assert result.exit_code == 2 and "cannot reach" in result.output

@@ -1,0 +1,29 @@
+"""`pkv bench serve` against the test server reports every percentile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pkv.cli.main import app
+
+
+def test_bench_serve_reports_every_percentile(server, tmp_path: Path):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    result = CliRunner().invoke(app, [
+        "bench", "serve", "--url", server.base_url, "--api-key", server.api_key,
+        "--concurrency", "1,3", "--num-prompts", "3", "--input-len", "8", "--output-len", "6",
+        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out),
+        "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [r["concurrency"] for r in data["runs"]] == [1, 3]
+    for run in data["runs"]:
+        assert run["completed"] == 3 and run["failed"] == 0
+        for name in ("ttft", "tpot", "itl"):
+            for p in (50, 90, 99):
+                assert run[f"p{p}_{name}_ms"] > 0, (name, p)
+        assert run["output_throughput"] > 0 and run["goodput"] == run["request_throughput"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
