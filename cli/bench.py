@@ -55,6 +55,8 @@ def run(
     num_prompts: Annotated[Optional[int], typer.Option(help="Requests (default 2 x batch).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
+    shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first.")] = 0,
+    long_prompt_len: Annotated[int, typer.Option(help="Add one prompt this long once decoding runs (0: none).")] = 0,
     dataset: Annotated[Optional[Path], typer.Option(help="JSONL file of prompts.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
     warmup: Annotated[int, typer.Option(help="Warm-up requests before timing.")] = 4,
@@ -80,6 +82,8 @@ def run(
             raise ValueError("--baseline openai needs --url")
         if input_len < 1 or output_len < 1:
             raise ValueError("--input-len and --output-len must be >= 1")
+        if shared_prefix_len < 0 or long_prompt_len < 0:
+            raise ValueError("--shared-prefix-len and --long-prompt-len must be >= 0")
         _run_offline(locals() | {"batches": batches})
 
 
@@ -113,11 +117,13 @@ def _run_offline(o: dict[str, Any]) -> None:
     runs = []
     for b in o["batches"]:
         prompts = off.make_prompts(vocab_ids, o["num_prompts"] or 2 * b, o["input_len"],
-                                   o["seed"], o["dataset"], tok.encode)
+                                   o["seed"], o["dataset"], tok.encode, o["shared_prefix_len"])
+        long_prompt = (off.make_prompts(vocab_ids, 1, o["long_prompt_len"], o["seed"] + 2, None,
+                                        tok.encode)[0] if o["long_prompt_len"] else None)
         console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
                       f"in, {o['output_len']} out, {engine.runner.dtype}, "
                       f"{engine.runner.num_blocks} KV blocks")
-        result = off.run_pkv(engine, prompts, o["output_len"], b)
+        result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt)
         other = None
         if hf_model is not None:
             other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])

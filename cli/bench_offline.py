@@ -31,6 +31,9 @@ class BenchResult:
     kv_allocated_bytes: int = 0  # at the peak: blocks in use x block bytes
     kv_filled_bytes: int = 0  # at the peak: tokens actually held x token bytes
     peak_rss_bytes: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
+    mean_ttft_s: float = 0.0
+    max_itl_s: float = 0.0  # worst gap between two tokens of one request
 
     @property
     def output_tps(self) -> float:
@@ -51,12 +54,15 @@ class BenchResult:
                 "peak_kv_blocks": self.peak_blocks, "kv_allocated_bytes": self.kv_allocated_bytes,
                 "kv_filled_bytes": self.kv_filled_bytes,
                 "kv_fragmentation_pct": self.fragmentation_pct,
-                "peak_rss_bytes": self.peak_rss_bytes}
+                "peak_rss_bytes": self.peak_rss_bytes, "prefill_tokens": self.prefill_tokens,
+                "mean_ttft_ms": 1000 * self.mean_ttft_s, "max_itl_ms": 1000 * self.max_itl_s}
 
 
 def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: int,
-                 dataset: Path | None, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
-    """Random token prompts (default) or a JSONL file of {"prompt": ...} lines, as token ids."""
+                 dataset: Path | None, tokenize: Callable[[str], list[int]],
+                 shared_prefix_len: int = 0) -> list[list[int]]:
+    """Random token prompts (default; optionally all starting with the same
+    `shared_prefix_len` tokens) or a JSONL file of {"prompt": ...} lines, as token ids."""
     if dataset is not None:
         if not dataset.is_file():
             raise FileNotFoundError(f"dataset {dataset} does not exist")
@@ -69,10 +75,14 @@ def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: i
             raise ValueError(f"dataset {dataset} has no prompts")
         return [tokenize(texts[i % len(texts)]) for i in range(num_prompts)]
     rng = random.Random(seed)
-    return [[rng.choice(vocab_ids) for _ in range(input_len)] for _ in range(num_prompts)]
+    prefix = [rng.choice(vocab_ids) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.choice(vocab_ids) for _ in range(input_len)]
+            for _ in range(num_prompts)]
 
 
-def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int) -> BenchResult:
+def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
+            long_prompt: list[int] | None = None) -> BenchResult:
+    """Run the prompts; with `long_prompt`, it arrives once the batch is decoding."""
     from pkv.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -81,13 +91,27 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int) 
     block_bytes = engine.runner.kv_bytes_per_block
     token_bytes = block_bytes // engine.config.block_size
     process = psutil.Process()
+    prefill_before = engine.num_prefill_tokens
+    first_token: dict[str, float] = {}
+    last_token: dict[str, float] = {}
+    total = (len(prompts) + (long_prompt is not None)) * output_len
     with make_progress() as progress:
-        task = progress.add_task(f"pkv batch {batch}", total=len(prompts) * output_len, info="")
+        task = progress.add_task(f"pkv batch {batch}", total=total, info="")
         start = time.perf_counter()
         for prompt in prompts:
             engine.add_request(None, prompt, params)
         while engine.has_unfinished_requests():
+            if long_prompt is not None and result.num_steps == 4:
+                engine.add_request("long-prompt", long_prompt, params)
+                result.num_requests += 1
             outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                rid = output.request_id
+                if rid in last_token:
+                    result.max_itl_s = max(result.max_itl_s, now - last_token[rid])
+                first_token.setdefault(rid, now)
+                last_token[rid] = now
             result.num_steps += 1
             used = engine.kv_cache.pool.num_used_blocks
             if used > result.peak_blocks:
@@ -101,6 +125,8 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int) 
                 result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
         result.elapsed_s = time.perf_counter() - start
     result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
+    result.prefill_tokens = engine.num_prefill_tokens - prefill_before
+    result.mean_ttft_s = sum(first_token.values()) / max(len(first_token), 1) - start
     return result
 
 

@@ -19,13 +19,17 @@ def _mib(b: int) -> str:
 def offline_table(results: list[BenchResult]) -> Table:
     table = Table(title="pkv bench: offline throughput")
     for column in ("engine", "batch", "req/s", "out tok/s", "all tok/s", "step ms",
-                   "KV blocks", "KV alloc", "KV filled", "KV waste", "peak RSS"):
+                   "TTFT ms", "max ITL ms", "prefill tok", "KV blocks", "KV alloc",
+                   "KV filled", "KV waste", "peak RSS"):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for r in results:
         j = r.as_json()
         table.add_row(r.name, str(r.batch), f"{j['request_throughput']:.2f}",
                       f"{j['output_throughput']:.1f}", f"{j['total_throughput']:.1f}",
-                      f"{j['mean_step_ms']:.1f}", str(r.peak_blocks or "-"),
+                      f"{j['mean_step_ms']:.1f}",
+                      f"{j['mean_ttft_ms']:.0f}" if r.mean_ttft_s else "-",
+                      f"{j['max_itl_ms']:.0f}" if r.max_itl_s else "-",
+                      str(r.prefill_tokens or "-"), str(r.peak_blocks or "-"),
                       _mib(r.kv_allocated_bytes), _mib(r.kv_filled_bytes),
                       f"{r.fragmentation_pct:.1f}%" if r.kv_allocated_bytes else "-",
                       _mib(r.peak_rss_bytes))

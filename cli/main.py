@@ -5,12 +5,14 @@ from __future__ import annotations
 import typer
 
 from pkv.cli.bench import bench_app
+from pkv.cli.inspect_cache import inspect_cache
 from pkv.cli.serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="pkv: a self-hosted LLM inference engine.")
 app.command(help="Serve a model over the OpenAI API.")(serve)
 app.add_typer(bench_app, name="bench")
+app.command("inspect-cache", help="Show the KV cache of a server or a simulation.")(inspect_cache)
 
 
 @app.callback()

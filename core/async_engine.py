@@ -14,12 +14,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pkv.core.llm_engine import LLMEngine, PreparedRequest
 from pkv.core.outputs import RequestOutput
 from pkv.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("pkv.engine")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -145,6 +147,15 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
+    async def call_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps (a consistent view)."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._send("call", (fn, loop, future))
+        return await future
+
     def _send(self, kind: str, payload: object) -> None:
         self._commands.put((kind, payload))
         self._wakeup.set()
@@ -193,8 +204,19 @@ class AsyncLLM:
                 return
             if kind == "add":
                 self._add(payload)  # type: ignore[arg-type]
+            elif kind == "call":
+                self._call(*payload)  # type: ignore[misc]
             elif payload in self.engine.output_processor.parents:
                 self.engine.abort_request(payload)  # type: ignore[arg-type]
+
+    def _call(self, fn: Callable[[LLMEngine], object], loop: asyncio.AbstractEventLoop,
+              future: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:
+            loop.call_soon_threadsafe(future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(future.set_result, result)
 
     def _add(self, prepared: PreparedRequest) -> None:
         stream = self._streams.get(prepared.request_id)

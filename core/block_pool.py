@@ -6,8 +6,9 @@ Free blocks wait in one ordered queue; allocation takes from the front:
 
 A freed block whose contents are hashed stays findable by its hash until allocation reaches
 it (LRU eviction). Freed blocks without a hash go to the front so that memory already touched
-is reused before fresh pages. Hashes are SHA-256 chained from the parent block, so two
-different prefixes sharing a hash would need a SHA-256 collision: hits are not re-checked.
+is reused before fresh pages. Hashes are SHA-256 chained from the parent block; a hit is
+still confirmed against the block's key (parent hash, token ids, salt), so even a hash
+collision can never hand a request the KV of other tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    key: BlockKey | None = None  # what the hash stands for, to confirm hits
+
+
+# (parent block hash, token ids, extra such as the cache salt)
+BlockKey = tuple[bytes | None, tuple[int, ...], bytes]
 
 
 class BlockPool:
@@ -36,6 +42,7 @@ class BlockPool:
         self._cached: dict[bytes, KVBlock] = {}
         # Blocks with id < high_watermark have been handed out at least once (see ModelRunner).
         self.high_watermark = 0
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,13 +86,15 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
 
-    def lookup(self, block_hash: bytes) -> KVBlock | None:
-        return self._cached.get(block_hash)
+    def lookup(self, block_hash: bytes, key: BlockKey) -> KVBlock | None:
+        """The cached block with this hash, if it really holds `key`."""
+        block = self._cached.get(block_hash)
+        return block if block is not None and block.key == key else None
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache(self, block: KVBlock, block_hash: bytes, key: BlockKey) -> None:
         """Make a full block findable by its hash (the first block with a hash keeps it)."""
         if block.block_hash is None and block_hash not in self._cached:
-            block.block_hash = block_hash
+            block.block_hash, block.key = block_hash, key
             self._cached[block_hash] = block
 
     def reset_prefix_cache(self) -> int:
@@ -93,9 +102,11 @@ class BlockPool:
         dropped = [b for b in self._free.values() if b.block_hash is not None]
         for block in dropped:
             self._evict(block)
+        self.num_evictions -= len(dropped)  # a reset is not pressure on the pool
         return len(dropped)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.key = None
+            self.num_evictions += 1

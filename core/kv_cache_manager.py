@@ -31,8 +31,8 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.pool.lookup(block_hash, request.block_key(i))
             if block is None:
                 break
             hits.append(block)
@@ -68,7 +68,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, end):
-            self.pool.cache(blocks[i], request.block_hashes[i])
+            self.pool.cache(blocks[i], request.block_hashes[i], request.block_key(i))
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:

@@ -84,6 +84,12 @@ class Request:
             tokens = self.all_token_ids[i * bs:(i + 1) * bs]
             self.block_hashes.append(hash_block(parent, tokens, self.cache_salt))
 
+    def block_key(self, i: int) -> tuple[bytes | None, tuple[int, ...], bytes]:
+        """What block i's hash stands for: parent hash, its token ids, the salt."""
+        bs = self.block_size
+        parent = self.block_hashes[i - 1] if i else None
+        return parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs]), self.cache_salt
+
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None

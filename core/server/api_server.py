@@ -65,6 +65,13 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return PlainTextResponse(metrics.render(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/admin/cache")
+    async def admin_cache() -> dict:
+        """The KV cache as `pkv inspect-cache` shows it (behind the API key when one is set)."""
+        from pkv.core.cache_inspector import take_snapshot
+
+        return (await async_llm.call_in_engine(take_snapshot)).to_dict()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": pkv.__version__}

@@ -15,7 +15,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/admin/")
 
 
 async def send_error(send: Send, status: int, message: str, param: str | None = None,

@@ -32,13 +32,27 @@ def test_freed_uncached_blocks_are_reused_before_fresh_ones():
 def test_cached_blocks_are_evicted_least_recently_used_first():
     pool = BlockPool(4, enable_caching=True)
     blocks = pool.allocate(4)
+    key = lambda i: (None, (i,), b"")
     for i, b in enumerate(blocks):
-        pool.cache(b, bytes([i]))
+        pool.cache(b, bytes([i]), key(i))
     pool.free([blocks[2]])  # freed first: least recently used
     pool.free([blocks[0]])
     taken = pool.allocate(1)[0]
-    assert taken is blocks[2] and pool.lookup(bytes([2])) is None
-    assert pool.lookup(bytes([0])) is blocks[0]  # still cached while free
+    assert taken is blocks[2] and pool.lookup(bytes([2]), key(2)) is None
+    assert pool.lookup(bytes([0]), key(0)) is blocks[0]  # still cached while free
+    assert pool.num_evictions == 1
+    # Blocks in use are never taken, whatever their age: only the free one is left to give.
+    assert pool.allocate(1)[0] is blocks[0] and pool.num_free_blocks == 0
+    assert pool.lookup(bytes([1]), key(1)) is blocks[1] and blocks[1].ref_cnt == 1
+
+
+def test_a_hash_hit_is_confirmed_by_its_key():
+    pool = BlockPool(2, enable_caching=True)
+    block = pool.allocate(1)[0]
+    pool.cache(block, b"h", (None, (1, 2), b""))
+    assert pool.lookup(b"h", (None, (1, 2), b"")) is block
+    assert pool.lookup(b"h", (None, (1, 3), b"")) is None  # same hash, other tokens
+    assert pool.lookup(b"h", (None, (1, 2), b"salt")) is None
 
 
 def test_hash_chains_from_parent():
@@ -89,4 +103,4 @@ def test_freed_request_tail_is_evicted_before_its_head():
     head, _, tail = kv.block_ids("a")
     kv.free(a)
     assert kv.pool.allocate(1)[0].block_id == tail
-    assert kv.pool.lookup(a.block_hashes[0]).block_id == head
+    assert kv.pool.lookup(a.block_hashes[0], a.block_key(0)).block_id == head

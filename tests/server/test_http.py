@@ -169,3 +169,17 @@ def test_queue_bound_and_sigterm_with_request_in_flight(tmp_path):
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+def test_admin_cache_needs_the_key_and_feeds_inspect_cache(server: RunningServer, tmp_path):
+    from typer.testing import CliRunner
+
+    from pkv.cli.main import app
+
+    assert httpx.get(f"{server.base_url}/admin/cache").status_code == 401
+    snap = httpx.get(f"{server.base_url}/admin/cache", headers=server.headers).json()
+    assert snap["num_blocks"] == snap["used"] + snap["cached_free"] + snap["free"]
+    assert len(snap["block_map"]) == snap["num_blocks"]
+    result = CliRunner().invoke(app, ["inspect-cache", "--url", server.base_url,
+                                      "--api-key", server.api_key])
+    assert result.exit_code == 0 and "prefix hit rate" in result.output

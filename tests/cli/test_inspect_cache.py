@@ -1,0 +1,47 @@
+"""`pkv inspect-cache --simulate` and the snapshot it renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pkv import LLM, SamplingParams
+from pkv.cli.main import app
+from pkv.core.cache_inspector import SHARED, take_snapshot
+
+
+def test_snapshot_shows_shared_prefix_blocks(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", show_progress=False)
+    engine = llm.llm_engine
+    prefix = list(range(100, 132))  # two full blocks
+    for i in range(3):
+        engine.add_request(f"r{i}", prefix + [200 + i, 300 + i], SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    snap = take_snapshot(engine)
+    assert [r.shared for r in snap.requests] == [[True, True, False]] * 3
+    assert snap.block_map.count(SHARED) == 2
+    assert snap.used == 2 + 3 and snap.free + snap.cached_free + snap.used == snap.num_blocks
+    assert snap.tokens_stored == 3 * 34 and snap.slots_allocated == 5 * 16
+    assert snap.prefix_cache_hits == 2 * 32  # the 2nd and 3rd request reuse two blocks each
+    engine.generate_until_done()
+    after = take_snapshot(engine)
+    assert after.used == 0 and after.cached_free >= 2 and after.requests == []
+
+
+def test_simulate_renders_tables_map_and_png(tmp_path: Path, tiny_llama_dir: Path):
+    png = tmp_path / "map.png"
+    result = CliRunner().invoke(app, [
+        "inspect-cache", "--simulate", "--model", str(tiny_llama_dir), "--requests", "4",
+        "--shared-prefix-len", "32", "--unique-len", "5", "--output-len", "6",
+        "--kv-cache-memory", "8MiB", "--max-model-len", "256", "--png", str(png)])
+    assert result.exit_code == 0, result.output
+    for text in ("prefix hit rate", "fragmentation", "block tables", "block map", "shared"):
+        assert text in result.output
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_needs_exactly_one_source():
+    result = CliRunner().invoke(app, ["inspect-cache"])
+    assert result.exit_code == 2 and "either --url" in result.output
