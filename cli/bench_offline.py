@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import psutil
 
+from pkv.core.cache_inspector import filled_slots
 from pkv.core.progress import make_progress
 
 
@@ -115,7 +116,7 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             result.num_steps += 1
             used = engine.kv_cache.pool.num_used_blocks
             if used > result.peak_blocks:
-                held = sum(r.num_computed_tokens for r in engine.scheduler.running)
+                held = filled_slots(engine)
                 result.peak_blocks = used
                 result.kv_allocated_bytes = used * block_bytes
                 result.kv_filled_bytes = held * token_bytes

@@ -35,7 +35,7 @@ class CacheSnapshot:
     evictions: int
     preemptions: int
     slots_allocated: int  # used blocks x block size
-    tokens_stored: int  # tokens whose K/V the running requests hold
+    tokens_stored: int  # slots holding a computed token (a shared block counts once)
     requests: list[RequestBlocks]
     block_map: str
 
@@ -57,17 +57,27 @@ class CacheSnapshot:
         return cls(**data)
 
 
+def filled_slots(engine: Any) -> int:
+    """Slots of in-use blocks that hold a computed token, each shared block counted once."""
+    bs = engine.kv_cache.block_size
+    filled: dict[int, int] = {}
+    for request in engine.scheduler.running:
+        blocks = engine.kv_cache.req_blocks.get(request.request_id, [])
+        for i, block in enumerate(blocks):
+            n = min(bs, max(0, request.num_computed_tokens - i * bs))
+            filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+    return sum(filled.values())
+
+
 def take_snapshot(engine: Any) -> CacheSnapshot:
     """Read the engine's cache state (call between steps, on the engine's thread)."""
     kv, pool = engine.kv_cache, engine.kv_cache.pool
     requests = []
-    stored = 0
     for request in engine.scheduler.running:
         blocks = kv.req_blocks.get(request.request_id, [])
         requests.append(RequestBlocks(request.request_id, request.num_tokens,
                                       request.num_computed_tokens, [b.block_id for b in blocks],
                                       [b.ref_cnt > 1 for b in blocks]))
-        stored += request.num_computed_tokens
     chars = []
     for block in pool.blocks:
         if block.ref_cnt > 1:
@@ -84,4 +94,4 @@ def take_snapshot(engine: Any) -> CacheSnapshot:
         free=pool.num_free_blocks - cached_free, prefix_cache_queries=kv.prefix_queries,
         prefix_cache_hits=kv.prefix_hits, evictions=pool.num_evictions,
         preemptions=engine.scheduler.num_preemptions, slots_allocated=used * kv.block_size,
-        tokens_stored=stored, requests=requests, block_map="".join(chars))
+        tokens_stored=filled_slots(engine), requests=requests, block_map="".join(chars))
