@@ -6,12 +6,14 @@ import typer
 
 from pkv.cli.bench import bench_app
 from pkv.cli.inspect_cache import inspect_cache
+from pkv.cli.plugins_cmd import plugins
 from pkv.cli.serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="pkv: a self-hosted LLM inference engine.")
 app.command(help="Serve a model over the OpenAI API.")(serve)
 app.add_typer(bench_app, name="bench")
+app.command(help="List plugins and which attention backends are usable here.")(plugins)
 app.command("inspect-cache", help="Show the KV cache of a server or a simulation.")(inspect_cache)
 
 

@@ -25,6 +25,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32: cached + new tokens per sequence
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
     num_decode_tokens: int  # decodes come first, one token each
+    seq_ids: torch.Tensor  # [num_tokens] int32: the sequence each token belongs to
+    kv_lens: torch.Tensor  # [num_tokens] int32: keys each token attends to (position + 1)
     # Host copies, so backends that loop over prefills never synchronize with the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
@@ -35,10 +37,15 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into cache slots, then attends over each sequence's blocks."""
+    """Writes new K/V into cache slots, then attends over each sequence's blocks.
+
+    All of a step's K/V are written before any attention, so a sequence may attend over
+    blocks that another sequence in the same step is filling (shared prefixes).
+    """
 
     name: str = "base"
 
+    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -49,28 +56,11 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        # All of the step's K/V are written before any attention, so a sequence may attend
-        # over blocks that another sequence in the same step is filling (shared prefixes).
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
-        if nd < q.shape[0]:
-            out[nd:] = self.prefill(q, k_cache, v_cache, meta, scale)[nd:]
-        return out
+        """Write k/v at meta.slot_mapping, then attend causally over the block tables."""
 
-    @abstractmethod
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store each token's K/V at its slot."""
-
-    @abstractmethod
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Attention for the first `num_decode_tokens` single-token queries."""
-
-    @abstractmethod
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention for the prefill rows (rows >= num_decode_tokens are used)."""
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

@@ -56,7 +56,8 @@ class EngineConfig:
     seed: int = _opt(0, "Seed for requests that do not set their own.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
     tensor_parallel_size: int = _opt(1, "Devices to split the model over.")
-    attention_backend: str = _opt("auto", "Attention backend: auto or torch.")
+    attention_backend: str = _opt("auto", "Attention backend: auto or a name from "
+                                  "`pkv plugins` (cpu, torch, ...).")
     quantization: str | None = _opt(None, "Weight quantization method (none yet).")
 
     def __post_init__(self) -> None:
@@ -79,9 +80,9 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size must be 1 (tensor parallelism is not "
                              f"implemented yet), got {self.tensor_parallel_size}")
-        if self.attention_backend not in ("auto", "torch"):
-            raise ValueError(f"attention_backend must be auto or torch, got "
-                             f"{self.attention_backend!r}")
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError("attention_backend must be 'auto' or a backend name "
+                             "(see `pkv plugins`)")
         if self.quantization is not None:
             raise ValueError(f"quantization {self.quantization!r} is not available (none yet)")
         if self.max_model_len is not None and self.max_model_len < 2:

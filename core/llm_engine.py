@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,13 +15,15 @@ import torch
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import KVCacheManager
 from pkv.core.model_loader import open_model
-from pkv.core.model_runner import ModelRunner
+from pkv.core.model_runner import ModelRunner, resolve_device
 from pkv.core.output_processor import OutputProcessor
 from pkv.core.outputs import RequestOutput
 from pkv.core.request import Request, RequestStatus
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import Scheduler
-from pkv.plugins.attention.torch_backend import TorchAttentionBackend
+from pkv.plugins.registry import select_attention_backend
+
+logger = logging.getLogger("pkv.engine")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -69,8 +72,10 @@ class LLMEngine:
         self.max_num_batched_tokens = (config.max_num_batched_tokens
                                        or min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                               max(self.max_model_len, config.max_num_seqs)))
-        self.runner = ModelRunner(config, source, self.max_model_len, TorchAttentionBackend(),
-                                  show_progress)
+        device = resolve_device(config.device)
+        backend = select_attention_backend(config.attention_backend, device.type)
+        logger.info("attention backend: %s", backend.name)
+        self.runner = ModelRunner(config, source, self.max_model_len, backend, show_progress)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,

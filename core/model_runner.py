@@ -165,17 +165,21 @@ class ModelRunner:
             if sched.samples(request):
                 logits_idx.append(query_start_loc[-1] - 1)
         dev = self.device
+        all_positions = np.concatenate(positions)
+        seq_ids = np.repeat(np.arange(len(tables), dtype=np.int32), np.diff(query_start_loc))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(table_array).to(dev),
             num_decode_tokens=num_decode_tokens,
+            seq_ids=torch.from_numpy(seq_ids).to(dev),
+            kv_lens=torch.from_numpy((all_positions + 1).astype(np.int32)).to(dev),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.from_numpy(np.concatenate(positions)).to(dev), meta,
+                torch.from_numpy(all_positions).to(dev), meta,
                 torch.tensor(logits_idx, dtype=torch.long, device=dev))
 
     @staticmethod

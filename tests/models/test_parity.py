@@ -36,7 +36,9 @@ def test_bundled_gguf_matches_transformers(smol_gguf: Path, smol_prompt_ids, smo
     dict(block_size=32),
     dict(max_num_batched_tokens=7),  # prefills in chunks over many steps, decodes in between
     dict(enable_prefix_caching=False),
-], ids=["block1", "block32", "chunked", "no-prefix-cache"])
+    dict(attention_backend="torch"),
+    dict(attention_backend="cpu", block_size=32, max_num_batched_tokens=16),
+], ids=["block1", "block32", "chunked", "no-prefix-cache", "backend-torch", "backend-cpu"])
 def test_engine_variants_match_transformers(smol_hf_dir: Path, smol_prompt_ids, smol_reference,
                                             options: dict):
     llm = LLM(str(smol_hf_dir), kv_cache_memory="64MiB", max_model_len=256,
@@ -82,6 +84,7 @@ def test_tiny_models_match_transformers(tmp_path: Path, smol_hf_dir: Path, arch:
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[(7 * i + 13 * j) % 49000 + 100 for j in range(3 + 9 * i)] for i in range(8)]
     reference = hf_greedy(hf, prompts, NEW_TOKENS, EOS)
-    for options in ({}, {"block_size": 1, "max_num_batched_tokens": 5}):
+    for options in ({}, {"block_size": 1, "max_num_batched_tokens": 5},
+                    {"attention_backend": "torch"}):
         llm = LLM(str(model_dir), kv_cache_memory="8MiB", show_progress=False, **options)
         assert _pkv_greedy(llm, prompts) == reference, options

@@ -1,0 +1,39 @@
+"""`pkv plugins`: every discovered plugin, what it provides, and what is usable here."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def plugins(
+    device: Annotated[Optional[str], typer.Option(help="Check usability for cpu or cuda.")] = None,
+) -> None:
+    """List plugins (name, distribution, version, provides) and backend usability."""
+    import torch
+
+    from pkv.plugins.registry import discover
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    registry = discover()
+    table = Table(title="pkv plugins (entry-point group `pkv`)")
+    for column in ("plugin", "distribution", "version", "provides", "status"):
+        table.add_column(column)
+    for info in registry.plugins:
+        status = f"[red]failed: {info.error}[/]" if info.error else "[green]loaded[/]"
+        table.add_row(info.name, info.distribution, info.version,
+                      ", ".join(info.provides) or "-", status)
+    console.print(table)
+    backends = Table(title=f"attention backends on {device}")
+    for column in ("backend", "usable", "why not / what", "target"):
+        backends.add_column(column)
+    for name, spec in sorted(registry.attention_backends.items()):
+        reasons = spec.unusable_reasons(device)
+        backends.add_row(name, "[red]no[/]" if reasons else "[green]yes[/]",
+                         "; ".join(reasons) or spec.description, spec.target)
+    console.print(backends)

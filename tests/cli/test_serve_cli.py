@@ -1,0 +1,36 @@
+"""`pkv serve` option handling: YAML config, flags over YAML, one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pkv.cli.main import app
+
+
+def _serve(*args: str):
+    return CliRunner().invoke(app, ["serve", *args])
+
+
+def test_yaml_values_reach_the_engine_and_flags_win(tmp_path: Path, tiny_llama_dir: Path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tiny_llama_dir}\nkv-cache-memory: 16KiB\nport: 0\n")
+    from_yaml = _serve("--config", str(config))
+    assert from_yaml.exit_code == 2 and "kv_cache_memory=16384 bytes" in from_yaml.output
+    overridden = _serve("--config", str(config), "--kv-cache-memory", "32KiB")
+    assert overridden.exit_code == 2 and "kv_cache_memory=32768 bytes" in overridden.output
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path: Path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("max-num-seq: 4\n")
+    result = _serve("--config", str(config))
+    assert result.exit_code == 2 and "unknown option 'max-num-seq'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_flags_are_one_line_errors(tmp_path: Path):
+    assert "does not exist" in _serve(str(tmp_path / "missing")).output
+    result = _serve("--tensor-parallel-size", "2")
+    assert result.exit_code == 2 and "tensor_parallel_size" in result.output
