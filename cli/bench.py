@@ -147,6 +147,52 @@ def _run_offline(o: dict[str, Any]) -> None:
                           "batch (concurrent sequences)", console)
 
 
+@bench_app.command("attention")
+def attention(
+    batch: Annotated[int, typer.Option(help="Decoding sequences.")] = 64,
+    context: Annotated[int, typer.Option(help="Tokens already in each sequence's cache.")] = 512,
+    heads: Annotated[int, typer.Option(help="Query heads (SmolLM2: 9).")] = 9,
+    kv_heads: Annotated[int, typer.Option(help="KV heads (SmolLM2: 3).")] = 3,
+    head_dim: Annotated[int, typer.Option(help="Head size (SmolLM2: 64).")] = 64,
+    layers: Annotated[int, typer.Option(help="Layers per step (SmolLM2: 30).")] = 30,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    repeat: Annotated[int, typer.Option(help="Timed repetitions (best is kept).")] = 5,
+) -> None:
+    """Decode-attention time per engine step for every attention backend usable here."""
+    import time
+
+    import torch
+    from rich.table import Table
+
+    from pkv.plugins.attention.layouts import random_paged_layout
+    from pkv.plugins.registry import discover, select_attention_backend
+
+    with user_errors(console):
+        if min(batch, context, heads, kv_heads, head_dim, layers, repeat) < 1:
+            raise ValueError("every size must be >= 1")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        registry = discover()
+        inputs = random_paged_layout([(context, 1)] * batch, block_size, heads, kv_heads,
+                                     head_dim, seed=0)
+        times = {}
+        for name in registry.usable_attention_backends(device):
+            backend = select_attention_backend(name, device, registry)
+            best = float("inf")
+            for _ in range(repeat + 1):  # the first run warms up
+                start = time.perf_counter()
+                for _ in range(layers):
+                    backend.forward(*inputs, head_dim**-0.5)
+                best = min(best, time.perf_counter() - start)
+            times[name] = best
+        table = Table(title=f"decode attention per step: batch {batch}, context {context}, "
+                            f"{heads}/{kv_heads} heads x {head_dim}, {layers} layers")
+        for column in ("backend", "ms per step", "vs torch"):
+            table.add_column(column, justify="left" if column == "backend" else "right")
+        for name, t in sorted(times.items(), key=lambda kv: kv[1]):
+            table.add_row(name, f"{1000 * t:.1f}", f"{times.get('torch', t) / t:.2f}x faster")
+        console.print(table)
+
+
 @bench_app.command("serve")
 def serve(
     url: Annotated[str, typer.Option(help="Base URL of an OpenAI-compatible server.")],

@@ -7,46 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkv.core.attention import AttentionMetadata
+from pkv.plugins.attention.layouts import random_paged_layout
 from pkv.plugins.registry import discover, select_attention_backend
 
 BACKENDS = discover().usable_attention_backends("cpu")
-
-
-def _layout(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int,
-            dim: int, seed: int):
-    """seqs: (cached tokens, new tokens) per sequence, decodes (new == 1) first."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(need) + 3
-    physical = torch.randperm(num_blocks, generator=g).tolist()  # shuffled blocks
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    tables, slots, seq_ids, kv_lens, qsl = [], [], [], [], [0]
-    for i, (cached, new) in enumerate(seqs):
-        table = [physical.pop() for _ in range(need[i])]
-        tables.append(table)
-        for pos in range(cached, cached + new):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            seq_ids.append(i)
-            kv_lens.append(pos + 1)
-        qsl.append(qsl[-1] + new)
-    width = max(map(len, tables))
-    bt = torch.zeros(len(seqs), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    total = qsl[-1]
-    q = torch.randn(total, heads, dim, generator=g)
-    k = torch.randn(total, kv_heads, dim, generator=g)
-    v = torch.randn(total, kv_heads, dim, generator=g)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32), block_tables=bt,
-        num_decode_tokens=sum(1 for c, n in seqs if n == 1 and c > 0),
-        seq_ids=torch.tensor(seq_ids, dtype=torch.int32),
-        kv_lens=torch.tensor(kv_lens, dtype=torch.int32), query_start_loc_cpu=qsl,
-        seq_lens_cpu=[c + n for c, n in seqs])
-    return q, k, v, k_cache, v_cache, meta
 
 
 def _dense_reference(q, k, v, k_cache, v_cache, meta, scale):
@@ -84,8 +48,8 @@ LAYOUTS = {
 def test_backend_matches_dense_reference(backend_name: str, block_size: int, layout: str,
                                          heads: int, kv_heads: int):
     backend = select_attention_backend(backend_name, "cpu")
-    q, k, v, k_cache, v_cache, meta = _layout(LAYOUTS[layout], block_size, heads, kv_heads,
-                                              64, seed=block_size)
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(
+        LAYOUTS[layout], block_size, heads, kv_heads, 64, seed=block_size)
     expected = _dense_reference(q, k, v, k_cache, v_cache, meta, 0.125)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
