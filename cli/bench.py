@@ -70,6 +70,7 @@ def run(
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Token budget per step.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest sequence.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching.")] = True,
+    attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
@@ -101,7 +102,8 @@ def _run_offline(o: dict[str, Any]) -> None:
         model=o["model"], dtype=o["dtype"], block_size=o["block_size"],
         kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
-        seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"]))
+        seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
+        attention_backend=o["attention_backend"]))
     tok = engine.tokenizer
     vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
     for prompt in off.make_prompts(vocab_ids, o["warmup"], 8, o["seed"] + 1, None, tok.encode):
@@ -121,8 +123,8 @@ def _run_offline(o: dict[str, Any]) -> None:
         long_prompt = (off.make_prompts(vocab_ids, 1, o["long_prompt_len"], o["seed"] + 2, None,
                                         tok.encode)[0] if o["long_prompt_len"] else None)
         console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
-                      f"in, {o['output_len']} out, {engine.runner.dtype}, "
-                      f"{engine.runner.num_blocks} KV blocks")
+                      f"in, {o['output_len']} out, {engine.runner.dtype}, attention "
+                      f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks")
         result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt)
         other = None
         if hf_model is not None:

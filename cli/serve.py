@@ -49,7 +49,7 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + output.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prefixes.")] = True,
     tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
-    attention_backend: Annotated[str, typer.Option(help="auto or torch.")] = "auto",
+    attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[Optional[str], typer.Option(help="Weight quantization method.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,
@@ -130,7 +130,8 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
     table = Table.grid(padding=(0, 2))
     rows = [("model", f"{server.served_model_name} ({cfg.architecture}, "
                       f"{cfg.num_parameters / 1e6:.1f} M parameters)"),
-            ("dtype / device", f"{str(runner.dtype).removeprefix('torch.')} on {runner.device}"),
+            ("dtype / device", f"{str(runner.dtype).removeprefix('torch.')} on {runner.device}, "
+                               f"attention: {engine.attention_backend}"),
             ("KV cache", f"{runner.num_blocks} blocks x {engine.config.block_size} tokens = "
                          f"{kv_gib:.2f} GiB"),
             ("max concurrency", f"{engine.config.max_num_seqs} sequences; "

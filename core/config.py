@@ -59,6 +59,8 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "Attention backend: auto or a name from "
                                   "`pkv plugins` (cpu, torch, ...).")
     quantization: str | None = _opt(None, "Weight quantization method (none yet).")
+    guided_decoding_backend: str = _opt("outlines", "Guided decoding backend (see `pkv plugins`).")
+    structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -85,6 +87,9 @@ class EngineConfig:
                              "(see `pkv plugins`)")
         if self.quantization is not None:
             raise ValueError(f"quantization {self.quantization!r} is not available (none yet)")
+        if self.structured_outputs_timeout <= 0:
+            raise ValueError("structured_outputs_timeout must be > 0 seconds, got "
+                             f"{self.structured_outputs_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

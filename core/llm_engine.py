@@ -21,7 +21,7 @@ from pkv.core.outputs import RequestOutput
 from pkv.core.request import Request, RequestStatus
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import Scheduler
-from pkv.plugins.registry import select_attention_backend
+from pkv.plugins.registry import select_attention_backend, select_guided_backend
 
 logger = logging.getLogger("pkv.engine")
 
@@ -75,7 +75,10 @@ class LLMEngine:
         device = resolve_device(config.device)
         backend = select_attention_backend(config.attention_backend, device.type)
         logger.info("attention backend: %s", backend.name)
+        self.attention_backend = backend.name
         self.runner = ModelRunner(config, source, self.max_model_len, backend, show_progress)
+        self.guided = select_guided_backend(config.guided_decoding_backend)(
+            self.tokenizer, source.config.vocab_size, config.structured_outputs_timeout)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -111,11 +114,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
+        grammar = (self.guided.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         eos = frozenset(self.tokenizer.eos_token_ids)
         salt = cache_salt.encode() if cache_salt else b""
         children = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
-                    eos, self.config.block_size, salt, self._generator(params.seed, i))
+                    eos, self.config.block_size, salt, self._generator(params.seed, i),
+                    guided=grammar.new_state() if grammar is not None else None)
             for i in range(params.n)
         ]
         return PreparedRequest(request_id, prompt_text, children)

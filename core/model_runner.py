@@ -188,5 +188,6 @@ class ModelRunner:
         banned: list[int] = []
         if request.num_output_tokens < params.min_tokens:
             banned = [*params.stop_token_ids, *request.eos_token_ids]
+        allowed = request.guided.allowed_mask() if request.guided is not None else None
         return SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
-                           request.generator, banned)
+                           request.generator, banned, allowed)

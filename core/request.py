@@ -7,6 +7,7 @@ import hashlib
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
+    guided: Any = None  # the grammar state of a structured-output request
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -72,6 +74,8 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
+        if self.guided is not None:
+            self.guided.advance(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()

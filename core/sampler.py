@@ -24,6 +24,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     banned_token_ids: list[int]  # stop/eos tokens masked while min_tokens is not reached
+    allowed_mask: torch.Tensor | None = None  # [vocab] bool: guided decoding's allowed tokens
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
         self._apply_bans(logits, rows)
+        self._apply_allowed(logits, rows)
         token_ids = self._sample(logits, rows)
         return SamplerOutput(token_ids.tolist(), self._logprobs(raw_logprobs, token_ids, rows))
 
@@ -78,6 +80,13 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
+
+    @staticmethod
+    def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if r.allowed_mask is not None]
+        if idx:
+            allowed = torch.stack([rows[i].allowed_mask for i in idx]).to(logits.device)
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)

@@ -4,7 +4,7 @@ point like any third-party plugin."""
 from __future__ import annotations
 
 from pkv.plugins.hookspecs import hookimpl
-from pkv.plugins.registry import AttentionBackendSpec
+from pkv.plugins.registry import AttentionBackendSpec, GuidedDecodingSpec
 
 
 def _cpu_reasons(device: str) -> list[str]:
@@ -23,3 +23,9 @@ def pkv_attention_backends() -> list[AttentionBackendSpec]:
                              ("cpu",), priority=10, check=_cpu_reasons,
                              description="C++/OpenMP kernel reading blocks in place"),
     ]
+
+
+@hookimpl
+def pkv_guided_decoding_backends() -> list[GuidedDecodingSpec]:
+    return [GuidedDecodingSpec("outlines", "pkv.plugins.guided.outlines_backend:OutlinesBackend",
+                               "JSON schema / regex / choice via outlines-core")]

@@ -54,6 +54,10 @@ class GuidedDecodingSpec:
     target: str
     description: str = ""
 
+    def load(self) -> Any:
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
 
 @dataclass
 class PluginInfo:
@@ -141,3 +145,12 @@ def select_attention_backend(name: str, device: str,
         raise ValueError(f"attention backend {name!r} is unusable here ({'; '.join(reasons)}); "
                          f"usable: {', '.join(usable) or 'none'}")
     return specs[name].load()()
+
+
+def select_guided_backend(name: str, registry: PluginRegistry | None = None) -> Any:
+    """The guided-decoding backend class called `name`."""
+    registry = registry or discover()
+    if name not in registry.guided_decoding:
+        raise ValueError(f"unknown guided decoding backend {name!r}; available: "
+                         f"{', '.join(registry.guided_decoding) or 'none'}")
+    return registry.guided_decoding[name].load()

@@ -7,6 +7,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pkv.core.sampling_params import SamplingParams
+from pkv.core.structured_outputs import StructuredOutputsParams
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +57,37 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The one structured-output constraint of the request and the field that gave it."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format: json_schema.schema is required")
+            found.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(("structured_outputs", {"json": so.json_, "regex": so.regex,
+                                                 "choice": so.choice}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if not found:
+            return None, None
+        if len(found) > 1:
+            raise ValueError("give one structured-output constraint, got "
+                             f"{', '.join(name for name, _ in found)}")
+        name, spec = found[0]
+        return StructuredOutputsParams(**spec), name
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; OpenAI's defaults where a field is absent."""
@@ -52,7 +101,8 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs)
+            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+            structured_outputs=self.structured()[0])
 
     @property
     def stop_list(self) -> list[str]:

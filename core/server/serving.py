@@ -72,10 +72,15 @@ class OpenAIServing:
     def _params(body: _SamplingFields, max_tokens: int | None,
                 logprobs: int | None) -> SamplingParams:
         try:
+            _, field = body.structured()
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "response_format") from None
+        try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             # SamplingParams messages start with the field's name.
-            raise OpenAIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+            param = field if "structured outputs" in str(exc) else str(exc).split(" ", 1)[0]
+            raise OpenAIError(400, str(exc), param) from None
 
     async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        body: _SamplingFields, param: str) -> PreparedRequest:
@@ -84,6 +89,8 @@ class OpenAIServing:
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
+            if "constraint" in str(exc):  # compiling the structured-output constraint failed
+                param = body.structured()[1] or param
             raise OpenAIError(400, str(exc), param) from None
 
     def _admit(self) -> None:

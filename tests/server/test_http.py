@@ -73,6 +73,15 @@ def test_auth_is_required_and_compared(server: RunningServer):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
     ({"model": MODEL}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "nonsense"}}, 400, "guided_json",
+     None),
+    ({"model": MODEL, "prompt": "hi", "guided_regex": "(x"}, 400, "guided_regex", None),
+    ({"model": MODEL, "prompt": "hi", "guided_choice": []}, 400, "guided_choice", None),
+    ({"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "response_format", None),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"json": {"type": "integer",
+                                                                      "minimum": 0}}},
+     400, "structured_outputs", None),
 ])
 def test_completion_errors(server: RunningServer, body, status, param, code):
     _assert_error(_post(server, "/v1/completions", body), status, param, code)

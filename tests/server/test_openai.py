@@ -3,6 +3,9 @@ logprobs, usage, models."""
 
 from __future__ import annotations
 
+import json
+import re
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -90,3 +93,28 @@ def test_echo_and_token_prompts(client, server):
     text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids},
                       headers=server.headers).json()["prompt"]
     assert text == PROMPT
+
+
+def test_structured_outputs_through_every_request_field(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer", "minimum": 1,
+                                                        "maximum": 9}},
+              "required": ["city", "rank"]}
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=MESSAGES, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    obj = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=MESSAGES,
+                                         max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                       max_tokens=10, extra_body={"guided_choice": ["a", "b"]})
+    assert choice.choices[0].text in ("a", "b")
+    regex = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                      max_tokens=10, stream=True,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in regex))

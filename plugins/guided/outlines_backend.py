@@ -1,0 +1,188 @@
+"""`outlines` guided decoding: constraints compiled by outlines-core into an index over the
+model's vocabulary; each step a constrained row's logits are masked to the allowed tokens.
+
+The vocabulary is built from the local tokenizer (never from a hub): byte-level BPE tokens
+are mapped back to the bytes they stand for. EOS is allowed only in accepting states.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from pkv.core.structured_outputs import StructuredOutputsParams
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+_MAX_ENUM_RANGE = 1000
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes_map(tokenizer: Any) -> dict[bytes, list[int]]:
+    """Every ordinary token's bytes -> its ids (special and EOS tokens left out)."""
+    from tokenizers import decoders
+
+    skip = set(tokenizer.special_token_ids) | set(tokenizer.eos_token_ids)
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=False)
+    byte_level = isinstance(tokenizer.backend.decoder, decoders.ByteLevel)
+    decode = _byte_decoder()
+    out: dict[bytes, list[int]] = {}
+    for token, tid in vocab.items():
+        if tid in skip:
+            continue
+        if byte_level:
+            data = bytes(decode[c] for c in token)
+        elif token.startswith("<0x") and token.endswith(">") and len(token) == 6:
+            data = bytes([int(token[3:5], 16)])  # SentencePiece byte fallback
+        else:
+            data = token.replace("\u2581", " ").encode()
+        out.setdefault(data, []).append(tid)
+    return out
+
+
+def _bounded_integers(schema: Any) -> Any:
+    """outlines-core ignores integer bounds: turn small bounded ranges into enums."""
+    if isinstance(schema, list):
+        return [_bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_integers(v) for k, v in schema.items()}
+    if out.get("type") == "integer" and ("minimum" in out or "maximum" in out):
+        lo, hi = out.get("minimum"), out.get("maximum")
+        if lo is None or hi is None or hi - lo > _MAX_ENUM_RANGE:
+            raise ValueError("unsupported schema feature: integer bounds need both minimum and "
+                             f"maximum, at most {_MAX_ENUM_RANGE} apart")
+        return {"enum": list(range(int(lo), int(hi) + 1))}
+    return out
+
+
+def to_regex(params: StructuredOutputsParams) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if params.kind == "regex":
+        return params.regex or ""
+    if params.kind == "choice":
+        escape = lambda s: "".join("\\" + c if c in _REGEX_META else c for c in s)
+        return "(" + "|".join(escape(c) for c in params.choice or ()) + ")"
+    schema = params.json if params.kind == "json" else {"type": "object"}
+    return build_regex_from_schema(json.dumps(_bounded_integers(schema)))
+
+
+class CompiledGrammar:
+    """An outlines-core Index plus a cache of per-state token masks."""
+
+    def __init__(self, index: Any, vocab_size: int) -> None:
+        self.index = index
+        self.vocab_size = vocab_size
+        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def mask(self, state: int) -> torch.Tensor:
+        """Boolean [vocab] of the tokens allowed in `state`."""
+        with self._lock:
+            cached = self._masks.get(state)
+            if cached is not None:
+                self._masks.move_to_end(state)
+                return cached
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[torch.tensor(self.index.get_allowed_tokens(state), dtype=torch.long)] = True
+        with self._lock:
+            self._masks[state] = mask
+            if len(self._masks) > 1024:
+                self._masks.popitem(last=False)
+        return mask
+
+    def new_state(self) -> GuidedState:
+        return GuidedState(self, self.index.get_initial_state())
+
+
+class GuidedState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, grammar: CompiledGrammar, state: int) -> None:
+        self.grammar = grammar
+        self.state = state
+
+    def allowed_mask(self) -> torch.Tensor:
+        return self.grammar.mask(self.state)
+
+    def advance(self, token_id: int) -> None:
+        nxt = self.grammar.index.get_next_state(self.state, token_id)
+        if nxt is not None:  # EOS in a final state has no next state: stay there
+            self.state = nxt
+
+
+class OutlinesBackend:
+    """Compiles constraints off the engine loop, with a bounded cache and a time limit."""
+
+    name = "outlines"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float = 30.0,
+                 cache_size: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self._vocabulary: Any = None
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._pending: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar (cached); ValueError if invalid or over the time limit."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, params)
+                self._pending[key] = future
+        try:
+            grammar = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise ValueError(f"compiling the {params.kind} constraint took longer than "
+                             f"{self.timeout_s:g} s") from None
+        finally:
+            if future.done():
+                with self._lock:
+                    self._pending.pop(key, None)
+        return grammar
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        from outlines_core import Index, Vocabulary
+
+        if self._vocabulary is None:
+            eos = self.tokenizer.eos_token_id
+            self._vocabulary = Vocabulary(eos, token_bytes_map(self.tokenizer))
+        try:
+            grammar = CompiledGrammar(Index(to_regex(params), self._vocabulary), self.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"invalid {params.kind} constraint: {exc}") from None
+        with self._lock:
+            self._cache[params.key] = grammar
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        return params.key in self._cache

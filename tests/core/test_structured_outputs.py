@@ -1,0 +1,118 @@
+"""Guided decoding on the bundled model: outputs parse and validate, batches mix freely."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pkv import LLM, SamplingParams
+from pkv.core.structured_outputs import StructuredOutputsParams as SO
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "address": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "zip": {"type": "string", "pattern": "[0-9]{5}"}}, "required": ["city", "zip"]}},
+        "required": ["name", "address"]},
+    "array-enum": {"type": "object", "properties": {
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                   "minItems": 1, "maxItems": 3},
+        "size": {"enum": ["S", "M", "L"]}}, "required": ["colors", "size"]},
+    "bounded-int": {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "score": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "required": ["age", "score"]},
+    "optional": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 20},
+        "done": {"type": "boolean"}, "note": {"type": "string", "maxLength": 8}},
+        "required": ["title"]},
+}
+PROMPT = "Describe a person as JSON:"
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_json_schema_outputs_validate(smol_llm: LLM, name: str, temperature: float):
+    schema = SCHEMAS[name]
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=120,
+                            structured_outputs=SO(json=schema))
+    outs = smol_llm.generate([PROMPT, "Give me data:"], params)
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_json_object_regex_and_choice(smol_llm: LLM):
+    obj = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=80,
+                                                   structured_outputs=SO(json_object=True)))
+    assert isinstance(json.loads(obj[0].outputs[0].text), dict)
+    regex = r"(yes|no), [0-9]{3}-[a-z]{2,4}"
+    out = smol_llm.generate("Answer:", SamplingParams(temperature=0.7, seed=1, max_tokens=30,
+                                                      structured_outputs=SO(regex=regex)))
+    assert re.fullmatch(regex, out[0].outputs[0].text)
+    choices = ["Paris", "London", "Berlin (DE)"]
+    out = smol_llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=10, structured_outputs=SO(choice=choices)))
+    assert out[0].outputs[0].text == "Paris"
+
+
+def test_max_tokens_cut_reports_length(smol_llm: LLM):
+    out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3,
+                                                   structured_outputs=SO(json=SCHEMAS["nested"])))
+    assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_constrained_and_free_requests_share_a_batch(smol_llm: LLM):
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = smol_llm.generate(PROMPT, free)[0].outputs[0].token_ids
+    guided = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=SO(choice=["alpha", "beta"]))
+    mixed = smol_llm.generate([PROMPT, PROMPT, "x"], [free, guided, guided])
+    assert mixed[0].outputs[0].token_ids == alone
+    assert mixed[1].outputs[0].text in ("alpha", "beta")
+    assert mixed[2].outputs[0].text in ("alpha", "beta")
+
+
+def test_n_samples_each_follow_the_grammar(smol_llm: LLM):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=60,
+                            structured_outputs=SO(json=SCHEMAS["array-enum"]))
+    out = smol_llm.generate(PROMPT, params)[0]
+    for completion in out.outputs:
+        jsonschema.validate(json.loads(completion.text), SCHEMAS["array-enum"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"json": {"type": "nonsense"}}, "invalid json constraint"),
+    ({"json": {"type": "integer", "minimum": 0}}, "unsupported schema feature"),
+    ({"regex": "(unclosed"}, "invalid regex constraint"),
+])
+def test_bad_constraints_raise_and_engine_goes_on(smol_llm: LLM, kwargs: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        smol_llm.generate(PROMPT, SamplingParams(structured_outputs=SO(**kwargs)))
+    assert not smol_llm.llm_engine.has_unfinished_requests()
+    assert smol_llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].outputs
+
+
+@pytest.mark.parametrize("kwargs", [{"choice": []}, {"json": {}, "regex": "a"}, {}])
+def test_bad_structured_params(kwargs: dict):
+    with pytest.raises(ValueError, match="structured outputs"):
+        SO(**kwargs)
+
+
+def test_compile_time_limit_and_cache(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", show_progress=False,
+              structured_outputs_timeout=1e-4)
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 30}
+                                            for i in range(12)}}
+    with pytest.raises(ValueError, match="took longer than"):
+        llm.generate("x", SamplingParams(structured_outputs=SO(json=big)))
+    backend = llm.llm_engine.guided
+    quick = SO(choice=["a", "b"])
+    backend.timeout_s = 30
+    first = backend.compile(quick)
+    assert backend.is_cached(quick) and backend.compile(quick) is first
