@@ -195,6 +195,31 @@ def attention(
         console.print(table)
 
 
+@bench_app.command("guided")
+def guided(
+    model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,
+    num_requests: Annotated[int, typer.Option(help="Guided requests across the 5 schemas.")] = 50,
+    batch: Annotated[int, typer.Option(help="Batch for guided vs unguided throughput.")] = 32,
+    max_tokens: Annotated[int, typer.Option(help="Token limit per request.")] = 128,
+    kv_cache_memory: Annotated[str, typer.Option(help="KV pool size.")] = "1GiB",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """Structured outputs: validity over 5 schemas, compile times, masking cost."""
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_guided import run_guided_bench
+    from pkv.core.config import EngineConfig
+    from pkv.core.llm_engine import LLMEngine
+
+    with user_errors(console):
+        if min(num_requests, batch, max_tokens) < 1:
+            raise ValueError("--num-requests, --batch and --max-tokens must be >= 1")
+        engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=kv_cache_memory,
+                                        max_model_len=1024, max_num_seqs=max(batch, 64)))
+        result = run_guided_bench(engine, num_requests, batch, max_tokens, console)
+        if json_path:
+            report.write_json(json_path, result, console)
+
+
 @bench_app.command("serve")
 def serve(
     url: Annotated[str, typer.Option(help="Base URL of an OpenAI-compatible server.")],

@@ -87,7 +87,8 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
     from pkv.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    engine.scheduler.max_num_seqs = batch  # one engine serves every batch size of a sweep
+    # One engine serves every batch size of a sweep; the long prompt joins the full batch.
+    engine.scheduler.max_num_seqs = batch + (long_prompt is not None)
     engine.kv_cache.pool.reset_prefix_cache()  # runs of a sweep share prompts: no reuse
     result = BenchResult("pkv", batch, len(prompts), 0.0, sum(map(len, prompts)), 0)
     block_bytes = engine.runner.kv_bytes_per_block
