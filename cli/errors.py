@@ -17,7 +17,8 @@ def user_errors(console: Console | None = None) -> Iterator[None]:
     try:
         yield
     except _USER_ERRORS as exc:
-        (console or Console(stderr=True)).print(f"[bold red]error:[/] {exc}", highlight=False)
+        (console or Console(stderr=True)).print(f"[bold red]error:[/] {exc}", highlight=False,
+                                              soft_wrap=True)  # one line, never wrapped
         raise typer.Exit(code=2) from None
 
 

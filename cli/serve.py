@@ -16,7 +16,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.panel import Panel
@@ -88,7 +87,8 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
         name = str(key).replace("-", "_")
         if name not in options:
             raise ValueError(f"unknown option {key!r} in {config_file}")
-        if ctx.get_parameter_source(name) != click.core.ParameterSource.COMMANDLINE:
+        # typer vendors click: compare the source by name, not by enum identity.
+        if getattr(ctx.get_parameter_source(name), "name", "") != "COMMANDLINE":
             options[name] = value
     return options
 

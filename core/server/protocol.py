@@ -63,6 +63,13 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
+    def constraint_fields(self) -> list[str]:
+        """The request fields that carry a structured-output constraint."""
+        names = [n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, n) is not None]
+        rf = self.response_format
+        return (["response_format"] if rf is not None and rf.type != "text" else []) + names
+
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The one structured-output constraint of the request and the field that gave it."""
         found: list[tuple[str, dict[str, Any]]] = []

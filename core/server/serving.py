@@ -71,10 +71,12 @@ class OpenAIServing:
     @staticmethod
     def _params(body: _SamplingFields, max_tokens: int | None,
                 logprobs: int | None) -> SamplingParams:
+        fields = body.constraint_fields()
         try:
             _, field = body.structured()
         except ValueError as exc:
-            raise OpenAIError(400, str(exc), "response_format") from None
+            param = fields[0] if len(fields) == 1 else "response_format"
+            raise OpenAIError(400, str(exc), param) from None
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
