@@ -16,6 +16,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from pkv.cli.errors import user_errors
+from pkv.cli.http import auth_headers, base_url
 
 # Tables are wide: keep them readable when output goes to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -42,10 +43,6 @@ def _int_list(value: str, name: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{name} must be >= 1, got {value!r}")
     return values
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 @bench_app.command("run")
@@ -96,8 +93,9 @@ def _run_offline(o: dict[str, Any]) -> None:
     from pkv.core.llm_engine import LLMEngine
     from pkv.core.sampling_params import SamplingParams
 
-    headers = _auth(o["api_key"])
-    remote_model = check_server(o["url"], headers) if o["baseline"] == "openai" else None
+    headers = auth_headers(o["api_key"])
+    url = base_url(o["url"]) if o["url"] else ""
+    remote_model = check_server(url, headers) if o["baseline"] == "openai" else None
     engine = LLMEngine(EngineConfig(
         model=o["model"], dtype=o["dtype"], block_size=o["block_size"],
         kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
@@ -130,7 +128,7 @@ def _run_offline(o: dict[str, Any]) -> None:
         if hf_model is not None:
             other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
         elif remote_model is not None:
-            other = off.run_openai(o["url"], remote_model, headers, prompts, o["output_len"], b)
+            other = off.run_openai(url, remote_model, headers, prompts, o["output_len"], b)
         runs.append((result, other))
         console.print(report.offline_table([result] + ([other] if other else [])))
         if other is not None:
@@ -244,8 +242,8 @@ def serve(
         levels = _int_list(concurrency, "--concurrency")
         if request_rate <= 0:
             raise ValueError("--request-rate must be > 0 (or inf)")
-        url = url.rstrip("/").removesuffix("/v1")
-        headers = _auth(api_key)
+        url = base_url(url)
+        headers = auth_headers(api_key)
         model = model or check_server(url, headers)
         summaries = []
         for level in levels:

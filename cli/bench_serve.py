@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from pkv.cli.http import get_json
 from pkv.core.progress import make_progress
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
@@ -77,13 +78,7 @@ def synthetic_messages(num: int, input_len: int, seed: int) -> list[str]:
 
 def check_server(url: str, headers: dict[str, str]) -> str:
     """Return the served model's id; raise a clear error if the server is not there."""
-    try:
-        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise ValueError(f"cannot reach {url}: {exc}") from None
-    if r.status_code != 200:
-        raise ValueError(f"{url}/v1/models answered {r.status_code}: {r.text[:200]}")
-    return r.json()["data"][0]["id"]
+    return get_json(url, "/v1/models", headers, timeout=10)["data"][0]["id"]
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:

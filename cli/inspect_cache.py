@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pkv.cli.errors import user_errors
+from pkv.cli.http import auth_headers, base_url, get_json
 from pkv.core.cache_inspector import CACHED, FREE, SHARED, USED, CacheSnapshot
 
 console = Console()
@@ -51,17 +52,7 @@ def inspect_cache(
 
 
 def _fetch(url: str, api_key: str | None) -> CacheSnapshot:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    base = url.rstrip("/").removesuffix("/v1")
-    try:
-        r = httpx.get(f"{base}/admin/cache", headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
-        raise ValueError(f"cannot reach {base}: {exc}") from None
-    if r.status_code != 200:
-        raise ValueError(f"{base}/admin/cache answered {r.status_code}: {r.text[:200]}")
-    return CacheSnapshot.from_dict(r.json())
+    return CacheSnapshot.from_dict(get_json(base_url(url), "/admin/cache", auth_headers(api_key)))
 
 
 def _simulate(model: str | None, num: int, shared: int, unique: int, output_len: int,

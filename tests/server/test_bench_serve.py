@@ -27,3 +27,16 @@ def test_bench_serve_reports_every_percentile(server, tmp_path: Path):
                 assert run[f"p{p}_{name}_ms"] > 0, (name, p)
         assert run["output_throughput"] > 0 and run["goodput"] == run["request_throughput"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_offline_bench_with_openai_baseline(server, tmp_path: Path, tiny_llama_dir: Path):
+    out = tmp_path / "openai.json"
+    result = CliRunner().invoke(app, [
+        "bench", str(tiny_llama_dir), "--batch", "2", "--num-prompts", "2", "--input-len", "4",
+        "--output-len", "3", "--kv-cache-memory", "8MiB", "--warmup", "0",
+        "--baseline", "openai", "--url", f"{server.base_url}/v1", "--api-key", server.api_key,
+        "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    baseline = json.loads(out.read_text())["baseline"]
+    assert baseline["name"].startswith("openai") and baseline["output_throughput"] > 0
+    assert baseline["ratio"] > 0
