@@ -50,6 +50,8 @@ def serve(
     tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[Optional[str], typer.Option(help="Weight quantization method.")] = None,
+    guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend.")] = "outlines",
+    structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",

@@ -3,7 +3,7 @@ straight through the block tables, built once with torch.utils.cpp_extension and
 
 from __future__ import annotations
 
-import logging
+import hashlib
 import os
 import shutil
 from functools import lru_cache
@@ -15,7 +15,6 @@ import torch
 from pkv.core.attention import AttentionMetadata
 from pkv.plugins.attention.torch_backend import TorchAttentionBackend
 
-logger = logging.getLogger("pkv.attention")
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
 
 
@@ -34,6 +33,19 @@ def unusable_reasons(device: str) -> list[str]:
     return reasons
 
 
+def _build_name() -> str:
+    """Extension name keyed by the CPU's features: a -march=native build from one machine
+    must never be loaded on another with fewer instructions."""
+    flags = ""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    key = " ".join(sorted(flags.split())) or torch.backends.cpu.get_cpu_capability()
+    return f"pkv_paged_attention_cpu_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
 @lru_cache(maxsize=1)
 def load_kernel() -> Any:
     """Compile (first time only, ~1 min) and import the extension."""
@@ -42,7 +54,7 @@ def load_kernel() -> Any:
     from rich.console import Console
 
     with Console(stderr=True).status("building the CPU attention kernel (cached after once)"):
-        return load(name="pkv_paged_attention_cpu", sources=[str(SOURCE)],
+        return load(name=_build_name(), sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-fopenmp", "-march=native"],
                     extra_ldflags=["-fopenmp"], verbose=False)
 

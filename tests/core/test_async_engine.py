@@ -85,3 +85,31 @@ def test_failing_step_fails_in_flight_requests_and_serving_goes_on(async_llm: As
     assert len(asyncio.run(main())) == 4
     assert async_llm.is_alive
     assert async_llm.engine.get_stats().num_blocks_used == 0
+
+
+def test_broken_engine_state_turns_unhealthy_and_refuses(async_llm: AsyncLLM):
+    from pkv.core.async_engine import EngineDeadError
+
+    engine = async_llm.engine
+
+    def broken_step():  # fault injection: the step fails and so does cleaning up after it
+        raise RuntimeError("device lost")
+
+    def broken_abort(*args, **kwargs):
+        raise RuntimeError("state corrupted")
+
+    engine.step = broken_step
+    engine.abort_request = broken_abort
+
+    async def main() -> None:
+        with pytest.raises(EngineStepError):
+            await _run(async_llm, "doomed", [1, 2, 3], 4)
+        for _ in range(100):
+            if not async_llm.is_alive:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(EngineDeadError, match="state corrupted"):
+            async_llm.check_admission()
+
+    asyncio.run(main())
+    assert not async_llm.is_alive

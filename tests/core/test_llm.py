@@ -135,3 +135,15 @@ def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, messag
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_bfloat16_weights_run(tiny_llama_dir):
+    import torch
+
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory="8MiB", show_progress=False)
+    runner = llm.llm_engine.runner
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
+    assert next(runner.model.parameters()).dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6,
+                                                      ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
