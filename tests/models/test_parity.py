@@ -14,8 +14,8 @@ NEW_TOKENS = 24
 EOS = 2
 
 
-def _pkv_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+def _pkv_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n))
     assert [o.prompt_token_ids for o in outs] == prompts
     return [o.outputs[0].token_ids for o in outs]
 
@@ -88,3 +88,15 @@ def test_tiny_models_match_transformers(tmp_path: Path, smol_hf_dir: Path, arch:
                     {"attention_backend": "torch"}):
         llm = LLM(str(model_dir), kv_cache_memory="8MiB", show_progress=False, **options)
         assert _pkv_greedy(llm, prompts) == reference, options
+
+
+def test_triton_backend_matches_transformers(tiny_llama_dir: Path):
+    """The Triton kernel (interpreted on CPU) end to end, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompts = [[100 + 3 * j for j in range(n)] for n in (3, 20, 37)]
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", attention_backend="triton",
+              show_progress=False)
+    assert llm.llm_engine.attention_backend == "triton"
+    assert _pkv_greedy(llm, prompts, 6) == hf_greedy(hf, prompts, 6, EOS)

@@ -1,0 +1,85 @@
+"""`triton` attention backend: one Triton kernel for paged decode and prefill (CUDA and ROCm).
+
+Each program takes one query token and one KV head with the query heads that share it, walks
+the sequence's blocks through the block table and keeps an online softmax. On CPU it runs
+only under TRITON_INTERPRET=1 (how CI checks it against the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pkv.core.attention import AttentionBackend, AttentionMetadata
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_ids_ptr, kv_lens_ptr, scale,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(seq_ids_ptr + token).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + token)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    q_rows = token * NUM_HEADS + kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
+    q = q.to(tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    num_blocks = tl.cdiv(kv_len, BLOCK_SIZE)
+    for b in range(0, num_blocks):
+        block = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
+        pos = b * BLOCK_SIZE + n
+        valid = (n < BLOCK_SIZE) & (pos < kv_len)
+        rows = (block * BLOCK_SIZE + n) * NUM_KV_HEADS + kv_head
+        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=q_mask)
+
+
+def _pow2(x: int, at_least: int = 16) -> int:
+    return max(at_least, triton.next_power_of_2(x))
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton; K/V are written with index_copy_."""
+
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        num_tokens, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        block_tables = meta.block_tables.contiguous()
+        _paged_attention_kernel[(num_tokens, num_kv_heads)](
+            out, q, k_cache, v_cache, block_tables, meta.seq_ids, meta.kv_lens, scale,
+            block_tables.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, BLOCK_G=_pow2(group), BLOCK_N=_pow2(block_size),
+            BLOCK_D=_pow2(head_dim))
+        return out
