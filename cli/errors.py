@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import typer
@@ -21,7 +21,3 @@ def user_errors(console: Console | None = None) -> Iterator[None]:
                                               soft_wrap=True)  # one line, never wrapped
         raise typer.Exit(code=2) from None
 
-
-def run_cli(fn: Callable[[], None]) -> None:
-    with user_errors():
-        fn()

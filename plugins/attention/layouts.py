@@ -8,7 +8,7 @@ from pkv.core.attention import AttentionMetadata
 
 
 def random_paged_layout(seqs: list[tuple[int, int]], block_size: int, heads: int,
-                        kv_heads: int, dim: int, seed: int
+                        kv_heads: int, dim: int, seed: int, device: str = "cpu"
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, AttentionMetadata]:
     """A step's attention inputs for `seqs` = [(cached tokens, new tokens)], decodes
@@ -43,4 +43,8 @@ def random_paged_layout(seqs: list[tuple[int, int]], block_size: int, heads: int
         seq_ids=torch.tensor(seq_ids, dtype=torch.int32),
         kv_lens=torch.tensor(kv_lens, dtype=torch.int32), query_start_loc_cpu=qsl,
         seq_lens_cpu=[c + n for c, n in seqs])
-    return q, k, v, k_cache, v_cache, meta
+    tensors = [t.to(device) for t in (q, k, v, k_cache, v_cache)]
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "seq_ids",
+                 "kv_lens"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return (*tensors, meta)
