@@ -76,9 +76,10 @@ class LLMEngine:
         backend = select_attention_backend(config.attention_backend, device.type)
         logger.info("attention backend: %s", backend.name)
         self.attention_backend = backend.name
+        guided_cls = select_guided_backend(config.guided_decoding_backend)  # fail before loading
         self.runner = ModelRunner(config, source, self.max_model_len, backend, show_progress)
-        self.guided = select_guided_backend(config.guided_decoding_backend)(
-            self.tokenizer, source.config.vocab_size, config.structured_outputs_timeout)
+        self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
+                                 config.structured_outputs_timeout)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
