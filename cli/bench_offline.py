@@ -94,7 +94,7 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
     block_bytes = engine.runner.kv_bytes_per_block
     token_bytes = block_bytes // engine.config.block_size
     process = psutil.Process()
-    prefill_before = engine.num_prefill_tokens
+    prefill_before = engine.scheduler.num_prefill_tokens
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
     total = (len(prompts) + (long_prompt is not None)) * output_len
@@ -128,7 +128,7 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
                 result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
         result.elapsed_s = time.perf_counter() - start
     result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
-    result.prefill_tokens = engine.num_prefill_tokens - prefill_before
+    result.prefill_tokens = engine.scheduler.num_prefill_tokens - prefill_before
     result.mean_ttft_s = sum(first_token.values()) / max(len(first_token), 1) - start
     return result
 

@@ -126,9 +126,11 @@ def _run(options: dict[str, Any]) -> None:
 
 
 def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
+    from pkv.core.kv_cache_manager import cdiv
+
     cfg, runner = engine.model_config, engine.runner
     kv_gib = engine.kv_cache_bytes / 2**30
-    per_seq = -(-engine.max_model_len // engine.config.block_size)
+    per_seq = cdiv(engine.max_model_len, engine.config.block_size)
     table = Table.grid(padding=(0, 2))
     rows = [("model", f"{server.served_model_name} ({cfg.architecture}, "
                       f"{cfg.num_parameters / 1e6:.1f} M parameters)"),

@@ -89,7 +89,6 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.num_prefill_tokens = 0  # prompt tokens actually computed (not from the cache)
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_max: int) -> int:
@@ -196,9 +195,6 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
-        self.num_prefill_tokens += sum(
-            max(0, min(r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id],
-                       r.num_prompt_tokens) - r.num_computed_tokens) for r in sched.scheduled)
         sampled_reqs, result = self.runner.execute_model(
             sched, tables, self.kv_cache.pool.high_watermark)
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}

@@ -13,6 +13,7 @@ import torch
 
 from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
+from pkv.core.kv_cache_manager import cdiv
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource
 from pkv.core.models.llama import LlamaForCausalLM
@@ -82,7 +83,7 @@ class ModelRunner:
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         per_block = self.kv_bytes_per_block
-        blocks_per_seq = -(-max_model_len // self.block_size)
+        blocks_per_seq = cdiv(max_model_len, self.block_size)
         if self.config.kv_cache_memory is not None:
             budget = int(self.config.kv_cache_memory)
             num_blocks = budget // per_block
@@ -129,16 +130,17 @@ class ModelRunner:
                       high_watermark: int) -> tuple[list[Request], SamplerOutput]:
         """Run one step; return the requests that sampled and their sampler output."""
         self._zero_new_blocks(high_watermark)
-        input_ids, positions, meta, logits_idx = self._prepare_inputs(sched, block_tables)
+        input_ids, positions, meta, logits_idx, sampling = self._prepare_inputs(sched, block_tables)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampling = [r for r in sched.scheduled if sched.samples(r)]
         if not sampling:
             return [], SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[logits_idx])
         return sampling, self.sampler(logits, [self._sampling_row(r) for r in sampling])
 
     def _prepare_inputs(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                                   list[Request]]:
+        """The flattened batch, plus the requests that sample (their logits rows in order)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -146,6 +148,7 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_idx: list[int] = []
+        sampling: list[Request] = []
         tables = [block_tables[r.request_id] for r in sched.scheduled]
         width = max(len(t) for t in tables)
         table_array = np.zeros((len(tables), width), dtype=np.int32)
@@ -164,6 +167,7 @@ class ModelRunner:
                 num_decode_tokens += 1
             if sched.samples(request):
                 logits_idx.append(query_start_loc[-1] - 1)
+                sampling.append(request)
         dev = self.device
         all_positions = np.concatenate(positions)
         seq_ids = np.repeat(np.arange(len(tables), dtype=np.int32), np.diff(query_start_loc))
@@ -180,7 +184,7 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.from_numpy(all_positions).to(dev), meta,
-                torch.tensor(logits_idx, dtype=torch.long, device=dev))
+                torch.tensor(logits_idx, dtype=torch.long, device=dev), sampling)
 
     @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:

@@ -23,10 +23,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
     def samples(self, request: Request) -> bool:
         """Whether this step reaches the end of the request's tokens (and so samples one)."""
         n = self.num_scheduled_tokens[request.request_id]
@@ -46,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed (cache hits excluded)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -109,7 +106,10 @@ class Scheduler:
         """Advance the scheduled requests by the step's results; return those that finished."""
         finished = []
         for request in out.scheduled:
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            n = out.num_scheduled_tokens[request.request_id]
+            done = request.num_computed_tokens
+            self.num_prefill_tokens += max(0, min(done + n, request.num_prompt_tokens) - done)
+            request.num_computed_tokens += n
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
