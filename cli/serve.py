@@ -49,7 +49,7 @@ def serve(
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prefixes.")] = True,
     tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
-    quantization: Annotated[Optional[str], typer.Option(help="Weight quantization method.")] = None,
+    quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend.")] = "outlines",
     structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
@@ -135,7 +135,8 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
     rows = [("model", f"{server.served_model_name} ({cfg.architecture}, "
                       f"{cfg.num_parameters / 1e6:.1f} M parameters)"),
             ("dtype / device", f"{str(runner.dtype).removeprefix('torch.')} on {runner.device}, "
-                               f"attention: {engine.attention_backend}"),
+                               f"attention: {engine.attention_backend}, "
+                               f"weights: {engine.quantization or 'float'}"),
             ("KV cache", f"{runner.num_blocks} blocks x {engine.config.block_size} tokens = "
                          f"{kv_gib:.2f} GiB"),
             ("max concurrency", f"{engine.config.max_num_seqs} sequences; "

@@ -58,7 +58,9 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(1, "Devices to split the model over.")
     attention_backend: str = _opt("auto", "Attention backend: auto or a name from "
                                   "`pkv plugins` (cpu, torch, ...).")
-    quantization: str | None = _opt(None, "Weight quantization method (none yet).")
+    quantization: str | None = _opt(
+        "auto", "Weight format: auto (what the checkpoint says), none, awq, fp8, gguf "
+        "(fp8 on a float checkpoint quantizes it while loading).")
     guided_decoding_backend: str = _opt("outlines", "Guided decoding backend (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
 
@@ -85,8 +87,10 @@ class EngineConfig:
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError("attention_backend must be 'auto' or a backend name "
                              "(see `pkv plugins`)")
-        if self.quantization is not None:
-            raise ValueError(f"quantization {self.quantization!r} is not available (none yet)")
+        if self.quantization is not None and (not isinstance(self.quantization, str)
+                                              or not self.quantization):
+            raise ValueError("quantization must be auto, none or a method name "
+                             f"(see `pkv plugins`), got {self.quantization!r}")
         if self.structured_outputs_timeout <= 0:
             raise ValueError("structured_outputs_timeout must be > 0 seconds, got "
                              f"{self.structured_outputs_timeout}")

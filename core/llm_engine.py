@@ -17,11 +17,12 @@ from pkv.core.kv_cache_manager import KVCacheManager
 from pkv.core.model_loader import open_model
 from pkv.core.model_runner import ModelRunner, resolve_device
 from pkv.core.output_processor import OutputProcessor
+from pkv.core.quantization import resolve_weight_loader
 from pkv.core.outputs import RequestOutput
 from pkv.core.request import Request, RequestStatus
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import Scheduler
-from pkv.plugins.registry import select_attention_backend, select_guided_backend
+from pkv.plugins.registry import discover, select_attention_backend, select_guided_backend
 
 logger = logging.getLogger("pkv.engine")
 
@@ -64,7 +65,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        source = open_model(config.model)
+        registry = discover()
+        source = open_model(config.model, registry)
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = source.tokenizer
@@ -73,11 +75,16 @@ class LLMEngine:
                                        or min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                               max(self.max_model_len, config.max_num_seqs)))
         device = resolve_device(config.device)
-        backend = select_attention_backend(config.attention_backend, device.type)
+        backend = select_attention_backend(config.attention_backend, device.type, registry)
         logger.info("attention backend: %s", backend.name)
         self.attention_backend = backend.name
-        guided_cls = select_guided_backend(config.guided_decoding_backend)  # fail before loading
-        self.runner = ModelRunner(config, source, self.max_model_len, backend, show_progress)
+        # Fail on a bad guided backend or quantization before the weights load.
+        guided_cls = select_guided_backend(config.guided_decoding_backend, registry)
+        loader = resolve_weight_loader(config.quantization, source, registry)
+        self.quantization = loader.name if loader else None
+        linear_method = loader.linear_method(source, device) if loader else None
+        self.runner = ModelRunner(config, source, self.max_model_len, backend, show_progress,
+                                  linear_method)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,

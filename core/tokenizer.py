@@ -1,6 +1,6 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus special tokens and the chat template.
 
-Built from a Hugging Face folder (tokenizer.json) or from GGUF metadata (see gguf_loader).
+Built from a Hugging Face folder (tokenizer.json) or from GGUF metadata (see plugins/weights/gguf.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ point like any third-party plugin."""
 from __future__ import annotations
 
 from pkv.plugins.hookspecs import hookimpl
-from pkv.plugins.registry import AttentionBackendSpec, GuidedDecodingSpec
+from pkv.plugins.registry import AttentionBackendSpec, GuidedDecodingSpec, WeightLoaderSpec
 
 
 def _cpu_reasons(device: str) -> list[str]:
@@ -48,3 +48,15 @@ def pkv_attention_backends() -> list[AttentionBackendSpec]:
 def pkv_guided_decoding_backends() -> list[GuidedDecodingSpec]:
     return [GuidedDecodingSpec("outlines", "pkv.plugins.guided.outlines_backend:OutlinesBackend",
                                "JSON schema / regex / choice via outlines-core")]
+
+
+@hookimpl
+def pkv_weight_loaders() -> list[WeightLoaderSpec]:
+    return [
+        WeightLoaderSpec("gguf", "pkv.plugins.weights.gguf:GGUFLoader",
+                         "GGUF files (llama.cpp), dequantized while loading", file_magic=b"GGUF"),
+        WeightLoaderSpec("awq", "pkv.plugins.weights.awq:AWQLoader",
+                         "AutoAWQ GEMM 4-bit checkpoints (fused CPU kernel, Triton on GPU)"),
+        WeightLoaderSpec("fp8", "pkv.plugins.weights.fp8:FP8Loader",
+                         "FP8 e4m3 checkpoints (vLLM / compressed-tensors), or fp8 on load"),
+    ]

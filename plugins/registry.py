@@ -20,6 +20,12 @@ from pkv.plugins.hookspecs import PROJECT, PkvHookSpecs
 logger = logging.getLogger("pkv.plugins")
 
 
+def import_target(target: str) -> Any:
+    """Import "module:attr" (a plugin's implementation, loaded only when chosen)."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 @dataclass(frozen=True)
 class AttentionBackendSpec:
     """An attention backend: where it runs, how to tell if it can, how to build it."""
@@ -37,15 +43,20 @@ class AttentionBackendSpec:
         return self.check(device)
 
     def load(self) -> Any:
-        module, _, attr = self.target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return import_target(self.target)
 
 
 @dataclass(frozen=True)
 class WeightLoaderSpec:
+    """A weight format / quantization method (see pkv.core.quantization.WeightLoader)."""
+
     name: str
-    target: str
+    target: str  # "module:Class" of a WeightLoader, imported only when used
     description: str = ""
+    file_magic: bytes | None = None  # first bytes of the files it reads itself, if any
+
+    def load(self) -> Any:
+        return import_target(self.target)
 
 
 @dataclass(frozen=True)
@@ -55,8 +66,7 @@ class GuidedDecodingSpec:
     description: str = ""
 
     def load(self) -> Any:
-        module, _, attr = self.target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return import_target(self.target)
 
 
 @dataclass

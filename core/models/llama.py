@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.linear import Linear, LinearMethod, check_shape
 from pkv.core.model_config import ModelConfig
 
 
@@ -86,15 +87,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 method: LinearMethod | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               cfg.attention_bias, method)
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], False, method)
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -111,10 +113,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [size, size], False, method)
+        self.down_proj = Linear(size, [cfg.hidden_size], False, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -122,12 +125,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 method: LinearMethod | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, method)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -137,10 +141,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
+                 method: LinearMethod | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, method)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, max_len)
@@ -154,21 +159,27 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-# checkpoint name part -> (fused parameter name part, shard index)
+# checkpoint module name -> (fused module name, shard index)
 _STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+_UNSTACKED = {value: key for key, value in _STACKED.items()}
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus LM head; `forward` returns hidden states, `compute_logits` the logits."""
+    """Decoder plus LM head; `forward` returns hidden states, `compute_logits` the logits.
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int) -> None:
+    `method` decides how the decoder's linear layers store weights (float, AWQ, FP8); the
+    embedding and the LM head stay in the compute dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
+                 method: LinearMethod | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_len)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, backend, max_len, method)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -185,56 +196,57 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_sampled, vocab]
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        cfg = self.config
-        if fused == "qkv_proj":
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
-
-    def _expected_tensors(self, params: dict[str, nn.Parameter]) -> set[str]:
-        expected = set()
-        for name in params:
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+    def _expected_tensors(self) -> dict[tuple[str, str, int | None], str]:
+        """(module, parameter, shard) -> the checkpoint name that must fill it."""
+        expected = {}
+        for path, module in self.named_modules():
+            if path == "lm_head" and self.config.tie_word_embeddings:
                 continue
-            fused = name.split(".")[-2]
-            if fused in ("qkv_proj", "gate_up_proj"):
-                expected |= {f"{name}#{i}" for i in range(len(self.shard_sizes(fused)))}
-            else:
-                expected.add(name)
+            if isinstance(module, Linear):
+                shards = range(len(module.out_sizes)) if len(module.out_sizes) > 1 else [None]
+                for leaf in module.layouts:
+                    for shard in shards:
+                        expected[(path, leaf, shard)] = _checkpoint_name(path, leaf, shard)
+            elif not isinstance(module, LlamaForCausalLM):
+                for leaf, _ in module.named_parameters(recurse=False):
+                    expected[(path, leaf, None)] = f"{path}.{leaf}"
         return expected
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters; all must be set."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        missing = self._expected_tensors(params)
+        """Copy checkpoint tensors (Hugging Face names) into place; all must be set. Then let
+        each linear layer convert what it loaded."""
+        modules = dict(self.named_modules())
+        missing = self._expected_tensors()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, None
-            for part, (fused, index) in _STACKED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), index
-                    break
-            if target not in params:
+            path, _, leaf = name.rpartition(".")
+            base, _, part = path.rpartition(".")
+            fused, shard = _STACKED.get(part, (part, None))
+            path = f"{base}.{fused}" if base else fused
+            module = modules.get(path)
+            if isinstance(module, Linear):
+                module.load(leaf, tensor, shard, name)
+            elif module is not None and isinstance(module._parameters.get(leaf), nn.Parameter):
+                param = module._parameters[leaf]
+                check_shape(param, tensor, name)
+                param.copy_(tensor)
+            else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
-            if shard is not None:
-                sizes = self.shard_sizes(target.split(".")[-2])
-                offset = sum(sizes[:shard])
-                param = param.narrow(0, offset, sizes[shard])
-            _copy(param, tensor, name)
-            missing.discard(target if shard is None else f"{target}#{shard}")
+            missing.pop((path, leaf, shard), None)
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
-                             f"{sorted(missing)[:3]}")
+            names = sorted(missing.values())
+            raise ValueError(f"checkpoint lacks {len(names)} tensor(s), e.g. {names[:3]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights_after_loading(module)
 
 
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(param.shape)}")
-    param.copy_(tensor)
+def _checkpoint_name(path: str, leaf: str, shard: int | None) -> str:
+    if shard is not None:
+        base, _, fused = path.rpartition(".")
+        path = f"{base}.{_UNSTACKED[(fused, shard)]}"
+    return f"{path}.{leaf}"

@@ -74,7 +74,7 @@ def test_unknown_path_and_foreign_files_are_clear_errors(tmp_path: Path, tiny_ll
         open_model(str(tmp_path / "nope"))
     junk = tmp_path / "weights.txt"
     junk.write_text("not a model")
-    with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a GGUF"):
+    with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a file format pkv reads \\(gguf\\)"):
         open_model(str(junk))
     with pytest.raises(ValueError, match="config.json is missing"):
         open_model(str(tmp_path))

@@ -1,4 +1,5 @@
-"""Read a GGUF file: config, tokenizer and dequantized tensors under Hugging Face names.
+"""The `gguf` weight loader: config, tokenizer and dequantized tensors of a GGUF file, under
+Hugging Face names.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k of Llama models for its RoPE
 layout; `_unpermute` restores Hugging Face's order so one model file serves both formats.
@@ -16,6 +17,9 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from pkv.core.model_config import ModelConfig
+from pkv.core.model_loader import ModelSource
+from pkv.core.quantization import WeightLoader
 from pkv.core.tokenizer import Tokenizer
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -151,3 +155,16 @@ class GGUFFile:
                          eos_token_ids={eos} if eos is not None else set(),
                          add_bos_token=bool(self.field("tokenizer.ggml.add_bos_token", False)),
                          chat_template=self.field("tokenizer.chat_template"))
+
+
+class GGUFLoader(WeightLoader):
+    """Reads .gguf files; weights are dequantized to the compute dtype while loading."""
+
+    name = "gguf"
+
+    def open(self, path: Path) -> ModelSource:
+        gguf_file = GGUFFile(path)
+        hf_config = gguf_file.hf_config()
+        return ModelSource(path=path, name=path.stem, config=ModelConfig.from_hf_dict(hf_config),
+                           tokenizer=gguf_file.tokenizer(), num_tensors=gguf_file.num_tensors,
+                           weights=gguf_file.tensors, hf_config=hf_config, quantization="gguf")

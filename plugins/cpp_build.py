@@ -1,0 +1,62 @@
+"""Build the C++ kernels in csrc/ with torch.utils.cpp_extension, once per CPU model.
+
+Builds are cached by torch in its extensions directory; the name carries a hash of the
+CPU's feature flags, because a -march=native build must never load on a CPU with fewer
+instructions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+
+def unusable_reasons(source: Path) -> list[str]:
+    """Why `source` cannot be built here (empty: it can)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    reasons = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        reasons.append(f"no C++ compiler ({compiler}) on PATH")
+    if not is_ninja_available():
+        reasons.append("ninja is not installed")
+    if not source.is_file():
+        reasons.append(f"kernel source {source} is missing")
+    return reasons
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    key = " ".join(sorted(flags.split())) or torch.backends.cpu.get_cpu_capability()
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+@lru_cache(maxsize=None)
+def build(source_name: str, what: str) -> Any:
+    """Compile (first time only, about a minute) and import csrc/`source_name`."""
+    from rich.console import Console
+    from torch.utils.cpp_extension import load
+
+    source = CSRC / source_name
+    reasons = unusable_reasons(source)
+    if reasons:
+        raise RuntimeError(f"cannot build the {what}: {'; '.join(reasons)}")
+    name = f"pkv_{source.stem}_{_cpu_key()}"
+    with Console(stderr=True).status(f"building the {what} (cached after once)"):
+        return load(name=name, sources=[str(source)],
+                    extra_cflags=["-O3", "-fopenmp", "-march=native"],
+                    extra_ldflags=["-fopenmp"], verbose=False)

@@ -1,0 +1,166 @@
+"""The `awq` weight loader: AutoAWQ "GEMM" checkpoints (4-bit, grouped, with zero points).
+
+Checkpoint layout per linear layer (in K, out N, group G), transposed from nn.Linear:
+`qweight` int32 [K, N/8] and `qzeros` int32 [K/G, N/8], eight 4-bit codes per int32 packed
+along the outputs in AutoAWQ's interleaved order, and `scales` [K/G, N]:
+W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
+
+On CPU the codes are repacked once after loading for the fused C++ kernel (csrc/awq_cpu.cpp);
+on CUDA the checkpoint layout feeds the Triton kernel as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pkv.core.linear import Linear, LinearMethod, ParamLayout
+from pkv.core.model_loader import ModelSource
+from pkv.core.quantization import WeightLoader
+
+# Nibble i of a packed int32 holds output column 8c + AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+PACK = 8
+# Up to this many rows the fused GEMV wins; above it, dequantize once and use torch's GEMM.
+GEMV_MAX_ROWS = 8
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[R, N] integer codes in 0..15 -> [R, N/8] int32 in AutoAWQ's order."""
+    rows, cols = codes.shape
+    grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)[..., list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    packed = (grouped << shifts).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[R, N/8] int32 -> [R, N] uint8 codes (inverse of `pack_int4`)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return nibbles[..., list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """The float weight [K, N] of a checkpoint's (qweight, qzeros, scales)."""
+    q = unpack_int4(qweight).float()
+    z = unpack_int4(qzeros).float().repeat_interleave(group_size, dim=0)
+    return (q - z) * scales.float().repeat_interleave(group_size, dim=0)
+
+
+def parse_group_size(quant_config: dict[str, Any]) -> int:
+    """The group size of an AWQ quantization_config, checked; errors name the field."""
+    bits = quant_config.get("bits", quant_config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"AWQ checkpoints with bits={bits} are not supported (only 4)")
+    version = str(quant_config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r} is not supported (only 'gemm')")
+    group = quant_config.get("group_size", quant_config.get("q_group_size"))
+    if not isinstance(group, int) or group <= 0 or group % 2:
+        raise ValueError(f"AWQ group_size must be a positive even integer, got {group!r}")
+    return group
+
+
+class AWQLinearMethod(LinearMethod):
+    """4-bit weights, dequantized on the fly by a fused kernel."""
+
+    name = "awq"
+
+    def __init__(self, group_size: int, device: torch.device) -> None:
+        self.group_size = group_size
+        self.device = device
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
+        k, n, g = layer.in_features, layer.out_features, self.group_size
+        if k % g:
+            raise ValueError(f"AWQ group size {g} does not divide a layer's input size {k}")
+        if any(size % PACK for size in layer.out_sizes):
+            raise ValueError(f"AWQ needs output sizes divisible by {PACK}, got {layer.out_sizes}")
+        layer.qweight = _frozen(torch.empty(k, n // PACK, dtype=torch.int32))
+        layer.qzeros = _frozen(torch.empty(k // g, n // PACK, dtype=torch.int32))
+        layer.scales = _frozen(torch.empty(k // g, n, dtype=dtype))
+        packed = ParamLayout(output_dim=1, pack=PACK)
+        return {"qweight": packed, "qzeros": packed, "scales": ParamLayout(output_dim=1)}
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if not torch.isfinite(layer.scales).all():
+            raise ValueError("AWQ scales hold non-finite values")
+        if layer.qweight.device.type != "cpu":
+            return  # the Triton kernel reads the checkpoint layout
+        g = self.group_size
+        codes = unpack_int4(layer.qweight).t()  # [N, K]
+        zeros = unpack_int4(layer.qzeros).t().float()  # [N, K/G]
+        scales = layer.scales.t().float().contiguous()
+        halves = codes.reshape(codes.shape[0], -1, 2, g // 2)
+        layer.codes = _frozen((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(
+            codes.shape[0], -1).contiguous())
+        layer.scales_t = _frozen(scales)
+        layer.zs = _frozen((zeros * scales).contiguous())
+        del layer.qweight, layer.qzeros, layer.scales
+        layer.kernel = _cpu_kernel()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            from pkv.plugins.weights.awq_triton import awq_gemm_triton
+
+            y = awq_gemm_triton(x.reshape(-1, x.shape[-1]), layer.qweight, layer.qzeros,
+                                layer.scales, self.group_size).reshape(*x.shape[:-1], -1)
+            return y if layer.bias is None else y + layer.bias
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        if layer.kernel is None:
+            y = F.linear(x2, self._dequantize_cpu(layer))
+        elif x2.shape[0] <= GEMV_MAX_ROWS:
+            y = layer.kernel.awq_gemv(x2, layer.codes, layer.scales_t, layer.zs, self.group_size)
+        else:
+            w = layer.kernel.awq_dequantize(layer.codes, layer.scales_t, layer.zs,
+                                            self.group_size)
+            y = F.linear(x2, w)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y if layer.bias is None else y + layer.bias
+
+    def _dequantize_cpu(self, layer: Linear) -> torch.Tensor:
+        """Torch fallback when no compiler builds the kernel: the same math, unfused."""
+        low, high = (layer.codes & 0xF), (layer.codes >> 4)
+        n, g = layer.codes.shape[0], self.group_size
+        codes = torch.stack([low.reshape(n, -1, g // 2), high.reshape(n, -1, g // 2)], dim=2)
+        codes = codes.reshape(n, -1).float()
+        return (codes * layer.scales_t.repeat_interleave(g, dim=1)
+                - layer.zs.repeat_interleave(g, dim=1))
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def _cpu_kernel() -> Any:
+    """The compiled kernel, or None (with a warning) where nothing can build it."""
+    import logging
+
+    from pkv.plugins import cpp_build
+
+    try:
+        return cpp_build.build("awq_cpu.cpp", "AWQ CPU kernel")
+    except Exception as exc:  # no compiler: the torch path computes the same
+        logging.getLogger("pkv.awq").warning("AWQ kernel unavailable (%s); using torch", exc)
+        return None
+
+
+class AWQLoader(WeightLoader):
+    """Loads AutoAWQ GEMM checkpoints (pkv's own `pkv quantize --awq` output and others)."""
+
+    name = "awq"
+
+    def linear_method(self, source: ModelSource, device: torch.device) -> LinearMethod:
+        quant_config = source.hf_config.get("quantization_config") or {}
+        group = parse_group_size(quant_config)
+        skipped = quant_config.get("modules_to_not_convert") or []
+        if any(name not in ("lm_head",) for name in skipped):
+            raise ValueError(f"AWQ checkpoints with modules_to_not_convert={skipped} are not "
+                             "supported")
+        return AWQLinearMethod(group, device)
