@@ -7,6 +7,7 @@ import typer
 from pkv.cli.bench import bench_app
 from pkv.cli.inspect_cache import inspect_cache
 from pkv.cli.plugins_cmd import plugins
+from pkv.cli.quantize import quantize
 from pkv.cli.serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -14,6 +15,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.command(help="Serve a model over the OpenAI API.")(serve)
 app.add_typer(bench_app, name="bench")
 app.command(help="List plugins and which attention backends are usable here.")(plugins)
+app.command(help="Quantize a model to AWQ 4-bit or FP8.")(quantize)
 app.command("inspect-cache", help="Show the KV cache of a server or a simulation.")(inspect_cache)
 
 

@@ -37,3 +37,9 @@ def plugins(
         backends.add_row(name, "[red]no[/]" if reasons else "[green]yes[/]",
                          "; ".join(reasons) or spec.description, spec.target)
     console.print(backends)
+    loaders = Table(title="weight loaders (--quantization)")
+    for column in ("name", "reads", "target"):
+        loaders.add_column(column)
+    for name, spec in sorted(registry.weight_loaders.items()):
+        loaders.add_row(name, spec.description, spec.target)
+    console.print(loaders)

@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from pkv.core.attention import AttentionBackend
+from pkv.core.linear import LinearMethod
 from pkv.core.model_config import ModelConfig
+from pkv.core.models.llama import LlamaForCausalLM
+from pkv.core.progress import progress_bar
 from pkv.core.quantization import checkpoint_quantization
 from pkv.core.tokenizer import Tokenizer
 
@@ -118,3 +122,25 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+
+
+def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
+                dtype: torch.dtype, device: torch.device, method: LinearMethod | None = None,
+                show_progress: bool = True) -> LlamaForCausalLM:
+    """Build the model on `device` without a float copy in between, and load its weights."""
+    # Parameters are created in the compute dtype; quantized ones choose their own.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(source.config, backend, max_len, method)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.model.rotary_emb.reset()
+    model.requires_grad_(False)
+    weights = progress_bar(source.weights(), total=source.num_tensors,
+                           description=f"Loading {source.name}", enabled=show_progress)
+    model.load_weights(weights)
+    return model.eval()

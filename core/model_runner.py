@@ -16,9 +16,7 @@ from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
 from pkv.core.linear import LinearMethod
 from pkv.core.model_config import ModelConfig
-from pkv.core.model_loader import ModelSource
-from pkv.core.models.llama import LlamaForCausalLM
-from pkv.core.progress import progress_bar
+from pkv.core.model_loader import ModelSource, build_model
 from pkv.core.request import Request
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
 from pkv.core.scheduler import SchedulerOutput
@@ -55,33 +53,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
-        self.model = self._load_model(source, max_model_len, backend, show_progress,
-                                      linear_method)
+        self.model = build_model(source, backend, max_model_len, self.dtype, self.device,
+                                 linear_method, show_progress)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self._num_zeroed_blocks = 0
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
-
-    def _load_model(self, source: ModelSource, max_model_len: int, backend: AttentionBackend,
-                    show_progress: bool, method: LinearMethod | None) -> LlamaForCausalLM:
-        # Parameters are created in the compute dtype; quantized ones choose their own.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device("meta"):
-                model = LlamaForCausalLM(source.config, backend, max_model_len, method)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        model.to_empty(device=self.device)
-        model.tie_weights()
-        model.model.rotary_emb.reset()
-        model.requires_grad_(False)
-        weights = progress_bar(source.weights(), total=source.num_tensors,
-                               description=f"Loading {source.name}", enabled=show_progress)
-        model.load_weights(weights)
-        return model.eval()
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -79,6 +79,21 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=bos, eos_token=eos, **kwargs)
 
+    def save(self, folder: Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json so `from_folder` (and transformers)
+        read the same tokenizer back."""
+        name = self.id_to_token
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "add_bos_token": self.add_bos_token}
+        if self.bos_token_id is not None:
+            config["bos_token"] = name(self.bos_token_id)
+        if self.eos_token_id is not None:
+            config["eos_token"] = name(self.eos_token_id)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        self.backend.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template of an HF folder."""

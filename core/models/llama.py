@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
                 shards = range(len(module.out_sizes)) if len(module.out_sizes) > 1 else [None]
                 for leaf in module.layouts:
                     for shard in shards:
-                        expected[(path, leaf, shard)] = _checkpoint_name(path, leaf, shard)
+                        expected[(path, leaf, shard)] = checkpoint_name(path, leaf, shard)
             elif not isinstance(module, LlamaForCausalLM):
                 for leaf, _ in module.named_parameters(recurse=False):
                     expected[(path, leaf, None)] = f"{path}.{leaf}"
@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
                 module.method.process_weights_after_loading(module)
 
 
-def _checkpoint_name(path: str, leaf: str, shard: int | None) -> str:
+def checkpoint_name(path: str, leaf: str, shard: int | None) -> str:
     if shard is not None:
         base, _, fused = path.rpartition(".")
         path = f"{base}.{_UNSTACKED[(fused, shard)]}"

@@ -121,8 +121,9 @@ class AWQLinearMethod(LinearMethod):
             w = layer.kernel.awq_dequantize(layer.codes, layer.scales_t, layer.zs,
                                             self.group_size)
             y = F.linear(x2, w)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
-        return y if layer.bias is None else y + layer.bias
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def _dequantize_cpu(self, layer: Linear) -> torch.Tensor:
         """Torch fallback when no compiler builds the kernel: the same math, unfused."""

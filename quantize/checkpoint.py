@@ -1,0 +1,93 @@
+"""Write a quantized model as a Hugging Face folder: safetensors, config.json, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pkv.core.linear import Linear
+from pkv.core.model_loader import ModelSource
+from pkv.core.models.llama import LlamaForCausalLM, checkpoint_name
+
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+
+
+def quantizable_weights(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint module name, float weight [N, K]) of every decoder linear, fused layers
+    split back into their checkpoint parts (q/k/v, gate/up)."""
+    for path, module in model.named_modules():
+        if isinstance(module, Linear) and path != "lm_head":
+            single = len(module.out_sizes) == 1
+            start = 0
+            for shard, size in enumerate(module.out_sizes):
+                name = checkpoint_name(path, "weight", None if single else shard)
+                yield name.removesuffix(".weight"), module.weight[start:start + size]
+                start += size
+
+
+def unquantized_tensors(model: LlamaForCausalLM,
+                        dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """Embedding, norms, LM head and linear biases, in `dtype`, under checkpoint names."""
+    tensors = {}
+    linears = {path: m for path, m in model.named_modules()
+               if isinstance(m, Linear) and path != "lm_head"}
+    for name, param in model.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        if path in linears:
+            if leaf == "bias":
+                tensors.update(_split_bias(path, linears[path], dtype))
+            continue
+        tensors[name] = param.detach().to(dtype).contiguous()
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def _split_bias(path: str, linear: Linear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    single = len(linear.out_sizes) == 1
+    parts = linear.bias.detach().to(dtype).split(linear.out_sizes)
+    return {checkpoint_name(path, "bias", None if single else i): p.contiguous()
+            for i, p in enumerate(parts)}
+
+
+def hf_config(source: ModelSource, quant_config: dict[str, Any]) -> dict[str, Any]:
+    """The source's config.json with `quantization_config` and float16 as its dtype."""
+    config = {k: v for k, v in source.hf_config.items() if v is not None}
+    config.setdefault("model_type", _MODEL_TYPES[source.config.architecture])
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = quant_config
+    return config
+
+
+def write_checkpoint(out: Path, source: ModelSource, tensors: dict[str, torch.Tensor],
+                     quant_config: dict[str, Any]) -> None:
+    """Write the folder; `out` must not exist yet or be empty."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(source, quant_config), indent=2))
+    if source.path.is_dir():
+        for name in _TOKENIZER_FILES:
+            if (source.path / name).is_file():
+                shutil.copy2(source.path / name, out / name)
+    else:
+        source.tokenizer.save(out)
+        eos = sorted(source.tokenizer.eos_token_ids)
+        generation = {"bos_token_id": source.tokenizer.bos_token_id,
+                      "eos_token_id": eos[0] if len(eos) == 1 else eos}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def disk_size(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
