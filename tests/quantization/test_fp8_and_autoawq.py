@@ -1,0 +1,48 @@
+"""FP8's torch._scaled_mm path (runs on CPU too) and the optional AutoAWQ delegate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pkv.core.linear import Linear
+from pkv.plugins.weights.fp8 import FP8LinearMethod, quantize_per_channel
+
+
+def _fp8_linear(scaled_mm: bool, weight: torch.Tensor) -> Linear:
+    method = FP8LinearMethod(scaled_mm)
+    layer = Linear(weight.shape[1], [weight.shape[0]], False, method)
+    q, scale = quantize_per_channel(weight)
+    with torch.no_grad():
+        layer.load("weight", q, None, "weight")
+        layer.load("weight_scale", scale, None, "weight_scale")
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_scaled_mm_matches_dequantized_fp8() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    dense, native = _fp8_linear(False, weight), _fp8_linear(True, weight)
+    assert native.weight.dtype == torch.float8_e4m3fn and dense.weight.dtype == torch.float32
+    expected = dense(x)
+    torch.testing.assert_close(native(x), expected, rtol=0.08, atol=0.3)
+    # Both stay close to the float layer: FP8 keeps ~2 significant digits.
+    assert (expected - x @ weight.t()).abs().max() < 0.05 * (x @ weight.t()).abs().max()
+
+
+def test_autoawq_output_loads_in_pkv(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    pytest.importorskip("awq", reason="autoawq is optional (pip install 'pkv[autoawq]')")
+    from pkv.quantize.autoawq_backend import quantize_with_autoawq
+    from pkv.quantize.pipeline import QuantizeOptions, load_quantized
+
+    out = tmp_path / "autoawq"
+    quantize_with_autoawq(QuantizeOptions(str(tiny_llama_dir), out, "awq", calib_samples=4,
+                                          calib_seq_len=64))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4
+    model = load_quantized(out, 64)
+    assert model.model.layers[0].mlp.down_proj.method.name == "awq"
