@@ -68,6 +68,7 @@ def run(
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest sequence.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching.")] = True,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
+    quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
@@ -86,6 +87,8 @@ def run(
 
 
 def _run_offline(o: dict[str, Any]) -> None:
+    import psutil
+
     from pkv.cli import bench_offline as off
     from pkv.cli import bench_report as report
     from pkv.cli.bench_serve import check_server
@@ -101,7 +104,7 @@ def _run_offline(o: dict[str, Any]) -> None:
         kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
-        attention_backend=o["attention_backend"]))
+        attention_backend=o["attention_backend"], quantization=o["quantization"]))
     tok = engine.tokenizer
     vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
     for prompt in off.make_prompts(vocab_ids, o["warmup"], 8, o["seed"] + 1, None, tok.encode):
@@ -122,7 +125,10 @@ def _run_offline(o: dict[str, Any]) -> None:
                                         tok.encode)[0] if o["long_prompt_len"] else None)
         console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
                       f"in, {o['output_len']} out, {engine.runner.dtype}, attention "
-                      f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks")
+                      f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks, "
+                      f"weights {engine.quantization or 'float'} "
+                      f"{engine.runner.weight_bytes / 2**20:.0f} MiB, process RSS "
+                      f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB")
         result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt)
         other = None
         if hf_model is not None:

@@ -63,6 +63,12 @@ class ModelRunner:
         self.sampler = Sampler(generator)
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold in memory (shared tensors counted once)."""
+        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -25,8 +25,9 @@ from pkv.core.quantization import WeightLoader
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8
-# Up to this many rows the fused GEMV wins; above it, dequantize once and use torch's GEMM.
-GEMV_MAX_ROWS = 8
+# Up to this many rows the fused GEMV wins (measured on SmolLM2's shapes, 2 AVX-512 cores);
+# above it, dequantize once and use torch's GEMM.
+GEMV_MAX_ROWS = 64
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -68,13 +69,14 @@ def parse_group_size(quant_config: dict[str, Any]) -> int:
 
 
 class AWQLinearMethod(LinearMethod):
-    """4-bit weights, dequantized on the fly by a fused kernel."""
+    """4-bit weights, dequantized on the fly by a fused kernel: `cpu` (csrc, repacked
+    codes) or `triton` (the checkpoint layout; GPUs, or CPU under TRITON_INTERPRET=1)."""
 
     name = "awq"
 
-    def __init__(self, group_size: int, device: torch.device) -> None:
+    def __init__(self, group_size: int, kernel: str = "cpu") -> None:
         self.group_size = group_size
-        self.device = device
+        self.kernel = kernel
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
         k, n, g = layer.in_features, layer.out_features, self.group_size
@@ -91,48 +93,56 @@ class AWQLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         if not torch.isfinite(layer.scales).all():
             raise ValueError("AWQ scales hold non-finite values")
-        if layer.qweight.device.type != "cpu":
+        if self.kernel == "triton":
             return  # the Triton kernel reads the checkpoint layout
-        g = self.group_size
-        codes = unpack_int4(layer.qweight).t()  # [N, K]
-        zeros = unpack_int4(layer.qzeros).t().float()  # [N, K/G]
-        scales = layer.scales.t().float().contiguous()
-        halves = codes.reshape(codes.shape[0], -1, 2, g // 2)
-        layer.codes = _frozen((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(
-            codes.shape[0], -1).contiguous())
-        layer.scales_t = _frozen(scales)
-        layer.zs = _frozen((zeros * scales).contiguous())
+        layer.codes = _frozen(repack_tiles(unpack_int4(layer.qweight)))
+        scales = layer.scales.float().contiguous()
+        layer.scales_f32 = _frozen(scales)
+        layer.zs = _frozen((unpack_int4(layer.qzeros).float() * scales).contiguous())
         del layer.qweight, layer.qzeros, layer.scales
         layer.kernel = _cpu_kernel()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda":
+        if self.kernel == "triton":
             from pkv.plugins.weights.awq_triton import awq_gemm_triton
 
             y = awq_gemm_triton(x.reshape(-1, x.shape[-1]), layer.qweight, layer.qzeros,
                                 layer.scales, self.group_size).reshape(*x.shape[:-1], -1)
             return y if layer.bias is None else y + layer.bias
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        args = (layer.codes, layer.scales_f32, layer.zs, self.group_size)
         if layer.kernel is None:
-            y = F.linear(x2, self._dequantize_cpu(layer))
+            y = x2 @ dequantize_tiles(*args)
         elif x2.shape[0] <= GEMV_MAX_ROWS:
-            y = layer.kernel.awq_gemv(x2, layer.codes, layer.scales_t, layer.zs, self.group_size)
+            y = layer.kernel.awq_gemv(x2, *args)
         else:
-            w = layer.kernel.awq_dequantize(layer.codes, layer.scales_t, layer.zs,
-                                            self.group_size)
-            y = F.linear(x2, w)
+            y = x2 @ layer.kernel.awq_dequantize(*args)
         if layer.bias is not None:
             y = y + layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    def _dequantize_cpu(self, layer: Linear) -> torch.Tensor:
-        """Torch fallback when no compiler builds the kernel: the same math, unfused."""
-        low, high = (layer.codes & 0xF), (layer.codes >> 4)
-        n, g = layer.codes.shape[0], self.group_size
-        codes = torch.stack([low.reshape(n, -1, g // 2), high.reshape(n, -1, g // 2)], dim=2)
-        codes = codes.reshape(n, -1).float()
-        return (codes * layer.scales_t.repeat_interleave(g, dim=1)
-                - layer.zs.repeat_interleave(g, dim=1))
+
+def tile_width(n: int) -> int:
+    """Output columns per kernel tile: 32 (two AVX-512 / four AVX2 registers) where it fits."""
+    return next(t for t in (32, 16, 8) if n % t == 0)
+
+
+def repack_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """[K, N] codes -> the CPU kernel's [N/T, K, T/2] bytes (see csrc/awq_cpu.cpp)."""
+    k, n = codes.shape
+    t = tile_width(n)
+    halves = codes.to(torch.uint8).reshape(k, n // t, 2, t // 2)
+    packed = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [K, N/T, T/2]
+    return packed.permute(1, 0, 2).contiguous()
+
+
+def dequantize_tiles(codes: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    """W^T [K, N] from the kernel layout, in torch (the fallback without a compiler)."""
+    tiles, k, half = codes.shape
+    q = torch.cat([codes & 0xF, codes >> 4], dim=-1).permute(1, 0, 2).reshape(k, -1)
+    return (q.float() * scales.repeat_interleave(group_size, dim=0)
+            - zs.repeat_interleave(group_size, dim=0))
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -164,4 +174,4 @@ class AWQLoader(WeightLoader):
         if any(name not in ("lm_head",) for name in skipped):
             raise ValueError(f"AWQ checkpoints with modules_to_not_convert={skipped} are not "
                              "supported")
-        return AWQLinearMethod(group, device)
+        return AWQLinearMethod(group, "triton" if device.type == "cuda" else "cpu")

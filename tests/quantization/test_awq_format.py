@@ -62,8 +62,9 @@ def test_dequantize_follows_the_formula() -> None:
         assert w[k, n].item() == pytest.approx(expected.item())
 
 
-def _awq_linear(k: int, out_sizes: list[int], group: int, kernel: bool) -> tuple[Linear, torch.Tensor]:
-    method = AWQLinearMethod(group, torch.device("cpu"))
+def _awq_linear(k: int, out_sizes: list[int], group: int, kernel: bool,
+                triton: bool = False) -> tuple[Linear, torch.Tensor]:
+    method = AWQLinearMethod(group, "triton" if triton else "cpu")
     layer = Linear(k, out_sizes, bias=True, method=method)
     qweight, qzeros, scales = _random_awq(k, sum(out_sizes), group, seed=k)
     with torch.no_grad():
@@ -71,14 +72,14 @@ def _awq_linear(k: int, out_sizes: list[int], group: int, kernel: bool) -> tuple
                         ("bias", torch.randn(sum(out_sizes)))):
             layer.load(name, t, None, name)
         method.process_weights_after_loading(layer)
-    if not kernel:
+    if not kernel and not triton:
         layer.kernel = None
     reference = dequantize(qweight, qzeros, scales, group).t()  # [N, K]
     return layer, reference
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["csrc-kernel", "torch-fallback"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 70])
 def test_awq_linear_matches_dequantized_matmul(kernel: bool, rows: int) -> None:
     layer, w = _awq_linear(128, [24, 40], 32, kernel)
     assert kernel == (layer.kernel is not None)
@@ -87,6 +88,15 @@ def test_awq_linear_matches_dequantized_matmul(kernel: bool, rows: int) -> None:
     got = layer(x)
     assert got.shape == (rows, 64)
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_linear_through_the_triton_kernel() -> None:
+    """The GPU path's glue (checkpoint layout kept, bias, shapes), run by the interpreter."""
+    pytest.importorskip("triton")
+    layer, w = _awq_linear(64, [16, 16], 32, kernel=False, triton=True)
+    assert layer.qweight.dtype == torch.int32  # not repacked
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, rtol=1e-4, atol=1e-4)
 
 
 def test_awq_linear_keeps_leading_dims_and_dtype() -> None:
@@ -100,10 +110,10 @@ def test_awq_linear_keeps_leading_dims_and_dtype() -> None:
 
 def test_awq_shapes_are_checked_when_building_and_loading() -> None:
     with pytest.raises(ValueError, match="group size 48 does not divide .* 64"):
-        Linear(64, [16], False, AWQLinearMethod(48, torch.device("cpu")))
+        Linear(64, [16], False, AWQLinearMethod(48))
     with pytest.raises(ValueError, match="divisible by 8"):
-        Linear(64, [12], False, AWQLinearMethod(32, torch.device("cpu")))
-    layer = Linear(64, [16], False, AWQLinearMethod(32, torch.device("cpu")))
+        Linear(64, [12], False, AWQLinearMethod(32))
+    layer = Linear(64, [16], False, AWQLinearMethod(32))
     with pytest.raises(ValueError, match="'m.qzeros' has shape \\(4, 2\\), the model expects "
                                          "\\(2, 2\\)"):
         layer.load("qzeros", torch.zeros(4, 2, dtype=torch.int32), None, "m.qzeros")
