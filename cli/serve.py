@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -103,10 +104,14 @@ def _run(options: dict[str, Any]) -> None:
     from pkv.core.llm_engine import LLMEngine
     from pkv.core.server.api_server import ServerConfig, build_app
     from pkv.core.server.serving import ServerLimits
+    from pkv.core.workers import launched_by_torchrun, torchrun_worker
 
     engine_keys = {f.name for f in fields(EngineConfig)}
-    engine = LLMEngine(EngineConfig.from_dict(
-        {k: v for k, v in options.items() if k in engine_keys}))
+    config = EngineConfig.from_dict({k: v for k, v in options.items() if k in engine_keys})
+    if launched_by_torchrun() and os.environ["RANK"] != "0":
+        torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
+        return
+    engine = LLMEngine(config)
     server_config = ServerConfig(
         served_model_name=options["served_model_name"] or engine.model_name,
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],

@@ -92,6 +92,8 @@ class AsyncLLM:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        # A step still running owns the collectives: then workers are killed, not told.
+        self.engine.shutdown(force=self._thread.is_alive())
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -81,9 +81,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (tensor parallelism is not "
-                             f"implemented yet), got {self.tensor_parallel_size}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError("attention_backend must be 'auto' or a backend name "
                              "(see `pkv plugins`)")

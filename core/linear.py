@@ -3,29 +3,68 @@
 A `Linear` owns no weights of its own: its `LinearMethod` (plain float, AWQ, FP8, ...)
 registers the parameters, copies checkpoint tensors into them, converts them after loading
 and applies them. Fused layers (q/k/v, gate/up) are one `Linear` with several output
-shards; each shard comes from its own checkpoint tensor.
+shards; each shard comes from its own checkpoint tensor. Under tensor parallelism a Linear
+holds a slice: of its outputs (column-parallel) or of its inputs (row-parallel, whose
+partial outputs are summed over ranks).
+
+Checkpoint tensors may arrive lazily (a safetensors slice handle), so that a rank reads only
+its own part of each tensor from disk.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pkv.core.parallel import TPGroup
+
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where a parameter keeps the output features, to place fused shards.
+    """Where a parameter keeps its output and input features, to place fused shards and cut
+    tensor-parallel slices.
 
     `output_dim` is the axis that runs over outputs (None: not per output, e.g. a
-    per-tensor scale); `pack` is how many outputs share one element along it.
+    per-tensor scale); `pack` is how many outputs share one element along it. `input_dim`
+    and `input_pack` say the same of inputs (AWQ scales hold one row per group of inputs).
     """
 
     output_dim: int | None
     pack: int = 1
+    input_dim: int | None = None
+    input_pack: int = 1
+
+
+@dataclass(frozen=True)
+class LinearSplit:
+    """A tensor-parallel cut: `column` keeps slices of the outputs (one (start, count) per
+    fused shard, in checkpoint rows), `row` one (start, count) slice of the inputs."""
+
+    kind: str
+    slices: tuple[tuple[int, int], ...]
+    tp: TPGroup
+
+
+def as_tensor(tensor: Any) -> torch.Tensor:
+    """A checkpoint tensor, read in full if it is a lazy slice handle."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def take(tensor: Any, dim: int, start: int, count: int) -> torch.Tensor:
+    """Rows start..start+count of `dim`, reading only those from a lazy handle."""
+    shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+    if shape[dim] == 1 and count != 1:
+        return as_tensor(tensor)  # a broadcast value (per-tensor scale) serves every slice
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(dim, start, count)
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, start + count)
+    return tensor[tuple(index)]
 
 
 class LinearMethod(ABC):
@@ -68,11 +107,16 @@ class Linear(nn.Module):
     """x @ W^T + b with W stored the way `method` chooses; `out_sizes` lists fused shards."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool,
-                 method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+                 method: LinearMethod | None = None, dtype: torch.dtype | None = None,
+                 split: LinearSplit | None = None) -> None:
+        """`in_features` and `out_sizes` are this rank's sizes (after any `split`)."""
         super().__init__()
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
         self.out_features = sum(out_sizes)
+        self.split = split
+        if split is not None and split.kind == "row" and bias:
+            raise ValueError("row-parallel layers with a bias are not supported")
         self.method = method or UnquantizedLinearMethod()
         dtype = dtype or torch.get_default_dtype()
         self.layouts = self.method.create_weights(self, dtype)
@@ -84,15 +128,32 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        if self.split is not None and self.split.kind == "row":
+            self.split.tp.all_reduce(y)  # each rank multiplied its slice of the inputs
+        return y
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int | None, full_name: str) -> None:
+    def load(self, name: str, tensor: Any, shard: int | None, full_name: str) -> None:
         if name in self.method.ignored:
             return
         if name not in self.layouts:
             raise ValueError(f"checkpoint tensor {full_name!r} has no place in the model "
                              f"({self.method.name} layers hold {', '.join(self.layouts)})")
-        self.method.load(self, name, tensor, shard, full_name)
+        self.method.load(self, name, self._slice(name, tensor, shard), shard, full_name)
+
+    def _slice(self, name: str, tensor: Any, shard: int | None) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (all of it without tensor parallelism)."""
+        layout, split = self.layouts[name], self.split
+        if split is None:
+            return as_tensor(tensor)
+        if split.kind == "column" and layout.output_dim is not None:
+            start, count = split.slices[shard or 0]
+            return take(tensor, layout.output_dim, start // layout.pack, count // layout.pack)
+        if split.kind == "row" and layout.input_dim is not None:
+            start, count = split.slices[0]
+            return take(tensor, layout.input_dim, start // layout.input_pack,
+                        count // layout.input_pack)
+        return as_tensor(tensor)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}, "
@@ -107,7 +168,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
                                                 dtype=dtype), requires_grad=False)
-        return {"weight": ParamLayout(output_dim=0)}
+        return {"weight": ParamLayout(output_dim=0, input_dim=1)}
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)

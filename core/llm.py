@@ -35,6 +35,11 @@ class LLM:
         self.show_progress = show_progress
         self.llm_engine = LLMEngine(config, show_progress=show_progress)
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes now (they also stop when the LLM is
+        garbage-collected or the interpreter exits)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):  # noqa: ANN201 - returns pkv.core.tokenizer.Tokenizer
         return self.llm_engine.tokenizer
 

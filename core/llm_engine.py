@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+import weakref
+from dataclasses import asdict, dataclass
 
 import torch
 
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import KVCacheManager
-from pkv.core.model_loader import open_model
-from pkv.core.model_runner import ModelRunner, resolve_device
+from pkv.core.model_runner import ModelRunner, ModelSetup
 from pkv.core.output_processor import OutputProcessor
-from pkv.core.quantization import resolve_weight_loader
 from pkv.core.outputs import RequestOutput
 from pkv.core.request import Request, RequestStatus
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import Scheduler
-from pkv.plugins.registry import discover, select_attention_backend, select_guided_backend
+from pkv.core.workers import WorkerGroup
+from pkv.plugins.registry import select_guided_backend
 
 logger = logging.getLogger("pkv.engine")
 
@@ -65,26 +65,30 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        registry = discover()
-        source = open_model(config.model, registry)
+        setup = ModelSetup.prepare(config)
+        source = setup.source
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = source.tokenizer
-        self.max_model_len = self._max_model_len(config, source.config.max_position_embeddings)
+        self.max_model_len = setup.max_model_len
         self.max_num_batched_tokens = (config.max_num_batched_tokens
                                        or min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                               max(self.max_model_len, config.max_num_seqs)))
-        device = resolve_device(config.device)
-        backend = select_attention_backend(config.attention_backend, device.type, registry)
-        logger.info("attention backend: %s", backend.name)
-        self.attention_backend = backend.name
-        # Fail on a bad guided backend or quantization before the weights load.
-        guided_cls = select_guided_backend(config.guided_decoding_backend, registry)
-        loader = resolve_weight_loader(config.quantization, source, registry)
-        self.quantization = loader.name if loader else None
-        linear_method = loader.linear_method(source, device) if loader else None
-        self.runner = ModelRunner(config, source, self.max_model_len, backend, show_progress,
-                                  linear_method)
+        logger.info("attention backend: %s", setup.backend.name)
+        self.attention_backend = setup.backend.name
+        self.quantization = setup.loader.name if setup.loader else None
+        # Fail on a bad guided backend before the weights load.
+        guided_cls = select_guided_backend(config.guided_decoding_backend, setup.registry)
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup.start(asdict(config), setup.device.type)
+            weakref.finalize(self, self.workers.shutdown)  # also when the LLM is dropped
+        try:
+            self.runner = ModelRunner(config, setup, show_progress,
+                                      self.workers.tp if self.workers else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
@@ -97,14 +101,11 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
-    @staticmethod
-    def _max_model_len(config: EngineConfig, model_max: int) -> int:
-        if config.max_model_len is None:
-            return model_max
-        if config.max_model_len > model_max:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({model_max})")
-        return config.max_model_len
+    def shutdown(self, force: bool = False) -> None:
+        """Stop tensor-parallel workers (a no-op on one rank); the engine is unusable after.
+        `force` kills them without a last broadcast (when a step may still be running)."""
+        if self.workers is not None:
+            self.workers.shutdown(force)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
+        if self.workers is not None:
+            self.workers.check()  # a dead rank would make the step wait forever
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

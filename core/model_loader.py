@@ -20,6 +20,7 @@ from pkv.core.attention import AttentionBackend
 from pkv.core.linear import LinearMethod
 from pkv.core.model_config import ModelConfig
 from pkv.core.models.llama import LlamaForCausalLM
+from pkv.core.parallel import ShardPlan
 from pkv.core.progress import progress_bar
 from pkv.core.quantization import checkpoint_quantization
 from pkv.core.tokenizer import Tokenizer
@@ -40,7 +41,8 @@ class ModelSource:
     config: ModelConfig
     tokenizer: Tokenizer
     num_tensors: int
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # (name, tensor or lazy slice handle), read while iterating: see core.linear.as_tensor
+    weights: Callable[[], Iterator[tuple[str, Any]]]
     hf_config: dict[str, Any]  # config.json, or its equivalent for other formats
     quantization: str | None = None  # the weight loader the checkpoint calls for
 
@@ -115,25 +117,27 @@ def _safetensor_keys(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """Lazy slice handles: the consumer reads each tensor (or only its rank's part) before
+    asking for the next one."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, f.get_slice(key)
 
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
                 dtype: torch.dtype, device: torch.device, method: LinearMethod | None = None,
-                show_progress: bool = True) -> LlamaForCausalLM:
+                show_progress: bool = True, plan: ShardPlan | None = None) -> LlamaForCausalLM:
     """Build the model on `device` without a float copy in between, and load its weights."""
     # Parameters are created in the compute dtype; quantized ones choose their own.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(source.config, backend, max_len, method)
+            model = LlamaForCausalLM(source.config, backend, max_len, method, plan)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)

@@ -7,19 +7,30 @@ only for the rows that sample, and samples them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import psutil
 import torch
+import torch.distributed as dist
 
 from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
-from pkv.core.linear import LinearMethod
+from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
+from pkv.core.quantization import WeightLoader, resolve_weight_loader
+from pkv.core.workers import StepInputs, broadcast
 from pkv.core.model_config import ModelConfig
-from pkv.core.model_loader import ModelSource, build_model
+from pkv.core.model_loader import ModelSource, build_model, open_model
 from pkv.core.request import Request
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
 from pkv.core.scheduler import SchedulerOutput
+from pkv.plugins.registry import (PluginRegistry, discover, select_attention_backend)
+
+
+def build_runner(config: EngineConfig, tp: TPGroup) -> ModelRunner:
+    """A worker rank's runner (the driver's is built by the engine)."""
+    return ModelRunner(config, ModelSetup.prepare(config), show_progress=False, tp=tp)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,25 +53,71 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.
     return _DTYPES.get(str(model.torch_dtype).removeprefix("torch."), torch.bfloat16)
 
 
-class ModelRunner:
-    """Runs the model over the KV cache, one flattened batch per step."""
+def resolve_max_model_len(config: EngineConfig, model_max: int) -> int:
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({model_max})")
+    return config.max_model_len
 
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
-                 backend: AttentionBackend, show_progress: bool = True,
-                 linear_method: LinearMethod | None = None) -> None:
+
+@dataclass
+class ModelSetup:
+    """Everything decided about the model before its weights load (same on every rank)."""
+
+    source: ModelSource
+    max_model_len: int
+    device: torch.device
+    backend: AttentionBackend
+    loader: WeightLoader | None
+    registry: PluginRegistry
+
+    @classmethod
+    def prepare(cls, config: EngineConfig) -> ModelSetup:
+        """Open the model and pick its attention backend and weight loader; errors here
+        come before any weights load."""
+        registry = discover()
+        source = open_model(config.model, registry)
+        device = resolve_device(config.device)
+        backend = select_attention_backend(config.attention_backend, device.type, registry)
+        loader = resolve_weight_loader(config.quantization, source, registry)
+        if config.tensor_parallel_size > 1:
+            check_tp_size(source.config, config.tensor_parallel_size)
+        return cls(source, resolve_max_model_len(config, source.config.max_position_embeddings),
+                   device, backend, loader, registry)
+
+
+class ModelRunner:
+    """Runs the model over the KV cache, one flattened batch per step. Under tensor
+    parallelism every rank has one; the driver's broadcasts each step's inputs."""
+
+    def __init__(self, config: EngineConfig, setup: ModelSetup, show_progress: bool = True,
+                 tp: TPGroup | None = None) -> None:
         self.config = config
+        self.tp = tp or TPGroup()
+        source = setup.source
         self.model_config = source.config
+        self.plan = ShardPlan.build(source.config, self.tp)
         self.block_size = config.block_size
-        self.device = resolve_device(config.device)
+        self.device = setup.device
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
-        self.model = build_model(source, backend, max_model_len, self.dtype, self.device,
-                                 linear_method, show_progress)
-        self.num_blocks = self._num_kv_blocks(max_model_len)
+        method = setup.loader.linear_method(source, self.device) if setup.loader else None
+        self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
+                                 self.device, method, show_progress and self.tp.rank == 0,
+                                 self.plan)
+        self.num_blocks = self._num_kv_blocks(setup.max_model_len)
+        if self.tp.enabled:  # every rank's pool has the driver's number of blocks
+            self.num_blocks = broadcast(self.num_blocks)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self._num_zeroed_blocks = 0
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.rank_weight_bytes = [self.weight_bytes]
+        if self.tp.enabled:
+            self.rank_weight_bytes = [0] * self.tp.size
+            dist.all_gather_object(self.rank_weight_bytes, self.weight_bytes)
 
     @property
     def weight_bytes(self) -> int:
@@ -72,7 +129,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+        return (2 * cfg.num_hidden_layers * self.block_size * self.plan.kv_heads[1]
                 * cfg.head_dim * elem)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -108,7 +165,7 @@ class ModelRunner:
         # One allocation for all layers; blocks are zeroed on first use (see _zero_new_blocks),
         # so a large pool costs no memory until it is used.
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size,
-                 cfg.num_key_value_heads, cfg.head_dim)
+                 self.plan.kv_heads[1], cfg.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         return [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
 
@@ -123,13 +180,23 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[int]],
                       high_watermark: int) -> tuple[list[Request], SamplerOutput]:
         """Run one step; return the requests that sampled and their sampler output."""
-        self._zero_new_blocks(high_watermark)
         input_ids, positions, meta, logits_idx, sampling = self._prepare_inputs(sched, block_tables)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sampling:
+        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        if self.tp.enabled:
+            broadcast(step)
+        logits = self.run_step(step)
+        if logits is None:
             return [], SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[logits_idx])
         return sampling, self.sampler(logits, [self._sampling_row(r) for r in sampling])
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass every rank runs in lockstep; logits of the sampling rows."""
+        self._zero_new_blocks(step.high_watermark)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if step.logits_idx.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[step.logits_idx])
 
     def _prepare_inputs(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,

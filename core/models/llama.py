@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.attention import AttentionBackend, AttentionMetadata
-from pkv.core.linear import Linear, LinearMethod, check_shape
+from pkv.core.linear import Linear, LinearMethod, LinearSplit, as_tensor, check_shape, take
 from pkv.core.model_config import ModelConfig
+from pkv.core.parallel import ShardPlan, single_rank_plan
 
 
 class RMSNorm(nn.Module):
@@ -86,17 +87,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def _split(plan: ShardPlan, kind: str, *slices: tuple[int, int]) -> LinearSplit | None:
+    return LinearSplit(kind, slices, plan.tp) if plan.tp.enabled else None
+
+
 class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 method: LinearMethod | None) -> None:
+                 method: LinearMethod | None, plan: ShardPlan) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        d = self.head_dim = cfg.head_dim
+        (q_start, self.num_heads), (kv_start, self.num_kv_heads) = plan.q_heads, plan.kv_heads
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        q_rows, kv_rows = (q_start * d, self.q_size), (kv_start * d, self.kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               cfg.attention_bias, method)
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size], False, method)
+                               cfg.attention_bias, method,
+                               split=_split(plan, "column", q_rows, kv_rows, kv_rows))
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], False, method,
+                             split=_split(plan, "row", q_rows))
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -113,11 +123,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethod | None) -> None:
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None, plan: ShardPlan) -> None:
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [size, size], False, method)
-        self.down_proj = Linear(size, [cfg.hidden_size], False, method)
+        rows = plan.intermediate
+        size = rows[1]
+        self.gate_up_proj = Linear(cfg.hidden_size, [size, size], False, method,
+                                   split=_split(plan, "column", rows, rows))
+        self.down_proj = Linear(size, [cfg.hidden_size], False, method,
+                                split=_split(plan, "row", rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -126,12 +139,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 method: LinearMethod | None) -> None:
+                 method: LinearMethod | None, plan: ShardPlan) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, method)
+        self.self_attn = Attention(cfg, backend, method, plan)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, method)
+        self.mlp = MLP(cfg, method, plan)
+
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -140,12 +154,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class VocabEmbedding(nn.Module):
+    """Token embedding over this rank's slice of the vocabulary; ranks sum their rows."""
+
+    def __init__(self, hidden: int, plan: ShardPlan) -> None:
+        super().__init__()
+        self.start, self.count = plan.vocab
+        self.tp = plan.tp
+        self.weight = nn.Parameter(torch.empty(self.count, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.count)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def load(self, tensor: object, name: str) -> None:
+        rows = take(tensor, 0, self.start, self.count) if self.tp.enabled else as_tensor(tensor)
+        check_shape(self.weight, rows, name)
+        self.weight.copy_(rows)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
-                 method: LinearMethod | None) -> None:
+                 method: LinearMethod | None, plan: ShardPlan) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, method)
+        self.embed_tokens = VocabEmbedding(cfg.hidden_size, plan)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, method, plan)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, max_len)
@@ -171,15 +208,18 @@ class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns hidden states, `compute_logits` the logits.
 
     `method` decides how the decoder's linear layers store weights (float, AWQ, FP8); the
-    embedding and the LM head stay in the compute dtype.
+    embedding and the LM head stay in the compute dtype. `plan` says which slice of every
+    split dimension this rank holds (everything, without tensor parallelism).
     """
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
-                 method: LinearMethod | None = None) -> None:
+                 method: LinearMethod | None = None, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_len, method)
-        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False)
+        self.plan = plan or single_rank_plan(cfg)
+        self.model = LlamaModel(cfg, backend, max_len, method, self.plan)
+        self.lm_head = Linear(cfg.hidden_size, [self.plan.vocab[1]], False,
+                              split=_split(self.plan, "column", self.plan.vocab))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -194,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [num_sampled, vocab]
+        logits = self.lm_head(hidden)  # [num_sampled, this rank's vocab]
+        return self.plan.tp.all_gather_last_dim(logits, self.plan.vocab_sizes)
 
     def _expected_tensors(self) -> dict[tuple[str, str, int | None], str]:
         """(module, parameter, shard) -> the checkpoint name that must fill it."""
@@ -230,8 +271,10 @@ class LlamaForCausalLM(nn.Module):
             module = modules.get(path)
             if isinstance(module, Linear):
                 module.load(leaf, tensor, shard, name)
+            elif isinstance(module, VocabEmbedding) and leaf == "weight":
+                module.load(tensor, name)
             elif module is not None and isinstance(module._parameters.get(leaf), nn.Parameter):
-                param = module._parameters[leaf]
+                param, tensor = module._parameters[leaf], as_tensor(tensor)
                 check_shape(param, tensor, name)
                 param.copy_(tensor)
             else:

@@ -87,8 +87,9 @@ class AWQLinearMethod(LinearMethod):
         layer.qweight = _frozen(torch.empty(k, n // PACK, dtype=torch.int32))
         layer.qzeros = _frozen(torch.empty(k // g, n // PACK, dtype=torch.int32))
         layer.scales = _frozen(torch.empty(k // g, n, dtype=dtype))
-        packed = ParamLayout(output_dim=1, pack=PACK)
-        return {"qweight": packed, "qzeros": packed, "scales": ParamLayout(output_dim=1)}
+        return {"qweight": ParamLayout(output_dim=1, pack=PACK, input_dim=0),
+                "qzeros": ParamLayout(output_dim=1, pack=PACK, input_dim=0, input_pack=g),
+                "scales": ParamLayout(output_dim=1, input_dim=0, input_pack=g)}
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if not torch.isfinite(layer.scales).all():

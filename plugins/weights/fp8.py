@@ -56,7 +56,7 @@ class FP8LinearMethod(LinearMethod):
                                                 dtype=FP8), requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, 1),
                                           requires_grad=False)
-        layouts = {"weight": ParamLayout(output_dim=0)}
+        layouts = {"weight": ParamLayout(output_dim=0, input_dim=1)}
         if not self.quantize_on_load:
             layouts["weight_scale"] = ParamLayout(output_dim=0)
         return layouts

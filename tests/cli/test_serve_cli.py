@@ -32,5 +32,5 @@ def test_unknown_yaml_key_is_an_error(tmp_path: Path):
 
 def test_bad_flags_are_one_line_errors(tmp_path: Path):
     assert "does not exist" in _serve(str(tmp_path / "missing")).output
-    result = _serve("--tensor-parallel-size", "2")
+    result = _serve("--tensor-parallel-size", "0")
     assert result.exit_code == 2 and "tensor_parallel_size" in result.output

@@ -12,6 +12,7 @@ import torch
 from pkv import LLM, SamplingParams
 from pkv.core import model_loader
 from pkv.core.config import EngineConfig, parse_memory_size
+from pkv.core.linear import as_tensor
 from pkv.core.model_loader import open_model
 from pkv.tests.helpers import hf_greedy, write_gguf
 
@@ -27,7 +28,7 @@ def test_gguf_tensor_types_load_under_hf_names(tmp_path: Path, tiny_llama_dir: P
     path = write_gguf(tiny_llama_dir, tmp_path / f"tiny-{quant}.gguf", quant, smol_gguf)
     source = open_model(str(path))
     original = load_file(str(tiny_llama_dir / "model.safetensors"))
-    loaded = dict(source.weights())
+    loaded = {name: as_tensor(t) for name, t in source.weights()}
     assert set(loaded) == set(original)
     for name, tensor in original.items():
         err = (loaded[name] - tensor.float()).abs().max().item()

@@ -1,0 +1,242 @@
+"""Tensor-parallel worker processes: launch, lockstep steps, and a clean end.
+
+The driver (rank 0) owns the scheduler; every step it broadcasts the flattened batch and all
+ranks run the forward pass together. Workers are spawned by pkv (one machine) or by
+`torchrun` (several machines; rank 0 serves HTTP). Lifecycle rules:
+
+- a worker dies with its driver whatever kills it: the kernel's parent-death signal
+  (Linux), and a thread that watches the parent pid elsewhere;
+- a worker that dies is noticed by a monitor thread in the driver, which fails the engine
+  with a clear error instead of letting the next step hang;
+- the process group (and with it the rendezvous port) is torn down on shutdown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pkv.core.attention import AttentionMetadata
+from pkv.core.parallel import TPGroup
+
+logger = logging.getLogger("pkv.workers")
+PR_SET_PDEATHSIG = 1
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs for one forward pass, broadcast by the driver."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_idx: torch.Tensor
+    high_watermark: int
+
+
+def broadcast(obj: Any = None) -> Any:
+    """Rank 0 sends `obj`; every rank returns it."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _share_cores(world: int) -> None:
+    # Ranks on one machine split its cores; oversubscribed threads slow every rank down.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+class WorkerGroup:
+    """The driver's handle on the other ranks."""
+
+    def __init__(self, tp: TPGroup, processes: list[subprocess.Popen]) -> None:
+        self.tp = tp
+        self.processes = processes
+        self.error: str | None = None
+        self._closing = False
+        self._monitor = threading.Thread(target=self._watch, name="pkv-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    @classmethod
+    def start(cls, config_dict: dict[str, Any], device: str) -> WorkerGroup:
+        """Start ranks 1..N-1 here (or join the group torchrun made), then rendezvous."""
+        size = config_dict["tensor_parallel_size"]
+        processes: list[subprocess.Popen] = []
+        if launched_by_torchrun():
+            if int(os.environ["WORLD_SIZE"]) != size or os.environ["RANK"] != "0":
+                raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but "
+                                 f"tensor_parallel_size is {size}")
+            init = "env://"
+        else:
+            init = f"tcp://127.0.0.1:{free_port()}"
+            # A fresh interpreter per worker (not fork: OpenMP and threads do not survive it;
+            # not multiprocessing's spawn: it re-runs the user's main module).
+            payload = json.dumps({"size": size, "init": init, "parent": os.getpid(),
+                                  "config": config_dict})
+            for rank in range(1, size):
+                processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "pkv.core.workers", str(rank)],
+                    env={**os.environ, _PAYLOAD_ENV: payload}))
+            _share_cores(size)
+        _rendezvous(device, init, size, processes)
+        return cls(TPGroup(0, size), processes)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, proc in enumerate(self.processes, start=1):
+                code = proc.poll()
+                if code is not None and not self._closing and self.error is None:
+                    self.error = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited "
+                                  f"with code {code}")
+                    logger.error("%s; the engine stops", self.error)
+            time.sleep(0.2)
+
+    def check(self) -> None:
+        """Raise if a worker has died (before the next step would wait for it forever)."""
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def shutdown(self, force: bool = False) -> None:
+        """Tell workers to exit (or kill them with `force`), reap them, and tear down the
+        process group."""
+        if self._closing:
+            return
+        self._closing = True
+        if force:
+            for proc in self.processes:
+                proc.kill()
+        elif self.error is None:
+            try:
+                broadcast(None)
+            except Exception:  # a dead peer: nothing left to tell
+                pass
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rendezvous(device: str, init: str, size: int, processes: list[subprocess.Popen]) -> None:
+    """Join the process group as rank 0, failing fast if a worker dies while starting."""
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        except BaseException as exc:  # reported by the waiting thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=join, name="pkv-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        for rank, proc in enumerate(processes, start=1):
+            if proc.poll() is not None:
+                for other in processes:
+                    other.kill()
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited with code "
+                                   f"{proc.returncode} while starting (its error is above)")
+        thread.join(0.2)
+    if failure:
+        raise failure[0]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pkv-parent-watch", daemon=True).start()
+
+
+_PAYLOAD_ENV = "PKV_TP_WORKER"
+
+
+def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
+                parent_pid: int | None) -> None:
+    """A worker rank: load its shard, then run forward passes until told to stop."""
+    from pkv.core.config import EngineConfig
+    from pkv.core.model_runner import build_runner
+
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+        _share_cores(size)
+    config = EngineConfig.from_dict(config_dict)
+    dist.init_process_group(_backend(config.device), init_method=init, rank=rank,
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        runner = build_runner(config, TPGroup(rank, size))
+        while (step := broadcast()) is not None:
+            runner.run_step(step)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torchrun_worker(config_dict: dict[str, Any]) -> None:
+    """Ranks other than 0 under torchrun: the same loop, the group from the environment."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if size != config_dict["tensor_parallel_size"]:
+        raise ValueError(f"torchrun started {size} processes but tensor_parallel_size is "
+                         f"{config_dict['tensor_parallel_size']}")
+    worker_main(rank, size, "env://", config_dict, None)
+
+
+def _main() -> None:
+    """Entry of a worker started by WorkerGroup.start: `python -m pkv.core.workers RANK`."""
+    payload = json.loads(os.environ.pop(_PAYLOAD_ENV))
+    try:
+        worker_main(int(sys.argv[1]), payload["size"], payload["init"], payload["config"],
+                    payload["parent"])
+    except Exception as exc:  # one line for the driver's terminal, then a failing exit
+        print(f"pkv worker rank {sys.argv[1]}: error: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,109 @@
+"""Tensor parallelism over gloo on CPU: the same greedy tokens as one rank, half the weights
+per rank, and workers that never outlive their driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pkv import LLM, SamplingParams
+from pkv.tests.conftest import PROMPTS
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _greedy(llm: LLM, prompts: list) -> list[list[int]]:  # noqa: ANN001
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_tp2_equals_tp1_on_the_bundled_model(smol_llm: LLM) -> None:
+    tp = LLM(tensor_parallel_size=2, kv_cache_memory="128MiB", max_model_len=512,
+             show_progress=False)
+    try:
+        assert _greedy(tp, PROMPTS) == _greedy(smol_llm, PROMPTS)
+        per_rank = tp.llm_engine.runner.rank_weight_bytes
+        whole = smol_llm.llm_engine.runner.weight_bytes
+        assert len(per_rank) == 2
+        assert all(0.4 * whole < b < 0.6 * whole for b in per_rank), (per_rank, whole)
+        pids = tp.llm_engine.workers.pids
+    finally:
+        tp.shutdown()
+    assert _gone(pids, 5)
+
+
+def test_tp2_equals_tp1_on_tiny_qwen2(tiny_qwen2_dir: Path) -> None:
+    prompts = [[1, 2, 3, 4], list(range(200, 260)), [7] * 9]
+    one = LLM(str(tiny_qwen2_dir), kv_cache_memory="16MiB", max_model_len=256,
+              show_progress=False)
+    expected = _greedy(one, prompts)
+    two = LLM(str(tiny_qwen2_dir), tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=256, show_progress=False)
+    try:
+        assert _greedy(two, prompts) == expected
+    finally:
+        two.shutdown()
+
+
+def test_splits_that_cannot_work_are_clear_errors(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 exceeds the model's 2 KV heads"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, show_progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=0, show_progress=False)
+
+
+def test_a_dead_worker_fails_the_engine_instead_of_hanging(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128, show_progress=False)
+    try:
+        [pid] = llm.llm_engine.workers.pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 1 .* exited with code -9"):
+            for _ in range(50):  # the monitor notices within a fraction of a second
+                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+                time.sleep(0.1)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
+
+
+DRIVER = """
+import sys, time
+from pkv import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=128,
+          show_progress=False)
+print(*llm.llm_engine.workers.pids, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_workers_die_with_their_driver(tiny_llama_dir: Path, sig: signal.Signals) -> None:
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tiny_llama_dir)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert pids and all(psutil.pid_exists(p) for p in pids)
+        driver.send_signal(sig)
+        driver.wait(timeout=10)
+        assert _gone(pids, 5), "a worker outlived its driver"
+    finally:
+        driver.kill()
