@@ -80,6 +80,9 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
+        workers = self.engine.workers
+        if workers is not None and workers.error and self.dead_reason is None:
+            self.dead_reason = workers.error  # a rank died: no step can complete any more
         return self._thread.is_alive() and self.dead_reason is None
 
     @property

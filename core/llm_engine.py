@@ -205,8 +205,13 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
-        sampled_reqs, result = self.runner.execute_model(
-            sched, tables, self.kv_cache.pool.high_watermark)
+        try:
+            sampled_reqs, result = self.runner.execute_model(
+                sched, tables, self.kv_cache.pool.high_watermark)
+        except RuntimeError as exc:
+            if self.workers is None:
+                raise
+            raise RuntimeError(self.workers.explain(exc)) from exc
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
         self.scheduler.update_from_output(sched, sampled)

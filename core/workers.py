@@ -129,6 +129,14 @@ class WorkerGroup:
         if self.error:
             raise RuntimeError(self.error)
 
+    def explain(self, exc: BaseException) -> str:
+        """A collective failed: name the worker that died if there is one (gloo only says
+        "connection reset")."""
+        deadline = time.monotonic() + 2.0
+        while self.error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.error or f"a tensor-parallel step failed: {exc}"
+
     def shutdown(self, force: bool = False) -> None:
         """Tell workers to exit (or kill them with `force`), reap them, and tear down the
         process group."""

@@ -1,0 +1,96 @@
+"""`pkv serve` with tensor parallelism: workers spawned by pkv, and ranks started by torchrun
+(rank 0 serves HTTP). A dead rank turns /health to 503; nothing outlives the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from pkv import LLM, SamplingParams
+from pkv.tests.parallel.test_tensor_parallel import _gone
+from pkv.tests.server.conftest import free_port, start_server, stop_server
+
+PROMPT = [5, 17, 99, 3, 250]
+
+
+def _expected_text(model: Path) -> str:
+    """The greedy completion on one rank, in-process."""
+    llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=256, show_progress=False)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    return out[0].outputs[0].text
+
+
+def _complete(base_url: str) -> list[int]:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _worker_pids(root: int) -> list[int]:
+    return [p.pid for p in psutil.Process(root).children(recursive=True)
+            if "pkv.core.workers" in " ".join(p.cmdline())]
+
+
+def test_tp_server_answers_and_turns_unhealthy_when_a_rank_dies(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    expected = _expected_text(tiny_llama_dir)
+    server = start_server(str(tmp_path), str(tiny_llama_dir), "--tensor-parallel-size", "2",
+                          "--served-model-name", "m", "--max-model-len", "256",
+                          "--kv-cache-memory", "16MiB", api_key=None)
+    try:
+        assert _complete(server.base_url)["text"] == expected
+        [pid] = _worker_pids(server.process.pid)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.base_url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health stayed 200 with a dead rank"
+            time.sleep(0.2)
+        r = httpx.post(f"{server.base_url}/v1/completions",
+                       json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "worker rank 1" in r.json()["error"]["message"]
+    finally:
+        stop_server(server)
+
+
+def test_torchrun_ranks_serve_together_and_stop_together(tmp_path: Path,
+                                                         tiny_llama_dir: Path) -> None:
+    port = free_port()
+    log = open(tmp_path / "torchrun.log", "w")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pkv.cli.main",
+           "serve", str(tiny_llama_dir), "--tensor-parallel-size", "2", "--port", str(port),
+           "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--served-model-name", "m",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2
+        choice = _complete(base)
+        assert len(choice["logprobs"]["tokens"]) == 8
+        assert choice["text"] == _expected_text(tiny_llama_dir)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert _gone([r.pid for r in ranks], 10)
+    finally:
+        proc.kill()
