@@ -6,6 +6,7 @@ Baselines run in the same process, back to back, so ratios survive a noisy machi
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -69,6 +70,7 @@ def run(
     enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching.")] = True,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
+    tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
@@ -104,7 +106,8 @@ def _run_offline(o: dict[str, Any]) -> None:
         kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
-        attention_backend=o["attention_backend"], quantization=o["quantization"]))
+        attention_backend=o["attention_backend"], quantization=o["quantization"],
+        tensor_parallel_size=o["tensor_parallel_size"]))
     tok = engine.tokenizer
     vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
     for prompt in off.make_prompts(vocab_ids, o["warmup"], 8, o["seed"] + 1, None, tok.encode):
@@ -142,6 +145,11 @@ def _run_offline(o: dict[str, Any]) -> None:
                           "[/] output tokens/s")
     if len(runs) > 1:
         console.print(report.offline_table([r for run in runs for r in run if r is not None]))
+    if engine.workers is not None:
+        ranks = [os.getpid(), *engine.workers.pids]
+        console.print("per-rank peak RSS: " + ", ".join(
+            f"rank {i} {off.peak_rss(pid) / 2**20:.0f} MiB" for i, pid in enumerate(ranks)))
+        engine.shutdown()
     if o["json_path"]:
         report.write_json(o["json_path"], report.offline_json(runs), console)
     if o["plot"]:

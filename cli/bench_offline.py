@@ -198,3 +198,12 @@ def run_openai(url: str, model: str, headers: dict[str, str], prompts: list[list
     asyncio.run(main())
     result.elapsed_s = time.perf_counter() - start
     return result
+
+
+def peak_rss(pid: int) -> int:
+    """Peak resident memory of a process in bytes (Linux VmHWM; current RSS elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(l for l in status.splitlines() if l.startswith("VmHWM")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return psutil.Process(pid).memory_info().rss

@@ -41,6 +41,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Require this Bearer key.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name clients use.")] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV pool size, e.g. 2GiB.")] = None,
     memory_utilization: Annotated[float, typer.Option(help="Fraction of memory for weights + KV.")] = 0.9,
@@ -64,16 +65,20 @@ def serve(
     max_logprobs: Annotated[int, typer.Option(help="Largest logprobs/top_logprobs.")] = 20,
     max_stop_strings: Annotated[int, typer.Option(help="Most stop strings per request.")] = 16,
     max_stop_length: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
+    check: Annotated[bool, typer.Option("--check", help="Validate the options and exit, without loading weights.")] = False,
 ) -> None:
     """Serve a model over the OpenAI API (chat, completions, streaming)."""
     with user_errors(console):
         options = _merge_options(ctx, config)
-        _run(options)
+        if check:
+            _check(options)
+        else:
+            _run(options)
 
 
 def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, Any]:
     """Defaults, then YAML, then flags that were given explicitly."""
-    options = {k: v for k, v in ctx.params.items() if k != "config"}
+    options = {k: v for k, v in ctx.params.items() if k not in ("config", "check")}
     if config_file is None:
         return options
     import yaml
@@ -96,18 +101,46 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
     return options
 
 
+def _engine_config(options: dict[str, Any]) -> Any:
+    from pkv.core.config import EngineConfig
+
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    return EngineConfig.from_dict({k: v for k, v in options.items() if k in engine_keys})
+
+
+def _check(options: dict[str, Any]) -> None:
+    """Validate every option, and the model's config and tokenizer where the path exists
+    here; never load weights."""
+    from pkv.core.model_loader import open_model
+    from pkv.core.parallel import check_tp_size
+
+    config = _engine_config(options)
+    if not 0 <= options["port"] <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {options['port']}")
+    if options["log_level"].lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise ValueError(f"log_level must be debug, info, warning or error, got "
+                         f"{options['log_level']!r}")
+    if config.model is None or Path(config.model).expanduser().exists():
+        source = open_model(config.model)
+        check_tp_size(source.config, config.tensor_parallel_size)
+        model = f"{source.name} ({source.config.architecture}, read without weights)"
+    else:
+        model = f"{config.model} (not on this machine; checked again when serving)"
+    console.print(f"[bold green]config OK[/]: model {model}, tensor_parallel_size "
+                  f"{config.tensor_parallel_size}, quantization {config.quantization}",
+                  highlight=False, soft_wrap=True)
+
+
 def _run(options: dict[str, Any]) -> None:
     logging.basicConfig(level=options["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pkv.core.async_engine import AsyncLLM
-    from pkv.core.config import EngineConfig
     from pkv.core.llm_engine import LLMEngine
     from pkv.core.server.api_server import ServerConfig, build_app
     from pkv.core.server.serving import ServerLimits
     from pkv.core.workers import launched_by_torchrun, torchrun_worker
 
-    engine_keys = {f.name for f in fields(EngineConfig)}
-    config = EngineConfig.from_dict({k: v for k, v in options.items() if k in engine_keys})
+    config = _engine_config(options)
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
         return

@@ -70,6 +70,12 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
+def _use_local_gpu(device: str, rank: int) -> None:
+    """Each rank on a node takes its own GPU (torchrun says which; else the rank)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+
+
 def _share_cores(world: int) -> None:
     # Ranks on one machine split its cores; oversubscribed threads slow every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -107,6 +113,7 @@ class WorkerGroup:
                     [sys.executable, "-m", "pkv.core.workers", str(rank)],
                     env={**os.environ, _PAYLOAD_ENV: payload}))
             _share_cores(size)
+        _use_local_gpu(device, 0)
         _rendezvous(device, init, size, processes)
         return cls(TPGroup(0, size), processes)
 
@@ -214,6 +221,7 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
         _die_with_parent(parent_pid)
         _share_cores(size)
     config = EngineConfig.from_dict(config_dict)
+    _use_local_gpu(config.device, rank)
     dist.init_process_group(_backend(config.device), init_method=init, rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
     try:

@@ -34,3 +34,23 @@ def test_bad_flags_are_one_line_errors(tmp_path: Path):
     assert "does not exist" in _serve(str(tmp_path / "missing")).output
     result = _serve("--tensor-parallel-size", "0")
     assert result.exit_code == 2 and "tensor_parallel_size" in result.output
+
+
+def test_every_recipe_passes_check() -> None:
+    recipes = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        result = _serve("--config", str(recipe), "--check")
+        assert result.exit_code == 0, (recipe.name, result.output)
+        assert "config OK" in result.output
+
+
+def test_check_rejects_bad_configs_without_loading(tmp_path: Path, tiny_llama_dir: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {tiny_llama_dir}\ntensor-parallel-size: 3\n")
+    result = _serve("--config", str(bad), "--check")
+    assert result.exit_code == 2 and "exceeds the model's 2 KV heads" in result.output
+    bad.write_text("block-size: 0\n")
+    result = _serve("--config", str(bad), "--check")
+    assert result.exit_code == 2 and "block_size must be an integer in [1, 1024]" in result.output
+    assert "Traceback" not in result.output
