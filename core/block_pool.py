@@ -79,8 +79,9 @@ class BlockPool:
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference per block; pass a request's blocks tail-first so tails evict first."""
         for block in blocks:
+            if block.ref_cnt <= 0:  # an explicit check: `python -O` drops asserts
+                raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
                 if block.block_hash is None:

@@ -111,10 +111,14 @@ def _open_folder(path: Path) -> ModelSource:
 
 
 def _safetensor_keys(file: Path) -> list[str]:
+    """The tensor names; safetensors checks the header (size, offsets, shapes) on open."""
     from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt") as f:
-        return list(f.keys())
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # SafetensorError and OS errors, each as one clear line
+        raise ValueError(f"{file} is not a valid safetensors file: {exc}") from None
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:

@@ -82,7 +82,11 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+            try:
+                text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+            except Exception as exc:  # jinja errors from the model's own template
+                raise OpenAIError(400, f"cannot apply the chat template: {exc}",
+                                  "messages") from None
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

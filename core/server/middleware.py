@@ -15,7 +15,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/admin/")
+# Everything needs the key except these: a route added later is protected by default.
+OPEN_PATHS = frozenset({"/health"})
 
 
 async def send_error(send: Send, status: int, message: str, param: str | None = None,
@@ -28,14 +29,14 @@ async def send_error(send: Send, status: int, message: str, param: str | None = 
 
 
 class AuthMiddleware:
-    """Require `Authorization: Bearer <key>` on the API paths when a key is set."""
+    """Require `Authorization: Bearer <key>` on every path but /health when a key is set."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer)",

@@ -24,6 +24,11 @@ from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.errors import OpenAIError, error_body
 from pkv.core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
+# Template variables a request may set (chat templates of Qwen3 and others read these).
+ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "reasoning_effort"})
+TEMPLATE_TIMEOUT_S = 5.0
+MAX_RENDERED_CHARS = 8 * 2**20
+
 
 @dataclass
 class ServerLimits:
@@ -50,6 +55,34 @@ class OpenAIServing:
         self.tokenizer = async_llm.engine.tokenizer
 
     # ---- validation --------------------------------------------------------------------
+
+    async def _render_chat(self, body: ChatCompletionRequest) -> str:
+        """The server's own template, sandboxed by jinja, off the event loop, with a time
+        and a size limit; requests may pass only allow-listed template variables."""
+        if body.chat_template is not None:
+            raise OpenAIError(400, "requests may not supply a chat template; the server uses "
+                              "the model's own", "chat_template")
+        kwargs = body.chat_template_kwargs or {}
+        for key, value in kwargs.items():
+            if key not in ALLOWED_TEMPLATE_KWARGS or not isinstance(value, (bool, int, str)) \
+                    or len(str(value)) > 256:
+                raise OpenAIError(400, f"chat_template_kwargs may hold only "
+                                  f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
+                                  f"scalar values; got {key!r}", "chat_template_kwargs")
+        messages = [m.as_template_dict() for m in body.messages]
+        try:
+            text = await asyncio.wait_for(asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, True, **kwargs),
+                timeout=TEMPLATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise OpenAIError(400, f"the chat template took over {TEMPLATE_TIMEOUT_S:.0f} s to "
+                              "render these messages", "messages") from None
+        except Exception as exc:  # jinja errors from the model's own template
+            raise OpenAIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+        if len(text) > MAX_RENDERED_CHARS:
+            raise OpenAIError(400, f"the rendered conversation exceeds {MAX_RENDERED_CHARS} "
+                              "characters", "messages")
+        return text
 
     def _check_common(self, body: _SamplingFields, logprobs: int | None) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -109,10 +142,7 @@ class OpenAIServing:
         top = (body.top_logprobs or 0) if body.logprobs else None
         self._check_common(body, top)
         params = self._params(body, body.max_completion_tokens or body.max_tokens, top)
-        try:
-            text = self.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
-        except Exception as exc:  # jinja errors from the model's own template
-            raise OpenAIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+        text = await self._render_chat(body)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prepared = await self._prepare(request_id, prompt_ids, params, body, "messages")
@@ -229,7 +259,8 @@ class OpenAIServing:
             final = None
             async for output in self.llm.generate(prepared):
                 final = output
-            assert final is not None
+            if final is None:
+                raise RuntimeError("the engine finished a request without an output")
             return final
 
         task = asyncio.ensure_future(last())

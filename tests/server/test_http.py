@@ -38,7 +38,7 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
 
 def test_health_version_and_metrics_names(server: RunningServer):
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # open without a key
-    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    assert httpx.get(f"{server.base_url}/version", headers=server.headers).json()["version"]
     names = set(server.metrics())
     for name in ("pkv:num_requests_running", "pkv:num_requests_waiting",
                  "pkv:kv_cache_usage_perc", "pkv:kv_blocks_total", "pkv:kv_blocks_free",

@@ -1,0 +1,88 @@
+"""Hostile weights files: refused with one clear error, in bounded memory, never executed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pkv.core.model_loader import open_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rewrite_header(src: Path, dst: Path, edit) -> None:  # noqa: ANN001
+    raw = src.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    dst.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size:])
+
+
+def _first_tensor(header: dict) -> str:
+    return next(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("case", ["bad_offsets", "shape_bytes_mismatch", "huge_header"])
+def test_malformed_safetensors_are_clear_errors(tmp_path: Path, tiny_llama_dir: Path,
+                                                case: str) -> None:
+    folder = tmp_path / case
+    shutil.copytree(tiny_llama_dir, folder)
+    weights = folder / "model.safetensors"
+    if case == "huge_header":  # claims a 1 TiB header: must not be allocated
+        weights.write_bytes(struct.pack("<Q", 2**40) + b"{}")
+    elif case == "bad_offsets":
+        _rewrite_header(tiny_llama_dir / "model.safetensors", weights, lambda h: h[
+            _first_tensor(h)].update(data_offsets=[0, 10**12]))
+    else:
+        _rewrite_header(tiny_llama_dir / "model.safetensors", weights, lambda h: h[
+            _first_tensor(h)].update(shape=[4096, 4096]))
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(ValueError, match="is not a valid safetensors file"):
+        open_model(str(folder))
+    assert psutil.Process().memory_info().rss - rss < 64 * 2**20
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path: Path, smol_gguf: Path) -> None:
+    truncated = tmp_path / "cut.gguf"
+    with smol_gguf.open("rb") as f:
+        truncated.write_bytes(f.read(20_000_000))
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        open_model(str(truncated))
+
+
+def test_remote_code_is_never_run(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    folder = tmp_path / "remote"
+    shutil.copytree(tiny_llama_dir, folder)
+    marker = tmp_path / "pwned"
+    (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    config["trust_remote_code"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    source = open_model(str(folder))
+    assert source.config.architecture == "llama"
+    from pkv import LLM
+
+    LLM(str(folder), kv_cache_memory="8MiB", max_model_len=64, show_progress=False)
+    assert not marker.exists()
+
+
+def test_no_check_in_pkv_is_an_assert() -> None:
+    """`python -O` strips asserts; checks must be explicit in everything but the tests."""
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".venv", "build") or "site-packages" in rel.parts:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.match(r"\s*assert\b", line):
+                offenders.append(f"{rel}:{number}")
+    assert offenders == []

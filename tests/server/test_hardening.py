@@ -1,0 +1,162 @@
+"""Hostile HTTP traffic against a real server: every route needs the key (but /health),
+keys and templates never leak or run, and the engine serves the same canary afterwards
+with every KV block back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+
+from pkv.tests.server.conftest import API_KEY, RunningServer
+from pkv.tests.server.test_http import MODEL, _assert_error, _post
+
+CANARY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12,
+          "temperature": 0}
+
+
+def _canary(server: RunningServer) -> str:
+    r = _post(server, "/v1/completions", CANARY)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _blocks_idle(server: RunningServer) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        m = server.metrics()
+        if m["pkv:num_requests_running"] == 0 and m["pkv:kv_blocks_free"] == m["pkv:kv_blocks_total"]:
+            return
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def canary(server: RunningServer):  # noqa: ANN201 - yields nothing
+    """The invariants of every negative test: same canary output, no held KV blocks."""
+    before = _canary(server)
+    yield
+    assert _canary(server) == before
+    _blocks_idle(server)
+
+
+def _routes(tiny_llama_dir: Path) -> list[tuple[str, str]]:
+    """(method, path) of every route of the app, read from its own route table."""
+    from pkv.core.async_engine import AsyncLLM
+    from pkv.core.config import EngineConfig
+    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.server.api_server import ServerConfig, build_app
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB",
+                                    max_model_len=64), show_progress=False)
+    app = build_app(AsyncLLM(engine, 4), ServerConfig("m", api_key="k"))
+    return sorted((method, route.path) for route in app.routes if isinstance(route, APIRoute)
+                  for method in route.methods if method != "HEAD")
+
+
+def test_every_route_but_health_needs_the_key(server: RunningServer, tiny_llama_dir: Path,
+                                              canary: None) -> None:
+    routes = _routes(tiny_llama_dir)
+    assert ("POST", "/v1/chat/completions") in routes and ("GET", "/health") in routes
+    wrong = ["", "Bearer", "Bearer wrong", "Bearer " + "x" * len(API_KEY),
+             "Bearer " + API_KEY[:-1] + "4", "Basic " + API_KEY, API_KEY,
+             "Bearer " + API_KEY + " extra", "Bearer  " + API_KEY, "bearer" + API_KEY,
+             "Bearer " + API_KEY + "x" * 4096]
+    for method, path in routes:
+        for auth in wrong:
+            headers = {"Authorization": auth} if auth else {}
+            r = httpx.request(method, server.base_url + path, headers=headers, json={},
+                              timeout=10)
+            if path == "/health":
+                assert r.status_code == 200
+                continue
+            assert r.status_code == 401, (method, path, auth, r.status_code)
+            assert API_KEY not in r.text and "Traceback" not in r.text
+    assert API_KEY not in server.log()  # never logged
+
+
+@pytest.mark.parametrize("host", ["evil.example/../admin", "x?y=1", "a/b?c#d"])
+def test_odd_host_headers_change_nothing(server: RunningServer, host: str,
+                                         canary: None) -> None:
+    r = httpx.get(f"{server.base_url}/v1/models", headers={"Host": host}, timeout=10)
+    assert r.status_code == 401
+    r = httpx.get(f"{server.base_url}/health", headers={"Host": host}, timeout=10)
+    assert r.status_code == 200
+    r = httpx.get(f"{server.base_url}/v1/models", headers={"Host": host, **server.headers},
+                  timeout=10)
+    assert r.status_code == 200
+
+
+def test_requests_cannot_supply_or_steer_chat_templates(server: RunningServer,
+                                                        canary: None) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 2}
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    _assert_error(_post(server, "/v1/chat/completions", {**body, "chat_template": evil}),
+                  400, "chat_template")
+    for kwargs in ({"bos_token": "x"}, {"messages": []}, {"enable_thinking": ["a"]},
+                   {"enable_thinking": "x" * 300}):
+        _assert_error(_post(server, "/v1/chat/completions",
+                            {**body, "chat_template_kwargs": kwargs}),
+                      400, "chat_template_kwargs")
+    ok = _post(server, "/v1/chat/completions",
+               {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("body, content_type", [
+    (b"[]", "application/json"), (b"null", "application/json"), (b'{"prompt": 5}',
+                                                                  "application/json"),
+    (b'{"model": "m", "prompt": "hi"}', "text/plain"), (b"\xff\xfe", "application/json"),
+    (b'{"prompt": "' + b"a" * 100 + b'", "max_tokens": 1e400}', "application/json"),
+])
+def test_malformed_bodies_are_400s(server: RunningServer, body: bytes, content_type: str,
+                                   canary: None) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", content=body, timeout=10,
+                   headers={**server.headers, "content-type": content_type})
+    assert r.status_code in (400, 415, 422), r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert len(r.content) < 4096 and "Traceback" not in r.text
+
+
+def test_oversized_headers_are_refused(server: RunningServer, canary: None) -> None:
+    headers = {**server.headers, "X-Big": "a" * (128 * 1024)}
+    try:
+        r = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=10)
+        assert r.status_code in (400, 431)
+    except httpx.TransportError:
+        pass  # the server may just close the connection: also refused, with bounded memory
+
+
+async def _storm(server: RunningServer, count: int) -> int:
+    """`count` clients that give up after 0.5 s on requests that would run for minutes."""
+    import asyncio
+
+    body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 900,
+            "ignore_eos": True}
+    timeouts = 0
+    async with httpx.AsyncClient(timeout=0.5, headers=server.headers,
+                                 limits=httpx.Limits(max_connections=count)) as client:
+        async def one(i: int) -> bool:
+            try:
+                await client.post(f"{server.base_url}/v1/completions",
+                                  json={**body, "stream": bool(i % 2)})
+                return False
+            except httpx.TimeoutException:
+                return True
+        timeouts = sum(await asyncio.gather(*(one(i) for i in range(count))))
+    return timeouts
+
+
+def test_a_storm_of_abandoned_requests_frees_everything(server: RunningServer,
+                                                        canary: None) -> None:
+    import asyncio
+
+    assert asyncio.run(_storm(server, 200)) >= 190
+    start = time.monotonic()
+    _blocks_idle(server)  # every abandoned request aborted, every block back
+    r = _post(server, "/v1/completions", {**CANARY, "max_tokens": 4})
+    assert r.status_code == 200 and time.monotonic() - start < 20
