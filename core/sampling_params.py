@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from pkv.core.structured_outputs import StructuredOutputsParams
@@ -41,7 +43,7 @@ class SamplingParams:
         else:
             self._stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0  # vLLM uses -1 for "off"; both mean off here.
         self._validate()
 
@@ -51,9 +53,11 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
-        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        check(0 <= self.temperature < math.inf,
+              f"temperature must be finite and >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0,
+              f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(
             self.max_tokens is None or self.max_tokens >= 1,

@@ -52,7 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None  # the request field, not pydantic's union branch
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
             first.get("msg", "invalid request body"))
         return error_response(OpenAIError(400, message, param))

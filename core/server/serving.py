@@ -38,6 +38,8 @@ class ServerLimits:
     max_logprobs: int = 20
     max_stop_strings: int = 16
     max_stop_length: int = 256
+    max_prompts: int = 64  # prompts in one completions request
+    max_cache_salt_length: int = 256
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -93,6 +95,11 @@ class OpenAIServing:
         if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
             raise OpenAIError(400, f"logprobs must be between 0 and {self.limits.max_logprobs}",
                               "logprobs")
+        salt = body.cache_salt
+        if salt is not None and (len(salt) > self.limits.max_cache_salt_length
+                                 or not salt.isprintable()):
+            raise OpenAIError(400, f"cache_salt must be printable and at most "
+                              f"{self.limits.max_cache_salt_length} characters", "cache_salt")
         stops = body.stop_list
         if len(stops) > self.limits.max_stop_strings:
             raise OpenAIError(400, f"at most {self.limits.max_stop_strings} stop strings",
@@ -124,8 +131,11 @@ class OpenAIServing:
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
+            first = str(exc).split(" ", 1)[0]
             if "constraint" in str(exc):  # compiling the structured-output constraint failed
                 param = body.structured()[1] or param
+            elif first in type(body).model_fields:  # engine messages start with the field
+                param = first
             raise OpenAIError(400, str(exc), param) from None
 
     def _admit(self) -> None:
@@ -198,6 +208,9 @@ class OpenAIServing:
         params = self._params(body, body.max_tokens if body.max_tokens is not None else 16,
                               body.logprobs)
         prompts = _prompt_list(body.prompt)
+        if len(prompts) * body.n > self.limits.max_prompts:
+            raise OpenAIError(400, f"at most {self.limits.max_prompts} prompts (times n) per "
+                              "request", "prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt")
                     for i, p in enumerate(prompts)]

@@ -160,3 +160,33 @@ def test_a_storm_of_abandoned_requests_frees_everything(server: RunningServer,
     _blocks_idle(server)  # every abandoned request aborted, every block back
     r = _post(server, "/v1/completions", {**CANARY, "max_tokens": 4})
     assert r.status_code == 200 and time.monotonic() - start < 20
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", -1), ("max_tokens", 10**12), ("max_tokens", "many"),
+    ("temperature", NAN), ("temperature", INF), ("temperature", "hot"),
+    ("top_p", NAN), ("top_p", 1.5), ("top_p", -1),
+    ("top_k", -2), ("top_k", "x"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", NAN),
+    ("n", 0), ("n", -1), ("n", 10**6), ("seed", "x"),
+    ("presence_penalty", NAN), ("presence_penalty", 3), ("frequency_penalty", -3),
+    ("repetition_penalty", 0), ("repetition_penalty", NAN), ("logprobs", -1),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [10**9]), ("stop", [""]),
+    ("min_tokens", -1), ("prompt", [999999]), ("prompt", [-1]), ("prompt", []),
+    ("prompt", ["hi"] * 1000), ("prompt", None),
+    ("cache_salt", "x" * 10000), ("cache_salt", "a\nb\x00"),
+])
+def test_parameter_bounds_are_400s_naming_the_field(server: RunningServer, field: str,
+                                                     value: object, canary: None) -> None:
+    import json
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
+    r = httpx.post(f"{server.base_url}/v1/completions", content=json.dumps(body), timeout=30,
+                   headers={**server.headers, "content-type": "application/json"})
+    error = _assert_error(r, 400)
+    # A max_tokens past the context is OpenAI's context_length_exceeded, on the prompt.
+    expected = "prompt" if (field, value) == ("max_tokens", 10**12) else field
+    assert error["param"] == expected, (field, value, error)
+    assert error["type"] == "invalid_request_error"
