@@ -171,6 +171,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:

@@ -46,6 +46,7 @@ class Sampler:
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
+        self._apply_bias(logits, rows)
         self._apply_bans(logits, rows)
         self._apply_allowed(logits, rows)
         token_ids = self._sample(logits, rows)
@@ -74,6 +75,14 @@ class Sampler:
         logits = logits.clone()
         logits[idx] = sub
         return logits
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            if row.params.logit_bias:
+                ids = torch.tensor(list(row.params.logit_bias), device=logits.device)
+                bias = torch.tensor(list(row.params.logit_bias.values()), device=logits.device)
+                logits[i, ids] += bias.to(logits.dtype)
 
     @staticmethod
     def _apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -28,6 +28,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -76,6 +77,9 @@ class SamplingParams:
               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         check(self.logprobs is None or 0 <= self.logprobs <= 20,
               f"logprobs must be in [0, 20], got {self.logprobs}")
+        check(all(isinstance(t, int) and not isinstance(t, bool) and isinstance(b, (int, float))
+                  and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+              "logit_bias must map token ids to numbers in [-100, 100]")
         check(all(isinstance(s, str) and s for s in self._stop),
               "stop must be a non-empty string or a list of non-empty strings")
 

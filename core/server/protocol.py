@@ -48,6 +48,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI sends token ids as string keys
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -106,10 +107,19 @@ class _SamplingFields(BaseModel):
             top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logit_bias=self._logit_bias(),
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
             structured_outputs=self.structured()[0])
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids") from None
 
     @property
     def stop_list(self) -> list[str]:

@@ -90,6 +90,17 @@ def test_odd_host_headers_change_nothing(server: RunningServer, host: str,
     assert r.status_code == 200
 
 
+def test_logit_bias_steers_greedy_output(server: RunningServer, canary: None) -> None:
+    forced = 1000  # an ordinary token id
+    r = _post(server, "/v1/completions", {**CANARY, "max_tokens": 3,
+                                          "logit_bias": {str(forced): 100}, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    tokens = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, timeout=10,
+                        json={"prompt": r.json()["choices"][0]["text"],
+                              "add_special_tokens": False}).json()["tokens"]
+    assert set(tokens) == {forced}
+
+
 def test_requests_cannot_supply_or_steer_chat_templates(server: RunningServer,
                                                         canary: None) -> None:
     msgs = [{"role": "user", "content": "hi"}]
@@ -174,6 +185,8 @@ NAN, INF = float("nan"), float("inf")
     ("presence_penalty", NAN), ("presence_penalty", 3), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", NAN), ("logprobs", -1),
     ("stop_token_ids", [-1]), ("stop_token_ids", [10**9]), ("stop", [""]),
+    ("logit_bias", {"999999": 5}), ("logit_bias", {"-1": 5}), ("logit_bias", {"5": 1000}),
+    ("logit_bias", {"5": NAN}), ("logit_bias", {"x": 1}), ("logit_bias", [1]),
     ("min_tokens", -1), ("prompt", [999999]), ("prompt", [-1]), ("prompt", []),
     ("prompt", ["hi"] * 1000), ("prompt", None),
     ("cache_salt", "x" * 10000), ("cache_salt", "a\nb\x00"),
