@@ -129,6 +129,10 @@ class GuidedState:
             self.state = nxt
 
 
+# Past this many runaway compiles (each holding a thread and a core), new ones are refused.
+MAX_ABANDONED_COMPILES = 2
+
+
 class OutlinesBackend:
     """Compiles constraints off the engine loop, with a bounded cache and a time limit."""
 
@@ -145,6 +149,7 @@ class OutlinesBackend:
         self._pending: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
+        self._abandoned: set[Any] = set()  # compiles past the limit, still running
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar (cached); ValueError if invalid or over the time limit."""
@@ -155,11 +160,16 @@ class OutlinesBackend:
                 return self._cache[key]
             future = self._pending.get(key)
             if future is None:
+                self._abandoned = {f for f in self._abandoned if not f.done()}
+                if len(self._abandoned) >= MAX_ABANDONED_COMPILES:
+                    raise ValueError("the constraint compiler is still busy with constraints "
+                                     "that exceeded the time limit; try again later")
                 future = self._pool.submit(self._compile, params)
                 self._pending[key] = future
         try:
             grammar = future.result(timeout=self.timeout_s)
         except FutureTimeout:
+            self._abandon(future)
             raise ValueError(f"compiling the {params.kind} constraint took longer than "
                              f"{self.timeout_s:g} s") from None
         finally:
@@ -167,6 +177,15 @@ class OutlinesBackend:
                 with self._lock:
                     self._pending.pop(key, None)
         return grammar
+
+    def _abandon(self, future: Any) -> None:
+        """A thread cannot be stopped: leave it to finish on its own and give later
+        constraints a fresh worker, so one poison constraint does not time them all out."""
+        with self._lock:
+            if future not in self._abandoned:
+                self._abandoned.add(future)
+                self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         from outlines_core import Index, Vocabulary

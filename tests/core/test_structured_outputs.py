@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -116,3 +117,27 @@ def test_compile_time_limit_and_cache(tiny_llama_dir):
     backend.timeout_s = 30
     first = backend.compile(quick)
     assert backend.is_cached(quick) and backend.compile(quick) is first
+
+
+def test_a_runaway_constraint_does_not_block_the_next(smol_llm: LLM):
+    """Compiles cannot be killed: a constraint past the time limit keeps running, but later
+    constraints get a fresh worker, and runaway ones are capped."""
+    backend = smol_llm.llm_engine.guided
+    saved = backend.timeout_s
+    backend.timeout_s = 0.2
+    try:
+        slow = [SO(regex=f"[a-z]{{1,{n}}}") for n in (1500, 1501, 1502)]  # ~1.5 s each
+        with pytest.raises(ValueError, match="took longer than"):
+            backend.compile(slow[0])
+        backend.timeout_s = 1.0  # far less than the runaway compile still has to go
+        assert backend.compile(SO(choice=["yes", "no"])) is not None  # not queued behind it
+        backend.timeout_s = 0.2
+        with pytest.raises(ValueError, match="took longer than"):
+            backend.compile(slow[1])
+        with pytest.raises(ValueError, match="still busy"):
+            backend.compile(slow[2])
+        time.sleep(3)  # the runaway compiles finish on their own
+        backend.timeout_s = 30
+        assert backend.compile(SO(choice=["up", "down"])) is not None
+    finally:
+        backend.timeout_s = saved
