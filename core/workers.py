@@ -84,9 +84,11 @@ def _share_cores(world: int) -> None:
 class WorkerGroup:
     """The driver's handle on the other ranks."""
 
-    def __init__(self, tp: TPGroup, processes: list[subprocess.Popen]) -> None:
+    def __init__(self, tp: TPGroup, processes: list[subprocess.Popen],
+                 threads_before: int) -> None:
         self.tp = tp
         self.processes = processes
+        self._threads_before = threads_before
         self.error: str | None = None
         self._closing = False
         self._monitor = threading.Thread(target=self._watch, name="pkv-tp-monitor", daemon=True)
@@ -97,6 +99,7 @@ class WorkerGroup:
         """Start ranks 1..N-1 here (or join the group torchrun made), then rendezvous."""
         size = config_dict["tensor_parallel_size"]
         processes: list[subprocess.Popen] = []
+        threads_before = torch.get_num_threads()
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != size or os.environ["RANK"] != "0":
                 raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but "
@@ -115,7 +118,7 @@ class WorkerGroup:
             _share_cores(size)
         _use_local_gpu(device, 0)
         _rendezvous(device, init, size, processes)
-        return cls(TPGroup(0, size), processes)
+        return cls(TPGroup(0, size), processes, threads_before)
 
     @property
     def pids(self) -> list[int]:
@@ -166,6 +169,7 @@ class WorkerGroup:
                 proc.wait(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)  # the driver has its cores back
 
 
 def _rendezvous(device: str, init: str, size: int, processes: list[subprocess.Popen]) -> None:
