@@ -49,8 +49,13 @@ class _BodyTooLarge(Exception):
     pass
 
 
+# uvicorn bounds headers only when they arrive in pieces; one large read gets through.
+MAX_HEADER_BYTES = 32 * 1024
+
+
 class BodyLimitMiddleware:
-    """Answer 413 to bodies over `max_bytes`, by Content-Length or by counting chunks."""
+    """Answer 431 to headers over MAX_HEADER_BYTES, and 413 to bodies over `max_bytes`, by
+    Content-Length or by counting chunks."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -59,6 +64,9 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            await send_error(send, 431, f"request headers are over {MAX_HEADER_BYTES} bytes")
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
