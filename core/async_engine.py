@@ -70,7 +70,7 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self.dead_reason: str | None = None
+        self._failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="pkv-engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -80,10 +80,13 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        workers = self.engine.workers
-        if workers is not None and workers.error and self.dead_reason is None:
-            self.dead_reason = workers.error  # a rank died: no step can complete any more
         return self._thread.is_alive() and self.dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve no more: its loop failed, or a tensor-parallel rank died."""
+        workers = self.engine.workers
+        return self._failure or (workers.error if workers is not None else None)
 
     @property
     def num_in_flight(self) -> int:
@@ -239,7 +242,7 @@ class AsyncLLM:
             self.engine.abort_request(list(self.engine.output_processor.parents))
         except Exception as exc:  # the engine's own state is broken: stop serving
             logger.exception("could not abort requests after a failed step")
-            self.dead_reason = f"engine state is broken: {exc}"
+            self._failure = f"engine state is broken: {exc}"
             self._stop.set()
         for stream in streams.values():
             stream.put(error)

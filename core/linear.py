@@ -57,12 +57,9 @@ def as_tensor(tensor: Any) -> torch.Tensor:
 
 def take(tensor: Any, dim: int, start: int, count: int) -> torch.Tensor:
     """Rows start..start+count of `dim`, reading only those from a lazy handle."""
-    shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
-    if shape[dim] == 1 and count != 1:
-        return as_tensor(tensor)  # a broadcast value (per-tensor scale) serves every slice
     if isinstance(tensor, torch.Tensor):
         return tensor.narrow(dim, start, count)
-    index = [slice(None)] * len(shape)
+    index = [slice(None)] * len(tensor.get_shape())
     index[dim] = slice(start, start + count)
     return tensor[tuple(index)]
 
@@ -88,10 +85,25 @@ class LinearMethod(ABC):
         param = getattr(layer, name)
         layout = layer.layouts[name]
         if shard is not None and layout.output_dim is not None:
-            offset = sum(layer.out_sizes[:shard]) // layout.pack
-            param = param.narrow(layout.output_dim, offset, layer.out_sizes[shard] // layout.pack)
+            rows = layer.shard_rows(shard)
+            param = param.narrow(layout.output_dim, rows.start // layout.pack,
+                                 (rows.stop - rows.start) // layout.pack)
         check_shape(param, tensor, full_name)
         param.copy_(tensor)
+
+    def rank_part(self, layer: Linear, name: str, tensor: Any, shard: int | None) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (all of it without tensor parallelism)."""
+        layout, split = layer.layouts[name], layer.split
+        if split is None:
+            return as_tensor(tensor)
+        if split.kind == "column" and layout.output_dim is not None:
+            start, count = split.slices[shard or 0]
+            return take(tensor, layout.output_dim, start // layout.pack, count // layout.pack)
+        if split.kind == "row" and layout.input_dim is not None:
+            start, count = split.slices[0]
+            return take(tensor, layout.input_dim, start // layout.input_pack,
+                        count // layout.input_pack)
+        return as_tensor(tensor)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Convert the loaded checkpoint layout into the one `apply` wants (default: none)."""
@@ -139,21 +151,15 @@ class Linear(nn.Module):
         if name not in self.layouts:
             raise ValueError(f"checkpoint tensor {full_name!r} has no place in the model "
                              f"({self.method.name} layers hold {', '.join(self.layouts)})")
-        self.method.load(self, name, self._slice(name, tensor, shard), shard, full_name)
+        part = self.method.rank_part(self, name, tensor, shard)
+        self.method.load(self, name, part, shard, full_name)
 
-    def _slice(self, name: str, tensor: Any, shard: int | None) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor (all of it without tensor parallelism)."""
-        layout, split = self.layouts[name], self.split
-        if split is None:
-            return as_tensor(tensor)
-        if split.kind == "column" and layout.output_dim is not None:
-            start, count = split.slices[shard or 0]
-            return take(tensor, layout.output_dim, start // layout.pack, count // layout.pack)
-        if split.kind == "row" and layout.input_dim is not None:
-            start, count = split.slices[0]
-            return take(tensor, layout.input_dim, start // layout.input_pack,
-                        count // layout.input_pack)
-        return as_tensor(tensor)
+    def shard_rows(self, shard: int | None) -> slice:
+        """The rows of fused output shard `shard` (all rows for None)."""
+        if shard is None:
+            return slice(0, self.out_features)
+        start = sum(self.out_sizes[:shard])
+        return slice(start, start + self.out_sizes[shard])
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}, "

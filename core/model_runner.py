@@ -17,20 +17,15 @@ import torch.distributed as dist
 from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
-from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
-from pkv.core.quantization import WeightLoader, resolve_weight_loader
-from pkv.core.workers import StepInputs, broadcast
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, build_model, open_model
+from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
+from pkv.core.quantization import WeightLoader, resolve_weight_loader
 from pkv.core.request import Request
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
 from pkv.core.scheduler import SchedulerOutput
-from pkv.plugins.registry import (PluginRegistry, discover, select_attention_backend)
-
-
-def build_runner(config: EngineConfig, tp: TPGroup) -> ModelRunner:
-    """A worker rank's runner (the driver's is built by the engine)."""
-    return ModelRunner(config, ModelSetup.prepare(config), show_progress=False, tp=tp)
+from pkv.core.workers import StepInputs, broadcast
+from pkv.plugins.registry import PluginRegistry, discover, select_attention_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -256,3 +251,8 @@ class ModelRunner:
         allowed = request.guided.allowed_mask() if request.guided is not None else None
         return SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
                            request.generator, banned, allowed)
+
+
+def build_runner(config: EngineConfig, tp: TPGroup) -> ModelRunner:
+    """A worker rank's runner (the driver's is built by the engine)."""
+    return ModelRunner(config, ModelSetup.prepare(config), show_progress=False, tp=tp)

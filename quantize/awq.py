@@ -126,11 +126,6 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, s: AWQSettings) -> torch.Tenso
     return torch.maximum(torch.minimum(wg, best_max), -best_max).reshape(n, k)
 
 
-def _rows(linear: Linear, shard: int) -> slice:
-    start = sum(linear.out_sizes[:shard])
-    return slice(start, start + linear.out_sizes[shard])
-
-
 @torch.no_grad()
 def _apply_scales(scales: torch.Tensor, linears: list[Linear], prev: nn.Module,
                   prev_rows: slice | None) -> None:
@@ -174,7 +169,7 @@ def quantize_layer(layer: DecoderLayer, x: torch.Tensor, rope: RotaryEmbedding,
     if attn.q_size == attn.kv_size:  # v feeds o channel for channel only without GQA
         ctx = attention_context(attn, layer.input_layernorm(x), rope)
         search("o", [attn.o_proj.weight], ctx, lambda: attn.o_proj(ctx), [attn.o_proj],
-               attn.qkv_proj, _rows(attn.qkv_proj, 2))
+               attn.qkv_proj, attn.qkv_proj.shard_rows(2))
     mid = x + attention_block(layer, x, rope)
     h2 = layer.post_attention_layernorm(mid)
     search("gate_up", [mlp.gate_up_proj.weight], h2, lambda: mlp(h2), [mlp.gate_up_proj],
@@ -182,7 +177,7 @@ def quantize_layer(layer: DecoderLayer, x: torch.Tensor, rope: RotaryEmbedding,
     gate, up = mlp.gate_up_proj(h2).chunk(2, dim=-1)
     act = torch.nn.functional.silu(gate) * up
     search("down", [mlp.down_proj.weight], act, lambda: mlp.down_proj(act), [mlp.down_proj],
-           mlp.gate_up_proj, _rows(mlp.gate_up_proj, 1))
+           mlp.gate_up_proj, mlp.gate_up_proj.shard_rows(1))
     if s.clip:
         _clip_layer(layer, x, rope, s)
     return report
@@ -194,7 +189,7 @@ def _clip_layer(layer: DecoderLayer, x: torch.Tensor, rope: RotaryEmbedding,
     # output error does not see.
     attn, mlp = layer.self_attn, layer.mlp
     h = layer.input_layernorm(x)
-    v_rows = _rows(attn.qkv_proj, 2)
+    v_rows = attn.qkv_proj.shard_rows(2)
     attn.qkv_proj.weight[v_rows] = search_clip(attn.qkv_proj.weight[v_rows], h, s)
     ctx = attention_context(attn, h, rope)
     attn.o_proj.weight.copy_(search_clip(attn.o_proj.weight, ctx, s))

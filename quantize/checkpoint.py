@@ -25,11 +25,9 @@ def quantizable_weights(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Te
     for path, module in model.named_modules():
         if isinstance(module, Linear) and path != "lm_head":
             single = len(module.out_sizes) == 1
-            start = 0
-            for shard, size in enumerate(module.out_sizes):
+            for shard in range(len(module.out_sizes)):
                 name = checkpoint_name(path, "weight", None if single else shard)
-                yield name.removesuffix(".weight"), module.weight[start:start + size]
-                start += size
+                yield name.removesuffix(".weight"), module.weight[module.shard_rows(shard)]
 
 
 def unquantized_tensors(model: LlamaForCausalLM,

@@ -9,11 +9,13 @@ CUDA GPUs with FP8 (compute capability 8.9+) `torch._scaled_mm` multiplies them 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkv.core.linear import Linear, LinearMethod, ParamLayout, check_shape
+from pkv.core.linear import Linear, LinearMethod, ParamLayout, as_tensor, check_shape
 from pkv.core.model_loader import ModelSource
 from pkv.core.quantization import WeightLoader
 
@@ -63,10 +65,7 @@ class FP8LinearMethod(LinearMethod):
 
     def load(self, layer: Linear, name: str, tensor: torch.Tensor, shard: int | None,
              full_name: str) -> None:
-        rows = slice(0, layer.out_features)
-        if shard is not None:
-            start = sum(layer.out_sizes[:shard])
-            rows = slice(start, start + layer.out_sizes[shard])
+        rows = layer.shard_rows(shard)
         if name == "weight_scale":
             check_scale(tensor, full_name)
             if tensor.numel() == 1:  # per tensor: every row of the shard shares it
@@ -83,6 +82,11 @@ class FP8LinearMethod(LinearMethod):
                                  "float8_e4m3fn")
             super().load(layer, name, tensor, shard, full_name)
 
+    def rank_part(self, layer: Linear, name: str, tensor: Any, shard: int | None) -> torch.Tensor:
+        if name == "weight_scale" and tuple(_shape(tensor)) in ((), (1,)):
+            return as_tensor(tensor)  # a per-tensor scale serves every rank's rows
+        return super().rank_part(layer, name, tensor, shard)
+
     def process_weights_after_loading(self, layer: Linear) -> None:
         if not self.scaled_mm:
             dense = layer.weight.float() * layer.weight_scale
@@ -98,6 +102,10 @@ class FP8LinearMethod(LinearMethod):
                              scale_b=layer.weight_scale.t(), out_dtype=x.dtype)
         y = y.reshape(*x.shape[:-1], -1)
         return y if layer.bias is None else y + layer.bias
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
 
 
 def supports_scaled_mm(device: torch.device) -> bool:
