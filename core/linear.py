@@ -166,6 +166,11 @@ class Linear(nn.Module):
                 f"method={self.method.name}")
 
 
+# oneDNN picks its blocked layout for this many rows; 16 was best or near it for every
+# SmolLM2 shape at 1, 64 and 256 rows (a hint of 256 cost 20% at batch 256 on qkv).
+PACK_HINT_ROWS = 16
+
+
 class UnquantizedLinearMethod(LinearMethod):
     """Float weights [out, in], as nn.Linear."""
 
@@ -177,4 +182,32 @@ class UnquantizedLinearMethod(LinearMethod):
         return {"weight": ParamLayout(output_dim=0, input_dim=1)}
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        packed = layer._buffers.get("packed_weight")
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Reorder the float32 CPU weights of plain linear layers into oneDNN's blocked layout,
+    in place; return how many were packed.
+
+    oneDNN's GEMM on packed weights runs 1.2-2x faster than MKL on the plain layout for every
+    SmolLM2 shape at 1-256 rows (FACTS: CPU GEMM). Packed layers drop their plain weight, so
+    this is for serving, after loading; code that edits weights (quantize/) never calls it. A
+    tied LM head gets its own packed copy; the embedding keeps the plain one.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, Linear) or not isinstance(module.method, UnquantizedLinearMethod):
+            continue
+        weight = module.weight
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=PACK_HINT_ROWS)
+        module.weight = None
+        module.register_buffer("packed_weight", packed, persistent=False)
+        count += 1
+    return count

@@ -97,6 +97,7 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.timer = self.runner.timer  # enable it to profile steps (`pkv bench --profile`)
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -203,9 +204,11 @@ class LLMEngine:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
         if self.workers is not None:
             self.workers.check()  # a dead rank would make the step wait forever
+        self.timer.start()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self.timer.lap("schedule")
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
         try:
             sampled_reqs, result = self.runner.execute_model(
@@ -222,6 +225,7 @@ class LLMEngine:
         for request in stopped:  # stop strings end a request in the same step
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
+        self.timer.end_step()
         return outputs
 
     def get_stats(self) -> EngineStats:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
+from pkv.core.linear import prepack_linears
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, build_model, open_model
 from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
@@ -24,6 +25,7 @@ from pkv.core.quantization import WeightLoader, resolve_weight_loader
 from pkv.core.request import Request
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
 from pkv.core.scheduler import SchedulerOutput
+from pkv.core.step_timer import StepTimer
 from pkv.core.workers import StepInputs, broadcast
 from pkv.plugins.registry import PluginRegistry, discover, select_attention_backend
 
@@ -101,6 +103,7 @@ class ModelRunner:
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
                                  self.device, method, show_progress and self.tp.rank == 0,
                                  self.plan)
+        prepack_linears(self.model)
         self.num_blocks = self._num_kv_blocks(setup.max_model_len)
         if self.tp.enabled:  # every rank's pool has the driver's number of blocks
             self.num_blocks = broadcast(self.num_blocks)
@@ -109,6 +112,7 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.timer = StepTimer(sync_cuda=self.device.type == "cuda")
         self.rank_weight_bytes = [self.weight_bytes]
         if self.tp.enabled:
             self.rank_weight_bytes = [0] * self.tp.size
@@ -117,7 +121,9 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold in memory (shared tensors counted once)."""
-        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        # Packed oneDNN weights are opaque (no data_ptr) and never shared.
+        tensors = {id(t) if t.is_mkldnn else t.data_ptr(): t
+                   for t in [*self.model.parameters(), *self.model.buffers()]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @property
@@ -177,12 +183,16 @@ class ModelRunner:
         """Run one step; return the requests that sampled and their sampler output."""
         input_ids, positions, meta, logits_idx, sampling = self._prepare_inputs(sched, block_tables)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        self.timer.lap("prepare_inputs")
         if self.tp.enabled:
             broadcast(step)
         logits = self.run_step(step)
+        self.timer.lap("forward")
         if logits is None:
             return [], SamplerOutput([], [])
-        return sampling, self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        result = self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        self.timer.lap("sample")
+        return sampling, result
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
