@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
                "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
                "TIB": 1024**4}
@@ -61,6 +62,9 @@ class EngineConfig:
     quantization: str | None = _opt(
         "auto", "Weight format: auto (what the checkpoint says), none, awq, fp8, gguf "
         "(fp8 on a float checkpoint quantizes it while loading).")
+    lm_head_quantization: str = _opt(
+        "auto", "LM head storage: auto (int8 on CPU when the decoder is 4-bit, else the "
+        "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
     guided_decoding_backend: str = _opt("outlines", "Guided decoding backend (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
 
@@ -91,6 +95,10 @@ class EngineConfig:
                                               or not self.quantization):
             raise ValueError("quantization must be auto, none or a method name "
                              f"(see `pkv plugins`), got {self.quantization!r}")
+        if self.lm_head_quantization not in _LM_HEAD_QUANTIZATIONS:
+            raise ValueError("lm_head_quantization must be one of "
+                             f"{', '.join(_LM_HEAD_QUANTIZATIONS)}, got "
+                             f"{self.lm_head_quantization!r}")
         if self.structured_outputs_timeout <= 0:
             raise ValueError("structured_outputs_timeout must be > 0 seconds, got "
                              f"{self.structured_outputs_timeout}")

@@ -21,7 +21,7 @@ from pkv.core.linear import prepack_linears
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, build_model, open_model
 from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
-from pkv.core.quantization import WeightLoader, resolve_weight_loader
+from pkv.core.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
 from pkv.core.request import Request
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
 from pkv.core.scheduler import SchedulerOutput
@@ -103,6 +103,10 @@ class ModelRunner:
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
                                  self.device, method, show_progress and self.tp.rank == 0,
                                  self.plan)
+        if int8_lm_head(config.lm_head_quantization, setup.loader, self.device):
+            from pkv.plugins.weights.int8 import Int8LinearMethod
+
+            Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
         prepack_linears(self.model)
         self.num_blocks = self._num_kv_blocks(setup.max_model_len)
         if self.tp.enabled:  # every rank's pool has the driver's number of blocks

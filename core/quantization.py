@@ -77,3 +77,16 @@ def _where(source: ModelSource) -> str:
     if source.quantization == "gguf":
         return f"GGUF file {source.path.name}"
     return f"quantization_config in {source.path / 'config.json'}"
+
+
+# Decoder formats with few enough bits that a float LM head dominates a batch-1 step.
+_LOW_BIT_LOADERS = frozenset({"awq"})
+
+
+def int8_lm_head(setting: str, loader: WeightLoader | None, device: torch.device) -> bool:
+    """Whether the LM head is stored as int8 (`lm_head_quantization`)."""
+    if setting == "int8" and device.type != "cpu":
+        raise ValueError(f"lm_head_quantization=int8 is a CPU kernel; the device is {device}")
+    if setting == "auto":
+        return device.type == "cpu" and loader is not None and loader.name in _LOW_BIT_LOADERS
+    return setting == "int8"

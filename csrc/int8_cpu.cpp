@@ -1,0 +1,131 @@
+// Weight-only int8 linear layers on CPU (the LM head of 4-bit models): y = x @ W^T, with
+// W[n, k] = q[n, k] * scale[n] (symmetric, one scale per output).
+//
+//   x       [M, K]          float32, contiguous
+//   codes   [N / 32, K, 32] int8: outputs in tiles of 32, so one input row of a tile is 32
+//                           contiguous bytes, widened into two 16-float vectors
+//   scale   [N]             float32
+//
+// int8_gemv reads every code once per chunk of up to 8 rows, with the accumulators in
+// registers; the batch-1 LM head of SmolLM2 drops from 113 MB of float32 to 28 MB read per
+// step. int8_dequantize writes W^T [K, N] in float32 for torch's GEMM at large M.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTile = 32;
+constexpr int64_t kMaxRows = 8;
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int8_t vi8x16 __attribute__((vector_size(16)));
+typedef int16_t vs16 __attribute__((vector_size(32)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// Sign-extend through int16 and int32, then convert: GCC 12 scalarizes a direct int8 -> float
+// or int8 -> int32 conversion (byte extracts, 6x slower), but not these three steps.
+inline vf16 widen(vi8x16 b) {
+  return __builtin_convertvector(
+      __builtin_convertvector(__builtin_convertvector(b, vs16), vi16), vf16);
+}
+
+struct Shape {
+  int64_t K, N;
+};
+
+Shape check(const torch::Tensor& codes, const torch::Tensor& scale) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kChar && codes.is_contiguous() &&
+                  codes.size(2) == kTile,
+              "codes must be contiguous int8 [N / 32, K, 32]");
+  const int64_t N = codes.size(0) * kTile;
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == torch::kFloat && scale.size(0) == N &&
+                  scale.is_contiguous(),
+              "scale must be contiguous float32 [N]");
+  return {codes.size(1), N};
+}
+
+template <int64_t M>
+void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, const Shape& s) {
+  at::parallel_for(0, s.N / kTile, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int8_t* tile = cp + t * s.K * kTile;
+      vf16 acc[M][2] = {};
+      for (int64_t k = 0; k < s.K; ++k) {
+        vi8x16 b[2];
+        std::memcpy(b, tile + k * kTile, kTile);
+        const vf16 lo = widen(b[0]);
+        const vf16 hi = widen(b[1]);
+        for (int64_t m = 0; m < M; ++m) {
+          const float xv = xp[m * s.K + k];
+          acc[m][0] += xv * lo;
+          acc[m][1] += xv * hi;
+        }
+      }
+      vf16 sc[2];
+      std::memcpy(sc, sp + t * kTile, sizeof(sc));
+      for (int64_t m = 0; m < M; ++m) {
+        const vf16 out[2] = {acc[m][0] * sc[0], acc[m][1] * sc[1]};
+        std::memcpy(yp + m * s.N + t * kTile, out, sizeof(out));
+      }
+    }
+  });
+}
+
+void gemv_chunk(const float* xp, const int8_t* cp, const float* sp, float* yp, int64_t rows,
+                const Shape& s) {
+  switch (rows) {
+    case 1: return gemv_rows<1>(xp, cp, sp, yp, s);
+    case 2: return gemv_rows<2>(xp, cp, sp, yp, s);
+    case 3: return gemv_rows<3>(xp, cp, sp, yp, s);
+    case 4: return gemv_rows<4>(xp, cp, sp, yp, s);
+    case 5: return gemv_rows<5>(xp, cp, sp, yp, s);
+    case 6: return gemv_rows<6>(xp, cp, sp, yp, s);
+    case 7: return gemv_rows<7>(xp, cp, sp, yp, s);
+    default: return gemv_rows<8>(xp, cp, sp, yp, s);
+  }
+}
+
+}  // namespace
+
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
+  const Shape s = check(codes, scale);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) == s.K,
+              "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, s.N}, x.options());
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    gemv_chunk(x.data_ptr<float>() + m0 * s.K, codes.data_ptr<int8_t>(),
+               scale.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N,
+               std::min(kMaxRows, M - m0), s);
+  }
+  return y;
+}
+
+torch::Tensor int8_dequantize(torch::Tensor codes, torch::Tensor scale) {
+  const Shape s = check(codes, scale);
+  auto w = torch::empty({s.K, s.N}, scale.options());  // W^T, as x @ w wants
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, s.K, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      for (int64_t t = 0; t < s.N / kTile; ++t) {
+        const int8_t* c = cp + (t * s.K + k) * kTile;
+        float* row = wp + k * s.N + t * kTile;
+#pragma omp simd
+        for (int64_t j = 0; j < kTile; ++j) row[j] = static_cast<float>(c[j]) * sp[t * kTile + j];
+      }
+    }
+  });
+  return w;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemv", &int8_gemv, "weight-only int8 GEMV for any number of rows");
+  m.def("int8_dequantize", &int8_dequantize, "int8 codes to a float32 W^T [K, N]");
+}
