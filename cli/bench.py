@@ -71,6 +71,8 @@ def run(
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
+    profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
+    roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
@@ -120,6 +122,11 @@ def _run_offline(o: dict[str, Any]) -> None:
         with console.status("loading the model in transformers"):
             path = Path(o["model"]) if o["model"] else bundled_model_path()
             hf_model = off.load_hf_model(path, engine.runner.dtype)
+    rooflines = {}
+    if o["roofline"]:
+        from pkv.cli.bench_roofline import measure
+
+        rooflines = measure(engine.model_config, o["batches"])
     runs = []
     for b in o["batches"]:
         prompts = off.make_prompts(vocab_ids, o["num_prompts"] or 2 * b, o["input_len"],
@@ -132,7 +139,9 @@ def _run_offline(o: dict[str, Any]) -> None:
                       f"weights {engine.quantization or 'float'} "
                       f"{engine.runner.weight_bytes / 2**20:.0f} MiB, process RSS "
                       f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB")
-        result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt)
+        result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"])
+        if b in rooflines:
+            result.roofline_tps = rooflines[b].tokens_per_s
         other = None
         if hf_model is not None:
             other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
@@ -145,6 +154,10 @@ def _run_offline(o: dict[str, Any]) -> None:
                           "[/] output tokens/s")
     if len(runs) > 1:
         console.print(report.offline_table([r for run in runs for r in run if r is not None]))
+    if o["profile"]:
+        console.print(report.profile_table([r for r, _ in runs]))
+    if rooflines:
+        console.print(report.roofline_table([r for r, _ in runs]))
     if engine.workers is not None:
         ranks = [os.getpid(), *engine.workers.pids]
         console.print("per-rank peak RSS: " + ", ".join(

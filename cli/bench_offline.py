@@ -35,6 +35,19 @@ class BenchResult:
     prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     mean_ttft_s: float = 0.0
     max_itl_s: float = 0.0  # worst gap between two tokens of one request
+    decode_tokens: int = 0  # tokens of steps that prefilled nothing
+    decode_s: float = 0.0  # and those steps' time
+    profile_ms: dict[str, float] | None = None  # mean ms per step by phase (--profile)
+    roofline_tps: float | None = None  # the GEMM roofline at this batch (--roofline)
+
+    @property
+    def decode_tps(self) -> float:
+        """Aggregate throughput of decode-only steps (prefill excluded)."""
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def roofline_pct(self) -> float | None:
+        return 100 * self.decode_tps / self.roofline_tps if self.roofline_tps else None
 
     @property
     def output_tps(self) -> float:
@@ -56,7 +69,10 @@ class BenchResult:
                 "kv_filled_bytes": self.kv_filled_bytes,
                 "kv_fragmentation_pct": self.fragmentation_pct,
                 "peak_rss_bytes": self.peak_rss_bytes, "prefill_tokens": self.prefill_tokens,
-                "mean_ttft_ms": 1000 * self.mean_ttft_s, "max_itl_ms": 1000 * self.max_itl_s}
+                "mean_ttft_ms": 1000 * self.mean_ttft_s, "max_itl_ms": 1000 * self.max_itl_s,
+                "decode_throughput": self.decode_tps,
+                "profile_ms_per_step": self.profile_ms, "roofline_tokens_per_s": self.roofline_tps,
+                "roofline_pct": self.roofline_pct}
 
 
 def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: int,
@@ -82,8 +98,9 @@ def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: i
 
 
 def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
-            long_prompt: list[int] | None = None) -> BenchResult:
-    """Run the prompts; with `long_prompt`, it arrives once the batch is decoding."""
+            long_prompt: list[int] | None = None, profile: bool = False) -> BenchResult:
+    """Run the prompts; with `long_prompt`, it arrives once the batch is decoding. With
+    `profile`, time every phase of every step (engine.timer)."""
     from pkv.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -98,6 +115,8 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
     total = (len(prompts) + (long_prompt is not None)) * output_len
+    engine.timer.reset()
+    engine.timer.enabled = profile
     with make_progress() as progress:
         task = progress.add_task(f"pkv batch {batch}", total=total, info="")
         start = time.perf_counter()
@@ -107,8 +126,13 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             if long_prompt is not None and result.num_steps == 4:
                 engine.add_request("long-prompt", long_prompt, params)
                 result.num_requests += 1
+            step_start = time.perf_counter()
+            prefilled = engine.scheduler.num_prefill_tokens
             outputs = engine.step()
             now = time.perf_counter()
+            if engine.scheduler.num_prefill_tokens == prefilled:
+                result.decode_tokens += len(outputs)
+                result.decode_s += now - step_start
             for output in outputs:
                 rid = output.request_id
                 if rid in last_token:
@@ -127,6 +151,10 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             if result.num_steps % 16 == 0:
                 result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
         result.elapsed_s = time.perf_counter() - start
+    engine.timer.enabled = False
+    if profile:
+        steps = max(engine.timer.num_steps, 1)
+        result.profile_ms = {k: 1000 * v / steps for k, v in engine.timer.totals.items()}
     result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
     result.prefill_tokens = engine.scheduler.num_prefill_tokens - prefill_before
     result.mean_ttft_s = sum(first_token.values()) / max(len(first_token), 1) - start

@@ -18,14 +18,15 @@ def _mib(b: int) -> str:
 
 def offline_table(results: list[BenchResult]) -> Table:
     table = Table(title="pkv bench: offline throughput")
-    for column in ("engine", "batch", "req/s", "out tok/s", "all tok/s", "step ms",
+    for column in ("engine", "batch", "req/s", "out tok/s", "decode tok/s", "all tok/s", "step ms",
                    "TTFT ms", "max ITL ms", "prefill tok", "KV blocks", "KV alloc",
                    "KV filled", "KV waste", "peak RSS"):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for r in results:
         j = r.as_json()
         table.add_row(r.name, str(r.batch), f"{j['request_throughput']:.2f}",
-                      f"{j['output_throughput']:.1f}", f"{j['total_throughput']:.1f}",
+                      f"{j['output_throughput']:.1f}",
+                      f"{r.decode_tps:.1f}" if r.decode_s else "-", f"{j['total_throughput']:.1f}",
                       f"{j['mean_step_ms']:.1f}",
                       f"{j['mean_ttft_ms']:.0f}" if r.mean_ttft_s else "-",
                       f"{j['max_itl_ms']:.0f}" if r.max_itl_s else "-",
@@ -33,6 +34,34 @@ def offline_table(results: list[BenchResult]) -> Table:
                       _mib(r.kv_allocated_bytes), _mib(r.kv_filled_bytes),
                       f"{r.fragmentation_pct:.1f}%" if r.kv_allocated_bytes else "-",
                       _mib(r.peak_rss_bytes))
+    return table
+
+
+def profile_table(results: list[BenchResult]) -> Table:
+    """Where a step's time goes: mean ms per step by phase; overhead is all but the forward."""
+    from pkv.core.step_timer import PHASES
+
+    table = Table(title="pkv bench --profile: mean ms per engine step")
+    for column in ("batch", *PHASES, "step", "overhead", "overhead %"):
+        table.add_column(column, justify="right")
+    for r in results:
+        if r.profile_ms is None:
+            continue
+        step = sum(r.profile_ms.values())
+        overhead = step - r.profile_ms["forward"]
+        table.add_row(str(r.batch), *(f"{r.profile_ms[p]:.2f}" for p in PHASES), f"{step:.2f}",
+                      f"{overhead:.2f}", f"{100 * overhead / step:.1f}%")
+    return table
+
+
+def roofline_table(results: list[BenchResult]) -> Table:
+    table = Table(title="pkv bench --roofline: decode tokens/s vs the float32 GEMM roofline")
+    for column in ("batch", "pkv decode tok/s", "roofline tok/s", "% of roofline"):
+        table.add_column(column, justify="right")
+    for r in results:
+        if r.roofline_tps:
+            table.add_row(str(r.batch), f"{r.decode_tps:.1f}", f"{r.roofline_tps:.1f}",
+                          f"{r.roofline_pct:.0f}%")
     return table
 
 

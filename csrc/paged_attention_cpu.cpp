@@ -9,12 +9,16 @@
 //   out          [T, H, D]
 //
 // Work is split over (token, kv head); the G = H / KVH query heads that share a KV head are
-// processed together so each K/V row is loaded once for all of them.
+// processed together so each K/V row is loaded once for all of them. Head sizes of 16..128
+// (multiples of 16) take a vectorized path: q and the accumulators live in 16-float vectors,
+// the block's scores are exponentiated 16 at a time (a polynomial exp, ~1 ulp), and each V
+// row is loaded once for all G heads. Other sizes take the scalar loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -23,6 +27,116 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline float hsum(vf16 v) {
+  typedef float vf8 __attribute__((vector_size(32)));
+  typedef float vf4 __attribute__((vector_size(16)));
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), as in Cephes' expf: x = n ln2 + r,
+// exp(r) by a degree-6 polynomial, 2^n built in the exponent bits. Below -87 it returns ~0.
+static inline vf16 vexp(vf16 x) {
+  const vf16 lo = vf16{} - 87.3f;
+  x = x < lo ? lo : x;
+  vf16 fx = x * 1.44269504088896341f + 0.5f;
+  const vi16 ni = __builtin_convertvector(fx, vi16);  // truncates toward zero
+  vf16 fn = __builtin_convertvector(ni, vf16);
+  fn = fn > fx ? fn - 1.f : fn;  // floor
+  x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  vf16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * (x * x) + x + 1.f;
+  const vi16 pow2 = (__builtin_convertvector(fn, vi16) + 127) << 23;
+  vf16 scale;
+  std::memcpy(&scale, &pow2, sizeof(scale));
+  return y * scale;
+}
+
+// State of one token's attention over KV heads [kh0, kh1): G query heads each.
+struct VecState {
+  std::vector<vf16> q, acc;  // [heads][DC]
+  std::vector<float> m, l, scores;  // scores: [heads][BS rounded up to 16]
+};
+
+// One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC. Keys are walked
+// row by row across the KV heads, so a block's K (then V) is read front to back.
+template <int64_t DC>
+static void attend_vec(const float* qt, const float* kp, const float* vp, const int32_t* table,
+                       int64_t len, int64_t BS, int64_t KVH, int64_t kh0, int64_t kh1,
+                       int64_t G, float scale, VecState& st, float* ot) {
+  constexpr int64_t D = 16 * DC;
+  const int64_t padded = (BS + 15) / 16 * 16, row = KVH * D;
+  const int64_t h0 = kh0 * G, heads = (kh1 - kh0) * G;
+  st.q.resize(heads * DC);
+  st.acc.assign(heads * DC, vf16{});
+  st.m.assign(heads, -std::numeric_limits<float>::infinity());
+  st.l.assign(heads, 0.f);
+  st.scores.resize(heads * padded);
+  vf16* q = st.q.data();
+  vf16* acc = st.acc.data();
+  float* scores = st.scores.data();
+  std::memcpy(q, qt + h0 * D, heads * D * sizeof(float));
+  for (int64_t i = 0; i < heads * DC; ++i) q[i] *= scale;
+  for (int64_t b = 0; b * BS < len; ++b) {
+    const int64_t n = std::min(BS, len - b * BS);
+    const int64_t base = static_cast<int64_t>(table[b]) * BS * row;
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        vf16 k[DC];
+        std::memcpy(k, kp + base + j * row + kh * D, sizeof(k));
+        for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h) {
+          const vf16* qh = q + h * DC;
+          vf16 d = qh[0] * k[0];
+          for (int64_t c = 1; c < DC; ++c) d += qh[c] * k[c];
+          scores[h * padded + j] = hsum(d);
+        }
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* sc = scores + h * padded;
+      float block_max = sc[0];
+      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
+      const float m_new = std::max(st.m[h], block_max);
+      const float correction = std::exp(st.m[h] - m_new);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        vf16 x;
+        std::memcpy(&x, sc + j0, sizeof(x));
+        x = vexp(x - m_new);
+        std::memcpy(sc + j0, &x, sizeof(x));
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) sum += sc[j];
+      st.l[h] = st.l[h] * correction + sum;
+      for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= correction;
+      st.m[h] = m_new;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        vf16 v[DC];
+        std::memcpy(v, vp + base + j * row + kh * D, sizeof(v));
+        for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h) {
+          const float p = scores[h * padded + j];
+          for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] += p * v[c];
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.f / st.l[h];
+    for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= inv;
+  }
+  std::memcpy(ot + h0 * D, acc, heads * D * sizeof(float));
 }
 
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
@@ -45,6 +159,24 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   const float fscale = static_cast<float>(scale);
   const int64_t row = KVH * D;  // stride between two tokens of a block
 
+  const int64_t DC = D % 16 == 0 ? D / 16 : 0;
+  if (DC == 1 || DC == 2 || DC == 4 || DC == 8) {
+    // Many tokens: one work item per token, all its KV heads (blocks read front to back).
+    // Few tokens (batch-1 decode): one per (token, KV head), so every core has work.
+    const int64_t split = T >= 2 * at::get_num_threads() ? 1 : KVH;
+    const auto run = DC == 1 ? attend_vec<1> : DC == 2 ? attend_vec<2>
+                     : DC == 4 ? attend_vec<4> : attend_vec<8>;
+    at::parallel_for(0, T * split, 1, [&](int64_t begin, int64_t end) {
+      VecState st;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t t = w / split, part = w % split;
+        const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
+        run(qp + t * H * D, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], BS, KVH,
+            kh0, kh1, G, fscale, st, op + t * H * D);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * BS), acc(G * D), m(G), l(G);
     for (int64_t w = begin; w < end; ++w) {

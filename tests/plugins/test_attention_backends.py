@@ -62,3 +62,16 @@ def test_backend_matches_dense_reference(backend_name: str, block_size: int, lay
 def test_expected_backends_are_usable_here():
     assert "torch" in BACKENDS and "triton" in BACKENDS
     assert DEVICE == "cuda" or "cpu" in BACKENDS
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
+@pytest.mark.parametrize("head_dim", [16, 40, 128])  # vector paths (16, 128) and scalar (40)
+@pytest.mark.parametrize("seqs", [[(70, 1)], [(3, 1), (50, 1)], [(20, 1)] * 9],
+                         ids=["one-token", "two-tokens", "nine-tokens"])
+def test_cpu_kernel_head_sizes_and_work_splits(head_dim: int, seqs: list[tuple[int, int]]):
+    # One or two tokens split work per (token, KV head), more per token: both must agree.
+    backend = select_attention_backend("cpu", "cpu")
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(seqs, 16, 12, 3, head_dim, seed=head_dim)
+    expected = _dense_reference(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
