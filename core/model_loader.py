@@ -68,7 +68,7 @@ def open_model(model: str | None, registry: PluginRegistry | None = None) -> Mod
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
-        return _open_folder(path)
+        return open_folder(path)
     if registry is None:
         from pkv.plugins.registry import discover
 
@@ -83,7 +83,8 @@ def open_model(model: str | None, registry: PluginRegistry | None = None) -> Mod
                      f"reads ({formats or 'none'})")
 
 
-def _open_folder(path: Path) -> ModelSource:
+def open_folder(path: Path) -> ModelSource:
+    """A Hugging Face folder: config.json, tokenizer files, *.safetensors."""
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder: config.json is missing")
@@ -108,6 +109,16 @@ def _open_folder(path: Path) -> ModelSource:
                        num_tensors=num_tensors, weights=lambda: _iter_safetensors(files),
                        hf_config=hf_config,
                        quantization=checkpoint_quantization(hf_config.get("quantization_config")))
+
+
+def write_tokenizer(folder: Path, tokenizer: Tokenizer) -> None:
+    """The tokenizer files and a generation_config.json (BOS/EOS) for a model that came
+    without them (a GGUF), so `open_folder` and transformers read it back the same."""
+    tokenizer.save(folder)
+    eos = sorted(tokenizer.eos_token_ids)
+    generation = {"bos_token_id": tokenizer.bos_token_id,
+                  "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 def _safetensor_keys(file: Path) -> list[str]:

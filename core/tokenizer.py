@@ -116,6 +116,8 @@ class Tokenizer:
         eos = set(eos_token_ids)
         if (eos_id := token_id("eos_token")) is not None:
             eos.add(eos_id)
-        # tokenizer.json's post-processor already adds BOS where the model wants it.
+        # tokenizer.json's post-processor adds BOS where the model wants it; a tokenizer.json
+        # without one (pkv's own, written from a GGUF) relies on add_bos_token instead.
+        add_bos = bool(cfg.get("add_bos_token")) and backend.post_processor is None
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
-                   add_bos_token=False, chat_template=template)
+                   add_bos_token=add_bos, chat_template=template)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pkv.core.linear import Linear
-from pkv.core.model_loader import ModelSource
+from pkv.core.model_loader import ModelSource, write_tokenizer
 from pkv.core.models.llama import LlamaForCausalLM, checkpoint_name
 
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -77,11 +77,7 @@ def write_checkpoint(out: Path, source: ModelSource, tensors: dict[str, torch.Te
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, out / name)
     else:
-        source.tokenizer.save(out)
-        eos = sorted(source.tokenizer.eos_token_ids)
-        generation = {"bos_token_id": source.tokenizer.bos_token_id,
-                      "eos_token_id": eos[0] if len(eos) == 1 else eos}
-        (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        write_tokenizer(out, source.tokenizer)
 
 
 def disk_size(path: Path) -> int:

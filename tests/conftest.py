@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors only interpreted; set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if "PKV_CACHE_DIR" not in os.environ:
+    # Converted models go to a cache of this run only (workers inherit it), never ~/.cache.
+    os.environ["PKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="pkv-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PKV_CACHE_DIR"], ignore_errors=True)
 
 # Prompts of different lengths (3 to ~60 tokens) for batched parity runs.
 PROMPTS = [

@@ -7,8 +7,12 @@ layout; `_unpermute` restores Hugging Face's order so one model file serves both
 
 from __future__ import annotations
 
+import json
+import logging
 import re
+import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +22,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from pkv.core.model_config import ModelConfig
-from pkv.core.model_loader import ModelSource
+from pkv.core.model_loader import ModelSource, open_folder, write_tokenizer
 from pkv.core.quantization import WeightLoader
 from pkv.core.tokenizer import Tokenizer
+from pkv.core.weight_cache import convert_while_loading, converted_folder
+
+logger = logging.getLogger("pkv.gguf")
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM"}
@@ -109,6 +116,11 @@ class GGUFFile:
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
+    def tensor_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(Hugging Face name, shape) of every tensor, in the order `tensors` yields them."""
+        return [(hf_name(t.name), tuple(int(d) for d in reversed(t.shape)))
+                for t in self.reader.tensors]
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
         from gguf import GGMLQuantizationType, quants
@@ -163,8 +175,28 @@ class GGUFLoader(WeightLoader):
     name = "gguf"
 
     def open(self, path: Path) -> ModelSource:
+        """The converted copy from the cache (core/weight_cache.py) if there is one; else the
+        GGUF itself, converted into the cache as its weights load."""
+        folder = converted_folder(path)
+        if folder.is_dir():
+            try:
+                return replace(open_folder(folder), path=path, name=path.stem,
+                               quantization="gguf")
+            except (ValueError, OSError) as exc:
+                logger.warning("discarding the unreadable cached conversion %s: %s", folder, exc)
+                shutil.rmtree(folder, ignore_errors=True)
         gguf_file = GGUFFile(path)
         hf_config = gguf_file.hf_config()
+        tokenizer = gguf_file.tokenizer()
+
+        def write_metadata(out: Path) -> None:
+            (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+            write_tokenizer(out, tokenizer)
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            return convert_while_loading(gguf_file.tensors(), gguf_file.tensor_specs(), folder,
+                                         write_metadata)
+
         return ModelSource(path=path, name=path.stem, config=ModelConfig.from_hf_dict(hf_config),
-                           tokenizer=gguf_file.tokenizer(), num_tensors=gguf_file.num_tensors,
-                           weights=gguf_file.tensors, hf_config=hf_config, quantization="gguf")
+                           tokenizer=tokenizer, num_tensors=gguf_file.num_tensors,
+                           weights=weights, hf_config=hf_config, quantization="gguf")
