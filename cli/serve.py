@@ -38,7 +38,7 @@ def serve(
     model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled SmolLM2.")] = None,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Require this Bearer key.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Require this Bearer key (comma-separated: one per tenant; tenants never share prefix-cache blocks).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name clients use.")] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",

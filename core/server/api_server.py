@@ -12,7 +12,7 @@ import pkv
 from pkv.core.async_engine import AsyncLLM
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.metrics import ServerMetrics
-from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, split_keys
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
 from pkv.core.server.serving import OpenAIServing, ServerLimits
@@ -23,7 +23,7 @@ class ServerConfig:
     """HTTP-side settings (engine settings live in EngineConfig)."""
 
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | None = None  # comma-separated: one key per tenant
     max_body_bytes: int = 4 * 2**20
     max_waiting_requests: int = 1024
     allowed_origins: list[str] = field(default_factory=list)
@@ -100,8 +100,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
     # The last added is outermost: body limit, then CORS (preflights carry no key), then auth.
-    if config.api_key:
-        app.add_middleware(AuthMiddleware, api_key=config.api_key)
+    if split_keys(config.api_key):
+        app.add_middleware(AuthMiddleware, api_keys=split_keys(config.api_key))
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -3,6 +3,7 @@ authentication and a request body size limit."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -28,20 +29,42 @@ async def send_error(send: Send, status: int, message: str, param: str | None = 
     await send({"type": "http.response.body", "body": body})
 
 
-class AuthMiddleware:
-    """Require `Authorization: Bearer <key>` on every path but /health when a key is set."""
+def split_keys(value: str | None) -> list[str]:
+    """`--api-key k1,k2`: one key per tenant."""
+    return [k.strip() for k in (value or "").split(",") if k.strip()]
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+def tenant_id(api_key: str) -> str:
+    """A stable name for a key's tenant that does not reveal the key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def request_tenant(scope: Scope) -> str | None:
+    """The tenant AuthMiddleware found for this request (None without keys)."""
+    return scope.get("state", {}).get("pkv_tenant")
+
+
+class AuthMiddleware:
+    """Require `Authorization: Bearer <key>` on every path but /health, for any of the keys;
+    the request is then its key's tenant (prefix-cache blocks are never shared across
+    tenants)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), tenant_id(key)) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            tenant = None
+            for expected, tid in self.expected:  # every key compared: the time says nothing
+                if hmac.compare_digest(given, expected):
+                    tenant = tid
+            if tenant is None:
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer)",
                                  headers=[(b"www-authenticate", b"Bearer")])
                 return
+            scope.setdefault("state", {})["pkv_tenant"] = tenant
         await self.app(scope, receive, send)
 
 

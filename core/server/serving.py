@@ -22,6 +22,7 @@ from pkv.core.outputs import CompletionOutput, RequestOutput
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.errors import OpenAIError, error_body
+from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 # Template variables a request may set (chat templates of Qwen3 and others read these).
@@ -125,9 +126,12 @@ class OpenAIServing:
             raise OpenAIError(400, str(exc), param) from None
 
     async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       body: _SamplingFields, param: str) -> PreparedRequest:
+                       body: _SamplingFields, param: str, raw: Request) -> PreparedRequest:
+        # Tenants (API keys) never share prefix-cache blocks: their name salts every hash.
+        tenant = request_tenant(raw.scope)
+        salt = body.cache_salt if tenant is None else f"{tenant}:{body.cache_salt or ''}"
         try:
-            return await self.llm.prepare(request_id, prompt, params, body.cache_salt)
+            return await self.llm.prepare(request_id, prompt, params, salt)
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
@@ -155,7 +159,7 @@ class OpenAIServing:
         text = await self._render_chat(body)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prepared = await self._prepare(request_id, prompt_ids, params, body, "messages")
+        prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw)
         self._admit()
         if body.stream:
             return StreamingResponse(self._chat_stream(body, prepared),
@@ -212,7 +216,7 @@ class OpenAIServing:
             raise OpenAIError(400, f"at most {self.limits.max_prompts} prompts (times n) per "
                               "request", "prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt")
+        prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt", raw)
                     for i, p in enumerate(prompts)]
         self._admit()
         if body.stream:
