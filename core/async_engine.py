@@ -23,6 +23,10 @@ from pkv.core.sampling_params import SamplingParams
 logger = logging.getLogger("pkv.engine")
 T = TypeVar("T")
 
+# Steps that fail one after another before the engine is declared dead (/health 503): one
+# failure may be one bad batch; three in a row is a broken engine.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
@@ -61,9 +65,17 @@ class AsyncLLM:
     """Serve many concurrent requests from one engine stepped in a background thread."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024,
-                 on_request_finished: Callable[[RequestTimings], None] | None = None) -> None:
+                 on_request_finished: Callable[[RequestTimings], None] | None = None,
+                 step_timeout: float = 120.0) -> None:
+        """`step_timeout`: seconds one step may run before the watchdog declares the engine
+        wedged (fails everything in flight, /health 503)."""
+        if not step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.step_timeout = step_timeout
+        self._step_started: float | None = None  # monotonic start of the running step
+        self._failed_steps = 0
         self.on_request_finished = on_request_finished
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -72,11 +84,13 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="pkv-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="pkv-watchdog", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     @property
     def is_alive(self) -> bool:
@@ -186,23 +200,58 @@ class AsyncLLM:
     # ---- the engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wakeup.clear()
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(0.5)
+        try:
+            while not self._stop.is_set():
+                self._wakeup.clear()
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(0.5)
+                    continue
+                self._step()
+        except Exception as exc:  # the loop itself broke: nothing more can be served
+            logger.exception("the engine loop crashed")
+            self._failure = f"the engine loop crashed: {exc}"
+            self._stop.set()
+        self._fail_in_flight(EngineDeadError(self._failure or "the server is shutting down"))
+
+    def _step(self) -> None:
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bad step must not take the server down
+            logger.exception("engine step failed; failing the requests in flight")
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self._failure = f"{self._failed_steps} engine steps failed in a row: {exc}"
+                self._stop.set()
+            self._fail_in_flight(EngineStepError(f"internal error during generation: {exc}"))
+            return
+        finally:
+            self._step_started = None
+        self._failed_steps = 0
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bad step must not take the server down
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_in_flight(EngineStepError(f"internal error during generation: {exc}"))
-                continue
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
-        self._fail_in_flight(EngineDeadError("the server is shutting down"))
+            # One request's own failure (engine.step isolated it) fails that request only.
+            stream.put(EngineStepError(f"internal error in this request: {output.error}")
+                       if output.error else output)
+
+    def _watch(self) -> None:
+        """Declare the engine wedged when one step runs past `step_timeout`: a thread cannot
+        be stopped, so in-flight requests fail now and /health answers 503 from then on."""
+        while not self._stop.wait(min(1.0, self.step_timeout / 4)):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                self._failure = (f"an engine step has run for over {self.step_timeout:g} s; "
+                                 "the engine is wedged")
+                logger.error(self._failure)
+                self._stop.set()
+                with self._lock:
+                    streams = list(self._streams.values())
+                for stream in streams:
+                    stream.put(EngineDeadError(self._failure))
+                return
 
     def _drain_commands(self) -> None:
         while True:

@@ -195,6 +195,23 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
+    def _fail_requests(self, failures: dict[str, Exception],
+                       outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """End the requests (all samples of each) that failed in this step, freeing their
+        blocks; their final outputs carry the error."""
+        failed: dict[str, Exception] = {}
+        for child_id, exc in failures.items():
+            parent = self.output_processor.child_to_parent.get(child_id)
+            if parent is not None:
+                failed.setdefault(parent[0], exc)
+        kept = [o for o in outputs if o.request_id not in failed]
+        for parent_id, exc in failed.items():
+            logger.error("request %s failed: %r", parent_id, exc)
+            for output in self.abort_request(parent_id):
+                output.error = f"{type(exc).__name__}: {exc}"
+                kept.append(output)
+        return kept
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -210,20 +227,25 @@ class LLMEngine:
             return []
         self.timer.lap("schedule")
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
+        # What fails for one request alone (its grammar, its text) ends that request only.
+        failures: dict[str, Exception] = {}
         try:
             sampled_reqs, result = self.runner.execute_model(
-                sched, tables, self.kv_cache.pool.high_watermark)
+                sched, tables, self.kv_cache.pool.high_watermark, failures)
         except RuntimeError as exc:
             if self.workers is None:
                 raise
             raise RuntimeError(self.workers.explain(exc)) from exc
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
-        self.scheduler.update_from_output(sched, sampled)
+        self.scheduler.update_from_output(sched, sampled, failures)
         self.num_generation_tokens += len(sampled)
-        outputs, stopped = self.output_processor.process(sampled_reqs, logprobs)
+        outputs, stopped = self.output_processor.process(sampled_reqs, logprobs, failures)
         for request in stopped:  # stop strings end a request in the same step
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if request.request_id not in failures:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if failures:
+            outputs = self._fail_requests(failures, outputs)
         self.num_steps += 1
         self.timer.end_step()
         return outputs

@@ -24,11 +24,13 @@ from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
 from pkv.core.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
 from pkv.core.request import Request
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
+from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import SchedulerOutput
 from pkv.core.step_timer import StepTimer
 from pkv.core.workers import StepInputs, broadcast
 from pkv.plugins.registry import PluginRegistry, discover, select_attention_backend
 
+_GREEDY = SamplingParams(temperature=0)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -183,8 +185,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[int]],
-                      high_watermark: int) -> tuple[list[Request], SamplerOutput]:
-        """Run one step; return the requests that sampled and their sampler output."""
+                      high_watermark: int, failures: dict[str, Exception] | None = None
+                      ) -> tuple[list[Request], SamplerOutput]:
+        """Run one step; return the requests that sampled and their sampler output. A request
+        whose sampling setup fails (e.g. its grammar) is recorded in `failures` and sampled
+        greedily, for the engine to end."""
         input_ids, positions, meta, logits_idx, sampling = self._prepare_inputs(sched, block_tables)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
         self.timer.lap("prepare_inputs")
@@ -194,7 +199,7 @@ class ModelRunner:
         self.timer.lap("forward")
         if logits is None:
             return [], SamplerOutput([], [])
-        result = self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        result = self.sampler(logits, self._sampling_rows(sampling, failures))
         self.timer.lap("sample")
         return sampling, result
 
@@ -255,6 +260,19 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.from_numpy(all_positions).to(dev), meta,
                 torch.tensor(logits_idx, dtype=torch.long, device=dev), sampling)
+
+    def _sampling_rows(self, sampling: list[Request],
+                       failures: dict[str, Exception] | None) -> list[SamplingRow]:
+        rows = []
+        for request in sampling:
+            try:
+                rows.append(self._sampling_row(request))
+            except Exception as exc:
+                if failures is None:
+                    raise
+                failures[request.request_id] = exc
+                rows.append(SamplingRow(_GREEDY, [], [], None, []))
+        return rows
 
     @staticmethod
     def _sampling_row(request: Request) -> SamplingRow:

@@ -62,17 +62,25 @@ class OutputProcessor:
         return [s.request for s in state.samples] if state else []
 
     def process(self, updated: list[Request],
-                logprobs: dict[str, tuple[list[int], list[float], float, int] | None]
+                logprobs: dict[str, tuple[list[int], list[float], float, int] | None],
+                failures: dict[str, Exception] | None = None
                 ) -> tuple[list[RequestOutput], list[Request]]:
-        """Take the step's updated requests; return outputs and requests a stop string ended."""
+        """Take the step's updated requests; return outputs and requests a stop string ended.
+        A request whose text fails to advance goes into `failures` (and gets no output)."""
         touched: dict[str, _ParentState] = {}
         stopped: list[Request] = []
         for request in updated:
             parent_id, index = self.child_to_parent[request.request_id]
             state = self.parents[parent_id]
             sample = state.samples[index]
-            if self._advance(sample, state.params, logprobs.get(request.request_id)):
-                stopped.append(request)
+            try:
+                if self._advance(sample, state.params, logprobs.get(request.request_id)):
+                    stopped.append(request)
+            except Exception as exc:
+                if failures is None:
+                    raise
+                failures[request.request_id] = exc
+                continue
             touched[parent_id] = state
         outputs = [self._make_output(state) for state in touched.values()]
         for state in touched.values():

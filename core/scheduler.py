@@ -101,9 +101,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests by the step's results; return those that finished."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           failures: dict[str, Exception] | None = None) -> list[Request]:
+        """Advance the scheduled requests by the step's results; return those that finished.
+        A request whose own state fails to advance (its grammar) goes into `failures`."""
         finished = []
         for request in out.scheduled:
             n = out.num_scheduled_tokens[request.request_id]
@@ -113,7 +114,13 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(token)
+            try:
+                request.append_output_token(token)
+            except Exception as exc:
+                if failures is None:
+                    raise
+                failures[request.request_id] = exc
+                continue
             status = self._check_stop(request, token)
             if status is not None:
                 self.finish_request(request, status)

@@ -26,6 +26,7 @@ class ServerConfig:
     api_key: str | None = None  # comma-separated: one key per tenant
     max_body_bytes: int = 4 * 2**20
     max_waiting_requests: int = 1024
+    step_timeout: float = 120.0  # seconds before the watchdog calls a step wedged
     allowed_origins: list[str] = field(default_factory=list)
     limits: ServerLimits = field(default_factory=ServerLimits)
 

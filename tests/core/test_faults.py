@@ -1,0 +1,162 @@
+"""Engine faults: one request's own failure ends that request only; failing steps, a crashed
+loop and a wedged step each fail what is in flight and (the last two at once, steps after
+three in a row) turn the engine unhealthy. Faults are injected into a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from pkv.core.async_engine import (MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, EngineDeadError,
+                                   EngineStepError)
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.core.sampling_params import SamplingParams
+
+PROMPTS = {"a": [5, 6, 7, 8], "victim": [9, 10, 11], "c": [300, 301, 302, 303, 304]}
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+class _Exploding:
+    """Stands in for one request's grammar state or detokenizer: every call raises."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        def explode(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(f"injected fault in {name}")
+        return explode
+
+
+@pytest.fixture
+def engine(tiny_llama_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB"),
+                     show_progress=False)
+
+
+def _solo(engine: LLMEngine, prompt: list[int]) -> list[int]:
+    engine.add_request("solo", prompt, GREEDY)
+    return engine.generate_until_done()[-1].outputs[0].token_ids
+
+
+def _inject(engine: LLMEngine, where: str) -> None:
+    state = engine.output_processor.parents["victim"]
+    request = state.samples[0].request
+    if where == "grammar":  # its allowed-token mask and its advance both fail
+        request.guided = _Exploding()
+    else:
+        state.samples[0].detokenizer = _Exploding()
+
+
+@pytest.mark.parametrize("where", ["grammar", "detokenizer"])
+def test_one_request_failing_ends_only_that_request(engine: LLMEngine, where: str):
+    solo = {rid: _solo(engine, p) for rid, p in PROMPTS.items() if rid != "victim"}
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, GREEDY)
+    engine.step()  # the victim's first step runs clean; then its state breaks
+    _inject(engine, where)
+    finals = {o.request_id: o for o in engine.generate_until_done() if o.finished}
+    assert "injected fault" in (finals["victim"].error or "")
+    for rid, tokens in solo.items():
+        assert finals[rid].error is None and finals[rid].outputs[0].token_ids == tokens
+    stats = engine.get_stats()
+    assert stats.num_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert _solo(engine, PROMPTS["a"]) == solo["a"]  # and the engine serves on
+
+
+def _async(engine: LLMEngine, **kwargs: float) -> AsyncLLM:
+    llm = AsyncLLM(engine, **kwargs)
+    llm.start()
+    return llm
+
+
+async def _tokens(llm: AsyncLLM, rid: str, prompt: list[int], max_tokens: int = 10) -> list[int]:
+    prepared = await llm.prepare(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                             ignore_eos=True))
+    last = None
+    async for output in llm.generate(prepared):
+        last = output
+        if rid == "victim" and len(output.outputs[0].token_ids) == 1:
+            await llm.call_in_engine(lambda e: _inject(e, "detokenizer"))
+    return last.outputs[0].token_ids
+
+
+def test_async_request_failure_reaches_only_its_stream(engine: LLMEngine):
+    llm = _async(engine)
+    try:
+        async def main() -> list:
+            return await asyncio.gather(_tokens(llm, "a", PROMPTS["a"], 30),
+                                        _tokens(llm, "victim", PROMPTS["victim"], 30),
+                                        return_exceptions=True)
+        ok, failed = asyncio.run(main())
+        assert isinstance(failed, EngineStepError) and "injected fault" in str(failed)
+        assert isinstance(ok, list) and len(ok) == 30 and llm.is_alive
+    finally:
+        llm.shutdown()
+
+
+def test_steps_failing_in_a_row_kill_the_engine(engine: LLMEngine):
+    def broken_step() -> list:
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    llm = _async(engine)
+    try:
+        async def main() -> None:
+            for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
+                assert llm.is_alive, i
+                with pytest.raises(EngineStepError, match="device lost"):
+                    await _tokens(llm, f"r{i}", [1, 2, 3])
+            for _ in range(100):
+                if not llm.is_alive:
+                    break
+                await asyncio.sleep(0.02)
+            with pytest.raises(EngineDeadError, match="failed in a row"):
+                llm.check_admission()
+
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_a_crashed_loop_fails_in_flight_requests(engine: LLMEngine):
+    llm = _async(engine)
+    real = engine.has_unfinished_requests
+    try:
+        async def main() -> None:
+            prepared = await llm.prepare("r", [1, 2, 3], SamplingParams(max_tokens=500,
+                                                                        ignore_eos=True))
+            with pytest.raises(EngineDeadError, match="engine loop crashed: injected fault"):
+                async for _ in llm.generate(prepared):
+                    engine.has_unfinished_requests = _Exploding().loop_broke  # the loop dies
+        asyncio.run(main())
+        assert not llm.is_alive
+    finally:
+        engine.has_unfinished_requests = real
+        llm.shutdown()
+
+
+def test_watchdog_declares_a_wedged_step(engine: LLMEngine):
+    real = engine.step
+
+    def wedged() -> list:
+        time.sleep(4)  # e.g. a deadlocked collective
+        return real()
+
+    llm = _async(engine, step_timeout=0.5)
+    try:
+        async def main() -> float:
+            prepared = await llm.prepare("r", [1, 2, 3], SamplingParams(max_tokens=50,
+                                                                        ignore_eos=True))
+            start = time.monotonic()
+            engine.step = wedged
+            with pytest.raises(EngineDeadError, match="wedged"):
+                async for _ in llm.generate(prepared):
+                    pass
+            return time.monotonic() - start
+
+        assert asyncio.run(main()) < 3.5  # failed by the watchdog, not by the step's end
+        assert not llm.is_alive and "wedged" in (llm.dead_reason or "")
+    finally:
+        llm.shutdown(timeout=6)
