@@ -1,0 +1,81 @@
+"""Engine faults over real HTTP (an in-process server on loopback, faults injected into its
+real engine): a wedged step fails a stream with an error event then [DONE], a non-streaming
+request with a 503 error object, and /health turns 503 while answering fast."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from pkv.core.async_engine import AsyncLLM
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.core.server.api_server import ServerConfig, build_app
+from pkv.tests.server.conftest import free_port
+
+
+@pytest.fixture
+def wedging_server(tiny_llama_dir: Path) -> Iterator[tuple[str, LLMEngine]]:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB"),
+                       show_progress=False)
+    llm = AsyncLLM(engine, step_timeout=0.5)
+    app = build_app(llm, ServerConfig("tiny"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    llm.start()
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    while not _up(base):
+        time.sleep(0.05)
+    yield base, engine
+    server.should_exit = True
+    thread.join(10)
+    llm.shutdown(timeout=6)
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wedge(engine: LLMEngine) -> None:
+    real = engine.step
+
+    def wedged() -> list:
+        time.sleep(3)  # e.g. a deadlocked collective
+        return real()
+
+    engine.step = wedged
+
+
+def test_wedged_step_fails_streams_then_health_is_503(wedging_server: tuple[str, LLMEngine]):
+    base, engine = wedging_server
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 40, "stream": True}
+    events = []
+    start = time.monotonic()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    _wedge(engine)
+    assert time.monotonic() - start < 3  # the watchdog, not the step's end, failed it
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "wedged" in error["message"]
+    health = httpx.get(f"{base}/health", timeout=2)
+    assert health.status_code == 503 and "wedged" in health.json()["error"]["message"]
+    refused = httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=5)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["message"].startswith("the engine is not available")
