@@ -8,6 +8,7 @@ are mapped back to the bytes they stand for. EOS is allowed only in accepting st
 from __future__ import annotations
 
 import json
+import itertools
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -85,28 +86,64 @@ def to_regex(params: StructuredOutputsParams) -> str:
     return build_regex_from_schema(json.dumps(_bounded_integers(schema)))
 
 
-class CompiledGrammar:
-    """An outlines-core Index plus a cache of per-state token masks."""
+# Token masks of every grammar share one LRU budget: a mask is one byte per vocabulary entry
+# (48 KiB for SmolLM2), so a per-grammar count bound alone would let 64 grammars x 1024
+# states hold 3 GiB.
+DEFAULT_MASK_CACHE_BYTES = 64 * 2**20
 
-    def __init__(self, index: Any, vocab_size: int) -> None:
+
+class MaskCache:
+    """Allowed-token masks by (grammar, state), least recently used evicted past `max_bytes`."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MASK_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._masks: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+        self._uids = itertools.count()
+
+    def new_uid(self) -> int:
+        return next(self._uids)
+
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+        with self._lock:
+            mask = self._masks.get(key)
+            if mask is not None:
+                self._masks.move_to_end(key)
+            return mask
+
+    def put(self, key: tuple[int, int], mask: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._masks:
+                return
+            self._masks[key] = mask
+            self.nbytes += mask.nbytes
+            while self.nbytes > self.max_bytes and self._masks:
+                _, old = self._masks.popitem(last=False)
+                self.nbytes -= old.nbytes
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+
+class CompiledGrammar:
+    """An outlines-core Index; its token masks live in the backend's shared MaskCache."""
+
+    def __init__(self, index: Any, vocab_size: int, masks: MaskCache) -> None:
         self.index = index
         self.vocab_size = vocab_size
-        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()
+        self.masks = masks
+        self.uid = masks.new_uid()  # never reused, unlike id() of a collected grammar
 
     def mask(self, state: int) -> torch.Tensor:
         """Boolean [vocab] of the tokens allowed in `state`."""
-        with self._lock:
-            cached = self._masks.get(state)
-            if cached is not None:
-                self._masks.move_to_end(state)
-                return cached
+        key = (self.uid, state)
+        cached = self.masks.get(key)
+        if cached is not None:
+            return cached
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         mask[torch.tensor(self.index.get_allowed_tokens(state), dtype=torch.long)] = True
-        with self._lock:
-            self._masks[state] = mask
-            if len(self._masks) > 1024:
-                self._masks.popitem(last=False)
+        self.masks.put(key, mask)
         return mask
 
     def new_state(self) -> GuidedState:
@@ -139,11 +176,12 @@ class OutlinesBackend:
     name = "outlines"
 
     def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float = 30.0,
-                 cache_size: int = 64) -> None:
+                 cache_size: int = 64, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.cache_size = cache_size
+        self.masks = MaskCache(mask_cache_bytes)
         self._vocabulary: Any = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._pending: dict[tuple[str, str], Any] = {}
@@ -194,7 +232,8 @@ class OutlinesBackend:
             eos = self.tokenizer.eos_token_id
             self._vocabulary = Vocabulary(eos, token_bytes_map(self.tokenizer))
         try:
-            grammar = CompiledGrammar(Index(to_regex(params), self._vocabulary), self.vocab_size)
+            grammar = CompiledGrammar(Index(to_regex(params), self._vocabulary), self.vocab_size,
+                                      self.masks)
         except ValueError as exc:
             raise ValueError(f"invalid {params.kind} constraint: {exc}") from None
         with self._lock:

@@ -8,6 +8,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 
 from pkv import LLM, SamplingParams
 from pkv.core.structured_outputs import StructuredOutputsParams as SO
@@ -141,3 +142,30 @@ def test_a_runaway_constraint_does_not_block_the_next(smol_llm: LLM):
         assert backend.compile(SO(choice=["up", "down"])) is not None
     finally:
         backend.timeout_s = saved
+
+
+def test_grammar_and_mask_caches_are_bounded_in_entries_and_bytes(tiny_llama_dir):
+    """Many unique constraints, each walked through many states: the grammar cache keeps
+    `cache_size` entries and all their token masks together stay within the byte budget."""
+    from pkv.plugins.guided.outlines_backend import OutlinesBackend
+
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", show_progress=False)
+    engine = llm.llm_engine
+    vocab = engine.model_config.vocab_size
+    backend = OutlinesBackend(engine.tokenizer, vocab, cache_size=4,
+                              mask_cache_bytes=20 * vocab)  # room for 20 masks
+    grammars = []
+    for i in range(12):
+        grammar = backend.compile(SO(regex=f"[a-c]{{{i + 3}}}x{i}"))
+        grammars.append(grammar)
+        state = grammar.new_state()
+        for _ in range(i + 3):  # one mask per state on the way
+            allowed = state.allowed_mask()
+            state.advance(int(allowed.nonzero()[0]))
+        assert backend.masks.nbytes <= 20 * vocab
+    assert len(backend._cache) == 4 and len(backend.masks) <= 20
+    # An evicted mask is recomputed, identical; masks of two grammars never mix.
+    first, last = grammars[0], grammars[-1]
+    start = first.index.get_initial_state()
+    assert torch.equal(first.mask(start), first.mask(start))
+    assert first.uid != last.uid
