@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: serve test install clean
+.PHONY: serve test soak install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Not part of `make test`: 10 minutes at capacity with aborts and invalid requests mixed in.
+soak: $(STAMP)
+	$(BIN)/pkv bench soak --duration 600 $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -295,3 +295,93 @@ def serve(
                               "concurrency", console)
 
 
+
+
+@bench_app.command("soak")
+def soak(
+    model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 600,
+    max_num_seqs: Annotated[int, typer.Option(help="The server's running batch.")] = 32,
+    concurrency: Annotated[Optional[int], typer.Option(help="Clients (default 2 x max-num-seqs).")] = None,
+    warmup: Annotated[float, typer.Option(help="Seconds of the same load before the baseline.")] = 60,
+    seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """A real server at capacity for `duration` with 10% aborts and 5% invalid requests;
+    fails on unexpected errors, held KV blocks, or memory that does not come back."""
+    import dataclasses
+    import secrets
+
+    from rich.table import Table
+
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_soak import RSS_SLACK_BYTES, Minute, drive, wait_idle
+    from pkv.cli.serve_process import start_pkv_serve
+
+    with user_errors(console):
+        if duration <= 0 or warmup < 0 or max_num_seqs < 1 or (concurrency is not None
+                                                                and concurrency < 1):
+            raise ValueError("--duration, --max-num-seqs and --concurrency must be > 0, "
+                             "--warmup >= 0")
+        key = secrets.token_hex(16)
+        headers = {"Authorization": f"Bearer {key}"}
+        args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
+                "--kv-cache-memory", "256MiB", *([model] if model else [])]
+        clients = concurrency or 2 * max_num_seqs
+        with start_pkv_serve(args, key) as (base, pid):
+            # The baseline is taken after the same load has run a while: caches (allocator
+            # arenas, oneDNN primitives per batch shape) fill once and must then hold still.
+            asyncio.run(drive(base, headers, clients, warmup, seed + 1, lambda *_: None))
+            start = wait_idle(base, headers, pid)
+
+            def show(index: int, m: Minute) -> None:
+                console.print(f"minute {index}: served {m.served}, aborted {m.aborted}, invalid "
+                              f"{m.invalid}, unexpected {len(m.unexpected)}, p99 TTFT "
+                              f"{m.p99_ttft_ms:.0f} ms")
+
+            minutes = asyncio.run(drive(base, headers, clients, duration, seed, show))
+            end = wait_idle(base, headers, pid)
+        table = Table(title=f"pkv bench soak: {duration:g} s at {clients} clients, server batch "
+                            f"{max_num_seqs}, after {warmup:g} s of warm-up")
+        for column in ("minute", "served", "aborted (10%)", "invalid (5%)", "unexpected errors",
+                       "p99 TTFT ms"):
+            table.add_column(column, justify="right")
+        for i, m in enumerate(minutes, 1):
+            table.add_row(str(i), str(m.served), str(m.aborted), str(m.invalid),
+                          str(len(m.unexpected)), f"{m.p99_ttft_ms:.0f}")
+        console.print(table)
+        state = Table(title="server state, idle, before and after")
+        for column in ("", "RSS MiB", "of it KV pool MiB", "RSS - KV MiB", "open files",
+                       "KV blocks free"):
+            state.add_column(column, justify="right")
+        for name, s in (("start", start), ("end", end)):
+            state.add_row(name, f"{s.rss_bytes / 2**20:.0f}", f"{s.kv_resident_bytes / 2**20:.0f}",
+                          f"{s.rss_without_kv / 2**20:.0f}", str(s.open_files),
+                          f"{s.kv_blocks_free:.0f} / {s.kv_blocks_total:.0f}")
+        console.print(state)
+        unexpected = [e for m in minutes for e in m.unexpected]
+        full = [m for m in minutes if m.ttfts] or minutes
+        problems = []
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected errors, e.g. {unexpected[0]}")
+        if end.kv_blocks_free != end.kv_blocks_total or end.running:
+            problems.append(f"KV blocks still held: {end.kv_blocks_total - end.kv_blocks_free:.0f}")
+        if end.rss_without_kv > start.rss_without_kv + RSS_SLACK_BYTES:
+            problems.append("RSS outside the KV pool grew "
+                            f"{(end.rss_without_kv - start.rss_without_kv) / 2**20:.0f} MiB")
+        if end.open_files > start.open_files + 8:
+            problems.append(f"open files grew {start.open_files} -> {end.open_files}")
+        if len(full) > 2 and full[-1].p99_ttft_ms > 2 * full[0].p99_ttft_ms:
+            problems.append("p99 TTFT drifted up: last minute over twice the first")
+        if json_path:
+            report.write_json(json_path, {
+                "duration_s": duration, "served": sum(m.served for m in minutes),
+                "minutes": [{**dataclasses.asdict(m), "p99_ttft_ms": m.p99_ttft_ms,
+                             "ttfts": len(m.ttfts)} for m in minutes],
+                "start": dataclasses.asdict(start), "end": dataclasses.asdict(end),
+                "problems": problems}, console)
+        if problems:
+            console.print("[bold red]soak failed[/]: " + "; ".join(problems))
+            raise typer.Exit(1)
+        console.print(f"[bold green]soak passed[/]: {sum(m.served for m in minutes)} served, "
+                      "0 unexpected errors, every KV block back, memory back near its start")

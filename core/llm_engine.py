@@ -58,6 +58,7 @@ class EngineStats:
     kv_cache_usage: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    kv_resident_bytes: int = 0  # KV pool memory touched so far (blocks are zeroed on first use)
 
 
 class LLMEngine:
@@ -260,7 +261,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits, kv_cache_usage=self.kv_cache.usage,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens)
+            num_generation_tokens=self.num_generation_tokens,
+            kv_resident_bytes=self.runner.kv_resident_bytes)
 
     def generate_until_done(self) -> list[RequestOutput]:
         """Step until every request finishes; return the final output of each."""

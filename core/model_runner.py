@@ -139,6 +139,11 @@ class ModelRunner:
         return (2 * cfg.num_hidden_layers * self.block_size * self.plan.kv_heads[1]
                 * cfg.head_dim * elem)
 
+    @property
+    def kv_resident_bytes(self) -> int:
+        """KV pool memory in use by the process: blocks are zeroed, so touched, on first use."""
+        return self._num_zeroed_blocks * self.kv_bytes_per_block
+
     def _num_kv_blocks(self, max_model_len: int) -> int:
         per_block = self.kv_bytes_per_block
         blocks_per_seq = cdiv(max_model_len, self.block_size)

@@ -1,0 +1,143 @@
+"""`pkv bench soak`: a real `pkv serve` held at capacity for minutes with hostile traffic.
+
+Clients keep the server saturated (twice its running batch) with streaming completions;
+10% of requests are abandoned by their client part way, 5% are invalid on purpose. Every
+minute reports requests served and p99 time to first token; at the end, after the server
+idles, its RSS, open files and free KV blocks are compared with the start. The run fails on
+any 5xx that was not asked for, a KV block still held, or memory that did not come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+from pkv.cli.bench_serve import WORDS
+
+INVALID_BODIES: list[dict[str, Any]] = [
+    {"max_tokens": -1}, {"temperature": "hot"}, {"prompt": []}, {"top_p": 7},
+    {"logit_bias": {"999999999": 1}}, {"n": 10**6}, {"stop": [""]},
+]
+# RSS outside the KV pool may end this much above its start (allocator slack), never more.
+# The pool itself grows as blocks are first used, up to its configured size: that is
+# reserved memory, reported apart.
+RSS_SLACK_BYTES = 64 * 2**20
+
+
+@dataclass
+class Minute:
+    served: int = 0
+    aborted: int = 0
+    invalid: int = 0
+    unexpected: list[str] = field(default_factory=list)  # non-deliberate errors
+    ttfts: list[float] = field(default_factory=list)
+
+    @property
+    def p99_ttft_ms(self) -> float:
+        return float(np.percentile(self.ttfts, 99)) * 1000 if self.ttfts else 0.0
+
+
+@dataclass
+class Snapshot:
+    rss_bytes: int
+    open_files: int
+    kv_blocks_free: float
+    kv_blocks_total: float
+    running: float
+    kv_resident_bytes: float  # the KV pool's touched part of the RSS
+
+    @property
+    def rss_without_kv(self) -> float:
+        return self.rss_bytes - self.kv_resident_bytes
+
+
+def snapshot(base: str, headers: dict[str, str], pid: int) -> Snapshot:
+    text = httpx.get(f"{base}/metrics", headers=headers, timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    process = psutil.Process(pid)
+    return Snapshot(process.memory_info().rss, process.num_fds(), values["pkv:kv_blocks_free"],
+                    values["pkv:kv_blocks_total"], values["pkv:num_requests_running"],
+                    values["pkv:kv_cache_resident_bytes"])
+
+
+def wait_idle(base: str, headers: dict[str, str], pid: int, timeout: float = 60) -> Snapshot:
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = snapshot(base, headers, pid)
+        if (snap.running == 0 and snap.kv_blocks_free == snap.kv_blocks_total) or \
+                time.monotonic() > deadline:
+            return snap
+        time.sleep(0.5)
+
+
+async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute: Minute) -> None:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 48)))
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": rng.randint(16, 96),
+                            "temperature": rng.choice([0, 0.7]), "stream": True}
+    kind = rng.random()
+    if kind < 0.05:
+        body.update(rng.choice(INVALID_BODIES))
+        r = await client.post(f"{base}/v1/completions", json={**body, "stream": False})
+        if r.status_code == 400 and r.json().get("error", {}).get("param"):
+            minute.invalid += 1
+        else:
+            minute.unexpected.append(f"invalid request answered {r.status_code}: {r.text[:120]}")
+        return
+    abandon_after = rng.uniform(0.05, 1.0) if kind < 0.15 else None
+    start = time.monotonic()
+    first = None
+    try:
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                minute.unexpected.append(f"{r.status_code}: {text[:120]}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if '"error"' in line:
+                    minute.unexpected.append(f"stream error: {line[:160]}")
+                    return
+                if first is None and line != "data: [DONE]":
+                    first = time.monotonic() - start
+                if abandon_after is not None and time.monotonic() - start > abandon_after:
+                    minute.aborted += 1  # leaving the stream drops the connection
+                    return
+    except httpx.HTTPError as exc:
+        minute.unexpected.append(f"{type(exc).__name__}: {exc}")
+        return
+    if first is not None:
+        minute.ttfts.append(first)
+    minute.served += 1
+
+
+async def drive(base: str, headers: dict[str, str], concurrency: int, duration: float,
+                seed: int, on_minute: Any) -> list[Minute]:
+    """Keep `concurrency` requests in flight for `duration` seconds; one Minute per minute."""
+    minutes = [Minute()]
+    rng = random.Random(seed)
+    start = time.monotonic()
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(headers=headers, timeout=120, limits=limits) as client:
+        async def worker() -> None:
+            while (elapsed := time.monotonic() - start) < duration:
+                index = int(elapsed // 60)
+                while len(minutes) <= index:
+                    on_minute(len(minutes), minutes[-1])
+                    minutes.append(Minute())
+                await _one(client, base, rng, minutes[index])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    on_minute(len(minutes), minutes[-1])
+    return minutes

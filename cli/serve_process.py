@@ -1,0 +1,57 @@
+"""A `pkv serve` child process on a free loopback port, for benchmarks that need a server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def start_pkv_serve(args: list[str], api_key: str, timeout: float = 300) -> Iterator[tuple[str, int]]:
+    """Yield (base URL, pid) of a healthy server; stop it on exit. Its log goes to a temp
+    file, quoted in the error if it never becomes healthy."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="pkv-serve-", suffix=".log", delete=False)
+    env = {**os.environ, "PKV_API_KEY": api_key, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "pkv.cli.main", "serve", "--port", str(port),
+                                "--log-level", "warning", *args],
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"pkv serve did not become healthy:\n{log.read()[-2000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        yield base, process.pid
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+        os.unlink(log.name)
