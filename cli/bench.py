@@ -312,10 +312,9 @@ def soak(
     import dataclasses
     import secrets
 
-    from rich.table import Table
-
     from pkv.cli import bench_report as report
-    from pkv.cli.bench_soak import RSS_SLACK_BYTES, Minute, drive, wait_idle
+    from pkv.cli.bench_soak import (Minute, drive, minutes_table, state_table, verdict,
+                                    wait_idle)
     from pkv.cli.serve_process import start_pkv_serve
 
     with user_errors(console):
@@ -341,38 +340,11 @@ def soak(
 
             minutes = asyncio.run(drive(base, headers, clients, duration, seed, show))
             end = wait_idle(base, headers, pid)
-        table = Table(title=f"pkv bench soak: {duration:g} s at {clients} clients, server batch "
-                            f"{max_num_seqs}, after {warmup:g} s of warm-up")
-        for column in ("minute", "served", "aborted (10%)", "invalid (5%)", "unexpected errors",
-                       "p99 TTFT ms"):
-            table.add_column(column, justify="right")
-        for i, m in enumerate(minutes, 1):
-            table.add_row(str(i), str(m.served), str(m.aborted), str(m.invalid),
-                          str(len(m.unexpected)), f"{m.p99_ttft_ms:.0f}")
-        console.print(table)
-        state = Table(title="server state, idle, before and after")
-        for column in ("", "RSS MiB", "of it KV pool MiB", "RSS - KV MiB", "open files",
-                       "KV blocks free"):
-            state.add_column(column, justify="right")
-        for name, s in (("start", start), ("end", end)):
-            state.add_row(name, f"{s.rss_bytes / 2**20:.0f}", f"{s.kv_resident_bytes / 2**20:.0f}",
-                          f"{s.rss_without_kv / 2**20:.0f}", str(s.open_files),
-                          f"{s.kv_blocks_free:.0f} / {s.kv_blocks_total:.0f}")
-        console.print(state)
-        unexpected = [e for m in minutes for e in m.unexpected]
-        full = [m for m in minutes if m.ttfts] or minutes
-        problems = []
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected errors, e.g. {unexpected[0]}")
-        if end.kv_blocks_free != end.kv_blocks_total or end.running:
-            problems.append(f"KV blocks still held: {end.kv_blocks_total - end.kv_blocks_free:.0f}")
-        if end.rss_without_kv > start.rss_without_kv + RSS_SLACK_BYTES:
-            problems.append("RSS outside the KV pool grew "
-                            f"{(end.rss_without_kv - start.rss_without_kv) / 2**20:.0f} MiB")
-        if end.open_files > start.open_files + 8:
-            problems.append(f"open files grew {start.open_files} -> {end.open_files}")
-        if len(full) > 2 and full[-1].p99_ttft_ms > 2 * full[0].p99_ttft_ms:
-            problems.append("p99 TTFT drifted up: last minute over twice the first")
+        console.print(minutes_table(minutes, f"pkv bench soak: {duration:g} s at {clients} "
+                                    f"clients, server batch {max_num_seqs}, after {warmup:g} s "
+                                    "of warm-up"))
+        console.print(state_table(start, end))
+        problems = verdict(minutes, start, end)
         if json_path:
             report.write_json(json_path, {
                 "duration_s": duration, "served": sum(m.served for m in minutes),

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+from rich.table import Table
 
 from pkv.cli.bench_serve import WORDS
 
@@ -141,3 +142,45 @@ async def drive(base: str, headers: dict[str, str], concurrency: int, duration: 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     on_minute(len(minutes), minutes[-1])
     return minutes
+
+
+def minutes_table(minutes: list[Minute], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("minute", "served", "aborted (10%)", "invalid (5%)", "unexpected errors",
+                   "p99 TTFT ms"):
+        table.add_column(column, justify="right")
+    for i, m in enumerate(minutes, 1):
+        table.add_row(str(i), str(m.served), str(m.aborted), str(m.invalid),
+                      str(len(m.unexpected)), f"{m.p99_ttft_ms:.0f}")
+    return table
+
+
+def state_table(start: Snapshot, end: Snapshot) -> Table:
+    table = Table(title="server state, idle, before and after")
+    for column in ("", "RSS MiB", "of it KV pool MiB", "RSS - KV MiB", "open files",
+                   "KV blocks free"):
+        table.add_column(column, justify="right")
+    for name, s in (("start", start), ("end", end)):
+        table.add_row(name, f"{s.rss_bytes / 2**20:.0f}", f"{s.kv_resident_bytes / 2**20:.0f}",
+                      f"{s.rss_without_kv / 2**20:.0f}", str(s.open_files),
+                      f"{s.kv_blocks_free:.0f} / {s.kv_blocks_total:.0f}")
+    return table
+
+
+def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot) -> list[str]:
+    """What went wrong (empty: the soak passed)."""
+    problems = []
+    unexpected = [e for m in minutes for e in m.unexpected]
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected errors, e.g. {unexpected[0]}")
+    if end.kv_blocks_free != end.kv_blocks_total or end.running:
+        problems.append(f"KV blocks still held: {end.kv_blocks_total - end.kv_blocks_free:.0f}")
+    if end.rss_without_kv > start.rss_without_kv + RSS_SLACK_BYTES:
+        problems.append("RSS outside the KV pool grew "
+                        f"{(end.rss_without_kv - start.rss_without_kv) / 2**20:.0f} MiB")
+    if end.open_files > start.open_files + 8:
+        problems.append(f"open files grew {start.open_files} -> {end.open_files}")
+    timed = [m for m in minutes if m.ttfts]
+    if len(timed) > 2 and timed[-1].p99_ttft_ms > 2 * timed[0].p99_ttft_ms:
+        problems.append("p99 TTFT drifted up: last minute over twice the first")
+    return problems

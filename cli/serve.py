@@ -29,7 +29,7 @@ console = Console(stderr=True)
 # Options that configure the HTTP side rather than the engine.
 SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
                   "shutdown_timeout", "allowed_origins", "max_waiting_requests", "step_timeout",
-                  "max_body_bytes", "max_n", "max_logprobs", "max_stop_strings",
+                  "body_timeout", "max_body_bytes", "max_n", "max_logprobs", "max_stop_strings",
                   "max_stop_length")
 
 
@@ -60,6 +60,7 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(help="Grace period on SIGTERM, seconds.")] = 30.0,
     allowed_origins: Annotated[Optional[list[str]], typer.Option(help="CORS origins (none by default).")] = None,
     max_waiting_requests: Annotated[int, typer.Option(help="Queue bound; past it 503.")] = 1024,
+    body_timeout: Annotated[float, typer.Option(help="Seconds a request body may take to arrive (408 after).")] = 30.0,
     step_timeout: Annotated[float, typer.Option(help="Seconds one engine step may run before the watchdog declares the engine wedged (/health 503).")] = 120.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 4 * 2**20,
     max_n: Annotated[int, typer.Option(help="Largest n per request.")] = 16,
@@ -150,7 +151,7 @@ def _run(options: dict[str, Any]) -> None:
         served_model_name=options["served_model_name"] or engine.model_name,
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
         max_waiting_requests=options["max_waiting_requests"],
-        step_timeout=options["step_timeout"],
+        step_timeout=options["step_timeout"], body_timeout=options["body_timeout"],
         allowed_origins=list(options["allowed_origins"] or []),
         limits=ServerLimits(options["max_n"], options["max_logprobs"],
                             options["max_stop_strings"], options["max_stop_length"]))

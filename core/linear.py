@@ -13,6 +13,7 @@ its own part of each tensor from disk.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +200,10 @@ def prepack_linears(model: nn.Module) -> int:
     """
     if not torch.backends.mkldnn.is_available():
         return 0
+    # oneDNN keeps a primitive per (shape, rows); rows change every step, and its default of
+    # 1024 cached primitives grew a serving process by ~200 MiB over 10 minutes. 64 recent
+    # ones cost no measurable speed. Read once, at oneDNN's first use: this is before it.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     count = 0
     for module in model.modules():
         if not isinstance(module, Linear) or not isinstance(module.method, UnquantizedLinearMethod):

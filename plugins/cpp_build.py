@@ -60,3 +60,15 @@ def build(source_name: str, what: str) -> Any:
         return load(name=name, sources=[str(source)],
                     extra_cflags=["-O3", "-fopenmp", "-march=native"],
                     extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build_or_none(source_name: str, what: str) -> Any:
+    """`build`, or None with a logged warning where nothing can build it (callers then
+    compute the same in torch)."""
+    import logging
+
+    try:
+        return build(source_name, what)
+    except Exception as exc:  # no compiler, no ninja, a failed build
+        logging.getLogger("pkv.kernels").warning("%s unavailable (%s); using torch", what, exc)
+        return None

@@ -25,6 +25,7 @@ class ServerConfig:
     served_model_name: str
     api_key: str | None = None  # comma-separated: one key per tenant
     max_body_bytes: int = 4 * 2**20
+    body_timeout: float = 30.0  # seconds for a request body to arrive in full
     max_waiting_requests: int = 1024
     step_timeout: float = 120.0  # seconds before the watchdog calls a step wedged
     allowed_origins: list[str] = field(default_factory=list)
@@ -108,5 +109,6 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       body_timeout=config.body_timeout)
     return app

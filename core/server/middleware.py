@@ -3,8 +3,10 @@ authentication and a request body size limit."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -72,17 +74,24 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _BodyTooSlow(Exception):
+    pass
+
+
 # uvicorn bounds headers only when they arrive in pieces; one large read gets through.
 MAX_HEADER_BYTES = 32 * 1024
 
 
 class BodyLimitMiddleware:
-    """Answer 431 to headers over MAX_HEADER_BYTES, and 413 to bodies over `max_bytes`, by
-    Content-Length or by counting chunks."""
+    """Answer 431 to headers over MAX_HEADER_BYTES, 413 to bodies over `max_bytes` (by
+    Content-Length or by counting chunks), and 408 to a body not complete `body_timeout`
+    seconds after the request started (a client dribbling bytes holds no connection for
+    long; nothing reaches the engine before the body is whole)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,15 +105,22 @@ class BodyLimitMiddleware:
             await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
             return
         received = 0
-        started = False
+        started = body_done = False
+        deadline = time.monotonic() + self.body_timeout
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # later receives wait for the client to leave: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise _BodyTooSlow from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise _BodyTooLarge
+                body_done = not message.get("more_body", False)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -117,3 +133,7 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
+        except _BodyTooSlow:
+            if not started:
+                await send_error(send, 408, f"request body did not arrive within "
+                                            f"{self.body_timeout:g} s")

@@ -152,15 +152,9 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 def _cpu_kernel() -> Any:
     """The compiled kernel, or None (with a warning) where nothing can build it."""
-    import logging
-
     from pkv.plugins import cpp_build
 
-    try:
-        return cpp_build.build("awq_cpu.cpp", "AWQ CPU kernel")
-    except Exception as exc:  # no compiler: the torch path computes the same
-        logging.getLogger("pkv.awq").warning("AWQ kernel unavailable (%s); using torch", exc)
-        return None
+    return cpp_build.build_or_none("awq_cpu.cpp", "AWQ CPU kernel")
 
 
 class AWQLoader(WeightLoader):

@@ -81,12 +81,6 @@ class Int8LinearMethod(LinearMethod):
 
 def _cpu_kernel() -> Any:
     """The compiled kernel, or None (with a warning) where nothing can build it."""
-    import logging
-
     from pkv.plugins import cpp_build
 
-    try:
-        return cpp_build.build("int8_cpu.cpp", "int8 CPU kernel")
-    except Exception as exc:  # no compiler: the torch path computes the same
-        logging.getLogger("pkv.int8").warning("int8 kernel unavailable (%s); using torch", exc)
-        return None
+    return cpp_build.build_or_none("int8_cpu.cpp", "int8 CPU kernel")

@@ -71,3 +71,32 @@ def test_empty_dataset(tmp_path: Path, tiny_llama_dir: Path):
 def test_unreachable_server_for_bench_serve():
     result = _bench("serve", "--url", "http://127.0.0.1:9", "--concurrency", "1")
     assert result.exit_code == 2 and "cannot reach" in result.output
+
+
+def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
+    out = tmp_path / "soak.json"
+    result = _bench("soak", str(tiny_llama_dir), "--duration", "6", "--warmup", "2",
+                    "--max-num-seqs", "4", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["served"] > 0 and data["problems"] == []
+    assert data["end"]["kv_blocks_free"] == data["end"]["kv_blocks_total"]
+    assert "soak passed" in result.output
+
+
+def test_soak_verdict_names_each_problem():
+    from pkv.cli.bench_soak import Minute, Snapshot, verdict
+
+    start = Snapshot(1000 * 2**20, 10, 100, 100, 0, 50 * 2**20)
+    # The KV pool may grow (first use of blocks); the rest of the RSS may not.
+    fine = Snapshot(1200 * 2**20, 10, 100, 100, 0, 250 * 2**20)
+    minutes = [Minute(served=5, ttfts=[0.1]), Minute(served=5, ttfts=[0.1]),
+               Minute(served=5, ttfts=[0.15])]
+    assert verdict(minutes, start, fine) == []
+    bad = Snapshot(1300 * 2**20, 30, 90, 100, 1, 50 * 2**20)
+    drift = minutes[:2] + [Minute(served=5, ttfts=[0.5], unexpected=["500: boom"])]
+    problems = " | ".join(verdict(drift, start, bad))
+    for words in ("1 unexpected errors, e.g. 500: boom", "KV blocks still held: 10",
+                  "RSS outside the KV pool grew 300 MiB", "open files grew 10 -> 30",
+                  "p99 TTFT drifted up"):
+        assert words in problems

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+
+from pkv.cli.serve_process import free_port
 
 API_KEY = "test-key-123"
 
@@ -40,12 +41,6 @@ class RunningServer:
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp_dir: str, *args: str, api_key: str | None = API_KEY,
@@ -88,7 +83,8 @@ def stop_server(server: RunningServer) -> None:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(str(tmp_path_factory.mktemp("server")), "--max-num-seqs", "64")
+    running = start_server(str(tmp_path_factory.mktemp("server")), "--max-num-seqs", "64",
+                           "--body-timeout", "2")
     yield running
     stop_server(running)
 

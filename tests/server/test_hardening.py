@@ -166,11 +166,22 @@ def test_a_storm_of_abandoned_requests_frees_everything(server: RunningServer,
                                                         canary: None) -> None:
     import asyncio
 
+    before = _rss_without_kv(server)
     assert asyncio.run(_storm(server, 200)) >= 190
     start = time.monotonic()
     _blocks_idle(server)  # every abandoned request aborted, every block back
     r = _post(server, "/v1/completions", {**CANARY, "max_tokens": 4})
     assert r.status_code == 200 and time.monotonic() - start < 20
+    # Memory comes back: the process outside its KV pool (which fills as blocks are first
+    # used, up to its fixed size) stays near where it was before the storm.
+    assert _rss_without_kv(server) < before + 96 * 2**20
+
+
+def _rss_without_kv(server: RunningServer) -> float:
+    import psutil
+
+    rss = psutil.Process(server.process.pid).memory_info().rss
+    return rss - server.metrics()["pkv:kv_cache_resident_bytes"]
 
 
 NAN, INF = float("nan"), float("inf")
@@ -203,3 +214,52 @@ def test_parameter_bounds_are_400s_naming_the_field(server: RunningServer, field
     expected = "prompt" if (field, value) == ("max_tokens", 10**12) else field
     assert error["param"] == expected, (field, value, error)
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_dribbling_body_gets_408_and_holds_nothing(server: RunningServer, canary: None) -> None:
+    import socket
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 200\r\n\r\n").encode()
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + b'{"prompt": "hi", ')  # and then nothing more
+        reply = sock.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 408"), reply[:200]
+    assert "did not arrive within 2 s" in reply and time.monotonic() - start < 6
+
+
+async def _abandon(server: RunningServer, body: dict, count: int, timeout: float) -> int:
+    """`count` requests whose clients give up after `timeout` s; returns how many did."""
+    import asyncio
+
+    async with httpx.AsyncClient(timeout=timeout, headers=server.headers) as client:
+        async def one(i: int) -> bool:
+            try:
+                await client.post(f"{server.base_url}/v1/completions",
+                                  json={**body, "stream": bool(i % 2)})
+            except httpx.TimeoutException:
+                return True
+            return False
+        return sum(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+@pytest.mark.parametrize("phase", ["grammar-compile", "n=4 decode"])
+def test_clients_gone_in_any_phase_leave_nothing_behind(server: RunningServer, phase: str,
+                                                        canary: None) -> None:
+    import asyncio
+    import uuid
+
+    if phase == "grammar-compile":  # each constraint new (uncached), ~1.5 s to compile
+        bodies = [{"model": MODEL, "prompt": "x", "max_tokens": 50,
+                   "structured_outputs": {"regex": f"[a-z]{{1,{1500 + i}}}{uuid.uuid4().hex[:6]}"}}
+                  for i in range(2)]
+    else:
+        bodies = [{"model": MODEL, "prompt": "Count:", "max_tokens": 400, "n": 4,
+                   "ignore_eos": True, "temperature": 0.8}]
+    gone = sum(asyncio.run(_abandon(server, body, 2, 0.4)) for body in bodies)
+    assert gone == 2 * len(bodies)
+    time.sleep(2 if phase == "grammar-compile" else 0)  # compiles finish, requests are dropped
+    _blocks_idle(server)
