@@ -304,6 +304,7 @@ def soak(
     max_num_seqs: Annotated[int, typer.Option(help="The server's running batch.")] = 32,
     concurrency: Annotated[Optional[int], typer.Option(help="Clients (default 2 x max-num-seqs).")] = None,
     warmup: Annotated[float, typer.Option(help="Seconds of the same load before the baseline.")] = 60,
+    max_model_len: Annotated[int, typer.Option(help="The server's longest sequence.")] = 1024,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
 ) -> None:
@@ -324,7 +325,7 @@ def soak(
                              "--warmup >= 0")
         key = secrets.token_hex(16)
         headers = {"Authorization": f"Bearer {key}"}
-        args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", "1024",
+        args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                 "--kv-cache-memory", "256MiB", *([model] if model else [])]
         clients = concurrency or 2 * max_num_seqs
         with start_pkv_serve(args, key) as (base, pid):

@@ -15,6 +15,11 @@ from contextlib import contextmanager
 import httpx
 
 
+class ServerStartError(ValueError):
+    """The server exited or never became healthy (usually options it refused); a user
+    error, reported in one line with the server's own last words."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,7 +42,8 @@ def start_pkv_serve(args: list[str], api_key: str, timeout: float = 300) -> Iter
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
                 log.seek(0)
-                raise RuntimeError(f"pkv serve did not become healthy:\n{log.read()[-2000:]}")
+                last = log.read().strip().splitlines()[-1:] or ["no output"]
+                raise ServerStartError(f"pkv serve did not become healthy: {last[0]}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break

@@ -74,10 +74,6 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class _BodyTooSlow(Exception):
-    pass
-
-
 # uvicorn bounds headers only when they arrive in pieces; one large read gets through.
 MAX_HEADER_BYTES = 32 * 1024
 
@@ -105,17 +101,22 @@ class BodyLimitMiddleware:
             await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
             return
         received = 0
-        started = body_done = False
+        started = body_done = timed_out = False
         deadline = time.monotonic() + self.body_timeout
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done
+            nonlocal received, body_done, timed_out
             if body_done:  # later receives wait for the client to leave: no deadline
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise _BodyTooSlow from None
+                # Answer here: FastAPI turns an exception raised while it reads the body into
+                # its own 400. The app then sees the client leave and its reply is dropped.
+                await send_error(send, 408, f"request body did not arrive within "
+                                            f"{self.body_timeout:g} s")
+                timed_out = True
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
@@ -125,6 +126,8 @@ class BodyLimitMiddleware:
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if timed_out:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
@@ -133,7 +136,3 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
-        except _BodyTooSlow:
-            if not started:
-                await send_error(send, 408, f"request body did not arrive within "
-                                            f"{self.body_timeout:g} s")

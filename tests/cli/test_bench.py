@@ -76,7 +76,7 @@ def test_unreachable_server_for_bench_serve():
 def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     out = tmp_path / "soak.json"
     result = _bench("soak", str(tiny_llama_dir), "--duration", "6", "--warmup", "2",
-                    "--max-num-seqs", "4", "--json", str(out))
+                    "--max-num-seqs", "4", "--max-model-len", "256", "--json", str(out))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["served"] > 0 and data["problems"] == []

@@ -235,12 +235,13 @@ async def _abandon(server: RunningServer, body: dict, count: int, timeout: float
     """`count` requests whose clients give up after `timeout` s; returns how many did."""
     import asyncio
 
-    async with httpx.AsyncClient(timeout=timeout, headers=server.headers) as client:
+    async with httpx.AsyncClient(timeout=60, headers=server.headers) as client:
         async def one(i: int) -> bool:
+            # A deadline on the whole exchange: a stream's chunks would reset a read timeout.
             try:
-                await client.post(f"{server.base_url}/v1/completions",
-                                  json={**body, "stream": bool(i % 2)})
-            except httpx.TimeoutException:
+                await asyncio.wait_for(client.post(f"{server.base_url}/v1/completions",
+                                                   json={**body, "stream": bool(i % 2)}), timeout)
+            except asyncio.TimeoutError:
                 return True
             return False
         return sum(await asyncio.gather(*(one(i) for i in range(count))))
