@@ -70,6 +70,7 @@ def run(
     enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching.")] = True,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
+    lm_head_quantization: Annotated[str, typer.Option(help="auto, none, int8.")] = "auto",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
     profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
     roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
@@ -109,6 +110,7 @@ def _run_offline(o: dict[str, Any]) -> None:
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
         attention_backend=o["attention_backend"], quantization=o["quantization"],
+        lm_head_quantization=o["lm_head_quantization"],
         tensor_parallel_size=o["tensor_parallel_size"]))
     tok = engine.tokenizer
     vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]

@@ -52,6 +52,7 @@ def serve(
     tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
+    lm_head_quantization: Annotated[str, typer.Option(help="auto (int8 with 4-bit weights on CPU), none, int8.")] = "auto",
     guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend.")] = "outlines",
     structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,

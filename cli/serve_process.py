@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def start_pkv_serve(args: list[str], api_key: str, timeout: float = 300) -> Iterator[tuple[str, int]]:
+def start_pkv_serve(args: list[str], api_key: str,
+                    timeout: float = 300) -> Iterator[tuple[str, int]]:
     """Yield (base URL, pid) of a healthy server; stop it on exit. Its log goes to a temp
     file, quoted in the error if it never becomes healthy."""
     port = free_port()

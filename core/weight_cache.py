@@ -54,7 +54,8 @@ class SafetensorsStream:
         offset = 0
         for name, shape in specs:
             size = 4 * int(torch.Size(shape).numel())
-            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": "F32", "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned

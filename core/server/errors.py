@@ -12,7 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("pkv.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          408: "invalid_request_error",
           413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_server_error",
           503: "service_unavailable"}

@@ -31,7 +31,8 @@ def test_packed_linear_matches_plain(rows: int, bias: bool):
 
 
 def test_only_float32_cpu_layers_are_packed():
-    layers = torch.nn.ModuleList([Linear(8, [8], False), Linear(8, [8], False, dtype=torch.bfloat16)])
+    layers = torch.nn.ModuleList([Linear(8, [8], False),
+                                  Linear(8, [8], False, dtype=torch.bfloat16)])
     assert prepack_linears(layers) == 1
     assert layers[0].weight is None and layers[1].weight is not None
 

@@ -74,7 +74,8 @@ def test_awq_model_serves_with_an_int8_head_close_to_float(awq_tiny: tuple[Path,
     outs = {}
     for head in ("auto", "none"):
         llm = LLM(model=str(path), kv_cache_memory="4MiB", lm_head_quantization=head)
-        assert llm.llm_engine.runner.model.lm_head.method.name == ("int8" if head == "auto" else "float")
+        head_method = llm.llm_engine.runner.model.lm_head.method.name
+        assert head_method == ("int8" if head == "auto" else "float")
         outs[head] = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=1))
     for a, b in zip(outs["auto"], outs["none"]):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
