@@ -21,6 +21,7 @@ import psutil
 from rich.table import Table
 
 from pkv.cli.bench_serve import WORDS
+from pkv.cli.http import get_metrics
 
 INVALID_BODIES: list[dict[str, Any]] = [
     {"max_tokens": -1}, {"temperature": "hot"}, {"prompt": []}, {"top_p": 7},
@@ -60,12 +61,7 @@ class Snapshot:
 
 
 def snapshot(base: str, headers: dict[str, str], pid: int) -> Snapshot:
-    text = httpx.get(f"{base}/metrics", headers=headers, timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+    values = get_metrics(base, headers)
     process = psutil.Process(pid)
     return Snapshot(process.memory_info().rss, process.num_fds(), values["pkv:kv_blocks_free"],
                     values["pkv:kv_blocks_total"], values["pkv:num_requests_running"],

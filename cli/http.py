@@ -14,6 +14,19 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def get_metrics(url: str, headers: dict[str, str], timeout: float = 30) -> dict[str, float]:
+    """A server's Prometheus /metrics as {sample name: value} (labels kept in the name)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
 def get_json(url: str, path: str, headers: dict[str, str], timeout: float = 30) -> Any:
     """GET `url + path` as JSON; a ValueError with one clear line if that fails."""
     import httpx

@@ -26,6 +26,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, process: subprocess.Popen, timeout: float) -> bool:
+    """Poll `base`/health until it answers 200 (True), or the process exits or `timeout`
+    seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    return False
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (a server drains and exits 0), then SIGKILL if it has not exited in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @contextmanager
 def start_pkv_serve(args: list[str], api_key: str,
                     timeout: float = 300) -> Iterator[tuple[str, int]]:
@@ -39,26 +64,12 @@ def start_pkv_serve(args: list[str], api_key: str,
                                stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                last = log.read().strip().splitlines()[-1:] or ["no output"]
-                raise ServerStartError(f"pkv serve did not become healthy: {last[0]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        if not wait_healthy(base, process, timeout):
+            log.seek(0)
+            last = log.read().strip().splitlines()[-1:] or ["no output"]
+            raise ServerStartError(f"pkv serve did not become healthy: {last[0]}")
         yield base, process.pid
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
         log.close()
         os.unlink(log.name)

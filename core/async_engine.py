@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -29,13 +30,20 @@ T = TypeVar("T")
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 def release_free_memory() -> None:
     """Hand memory freed by the last burst back to the OS (glibc keeps freed heap pages; a
     busy minute left ~50 MiB of them). Cheap, and only run when the engine goes idle."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class EngineDeadError(RuntimeError):

@@ -21,6 +21,7 @@ from pkv.core.outputs import RequestOutput
 from pkv.core.request import Request, RequestStatus
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import Scheduler
+from pkv.core.step_timer import StepTimer
 from pkv.core.workers import WorkerGroup
 from pkv.plugins.registry import select_guided_backend
 
@@ -58,7 +59,7 @@ class EngineStats:
     kv_cache_usage: float
     num_prompt_tokens: int
     num_generation_tokens: int
-    kv_resident_bytes: int = 0  # KV pool memory touched so far (blocks are zeroed on first use)
+    kv_resident_bytes: int  # KV pool memory touched so far (blocks are zeroed on first use)
 
 
 class LLMEngine:
@@ -98,10 +99,14 @@ class LLMEngine:
                                    self.max_num_batched_tokens, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.timer = self.runner.timer  # enable it to profile steps (`pkv bench --profile`)
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    @property
+    def timer(self) -> StepTimer:
+        """The runner's step timer; enable it to profile steps (`pkv bench --profile`)."""
+        return self.runner.timer
 
     def shutdown(self, force: bool = False) -> None:
         """Stop tensor-parallel workers (a no-op on one rank); the engine is unusable after.

@@ -15,6 +15,7 @@ import psutil
 
 from pkv import LLM, SamplingParams
 from pkv.tests.parallel.test_tensor_parallel import _gone
+from pkv.cli.serve_process import wait_healthy
 from pkv.tests.server.conftest import free_port, start_server, stop_server
 
 PROMPT = [5, 17, 99, 3, 250]
@@ -74,16 +75,7 @@ def test_torchrun_ranks_serve_together_and_stop_together(tmp_path: Path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        assert wait_healthy(base, proc, 120), (tmp_path / "torchrun.log").read_text()
         ranks = psutil.Process(proc.pid).children()
         assert len(ranks) == 2
         choice = _complete(base)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
-from pkv.cli.serve_process import free_port
+from pkv.cli.http import get_metrics
+from pkv.cli.serve_process import free_port, stop_process, wait_healthy
 
 API_KEY = "test-key-123"
 
@@ -30,13 +28,7 @@ class RunningServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return get_metrics(self.base_url, self.headers)
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -57,28 +49,16 @@ def start_server(tmp_dir: str, *args: str, api_key: str | None = API_KEY,
     log = open(log_path, "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = RunningServer(process, f"http://127.0.0.1:{port}", api_key, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    if wait_healthy(server.base_url, process, timeout):
+        return server
+    if process.poll() is not None:
+        raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
     process.kill()
     raise RuntimeError(f"server did not become healthy:\n{server.log()}")
 
 
 def stop_server(server: RunningServer) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(30)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    stop_process(server.process)
 
 
 @pytest.fixture(scope="session")
