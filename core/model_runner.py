@@ -28,6 +28,7 @@ from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import SchedulerOutput
 from pkv.core.step_timer import StepTimer
 from pkv.core.workers import StepInputs, broadcast
+from pkv.plugins import cpp_build
 from pkv.plugins.registry import PluginRegistry, discover, select_attention_backend
 
 _GREEDY = SamplingParams(temperature=0)
@@ -110,6 +111,9 @@ class ModelRunner:
 
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
         prepack_linears(self.model)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            self.model.use_kernels(cpp_build.build_or_none("layer_ops_cpu.cpp",
+                                                           "CPU layer kernels"))
         self.num_blocks = self._num_kv_blocks(setup.max_model_len)
         if self.tp.enabled:  # every rank's pool has the driver's number of blocks
             self.num_blocks = broadcast(self.num_blocks)

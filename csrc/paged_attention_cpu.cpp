@@ -1,12 +1,15 @@
-// Paged attention on CPU: every query token attends over its sequence's KV blocks, read
-// straight through the block table (no gather copy), with an online softmax per block.
+// Paged attention on CPU: every token's K/V is written into its cache slot, then every query
+// token attends over its sequence's KV blocks, read straight through the block table (no
+// gather copy), with an online softmax per block.
 //
-//   q            [T, H, D]          float32, contiguous
+//   q            [T, H, D]          float32, rows may be strided (views of a fused qkv)
+//   k/v          [T, KVH, D]        float32, the step's new keys and values, likewise
 //   k/v_cache    [NB, BS, KVH, D]   float32, contiguous (one layer)
+//   slot_mapping [T]                int64   cache slot of each token's K/V
 //   block_tables [S, MB]            int32
 //   seq_ids      [T]                int32   which sequence each token belongs to
 //   kv_lens      [T]                int32   keys the token may see (its position + 1)
-//   out          [T, H, D]
+//   out          [T, H, D]          contiguous
 //
 // Work is split over (token, kv head); the G = H / KVH query heads that share a KV head are
 // processed together so each K/V row is loaded once for all of them. Head sizes of 16..128
@@ -22,45 +25,13 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-static inline float hsum(vf16 v) {
-  typedef float vf8 __attribute__((vector_size(32)));
-  typedef float vf4 __attribute__((vector_size(16)));
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// exp(x) for x <= 0 (scores minus their running max), as in Cephes' expf: x = n ln2 + r,
-// exp(r) by a degree-6 polynomial, 2^n built in the exponent bits. Below -87 it returns ~0.
-static inline vf16 vexp(vf16 x) {
-  const vf16 lo = vf16{} - 87.3f;
-  x = x < lo ? lo : x;
-  vf16 fx = x * 1.44269504088896341f + 0.5f;
-  const vi16 ni = __builtin_convertvector(fx, vi16);  // truncates toward zero
-  vf16 fn = __builtin_convertvector(ni, vf16);
-  fn = fn > fx ? fn - 1.f : fn;  // floor
-  x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  vf16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
-  y = y * x + 8.3334519073E-3f;
-  y = y * x + 4.1665795894E-2f;
-  y = y * x + 1.6666665459E-1f;
-  y = y * x + 5.0000001201E-1f;
-  y = y * (x * x) + x + 1.f;
-  const vi16 pow2 = (__builtin_convertvector(fn, vi16) + 127) << 23;
-  vf16 scale;
-  std::memcpy(&scale, &pow2, sizeof(scale));
-  return y * scale;
 }
 
 // State of one token's attention over KV heads [kh0, kh1): G query heads each.
@@ -139,14 +110,48 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
   std::memcpy(ot + h0 * D, acc, heads * D * sizeof(float));
 }
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_ids,
-                     torch::Tensor kv_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "pkv cpu attention: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  out.is_contiguous() && block_tables.is_contiguous(),
-              "pkv cpu attention: contiguous tensors expected");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+// Rows of a [T, heads, D] tensor whose last two dimensions are dense.
+static void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat32 && t.stride(2) == 1 &&
+                  t.stride(1) == t.size(2),
+              "pkv cpu attention: ", name, " must be float32 [T, heads, D] with dense rows");
+}
+
+// Every token's K/V rows into its slot; slots are distinct, so tokens never collide.
+static void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                     torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "pkv cpu attention: slot out of range");
+    std::memcpy(kc + slot[t] * row, kp + t * k.stride(0), row * sizeof(float));
+    std::memcpy(vc + slot[t] * row, vp + t * v.stride(0), row * sizeof(float));
+  }
+}
+
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                     torch::Tensor block_tables, torch::Tensor seq_ids, torch::Tensor kv_lens,
+                     double scale) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_ids.is_contiguous() &&
+                  kv_lens.is_contiguous() && slot_mapping.is_contiguous(),
+              "pkv cpu attention: contiguous caches, output and metadata expected");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
+                  k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
+                  k.size(2) == k_cache.size(3) && slot_mapping.size(0) == k.size(0) &&
+                  slot_mapping.scalar_type() == torch::kInt64,
+              "pkv cpu attention: k/v, caches and slot_mapping disagree");
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), QS = q.stride(0);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t MB = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -171,7 +176,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
       for (int64_t w = begin; w < end; ++w) {
         const int64_t t = w / split, part = w % split;
         const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
-        run(qp + t * H * D, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], BS, KVH,
+        run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], BS, KVH,
             kh0, kh1, G, fscale, st, op + t * H * D);
       }
     });
@@ -183,7 +188,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
       const int64_t t = w / KVH, kh = w % KVH;
       const int64_t len = lens[t];
       const int32_t* table = bt + static_cast<int64_t>(sid[t]) * MB;
-      const float* qg = qp + (t * H + kh * G) * D;
+      const float* qg = qp + t * QS + kh * G * D;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);

@@ -2,7 +2,8 @@
 
 Builds are cached by torch in its extensions directory; the name carries a hash of the
 CPU's feature flags, because a -march=native build must never load on a CPU with fewer
-instructions.
+instructions, and of the shared headers in csrc/ (torch rebuilds when a source changes, but
+does not look at what it includes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def unusable_reasons(source: Path) -> list[str]:
     return reasons
 
 
-def _cpu_key() -> str:
+def _build_key() -> str:
     flags = ""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -42,7 +43,8 @@ def _cpu_key() -> str:
     except OSError:
         pass
     key = " ".join(sorted(flags.split())) or torch.backends.cpu.get_cpu_capability()
-    return hashlib.sha256(key.encode()).hexdigest()[:10]
+    headers = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.h")))
+    return hashlib.sha256(key.encode() + headers).hexdigest()[:10]
 
 
 @lru_cache(maxsize=None)
@@ -55,7 +57,7 @@ def build(source_name: str, what: str) -> Any:
     reasons = unusable_reasons(source)
     if reasons:
         raise RuntimeError(f"cannot build the {what}: {'; '.join(reasons)}")
-    name = f"pkv_{source.stem}_{_cpu_key()}"
+    name = f"pkv_{source.stem}_{_build_key()}"
     with Console(stderr=True).status(f"building the {what} (cached after once)"):
         return load(name=name, sources=[str(source)],
                     extra_cflags=["-O3", "-fopenmp", "-march=native"],

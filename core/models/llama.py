@@ -4,12 +4,17 @@
 
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused into one
 matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps checkpoint names onto them.
+
+The residual stream is carried beside each sub-layer's output and added inside the next
+norm, so that a fused kernel can do both. Norms, RoPE and the MLP's activation compute in
+torch, or, after `use_kernels` (float32 on CPU), in C++ (csrc/layer_ops_cpu.cpp).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +27,31 @@ from pkv.core.parallel import ShardPlan, single_rank_plan
 
 
 class RMSNorm(nn.Module):
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels`
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            out = torch.empty_like(x)
+            self.kernel.rms_norm(out, x, self.weight, self.eps)
+            return out
         # Normalize in float32 whatever the dtype, as transformers does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the kernel writes both in place."""
+        if self.kernel is not None:
+            self.kernel.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -58,6 +78,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels`
+
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.cfg, self.max_len = cfg, max_len
@@ -77,6 +99,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:  # rotates q and k in place
+            self.kernel.rotary(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -123,6 +148,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels`
+
     def __init__(self, cfg: ModelConfig, method: LinearMethod | None, plan: ShardPlan) -> None:
         super().__init__()
         rows = plan.intermediate
@@ -133,7 +160,12 @@ class MLP(nn.Module):
                                 split=_split(plan, "row", rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernel is not None:
+            h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            self.kernel.silu_and_mul(h, gate_up)
+            return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -146,12 +178,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, method, plan)
 
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`h` is the previous layer's output, not yet added to the residual stream (the
+        first layer gets the embeddings and no residual); returns this layer's likewise."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, positions, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class VocabEmbedding(nn.Module):
@@ -190,10 +228,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary_emb, kv_cache, meta)
-        return self.norm(x)
+            h, residual = layer(h, residual, positions, self.rotary_emb, kv_cache, meta)
+        return self.norm.add_forward(h, residual)[0]
 
 
 # checkpoint module name -> (fused module name, shard index)
@@ -232,6 +270,13 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def use_kernels(self, ops: Any) -> None:
+        """Compute norms, RoPE and the MLP activation with `ops` (csrc/layer_ops_cpu.cpp,
+        float32 on CPU only); None goes back to torch."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.kernel = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [num_sampled, this rank's vocab]

@@ -1,5 +1,6 @@
-"""`cpu` attention backend: a C++ kernel (csrc/paged_attention_cpu.cpp) that reads K/V
-straight through the block tables, built once with torch.utils.cpp_extension and cached."""
+"""`cpu` attention backend: a C++ kernel (csrc/paged_attention_cpu.cpp) that writes the
+step's K/V into their slots and reads K/V straight through the block tables, built once with
+torch.utils.cpp_extension and cached."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if q.dtype != torch.float32 or q.device.type != "cpu":
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        self.kernel.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                    meta.seq_ids, meta.kv_lens, scale)
+        # q, k and v may be views of one fused qkv output: the kernel reads strided rows and
+        # writes k/v into their slots itself.
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.kernel.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                    meta.block_tables, meta.seq_ids, meta.kv_lens, scale)
         return out

@@ -75,3 +75,18 @@ def test_cpu_kernel_head_sizes_and_work_splits(head_dim: int, seqs: list[tuple[i
     expected = _dense_reference(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_backend_reads_q_k_v_as_views_of_one_fused_qkv(backend_name: str):
+    # The model passes split views of its qkv projection (strided rows), not copies.
+    backend = select_attention_backend(backend_name, DEVICE)
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(
+        LAYOUTS["mixed"], 16, 9, 3, 64, seed=3, device=DEVICE)
+    expected = _dense_reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+    q2, k2, v2 = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    out = backend.forward(q2.view(q.shape), k2.view(k.shape), v2.view(v.shape), k_cache,
+                          v_cache, meta, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(v_cache.view(-1, 3, 64)[meta.slot_mapping], v)

@@ -1,0 +1,170 @@
+// The small operations of a decoder layer, fused, for float32 on CPU. In torch each of them
+// is 5-20 separate kernels and as many passes over memory; at batch 1 the launch cost of
+// those dominates the step once the weights are 4-bit.
+//
+//   rms_norm(out, x, w, eps)           out = w * (x * rsqrt(mean(x^2) + eps)), per row
+//   add_rms_norm(x, residual, w, eps)  residual += x; x = rms_norm(residual), both in place
+//   rotary(positions, q, k, cos, sin)  rotate-half RoPE on q [T, H, D] and k [T, KVH, D] in
+//                                      place (rows may be strided views of a fused qkv);
+//                                      cos/sin [max_len, D], each half repeated
+//   silu_and_mul(out, x)               out = silu(x[:, :I]) * x[:, I:] for x [T, 2I]
+//
+// The arithmetic follows transformers' order (normalize, then scale; x1*c - x2*s), so results
+// match torch's to a rounding or two (the sum of squares is accumulated in another order).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec_math.h"
+
+namespace {
+
+// Rows per thread below which splitting work across threads costs more than it saves.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+float sum_squares(const float* x, int64_t n) {
+  vf16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const vf16 v = load16(x + i);
+    acc += v * v;
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+void normalize_row(float* out, const float* x, const float* w, int64_t n, float eps) {
+  const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(out + i, load16(w + i) * (load16(x + i) * inv));
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() >= 1,
+              "rms_norm: x must be contiguous float32");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.dim() == 1 &&
+                  w.size(0) == x.size(-1),
+              "rms_norm: weight must be float32 [hidden]");
+}
+
+}  // namespace
+
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == torch::kFloat,
+              "rms_norm: out must be like x");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      normalize_row(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
+  });
+}
+
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == torch::kFloat,
+              "add_rms_norm: residual must be like x");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * n;
+      float* rr = rp + r * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+      normalize_row(xr, rr, wp, n, static_cast<float>(eps));
+    }
+  });
+}
+
+namespace {
+
+void check_heads(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.stride(2) == 1 &&
+                  t.stride(1) == t.size(2) && t.size(2) % 2 == 0,
+              "rotary: ", name, " must be float32 [T, heads, D] with dense rows, D even");
+}
+
+// One head: x1' = x1 c - x2 s, x2' = x2 c + x1 s over the two halves.
+void rotate(float* x, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+  }
+}
+
+}  // namespace
+
+void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+            torch::Tensor sin) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.numel() == T &&
+                  positions.scalar_type() == torch::kLong && positions.is_contiguous(),
+              "rotary: positions [T] int64 and k [T, KVH, D] must match q");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(1) == D && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
+                  sin.scalar_type() == torch::kFloat,
+              "rotary: cos/sin must be float32 [max_len, D]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t len = cos.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < len, "rotary: position ", pos[t], " outside the table");
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t H = q.size(1), KVH = k.size(1);
+  at::parallel_for(0, T, grain((H + KVH) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      for (int64_t h = 0; h < H; ++h) rotate(qp + t * q.stride(0) + h * D, c, s, D / 2);
+      for (int64_t h = 0; h < KVH; ++h) rotate(kp + t * k.stride(0) + h * D, c, s, D / 2);
+    }
+  });
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
+                  x.size(1) % 2 == 0,
+              "silu_and_mul: x must be contiguous float32 [T, 2I]");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == T && out.size(1) == I,
+              "silu_and_mul: out must be contiguous float32 [T, I]");
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) {
+        const vf16 gv = load16(g + i);
+        store16(o + i, gv / (1.f + vexp(-gv)) * load16(u + i));
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
+  m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out");
+}

@@ -1,0 +1,114 @@
+"""The fused C++ layer operations (csrc/layer_ops_cpu.cpp) against the torch code they
+replace: RMSNorm with and without the residual add, RoPE on strided views, SiLU-and-mul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.core.model_config import ModelConfig
+from pkv.core.models.llama import MLP, RMSNorm, RotaryEmbedding
+from pkv.core.parallel import single_rank_plan
+from pkv.plugins import cpp_build
+
+OPS = cpp_build.build_or_none("layer_ops_cpu.cpp", "CPU layer kernels")
+pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain to build the kernels")
+
+
+def _norm(width: int) -> RMSNorm:
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data = torch.randn(width)
+    return norm
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (5, 40), (70, 17)])
+def test_rms_norm_matches_torch(rows: int, width: int):
+    torch.manual_seed(width)
+    norm, x = _norm(width), torch.randn(rows, width) * 3
+    expected = norm(x)
+    norm.kernel = OPS
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (33, 24)])
+def test_add_rms_norm_updates_both_in_place(rows: int, width: int):
+    torch.manual_seed(rows)
+    norm, x, residual = _norm(width), torch.randn(rows, width), torch.randn(rows, width)
+    want_h, want_residual = norm.add_forward(x.clone(), residual.clone())
+    norm.kernel = OPS
+    h, new_residual = norm.add_forward(x, residual)
+    assert h.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(new_residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-6)
+
+
+def _config(head_dim: int, **extra: object) -> ModelConfig:
+    heads = 4
+    return ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": heads * head_dim,
+        "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 256,
+        "rope_theta": 10000.0, **extra})
+
+
+@pytest.mark.parametrize("head_dim", [64, 6])
+def test_rotary_on_views_of_a_fused_qkv(head_dim: int):
+    rope = RotaryEmbedding(_config(head_dim), 256)
+    torch.manual_seed(head_dim)
+    qkv = torch.randn(9, 8 * head_dim)  # q: 4 heads, k: 2, v: 2
+    positions = torch.tensor([0, 1, 2, 100, 255, 7, 7, 31, 64])
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+        return q.view(9, 4, head_dim), k.view(9, 2, head_dim)
+
+    want_q, want_k = rope(positions, *views(qkv))
+    rope.kernel = OPS
+    reference, got = qkv.clone(), rope(positions, *views(qkv))
+    torch.testing.assert_close(got[0], want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(qkv[:, 6 * head_dim:], reference[:, 6 * head_dim:])  # v untouched
+    assert got[0].data_ptr() == qkv.data_ptr()  # rotated in place
+
+
+def test_rotary_rejects_a_position_past_the_table():
+    rope = RotaryEmbedding(_config(8), 16)
+    rope.kernel = OPS
+    q, k = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match="position 16 outside the table"):
+        rope(torch.tensor([16]), q, k)
+
+
+@pytest.mark.parametrize("rows,size", [(1, 1536), (3, 40), (64, 23)])
+def test_silu_and_mul_matches_torch(rows: int, size: int):
+    torch.manual_seed(size)
+    gate_up = torch.randn(rows, 2 * size) * 8
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp under/overflow
+    out = torch.empty(rows, size)
+    OPS.silu_and_mul(out, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(out).all()
+
+
+def test_mlp_with_the_kernel_matches_torch():
+    cfg = _config(16)
+    mlp = MLP(cfg, None, single_rank_plan(cfg))
+    torch.manual_seed(0)
+    for p in mlp.parameters():
+        p.data = torch.randn_like(p) * 0.2
+    x = torch.randn(5, cfg.hidden_size)
+    expected = mlp(x)
+    mlp.kernel = OPS
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_uses_the_kernels_for_float32_only(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=128, kv_cache_memory="4MiB")
+    float32 = LLMEngine(config, show_progress=False)
+    assert float32.runner.model.model.norm.kernel is OPS
+    bf16 = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=128,
+                                  kv_cache_memory="4MiB", dtype="bfloat16"), show_progress=False)
+    assert bf16.runner.model.model.norm.kernel is None
