@@ -8,8 +8,6 @@ engine thread pushes into per-request asyncio queues. Requests join and leave be
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import logging
 import queue
 import threading
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pkv.core.llm_engine import LLMEngine, PreparedRequest
+from pkv.core.memory import release_free_memory
 from pkv.core.outputs import RequestOutput
 from pkv.core.sampling_params import SamplingParams
 
@@ -28,22 +27,6 @@ T = TypeVar("T")
 # Steps that fail one after another before the engine is declared dead (/health 503): one
 # failure may be one bad batch; three in a row is a broken engine.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_free_memory() -> None:
-    """Hand memory freed by the last burst back to the OS (glibc keeps freed heap pages; a
-    busy minute left ~50 MiB of them). Cheap, and only run when the engine goes idle."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class EngineDeadError(RuntimeError):

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
+from pkv.core.fused_decoder import build_fused_decoder
 from pkv.core.linear import prepack_linears
+from pkv.core.memory import release_free_memory
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, build_model, open_model
 from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
@@ -112,8 +114,9 @@ class ModelRunner:
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
         prepack_linears(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            self.model.use_kernels(cpp_build.build_or_none("layer_ops_cpu.cpp",
-                                                           "CPU layer kernels"))
+            ops = cpp_build.build_or_none("layer_ops_cpu.cpp", "CPU layer kernels")
+            self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
+        release_free_memory()  # what loading and repacking the weights left behind
         self.num_blocks = self._num_kv_blocks(setup.max_model_len)
         if self.tp.enabled:  # every rank's pool has the driver's number of blocks
             self.num_blocks = broadcast(self.num_blocks)

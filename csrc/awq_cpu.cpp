@@ -1,17 +1,25 @@
 // 4-bit AWQ linear layers on CPU: y = x @ W with W kept as 4-bit codes.
 //
-//   x       [M, K]            float32, contiguous
-//   codes   [N / T, K, T / 2] uint8: output columns in tiles of T; for tile t and input k,
-//                             byte j holds column t*T + j in its low nibble and column
-//                             t*T + j + T/2 in its high nibble, so one input row of a tile
-//                             unpacks into T contiguous floats (one or two vector registers)
-//   scales  [K / G, N]        float32
-//   zs      [K / G, N]        float32, zero * scale, so W[k, n] = q * s - zs
+//   x       [M, K]               float32, contiguous
+//   codes   [N' / 32, K / 8, 32] int32: output columns in tiles of 32 (N' = N rounded up,
+//                                padding columns hold zeros); word (t, b, j) holds column
+//                                32t + j for the 8 inputs 8b..8b+7, input 8b+i in the 4 bits
+//                                from (3 + 4i) mod 32 upwards (input 8b+7 wraps from bit 31)
+//   s, zs   [N' / 32, K / G, 32] float32 scale and zero * scale, W[k, n] = q s - zs, by tile
+//                                (each tile reads its codes and scales front to back)
 //
-// awq_gemv is a fused dequantize-GEMV over chunks of up to 8 rows: each chunk reads every
-// code once, straight from memory, unpacks it in registers and multiplies it by x[k]
-// broadcast across the tile's columns:
-//   y[m, n] = sum_g s[g, n] * (sum_{k in g} x[m, k] q[k, n]) - zs[g, n] * sum_{k in g} x[m, k]
+// A code becomes a float without a conversion instruction. Its field, rotated into bits
+// 15..18 or 19..22 of a float's mantissa and given the exponent of 256 or 16, reads 256 + q
+// or 16 + q exactly: one rotate serves two fields (four per word), one and-or makes each
+// float. The bases come out per group and row with the sums of x:
+//   sum_{k in g} x_k W[k, n] = s (acc - c) - zs sum x_k,   acc = sum x_k (base_k + q_k),
+//   c = sum base_k x_k (base 16 for even k, 256 for odd), in float32: the bases cost a few
+//   of the 24 bits, far below 4-bit quantization error.
+//
+// awq_gemv is a fused dequantize-GEMV over chunks of up to 8 rows: each chunk reads every code
+// once, as one sequential stream per tile, and unpacks it once for all rows. At one or two
+// rows, codes at bits 15..18 and 19..22 feed separate accumulators: 4+ independent FMA
+// chains hide the FMA latency.
 // awq_dequantize writes W^T [K, N] in float32 for torch's GEMM, which wins at large M.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,201 +29,209 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
-constexpr int64_t kMaxTile = 32;
+constexpr int64_t kSuper = 32;  // output columns per tile: two 16-float vectors
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kPrefetch = 8;  // words of 8 inputs ahead (1 KiB) in a tile's stream
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+constexpr float kLowBase = 256.f, kHighBase = 16.f;
+constexpr uint32_t kLowExp = 0x43800000;   // 256.0f: mantissa bit 15 weighs 1
+constexpr uint32_t kHighExp = 0x41800000;  // 16.0f: mantissa bit 19 weighs 1
 
 struct Shape {
-  int64_t K, N, T, G;
+  int64_t K, N, NT, G;  // N real columns, NT tiles of 32
 };
 
 Shape check(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zs,
-            int64_t group) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
-              "codes must be contiguous uint8 [N / T, K, T / 2]");
-  const int64_t T = codes.size(2) * 2, K = codes.size(1), N = codes.size(0) * T;
-  TORCH_CHECK(T <= kMaxTile && group > 0 && K % group == 0, "bad tile or group size");
+            int64_t n, int64_t group) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kInt && codes.is_contiguous() &&
+                  codes.size(2) == kSuper,
+              "codes must be contiguous int32 [N / 16, K / 8, 16]");
+  const int64_t NT = codes.size(0), K = codes.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0 && n > (NT - 1) * kSuper &&
+                  n <= NT * kSuper,
+              "group size must be a multiple of 8 dividing K, and N fit the tiles");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
                   zs.sizes() == scales.sizes() && zs.is_contiguous() &&
-                  scales.size(0) == K / group && scales.size(1) == N,
-              "scales and zs must be contiguous float32 [K / group, N]");
-  return {K, N, T, group};
+                  zs.scalar_type() == torch::kFloat && scales.dim() == 3 &&
+                  scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kSuper,
+              "scales and zs must be contiguous float32 [N' / 32, K / group, 32]");
+  return {K, n, NT, group};
 }
 
-// The tile width is a template parameter: with a compile-time trip count of 16 bytes the
-// compiler widens bytes to 16 float lanes; with a runtime count it picks 64 byte lanes and
-// never enters the vector loop.
-template <int64_t T>
-inline void unpack_row(const uint8_t* __restrict c, float* __restrict w) {
-  constexpr int64_t half = T / 2;
-#pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
-    w[j] = static_cast<float>(static_cast<int32_t>(c[j] & 0xF));
-    w[j + half] = static_cast<float>(static_cast<int32_t>(c[j] >> 4));
+inline vf16 as_floats(vu16 bits) {
+  vf16 f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <int R>
+inline vu16 rotl(vu16 w) {
+  if constexpr (R == 0) {
+    return w;
+  } else {
+    return (w << R) | (w >> (32 - R));
+  }
+}
+
+// The two inputs a word rotated left by R puts at bits 15..18 (input LOW: 256 + q) and
+// 19..22 (input HIGH: 16 + q), into every row's accumulators; with two accumulator sets
+// (S = 2, few rows) LOW and HIGH go to separate ones, for more independent FMA chains.
+template <int R, int LOW, int HIGH, int64_t S, int64_t M>
+inline void step(const vu16 (&w)[2], const float* x, int64_t K, vf16 (&acc)[S][M][2]) {
+  vf16 lo[2], hi[2];
+  for (int64_t p = 0; p < 2; ++p) {
+    const vu16 r = rotl<R>(w[p]);
+    lo[p] = as_floats((r & (0xFu << 15)) | kLowExp);
+    hi[p] = as_floats((r & (0xFu << 19)) | kHighExp);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float xl = x[m * K + LOW], xh = x[m * K + HIGH];
+    for (int64_t p = 0; p < 2; ++p) {  // two statements: two FMAs (no reassociation)
+      acc[0][m][p] += xl * lo[p];
+      acc[S - 1][m][p] += xh * hi[p];
+    }
+  }
+}
+
+// Rows [0, M) of y over the 32 columns of super-tile t: one sequential stream of codes.
+template <int64_t M>
+void super_tile(const float* xp, const int32_t* cp, const float* sp, const float* zp,
+                const float* xsum, float* yp, int64_t t, const Shape& s) {
+  constexpr int64_t S = M <= 2 ? 2 : 1;
+  const int64_t NG = s.K / s.G;
+  const int32_t* stream = cp + t * (s.K / 8) * kSuper;
+  vf16 out[M][2] = {};
+  for (int64_t g = 0; g < NG; ++g) {
+    vf16 acc[S][M][2] = {};
+    for (int64_t blk = g * s.G / 8; blk < (g + 1) * s.G / 8; ++blk) {
+      const int32_t* words = stream + blk * kSuper;
+      __builtin_prefetch(words + kPrefetch * kSuper);
+      vu16 w[2];
+      std::memcpy(w, words, sizeof(w));
+      const float* x = xp + blk * 8;
+      step<0, 3, 4>(w, x, s.K, acc);
+      step<8, 1, 2>(w, x, s.K, acc);
+      step<24, 5, 6>(w, x, s.K, acc);
+      step<16, 7, 0>(w, x, s.K, acc);
+    }
+    for (int64_t p = 0; p < 2; ++p) {
+      const int64_t at = (t * NG + g) * kSuper + p * 16;
+      const vf16 sv = load16(sp + at), zv = load16(zp + at);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* sums = xsum + 2 * (m * NG + g);  // sum x, sum base x
+        const vf16 a = S == 2 ? acc[0][m][p] + acc[S - 1][m][p] : acc[0][m][p];
+        out[m][p] += sv * (a - sums[1]) - zv * sums[0];
+      }
+    }
+  }
+  const int64_t n0 = t * kSuper, n = std::min(kSuper, s.N - n0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * s.N + n0, out[m], n * sizeof(float));
+}
+
+// All super-tiles for M rows, split over threads.
+template <int64_t M>
+void gemv_rows(const float* xp, const int32_t* cp, const float* sp, const float* zp,
+               const float* xsum, float* yp, const Shape& s) {
+  at::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) super_tile<M>(xp, cp, sp, zp, xsum, yp, t, s);
+  });
+}
+
+void gemv_chunk(const float* xp, const int32_t* cp, const float* sp, const float* zp,
+                const float* xsum, float* yp, int64_t rows, const Shape& s) {
+  switch (rows) {
+    case 1: return gemv_rows<1>(xp, cp, sp, zp, xsum, yp, s);
+    case 2: return gemv_rows<2>(xp, cp, sp, zp, xsum, yp, s);
+    case 3: return gemv_rows<3>(xp, cp, sp, zp, xsum, yp, s);
+    case 4: return gemv_rows<4>(xp, cp, sp, zp, xsum, yp, s);
+    case 5: return gemv_rows<5>(xp, cp, sp, zp, xsum, yp, s);
+    case 6: return gemv_rows<6>(xp, cp, sp, zp, xsum, yp, s);
+    case 7: return gemv_rows<7>(xp, cp, sp, zp, xsum, yp, s);
+    default: return gemv_rows<8>(xp, cp, sp, zp, xsum, yp, s);
   }
 }
 
 }  // namespace
 
-template <int64_t T>
-void gemv_tiles(const float* xp, const uint8_t* cp, const float* sp, const float* zp, float* yp,
-                const float* xsum, int64_t M, const Shape& s) {
-  const int64_t NG = s.K / s.G;
-  at::parallel_for(0, s.N / T, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float w[T];
-    alignas(64) float acc[kMaxRows][T];
-    alignas(64) float out[kMaxRows][T];
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = cp + t * s.K * (T / 2);
-      const int64_t n0 = t * T;
-      for (int64_t m = 0; m < M; ++m) std::fill(out[m], out[m] + T, 0.f);
-      for (int64_t g = 0; g < NG; ++g) {
-        for (int64_t m = 0; m < M; ++m) std::fill(acc[m], acc[m] + T, 0.f);
-        for (int64_t k = g * s.G; k < (g + 1) * s.G; ++k) {
-          unpack_row<T>(tile + k * (T / 2), w);
-          for (int64_t m = 0; m < M; ++m) {
-            const float xv = xp[m * s.K + k];
-#pragma omp simd
-            for (int64_t j = 0; j < T; ++j) acc[m][j] += xv * w[j];
-          }
-        }
-        const float* sg = sp + g * s.N + n0;
-        const float* zg = zp + g * s.N + n0;
-        for (int64_t m = 0; m < M; ++m) {
-          const float xs = xsum[m * NG + g];
-#pragma omp simd
-          for (int64_t j = 0; j < T; ++j) out[m][j] += sg[j] * acc[m][j] - zg[j] * xs;
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) std::copy(out[m], out[m] + T, yp + m * s.N + n0);
-    }
-  });
-}
-
-template <int64_t T>
-void dequantize_tiles(const uint8_t* cp, const float* sp, const float* zp, float* wp,
-                      const Shape& s) {
-  at::parallel_for(0, s.K, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const float* sg = sp + (k / s.G) * s.N;
-      const float* zg = zp + (k / s.G) * s.N;
-      for (int64_t t = 0; t < s.N / T; ++t) {
-        float* row = wp + k * s.N + t * T;
-        unpack_row<T>(cp + (t * s.K + k) * (T / 2), row);
-#pragma omp simd
-        for (int64_t j = 0; j < T; ++j) row[j] = row[j] * sg[t * T + j] - zg[t * T + j];
-      }
-    }
-  });
-}
-
-// Tiles of 32 columns, M rows known at compile time: one input row of a tile is 16 bytes,
-// widened into two 16-float vectors; the accumulators stay in registers (GCC/Clang vector
-// extensions: AVX-512 uses one register per vector, AVX2 two).
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint8_t vu16 __attribute__((vector_size(16)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-// Bytes to floats in two steps (zero-extend, then convert): GCC turns a direct
-// uint8 -> float conversion into scalar code.
-inline vf16 widen(vu16 b) {
-  return __builtin_convertvector(__builtin_convertvector(b, vi16), vf16);
-}
-
-template <int64_t M>
-void gemv_tiles32(const float* xp, const uint8_t* cp, const float* sp, const float* zp,
-                  float* yp, const float* xsum, const Shape& s) {
-  const int64_t NG = s.K / s.G;
-  at::parallel_for(0, s.N / 32, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = cp + t * s.K * 16;
-      const int64_t n0 = t * 32;
-      vf16 out[M][2] = {};
-      for (int64_t g = 0; g < NG; ++g) {
-        vf16 acc[M][2] = {};
-        for (int64_t k = g * s.G; k < (g + 1) * s.G; ++k) {
-          vu16 b;
-          std::memcpy(&b, tile + k * 16, 16);
-          const vf16 lo = widen(b & 0xF);
-          const vf16 hi = widen(b >> 4);
-          for (int64_t m = 0; m < M; ++m) {
-            const float xv = xp[m * s.K + k];
-            acc[m][0] += xv * lo;
-            acc[m][1] += xv * hi;
-          }
-        }
-        vf16 sc[2], zs[2];
-        std::memcpy(sc, sp + g * s.N + n0, sizeof(sc));
-        std::memcpy(zs, zp + g * s.N + n0, sizeof(zs));
-        for (int64_t m = 0; m < M; ++m) {
-          const float xs = xsum[m * NG + g];
-          out[m][0] += sc[0] * acc[m][0] - zs[0] * xs;
-          out[m][1] += sc[1] * acc[m][1] - zs[1] * xs;
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * s.N + n0, out[m], sizeof(out[m]));
-    }
-  });
-}
-
-#define PKV_DISPATCH_TILE(T_VALUE, CALL)                 \
-  switch (T_VALUE) {                                     \
-    case 32: { constexpr int64_t kT = 32; CALL; break; } \
-    case 16: { constexpr int64_t kT = 16; CALL; break; } \
-    case 8: { constexpr int64_t kT = 8; CALL; break; }   \
-    default: TORCH_CHECK(false, "tile width must be 8, 16 or 32");    \
-  }
-
-// One call per chunk of up to 8 rows: every chunk reads the 4-bit codes once more, which
-// costs far less than dequantizing W for a float GEMM until the batch is large.
-void gemv_chunk(const float* xp, const uint8_t* cp, const float* sp, const float* zp,
-                float* yp, const float* xsum, int64_t rows, const Shape& s) {
-  if (s.T == 32) {
-    switch (rows) {
-      case 1: return gemv_tiles32<1>(xp, cp, sp, zp, yp, xsum, s);
-      case 2: return gemv_tiles32<2>(xp, cp, sp, zp, yp, xsum, s);
-      case 3: return gemv_tiles32<3>(xp, cp, sp, zp, yp, xsum, s);
-      case 4: return gemv_tiles32<4>(xp, cp, sp, zp, yp, xsum, s);
-      case 5: return gemv_tiles32<5>(xp, cp, sp, zp, yp, xsum, s);
-      case 6: return gemv_tiles32<6>(xp, cp, sp, zp, yp, xsum, s);
-      case 7: return gemv_tiles32<7>(xp, cp, sp, zp, yp, xsum, s);
-      default: return gemv_tiles32<8>(xp, cp, sp, zp, yp, xsum, s);
-    }
-  }
-  PKV_DISPATCH_TILE(s.T, (gemv_tiles<kT>(xp, cp, sp, zp, yp, xsum, rows, s)));
-}
-
 torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                       torch::Tensor zs, int64_t group) {
-  const Shape s = check(codes, scales, zs, group);
+                       torch::Tensor zs, int64_t n, int64_t group) {
+  const Shape s = check(codes, scales, zs, n, group);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
                   x.size(1) == s.K, "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), NG = s.K / s.G;
   auto y = torch::empty({M, s.N}, x.options());
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum(M * NG, 0.f);  // per-group sums of x feed the zero-point term
+  // Per row and group: sum x (the zero-point term) and sum base_k x_k (the bases).
+  std::vector<float> xsum(2 * M * NG, 0.f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < s.K; ++k) xsum[m * NG + k / s.G] += xp[m * s.K + k];
+    for (int64_t k = 0; k < s.K; ++k) {
+      float* sums = xsum.data() + 2 * (m * NG + k / s.G);
+      sums[0] += xp[m * s.K + k];
+      sums[1] += (k % 2 ? kLowBase : kHighBase) * xp[m * s.K + k];
+    }
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    gemv_chunk(xp + m0 * s.K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-               zs.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N, xsum.data() + m0 * NG,
+    gemv_chunk(xp + m0 * s.K, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
+               zs.data_ptr<float>(), xsum.data() + 2 * m0 * NG, y.data_ptr<float>() + m0 * s.N,
                std::min(kMaxRows, M - m0), s);
   }
   return y;
 }
 
 torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor zs,
-                             int64_t group) {
-  const Shape s = check(codes, scales, zs, group);
-  auto w = torch::empty({s.K, s.N}, scales.options());  // W^T, as x @ w wants
-  PKV_DISPATCH_TILE(s.T, (dequantize_tiles<kT>(codes.data_ptr<uint8_t>(),
-                                               scales.data_ptr<float>(), zs.data_ptr<float>(),
-                                               w.data_ptr<float>(), s)));
-  return w;
+                             int64_t n, int64_t group) {
+  const Shape s = check(codes, scales, zs, n, group);
+  const int64_t Np = s.NT * kSuper;
+  auto w = torch::empty({s.K, Np}, scales.options());  // W^T, as x @ w wants
+  const int32_t* cp = codes.data_ptr<int32_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zs.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, s.K / 8, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t g = blk * 8 / s.G;
+      for (int64_t t = 0; t < s.NT * 2; ++t) {  // t: 16 columns, half a tile
+        vu16 word;
+        std::memcpy(&word, cp + ((t / 2) * (s.K / 8) + blk) * kSuper + t % 2 * 16, sizeof(word));
+        const int64_t at = ((t / 2) * (s.K / s.G) + g) * kSuper + t % 2 * 16;
+        const vf16 sv = load16(sp + at), zv = load16(zp + at);
+        float* row = wp + blk * 8 * Np + t * 16;
+        // Input i sits in rotation (i + 1) / 2 % 4 below, at bits 15..18 (odd i) or 19..22.
+        const vu16 r[4] = {rotl<16>(word), rotl<8>(word), word, rotl<24>(word)};
+        for (int64_t i = 0; i < 8; ++i) {
+          const vu16 ri = r[(i + 1) / 2 % 4];
+          const vu16 bits = i % 2 ? (ri & (0xFu << 15)) | kLowExp : (ri & (0xFu << 19)) | kHighExp;
+          store16(row + i * Np, sv * (as_floats(bits) - (i % 2 ? kLowBase : kHighBase)) - zv);
+        }
+      }
+    }
+  });
+  return s.N == Np ? w : w.narrow(1, 0, s.N);
 }
 
+// The whole layer for x [..., K] of any float dtype: GEMV up to `max_gemv_rows` rows, else a
+// GEMM on the dequantized weight; plus the bias; in x's dtype. One call from Python per layer
+// (the reshapes and casts in C++ cost a fraction of what they cost as Python calls at batch 1).
+torch::Tensor awq_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                         torch::Tensor zs, c10::optional<torch::Tensor> bias, int64_t n,
+                         int64_t group, int64_t max_gemv_rows) {
+  const auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
+  auto y = x2.size(0) <= max_gemv_rows
+               ? awq_gemv(x2, codes, scales, zs, n, group)
+               : at::matmul(x2, awq_dequantize(codes, scales, zs, n, group));
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat));
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return y.view(shape).to(x.scalar_type());
+}
+
+#ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV for up to 8 rows");
+  m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
+  m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 }
+#endif

@@ -162,9 +162,11 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   });
 }
 
+#ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out");
 }
+#endif

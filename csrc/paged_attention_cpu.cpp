@@ -145,7 +145,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
                   block_tables.is_contiguous() && seq_ids.is_contiguous() &&
                   kv_lens.is_contiguous() && slot_mapping.is_contiguous(),
               "pkv cpu attention: contiguous caches, output and metadata expected");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32 &&
                   k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
                   k.size(2) == k_cache.size(3) && slot_mapping.size(0) == k.size(0) &&
                   slot_mapping.scalar_type() == torch::kInt64,
@@ -229,6 +230,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
   });
 }
 
+#ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
 }
+#endif

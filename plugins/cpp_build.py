@@ -2,14 +2,15 @@
 
 Builds are cached by torch in its extensions directory; the name carries a hash of the
 CPU's feature flags, because a -march=native build must never load on a CPU with fewer
-instructions, and of the shared headers in csrc/ (torch rebuilds when a source changes, but
-does not look at what it includes).
+instructions, and of the csrc/ files the source includes (torch rebuilds when a source
+changes, but does not look at what it includes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from functools import lru_cache
 from pathlib import Path
@@ -35,7 +36,21 @@ def unusable_reasons(source: Path) -> list[str]:
     return reasons
 
 
-def _build_key() -> str:
+def _local_includes(source: Path) -> list[Path]:
+    """The csrc/ files `source` includes, directly or through them."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        text = pending.pop().read_text()
+        for name in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
+            path = CSRC / name
+            if path.is_file() and path not in found:
+                found.append(path)
+                pending.append(path)
+    return sorted(found)
+
+
+def _build_key(source: Path) -> str:
     flags = ""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -43,8 +58,8 @@ def _build_key() -> str:
     except OSError:
         pass
     key = " ".join(sorted(flags.split())) or torch.backends.cpu.get_cpu_capability()
-    headers = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.h")))
-    return hashlib.sha256(key.encode() + headers).hexdigest()[:10]
+    included = b"".join(path.read_bytes() for path in _local_includes(source))
+    return hashlib.sha256(key.encode() + included).hexdigest()[:10]
 
 
 @lru_cache(maxsize=None)
@@ -57,7 +72,7 @@ def build(source_name: str, what: str) -> Any:
     reasons = unusable_reasons(source)
     if reasons:
         raise RuntimeError(f"cannot build the {what}: {'; '.join(reasons)}")
-    name = f"pkv_{source.stem}_{_build_key()}"
+    name = f"pkv_{source.stem}_{_build_key(source)}"
     with Console(stderr=True).status(f"building the {what} (cached after once)"):
         return load(name=name, sources=[str(source)],
                     extra_cflags=["-O3", "-fopenmp", "-march=native"],

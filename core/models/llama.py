@@ -216,6 +216,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    fused: Any = None  # the whole stack in C++ (core/fused_decoder.py), set by `use_kernels`
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
                  method: LinearMethod | None, plan: ShardPlan) -> None:
         super().__init__()
@@ -229,6 +231,10 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.fused is not None:
+            return self.fused.forward(h, positions, kv_caches, meta.slot_mapping,
+                                      meta.block_tables, meta.seq_ids, meta.kv_lens,
+                                      self.layers[0].self_attn.scale)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.rotary_emb, kv_cache, meta)
         return self.norm.add_forward(h, residual)[0]
@@ -271,12 +277,14 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def use_kernels(self, ops: Any) -> None:
+    def use_kernels(self, ops: Any, fused: Any = None) -> None:
         """Compute norms, RoPE and the MLP activation with `ops` (csrc/layer_ops_cpu.cpp,
-        float32 on CPU only); None goes back to torch."""
+        float32 on CPU only), and the whole decoder stack with `fused` where given (see
+        core/fused_decoder.py); None goes back to torch."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.kernel = ops
+        self.model.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [num_sampled, this rank's vocab]

@@ -5,8 +5,9 @@ Checkpoint layout per linear layer (in K, out N, group G), transposed from nn.Li
 along the outputs in AutoAWQ's interleaved order, and `scales` [K/G, N]:
 W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
 
-On CPU the codes are repacked once after loading for the fused C++ kernel (csrc/awq_cpu.cpp);
-on CUDA the checkpoint layout feeds the Triton kernel as is.
+On CPU the codes are repacked once after loading for the fused C++ kernel (csrc/awq_cpu.cpp),
+or dequantized once for torch's GEMM where no compiler can build it; on CUDA the checkpoint
+layout feeds the Triton kernel as is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pkv.core.quantization import WeightLoader
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8
+KERNEL_TILE = 32  # output columns per tile of the CPU kernel
 # Up to this many rows the fused GEMV wins (measured on SmolLM2's shapes, 2 AVX-512 cores);
 # above it, dequantize once and use torch's GEMM.
 GEMV_MAX_ROWS = 64
@@ -70,7 +72,8 @@ def parse_group_size(quant_config: dict[str, Any]) -> int:
 
 class AWQLinearMethod(LinearMethod):
     """4-bit weights, dequantized on the fly by a fused kernel: `cpu` (csrc, repacked
-    codes) or `triton` (the checkpoint layout; GPUs, or CPU under TRITON_INTERPRET=1)."""
+    codes) or `triton` (the checkpoint layout; GPUs, or CPU under TRITON_INTERPRET=1); or
+    `torch`: dequantized once after loading, for torch's GEMM (what `cpu` falls back to)."""
 
     name = "awq"
 
@@ -96,12 +99,19 @@ class AWQLinearMethod(LinearMethod):
             raise ValueError("AWQ scales hold non-finite values")
         if self.kernel == "triton":
             return  # the Triton kernel reads the checkpoint layout
-        layer.codes = _frozen(repack_tiles(unpack_int4(layer.qweight)))
-        scales = layer.scales.float().contiguous()
-        layer.scales_f32 = _frozen(scales)
-        layer.zs = _frozen((unpack_int4(layer.qzeros).float() * scales).contiguous())
+        use_kernel = self.kernel == "cpu" and self.group_size % 8 == 0
+        layer.kernel = _cpu_kernel() if use_kernel else None
+        if layer.kernel is None:  # no compiler, an odd group size, or asked: torch's GEMM
+            layer.weight_t = _frozen(dequantize(layer.qweight, layer.qzeros, layer.scales,
+                                                self.group_size))
+        else:
+            n = layer.out_features
+            layer.codes = _frozen(repack_words(unpack_int4(layer.qweight)))
+            scales = layer.scales.float()
+            zeros = unpack_int4(layer.qzeros).float()
+            layer.scales_f32 = _frozen(_by_tile(_pad_columns(scales, n)))
+            layer.zs = _frozen(_by_tile(_pad_columns(zeros * scales, n)))
         del layer.qweight, layer.qzeros, layer.scales
-        layer.kernel = _cpu_kernel()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
@@ -110,40 +120,37 @@ class AWQLinearMethod(LinearMethod):
             y = awq_gemm_triton(x.reshape(-1, x.shape[-1]), layer.qweight, layer.qzeros,
                                 layer.scales, self.group_size).reshape(*x.shape[:-1], -1)
             return y if layer.bias is None else y + layer.bias
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-        args = (layer.codes, layer.scales_f32, layer.zs, self.group_size)
-        if layer.kernel is None:
-            y = x2 @ dequantize_tiles(*args)
-        elif x2.shape[0] <= GEMV_MAX_ROWS:
-            y = layer.kernel.awq_gemv(x2, *args)
-        else:
-            y = x2 @ layer.kernel.awq_dequantize(*args)
+        if layer.kernel is not None:
+            return layer.kernel.awq_linear(x, layer.codes, layer.scales_f32, layer.zs, layer.bias,
+                                           layer.out_features, self.group_size, GEMV_MAX_ROWS)
+        y = x.float() @ layer.weight_t
         if layer.bias is not None:
             y = y + layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def tile_width(n: int) -> int:
-    """Output columns per kernel tile: 32 (two AVX-512 / four AVX2 registers) where it fits."""
-    return next(t for t in (32, 16, 8) if n % t == 0)
-
-
-def repack_tiles(codes: torch.Tensor) -> torch.Tensor:
-    """[K, N] codes -> the CPU kernel's [N/T, K, T/2] bytes (see csrc/awq_cpu.cpp)."""
+def repack_words(codes: torch.Tensor) -> torch.Tensor:
+    """[K, N] codes -> the CPU kernel's int32 [N'/32, K/8, 32]: 32 output columns per tile,
+    8 inputs per word, input 8b+i in the 4 bits from (3 + 4i) mod 32 up, wrapping past bit 31
+    (see csrc/awq_cpu.cpp); N' = N rounded up to 32, padded with zero codes."""
     k, n = codes.shape
-    t = tile_width(n)
-    halves = codes.to(torch.uint8).reshape(k, n // t, 2, t // 2)
-    packed = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [K, N/T, T/2]
-    return packed.permute(1, 0, 2).contiguous()
+    nibbles = _pad_columns(codes.to(torch.int32), n).reshape(k // PACK, PACK, -1, KERNEL_TILE)
+    words = torch.zeros(k // PACK, nibbles.shape[2], KERNEL_TILE, dtype=torch.int32)
+    for i in range(PACK):  # [K/8, N'/32, 32] at a time: no large temporaries
+        q, start = nibbles[:, i], (3 + 4 * i) % 32
+        words |= q << start if start <= 28 else (q << start) | (q >> (32 - start))
+    return words.permute(1, 0, 2).contiguous()
 
 
-def dequantize_tiles(codes: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor,
-                     group_size: int) -> torch.Tensor:
-    """W^T [K, N] from the kernel layout, in torch (the fallback without a compiler)."""
-    tiles, k, half = codes.shape
-    q = torch.cat([codes & 0xF, codes >> 4], dim=-1).permute(1, 0, 2).reshape(k, -1)
-    return (q.float() * scales.repeat_interleave(group_size, dim=0)
-            - zs.repeat_interleave(group_size, dim=0))
+def _by_tile(t: torch.Tensor) -> torch.Tensor:
+    """[R, N'] -> [N'/32, R, 32]: each kernel tile's rows next to each other."""
+    return t.reshape(t.shape[0], -1, KERNEL_TILE).permute(1, 0, 2).contiguous()
+
+
+def _pad_columns(t: torch.Tensor, n: int) -> torch.Tensor:
+    padded = t.new_zeros(t.shape[0], -(-n // KERNEL_TILE) * KERNEL_TILE)
+    padded[:, :n] = t
+    return padded
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

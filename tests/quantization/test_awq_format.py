@@ -64,7 +64,7 @@ def test_dequantize_follows_the_formula() -> None:
 
 def _awq_linear(k: int, out_sizes: list[int], group: int, kernel: bool,
                 triton: bool = False) -> tuple[Linear, torch.Tensor]:
-    method = AWQLinearMethod(group, "triton" if triton else "cpu")
+    method = AWQLinearMethod(group, "triton" if triton else "cpu" if kernel else "torch")
     layer = Linear(k, out_sizes, bias=True, method=method)
     qweight, qzeros, scales = _random_awq(k, sum(out_sizes), group, seed=k)
     with torch.no_grad():
@@ -72,8 +72,6 @@ def _awq_linear(k: int, out_sizes: list[int], group: int, kernel: bool,
                         ("bias", torch.randn(sum(out_sizes)))):
             layer.load(name, t, None, name)
         method.process_weights_after_loading(layer)
-    if not kernel and not triton:
-        layer.kernel = None
     reference = dequantize(qweight, qzeros, scales, group).t()  # [N, K]
     return layer, reference
 
@@ -88,6 +86,23 @@ def test_awq_linear_matches_dequantized_matmul(kernel: bool, rows: int) -> None:
     got = layer(x)
     assert got.shape == (rows, 64)
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+def test_awq_kernel_pads_columns_to_its_tiles(rows: int) -> None:
+    # 72 outputs: two whole tiles of 32 and one of 8, padded.
+    layer, w = _awq_linear(64, [24, 16, 8, 24], 32, kernel=True)
+    assert layer.kernel is not None and layer.codes.shape == (3, 8, 32)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ w.double().t() + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_group_size_the_kernel_cannot_take_falls_back_to_torch() -> None:
+    layer, w = _awq_linear(48, [16], 6, kernel=True)
+    assert layer.kernel is None and layer.weight_t.shape == (48, 16)
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, rtol=1e-4, atol=1e-4)
 
 
 def test_awq_linear_through_the_triton_kernel() -> None:

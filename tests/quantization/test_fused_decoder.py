@@ -1,0 +1,97 @@
+"""The C++ decoder stack for AWQ models on CPU (core/fused_decoder.py): the same hidden states,
+bit for bit, and the same tokens as the Python model running the same kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.core.sampling_params import SamplingParams
+from pkv.quantize.pipeline import QuantizeReport
+
+
+def _engine(model: Path, **extra: object) -> LLMEngine:
+    config = EngineConfig(model=str(model), max_model_len=256, kv_cache_memory="8MiB",
+                          **extra)
+    return LLMEngine(config, show_progress=False)
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(None, prompt, params) for prompt in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def awq_engine(awq_tiny: tuple[Path, QuantizeReport]) -> LLMEngine:
+    engine = _engine(awq_tiny[0])
+    if engine.runner.model.model.fused is None:
+        pytest.fail("an AWQ model on CPU with every kernel built should run the fused decoder")
+    return engine
+
+
+def test_fused_tokens_equal_the_python_model(awq_engine: LLMEngine):
+    # Ragged prompts in one batch: prefills of several lengths, then batched decodes.
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    fused_model = awq_engine.runner.model.model
+    fused = fused_model.fused
+    with_fused = _greedy(awq_engine, prompts)
+    fused_model.fused = None
+    try:
+        without = _greedy(awq_engine, prompts)
+    finally:
+        fused_model.fused = fused
+    assert with_fused == without
+    assert awq_engine.kv_cache.pool.num_used_blocks == 0  # nothing leaked
+
+
+def test_fused_hidden_states_are_bitwise_those_of_the_python_path(awq_engine: LLMEngine):
+    runner = awq_engine.runner
+    inner = runner.model.model
+    cfg = runner.model_config
+    tokens = torch.arange(3, 12)
+    # Copies of the pool, so the engine's cached blocks stay as they were.
+    fused_caches, python_caches = ([(k.clone(), v.clone()) for k, v in runner.kv_caches]
+                                   for _ in range(2))
+    meta = _one_sequence_meta(len(tokens), runner.block_size)
+    with torch.inference_mode():
+        fused_hidden = inner(tokens, torch.arange(len(tokens)), fused_caches, meta)
+        fused, inner.fused = inner.fused, None
+        try:
+            python_hidden = inner(tokens, torch.arange(len(tokens)), python_caches, meta)
+        finally:
+            inner.fused = fused
+    assert fused_hidden.shape == (len(tokens), cfg.hidden_size)
+    assert torch.equal(fused_hidden, python_hidden)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(fused_caches, python_caches))  # the same K/V written
+
+
+def _one_sequence_meta(n: int, block_size: int):  # noqa: ANN202 - AttentionMetadata
+    from pkv.core.attention import AttentionMetadata
+
+    blocks = -(-n // block_size)
+    positions = torch.arange(n)
+    return AttentionMetadata(
+        slot_mapping=positions.clone(), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None], num_decode_tokens=0,
+        seq_ids=torch.zeros(n, dtype=torch.int32),
+        kv_lens=(positions + 1).to(torch.int32), query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+
+
+def test_float_models_and_other_backends_keep_the_python_path(tiny_llama_dir: Path,
+                                                              awq_tiny: tuple[Path,
+                                                                              QuantizeReport]):
+    assert _engine(tiny_llama_dir).runner.model.model.fused is None  # not AWQ
+    torch_attention = _engine(awq_tiny[0], attention_backend="torch")
+    assert torch_attention.runner.model.model.fused is None
