@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <immintrin.h>
+
 namespace {
 
 constexpr int64_t kTile = 32;
@@ -26,11 +28,18 @@ typedef int8_t vi8x16 __attribute__((vector_size(16)));
 typedef int16_t vs16 __attribute__((vector_size(32)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-// Sign-extend through int16 and int32, then convert: GCC 12 scalarizes a direct int8 -> float
-// or int8 -> int32 conversion (byte extracts, 6x slower), but not these three steps.
-inline vf16 widen(vi8x16 b) {
+// 16 int8 codes to floats. With AVX-512 two instructions (sign-extend to int32, convert);
+// elsewhere through int16 and int32: GCC 12 scalarizes a direct int8 -> float or int8 ->
+// int32 conversion of vector extensions (byte extracts, 6x slower), but not these steps.
+inline vf16 widen(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  vi8x16 b;
+  std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(
       __builtin_convertvector(__builtin_convertvector(b, vs16), vi16), vf16);
+#endif
 }
 
 struct Shape {
@@ -48,27 +57,41 @@ Shape check(const torch::Tensor& codes, const torch::Tensor& scale) {
   return {codes.size(1), N};
 }
 
+// At one or two rows, even and odd inputs feed separate accumulators: four or more
+// independent FMA chains hide the FMA latency.
 template <int64_t M>
 void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, const Shape& s) {
+  constexpr int64_t S = M <= 2 ? 2 : 1;
   at::parallel_for(0, s.N / kTile, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* tile = cp + t * s.K * kTile;
-      vf16 acc[M][2] = {};
-      for (int64_t k = 0; k < s.K; ++k) {
-        vi8x16 b[2];
-        std::memcpy(b, tile + k * kTile, kTile);
-        const vf16 lo = widen(b[0]);
-        const vf16 hi = widen(b[1]);
+      vf16 acc[S][M][2] = {};
+      int64_t k = 0;
+      for (; k + 2 <= s.K; k += 2) {
+        const vf16 w[2][2] = {{widen(tile + k * kTile), widen(tile + k * kTile + 16)},
+                              {widen(tile + (k + 1) * kTile),
+                               widen(tile + (k + 1) * kTile + 16)}};
         for (int64_t m = 0; m < M; ++m) {
-          const float xv = xp[m * s.K + k];
-          acc[m][0] += xv * lo;
-          acc[m][1] += xv * hi;
+          const float x0 = xp[m * s.K + k], x1 = xp[m * s.K + k + 1];
+          acc[0][m][0] += x0 * w[0][0];
+          acc[0][m][1] += x0 * w[0][1];
+          acc[S - 1][m][0] += x1 * w[1][0];
+          acc[S - 1][m][1] += x1 * w[1][1];
+        }
+      }
+      if (k < s.K) {  // an odd last input
+        const vf16 lo = widen(tile + k * kTile), hi = widen(tile + k * kTile + 16);
+        for (int64_t m = 0; m < M; ++m) {
+          acc[0][m][0] += xp[m * s.K + k] * lo;
+          acc[0][m][1] += xp[m * s.K + k] * hi;
         }
       }
       vf16 sc[2];
       std::memcpy(sc, sp + t * kTile, sizeof(sc));
       for (int64_t m = 0; m < M; ++m) {
-        const vf16 out[2] = {acc[m][0] * sc[0], acc[m][1] * sc[1]};
+        const vf16 a0 = S == 2 ? acc[0][m][0] + acc[S - 1][m][0] : acc[0][m][0];
+        const vf16 a1 = S == 2 ? acc[0][m][1] + acc[S - 1][m][1] : acc[0][m][1];
+        const vf16 out[2] = {a0 * sc[0], a1 * sc[1]};
         std::memcpy(yp + m * s.N + t * kTile, out, sizeof(out));
       }
     }

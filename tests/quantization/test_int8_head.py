@@ -41,7 +41,7 @@ def test_tiles_pad_outputs_to_32():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 70])
-@pytest.mark.parametrize("k,n", [(64, 96), (96, 40)])
+@pytest.mark.parametrize("k,n", [(64, 96), (96, 40), (33, 64)])  # 33: an odd last input
 def test_kernel_matches_float64_reference(rows: int, k: int, n: int):
     layer, weight = _int8_layer(k, n, rows)
     assert layer.kernel is not None, "the int8 kernel did not build"
