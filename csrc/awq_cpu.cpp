@@ -33,9 +33,8 @@
 
 namespace {
 
-constexpr int64_t kSuper = 32;  // output columns per tile: two 16-float vectors
+constexpr int64_t kTile = 32;  // output columns per tile: two 16-float vectors
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kPrefetch = 8;  // words of 8 inputs ahead (1 KiB) in a tile's stream
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 constexpr float kLowBase = 256.f, kHighBase = 16.f;
 constexpr uint32_t kLowExp = 0x43800000;   // 256.0f: mantissa bit 15 weighs 1
@@ -48,16 +47,16 @@ struct Shape {
 Shape check(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zs,
             int64_t n, int64_t group) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kInt && codes.is_contiguous() &&
-                  codes.size(2) == kSuper,
-              "codes must be contiguous int32 [N / 16, K / 8, 16]");
+                  codes.size(2) == kTile,
+              "codes must be contiguous int32 [N' / 32, K / 8, 32]");
   const int64_t NT = codes.size(0), K = codes.size(1) * 8;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0 && n > (NT - 1) * kSuper &&
-                  n <= NT * kSuper,
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0 && n > (NT - 1) * kTile &&
+                  n <= NT * kTile,
               "group size must be a multiple of 8 dividing K, and N fit the tiles");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
                   zs.sizes() == scales.sizes() && zs.is_contiguous() &&
                   zs.scalar_type() == torch::kFloat && scales.dim() == 3 &&
-                  scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kSuper,
+                  scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kTile,
               "scales and zs must be contiguous float32 [N' / 32, K / group, 32]");
   return {K, n, NT, group};
 }
@@ -97,19 +96,18 @@ inline void step(const vu16 (&w)[2], const float* x, int64_t K, vf16 (&acc)[S][M
   }
 }
 
-// Rows [0, M) of y over the 32 columns of super-tile t: one sequential stream of codes.
+// Rows [0, M) of y over the 32 columns of tile t: one sequential stream of codes.
 template <int64_t M>
-void super_tile(const float* xp, const int32_t* cp, const float* sp, const float* zp,
+void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float* zp,
                 const float* xsum, float* yp, int64_t t, const Shape& s) {
   constexpr int64_t S = M <= 2 ? 2 : 1;
   const int64_t NG = s.K / s.G;
-  const int32_t* stream = cp + t * (s.K / 8) * kSuper;
+  const int32_t* stream = cp + t * (s.K / 8) * kTile;
   vf16 out[M][2] = {};
   for (int64_t g = 0; g < NG; ++g) {
     vf16 acc[S][M][2] = {};
     for (int64_t blk = g * s.G / 8; blk < (g + 1) * s.G / 8; ++blk) {
-      const int32_t* words = stream + blk * kSuper;
-      __builtin_prefetch(words + kPrefetch * kSuper);
+      const int32_t* words = stream + blk * kTile;
       vu16 w[2];
       std::memcpy(w, words, sizeof(w));
       const float* x = xp + blk * 8;
@@ -119,7 +117,7 @@ void super_tile(const float* xp, const int32_t* cp, const float* sp, const float
       step<16, 7, 0>(w, x, s.K, acc);
     }
     for (int64_t p = 0; p < 2; ++p) {
-      const int64_t at = (t * NG + g) * kSuper + p * 16;
+      const int64_t at = (t * NG + g) * kTile + p * 16;
       const vf16 sv = load16(sp + at), zv = load16(zp + at);
       for (int64_t m = 0; m < M; ++m) {
         const float* sums = xsum + 2 * (m * NG + g);  // sum x, sum base x
@@ -128,16 +126,16 @@ void super_tile(const float* xp, const int32_t* cp, const float* sp, const float
       }
     }
   }
-  const int64_t n0 = t * kSuper, n = std::min(kSuper, s.N - n0);
+  const int64_t n0 = t * kTile, n = std::min(kTile, s.N - n0);
   for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * s.N + n0, out[m], n * sizeof(float));
 }
 
-// All super-tiles for M rows, split over threads.
+// All tiles for M rows, split over threads.
 template <int64_t M>
 void gemv_rows(const float* xp, const int32_t* cp, const float* sp, const float* zp,
                const float* xsum, float* yp, const Shape& s) {
   at::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) super_tile<M>(xp, cp, sp, zp, xsum, yp, t, s);
+    for (int64_t t = begin; t < end; ++t) tile_rows<M>(xp, cp, sp, zp, xsum, yp, t, s);
   });
 }
 
@@ -184,7 +182,7 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
 torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor zs,
                              int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
-  const int64_t Np = s.NT * kSuper;
+  const int64_t Np = s.NT * kTile;
   auto w = torch::empty({s.K, Np}, scales.options());  // W^T, as x @ w wants
   const int32_t* cp = codes.data_ptr<int32_t>();
   const float* sp = scales.data_ptr<float>();
@@ -195,8 +193,8 @@ torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::T
       const int64_t g = blk * 8 / s.G;
       for (int64_t t = 0; t < s.NT * 2; ++t) {  // t: 16 columns, half a tile
         vu16 word;
-        std::memcpy(&word, cp + ((t / 2) * (s.K / 8) + blk) * kSuper + t % 2 * 16, sizeof(word));
-        const int64_t at = ((t / 2) * (s.K / s.G) + g) * kSuper + t % 2 * 16;
+        std::memcpy(&word, cp + ((t / 2) * (s.K / 8) + blk) * kTile + t % 2 * 16, sizeof(word));
+        const int64_t at = ((t / 2) * (s.K / s.G) + g) * kTile + t % 2 * 16;
         const vf16 sv = load16(sp + at), zv = load16(zp + at);
         float* row = wp + blk * 8 * Np + t * 16;
         // Input i sits in rotation (i + 1) / 2 % 4 below, at bits 15..18 (odd i) or 19..22.
