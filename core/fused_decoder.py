@@ -2,7 +2,7 @@
 
 csrc/decoder_cpu.cpp runs the same kernels as the Python model does once `use_kernels` gave
 it them, in the same order, so its hidden states are bitwise the same; it only leaves out
-the ~40 Python calls per layer between them (~1.6 ms of a ~9 ms batch-1 step for SmolLM2).
+the ~40 Python calls per layer between them (a SmolLM2 batch-1 step: 9.2 -> 6.2 ms).
 It is built only where every piece it replaces is a kernel: AWQ linears on the CPU kernel,
 the `cpu` attention backend, the layer ops, one rank; anything else runs the Python model.
 """

@@ -1,7 +1,7 @@
 // The decoder stack of a 4-bit AWQ Llama on CPU in one call per step.
 //
 // At batch 1 a 4-bit layer's kernels take ~150 us, and the Python between them (module calls,
-// splits, views, argument parsing: ~40 calls a layer) took another ~55 us. This runs the same
+// splits, views, argument parsing: ~40 calls a layer) took another ~100 us. This runs the same
 // kernels in the same order as core/models/llama.py does with them (so its outputs are
 // bitwise those of the Python path), with the Python left out:
 //
