@@ -1,4 +1,5 @@
-// The decoder stack of a 4-bit AWQ Llama on CPU in one call per step.
+// The decoder stack of a float32 Llama on CPU in one call per step, its linears either 4-bit
+// AWQ (csrc/awq_cpu.cpp) or float32 weights packed by oneDNN (mkldnn::_linear_pointwise).
 //
 // At batch 1 a 4-bit layer's kernels take ~150 us, and the Python between them (module calls,
 // splits, views, argument parsing: ~40 calls a layer) took another ~100 us. This runs the same
@@ -21,36 +22,56 @@
 
 namespace {
 
-struct AwqLinear {
-  torch::Tensor codes, scales, zs;
+// AWQ: codes, scales, zs and the group size; float32: the oneDNN-packed weight alone.
+struct Linear {
+  std::vector<torch::Tensor> weights;
   std::optional<torch::Tensor> bias;
-  int64_t n;
+  int64_t n, group;
 };
 
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;
-  AwqLinear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
 };
+
+// What `torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")` runs.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const std::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                                                  const std::optional<torch::Tensor>&,
+                                                  c10::string_view,
+                                                  c10::List<std::optional<c10::Scalar>>,
+                                                  std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
+}
 
 }  // namespace
 
-class AwqDecoder {
+class CpuDecoder {
  public:
-  AwqDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t group,
+  CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
              int64_t max_gemv_rows, torch::Tensor cos, torch::Tensor sin, torch::Tensor norm)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), group_(group),
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
         max_gemv_rows_(max_gemv_rows), cos_(cos), sin_(sin), norm_(norm) {}
 
-  // One layer: its two norm weights and, per linear (qkv, o, gate_up, down), the kernel
-  // layout (codes, scales, zs), an optional bias and the output size.
+  // One layer: its two norm weights and, per linear (qkv, o, gate_up, down), its weights
+  // (AWQ: codes, scales, zs; float32: the packed weight), bias, output size and AWQ group
+  // size (0: float32).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
-                 std::vector<torch::Tensor> tensors,
-                 std::vector<std::optional<torch::Tensor>> biases, std::vector<int64_t> sizes) {
-    TORCH_CHECK(tensors.size() == 12 && biases.size() == 4 && sizes.size() == 4,
-                "add_layer: four linears of (codes, scales, zs), biases and sizes");
-    AwqLinear linears[4];
-    for (size_t i = 0; i < 4; ++i)
-      linears[i] = {tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], biases[i], sizes[i]};
+                 std::vector<std::vector<torch::Tensor>> weights,
+                 std::vector<std::optional<torch::Tensor>> biases, std::vector<int64_t> sizes,
+                 std::vector<int64_t> groups) {
+    TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && sizes.size() == 4 &&
+                    groups.size() == 4,
+                "add_layer: four linears (qkv, o, gate_up, down)");
+    Linear linears[4];
+    for (size_t i = 0; i < 4; ++i) {
+      TORCH_CHECK(weights[i].size() == (groups[i] > 0 ? 3u : 1u),
+                  "add_layer: AWQ linears take (codes, scales, zs), float32 ones the packed weight");
+      linears[i] = {weights[i], biases[i], sizes[i], groups[i]};
+    }
     layers_.push_back({input_norm, post_attention_norm, linears[0], linears[1], linears[2],
                        linears[3]});
   }
@@ -94,22 +115,24 @@ class AwqDecoder {
   }
 
  private:
-  torch::Tensor linear(const torch::Tensor& x, const AwqLinear& w) const {
-    return awq_linear(x, w.codes, w.scales, w.zs, w.bias, w.n, group_, max_gemv_rows_);
+  torch::Tensor linear(const torch::Tensor& x, const Linear& w) const {
+    if (w.group == 0) return packed_linear(x, w.weights[0], w.bias);
+    return awq_linear(x, w.weights[0], w.weights[1], w.weights[2], w.bias, w.n, w.group,
+                      max_gemv_rows_);
   }
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
-  int64_t group_, max_gemv_rows_;
+  int64_t max_gemv_rows_;
   torch::Tensor cos_, sin_, norm_;
   std::vector<Layer> layers_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<AwqDecoder>(m, "AwqDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, torch::Tensor,
+  pybind11::class_<CpuDecoder>(m, "CpuDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, torch::Tensor,
                           torch::Tensor, torch::Tensor>())
-      .def("add_layer", &AwqDecoder::add_layer)
-      .def("num_layers", &AwqDecoder::num_layers)
-      .def("forward", &AwqDecoder::forward);
+      .def("add_layer", &CpuDecoder::add_layer)
+      .def("num_layers", &CpuDecoder::num_layers)
+      .def("forward", &CpuDecoder::forward);
 }

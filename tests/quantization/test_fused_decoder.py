@@ -1,5 +1,6 @@
-"""The C++ decoder stack for AWQ models on CPU (core/fused_decoder.py): the same hidden states,
-bit for bit, and the same tokens as the Python model running the same kernels."""
+"""The C++ decoder stack on CPU (core/fused_decoder.py), over AWQ linears (Qwen2, with qkv
+biases) and oneDNN-packed float32 ones (Llama): the same hidden states, bit for bit, and the
+same tokens as the Python model running the same kernels."""
 
 from __future__ import annotations
 
@@ -31,31 +32,33 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-@pytest.fixture(scope="module")
-def awq_engine(awq_tiny: tuple[Path, QuantizeReport]) -> LLMEngine:
-    engine = _engine(awq_tiny[0])
+@pytest.fixture(scope="module", params=["awq", "float32"])
+def engine(request: pytest.FixtureRequest, awq_tiny: tuple[Path, QuantizeReport],
+               tiny_llama_dir: Path) -> LLMEngine:
+    engine = _engine(awq_tiny[0] if request.param == "awq" else tiny_llama_dir)
     if engine.runner.model.model.fused is None:
-        pytest.fail("an AWQ model on CPU with every kernel built should run the fused decoder")
+        pytest.fail(f"a {request.param} model on CPU with every kernel built should run the "
+                    "fused decoder")
     return engine
 
 
-def test_fused_tokens_equal_the_python_model(awq_engine: LLMEngine):
+def test_fused_tokens_equal_the_python_model(engine: LLMEngine):
     # Ragged prompts in one batch: prefills of several lengths, then batched decodes.
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
-    fused_model = awq_engine.runner.model.model
+    fused_model = engine.runner.model.model
     fused = fused_model.fused
-    with_fused = _greedy(awq_engine, prompts)
+    with_fused = _greedy(engine, prompts)
     fused_model.fused = None
     try:
-        without = _greedy(awq_engine, prompts)
+        without = _greedy(engine, prompts)
     finally:
         fused_model.fused = fused
     assert with_fused == without
-    assert awq_engine.kv_cache.pool.num_used_blocks == 0  # nothing leaked
+    assert engine.kv_cache.pool.num_used_blocks == 0  # nothing leaked
 
 
-def test_fused_hidden_states_are_bitwise_those_of_the_python_path(awq_engine: LLMEngine):
-    runner = awq_engine.runner
+def test_fused_hidden_states_are_bitwise_those_of_the_python_path(engine: LLMEngine):
+    runner = engine.runner
     inner = runner.model.model
     cfg = runner.model_config
     tokens = torch.arange(3, 12)
@@ -92,6 +95,6 @@ def _one_sequence_meta(n: int, block_size: int):  # noqa: ANN202 - AttentionMeta
 def test_float_models_and_other_backends_keep_the_python_path(tiny_llama_dir: Path,
                                                               awq_tiny: tuple[Path,
                                                                               QuantizeReport]):
-    assert _engine(tiny_llama_dir).runner.model.model.fused is None  # not AWQ
+    assert _engine(tiny_llama_dir, dtype="bfloat16").runner.model.model.fused is None
     torch_attention = _engine(awq_tiny[0], attention_backend="torch")
     assert torch_attention.runner.model.model.fused is None
