@@ -69,7 +69,7 @@ class CpuDecoder {
     Linear linears[4];
     for (size_t i = 0; i < 4; ++i) {
       TORCH_CHECK(weights[i].size() == (groups[i] > 0 ? 3u : 1u),
-                  "add_layer: AWQ linears take (codes, scales, zs), float32 ones the packed weight");
+                  "add_layer: AWQ takes (codes, scales, zs), float32 the packed weight");
       linears[i] = {weights[i], biases[i], sizes[i], groups[i]};
     }
     layers_.push_back({input_norm, post_attention_norm, linears[0], linears[1], linears[2],
