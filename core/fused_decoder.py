@@ -33,14 +33,15 @@ def build_fused_decoder(model: LlamaForCausalLM, ops: Any) -> Any | None:
     if any(weights is None for group in kernel_weights for weights in group):
         return None
     attn = layers[0].self_attn
-    if attn.backend.name != "cpu" or getattr(attn.backend, "kernel", None) is None:
+    if attn.backend.name != "cpu":  # the C++ paged attention
         return None
     ext = cpp_build.build_or_none("decoder_cpu.cpp", "CPU decoder stack")
     if ext is None:
         return None
     rope = inner.rotary_emb
-    decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, inner.norm.eps,
-                             GEMV_MAX_ROWS, rope.cos, rope.sin, inner.norm.weight)
+    decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                             inner.norm.eps, GEMV_MAX_ROWS, rope.cos, rope.sin,
+                             inner.norm.weight)
     for layer, group, weights in zip(layers, linears, kernel_weights):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           weights, [lin.bias for lin in group],

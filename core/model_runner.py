@@ -24,7 +24,7 @@ from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, build_model, open_model
 from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
 from pkv.core.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
-from pkv.core.request import Request
+from pkv.core.request import Request, record_failure
 from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import SchedulerOutput
@@ -280,9 +280,7 @@ class ModelRunner:
             try:
                 rows.append(self._sampling_row(request))
             except Exception as exc:
-                if failures is None:
-                    raise
-                failures[request.request_id] = exc
+                record_failure(failures, request.request_id, exc)
                 rows.append(SamplingRow(_GREEDY, [], [], None, []))
         return rows
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from pkv.core.detokenizer import IncrementalDetokenizer
 from pkv.core.outputs import CompletionOutput, Logprob, RequestOutput
-from pkv.core.request import Request
+from pkv.core.request import Request, record_failure
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.tokenizer import Tokenizer
 
@@ -77,9 +77,7 @@ class OutputProcessor:
                 if self._advance(sample, state.params, logprobs.get(request.request_id)):
                     stopped.append(request)
             except Exception as exc:
-                if failures is None:
-                    raise
-                failures[request.request_id] = exc
+                record_failure(failures, request.request_id, exc)
                 continue
             touched[parent_id] = state
         outputs = [self._make_output(state) for state in touched.values()]

@@ -27,6 +27,15 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+def record_failure(failures: dict[str, Exception] | None, request_id: str,
+                   exc: Exception) -> None:
+    """Keep what failed for one request alone, for the engine to end that request only; with
+    nobody collecting (`failures` is None), raise it."""
+    if failures is None:
+        raise exc
+    failures[request_id] = exc
+
+
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
     """SHA-256 of a full block, chained from its parent so equal hashes mean equal prefixes."""
     h = hashlib.sha256(parent or b"\0")

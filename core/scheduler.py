@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pkv.core.kv_cache_manager import KVCacheManager
-from pkv.core.request import Request, RequestStatus
+from pkv.core.request import Request, RequestStatus, record_failure
 
 
 @dataclass(slots=True)
@@ -117,9 +117,7 @@ class Scheduler:
             try:
                 request.append_output_token(token)
             except Exception as exc:
-                if failures is None:
-                    raise
-                failures[request.request_id] = exc
+                record_failure(failures, request.request_id, exc)
                 continue
             status = self._check_stop(request, token)
             if status is not None:

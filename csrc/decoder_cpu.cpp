@@ -51,9 +51,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 class CpuDecoder {
  public:
-  CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+  CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
              int64_t max_gemv_rows, torch::Tensor cos, torch::Tensor sin, torch::Tensor norm)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
         max_gemv_rows_(max_gemv_rows), cos_(cos), sin_(sin), norm_(norm) {}
 
   // One layer: its two norm weights and, per linear (qkv, o, gate_up, down), its weights
@@ -76,12 +76,10 @@ class CpuDecoder {
                        linears[3]});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions,
                         const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
                         torch::Tensor slot_mapping, torch::Tensor block_tables,
-                        torch::Tensor seq_ids, torch::Tensor kv_lens, double scale) {
+                        torch::Tensor seq_ids, torch::Tensor kv_lens) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
     const int64_t T = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     torch::Tensor residual;
@@ -102,7 +100,7 @@ class CpuDecoder {
       rotary(positions, q, k, cos_, sin_);
       auto attn = torch::empty({T, heads_, head_dim_}, h.options());
       paged_attention(attn, q, k, v, kv_caches[i].first, kv_caches[i].second, slot_mapping,
-                      block_tables, seq_ids, kv_lens, scale);
+                      block_tables, seq_ids, kv_lens, scale_);
       h = linear(attn.view({T, q_size}), layer.o);
       add_rms_norm(h, residual, layer.post_attention_norm, eps_);
       const torch::Tensor gate_up = linear(h, layer.gate_up);
@@ -122,7 +120,7 @@ class CpuDecoder {
   }
 
   int64_t heads_, kv_heads_, head_dim_;
-  double eps_;
+  double scale_, eps_;
   int64_t max_gemv_rows_;
   torch::Tensor cos_, sin_, norm_;
   std::vector<Layer> layers_;
@@ -130,9 +128,8 @@ class CpuDecoder {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<CpuDecoder>(m, "CpuDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, torch::Tensor,
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor,
                           torch::Tensor, torch::Tensor>())
       .def("add_layer", &CpuDecoder::add_layer)
-      .def("num_layers", &CpuDecoder::num_layers)
       .def("forward", &CpuDecoder::forward);
 }

@@ -233,8 +233,7 @@ class LlamaModel(nn.Module):
         h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         if self.fused is not None:
             return self.fused.forward(h, positions, kv_caches, meta.slot_mapping,
-                                      meta.block_tables, meta.seq_ids, meta.kv_lens,
-                                      self.layers[0].self_attn.scale)
+                                      meta.block_tables, meta.seq_ids, meta.kv_lens)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.rotary_emb, kv_cache, meta)
         return self.norm.add_forward(h, residual)[0]
