@@ -55,8 +55,16 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v at meta.slot_mapping, then attend causally over the block tables."""
+        """Write k/v at meta.slot_mapping, then attend causally over the block tables.
+
+        With `sliding_window`, a token at position p sees keys p - window + 1 .. p only;
+        blocks wholly before that may have gone back to the pool (their table entries are
+        stale) and must not be read. With `logits_soft_cap`, scores (after `scale`) become
+        cap * tanh(score / cap) before the softmax.
+        """
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -15,17 +15,17 @@ from typing import Any
 import torch
 
 from pkv.core.linear import Linear, UnquantizedLinearMethod
-from pkv.core.models.llama import LlamaForCausalLM
+from pkv.core.models.base import CausalLM
 from pkv.plugins import cpp_build
 from pkv.plugins.weights.awq import GEMV_MAX_ROWS, AWQLinearMethod
 
 
-def build_fused_decoder(model: LlamaForCausalLM, ops: Any) -> Any | None:
+def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
     """The C++ decoder over `model`'s weights (shared, not copied), or None where it does not
     apply; `ops` are the layer ops (csrc/layer_ops_cpu.cpp), None where they did not build."""
     inner = model.model
     layers = list(inner.layers)
-    if model.plan.tp.enabled or not layers or ops is None:
+    if model.plan.tp.enabled or not layers or ops is None or fused_decoder_gaps(model):
         return None
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj) for layer in layers]
@@ -39,6 +39,7 @@ def build_fused_decoder(model: LlamaForCausalLM, ops: Any) -> Any | None:
     if ext is None:
         return None
     rope = inner.rotary_emb
+    assert rope is not None
     decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
                              inner.norm.eps, GEMV_MAX_ROWS, rope.cos, rope.sin,
                              inner.norm.weight)
@@ -65,3 +66,19 @@ def _kernel_weights(linear: Linear) -> list[torch.Tensor] | None:
 
 def _group(linear: Linear) -> int:
     return linear.method.group_size if isinstance(linear.method, AWQLinearMethod) else 0
+
+
+def fused_decoder_gaps(model: CausalLM) -> list[str]:
+    """Why csrc/decoder_cpu.cpp cannot compute `model`'s layers (empty: it can); these
+    models take the Python layer loop, with the same kernels per op where they apply."""
+    gaps = []
+    if not model.fused_decoder_compatible:
+        gaps.append(f"the {model.config.architecture} layer differs from Llama's")
+    attn = model.model.layers[0].self_attn if len(model.model.layers) else None
+    if any(w is not None for w in model.config.layer_windows):
+        gaps.append("sliding-window layers")
+    if attn is not None and (attn.rotary_emb is None or
+                             attn.rotary_emb.spec.rotary_dim != attn.head_dim or
+                             attn.rotary_emb.spec.long_threshold is not None):
+        gaps.append("partial or LongRoPE rotary embeddings")
+    return gaps

@@ -94,7 +94,8 @@ class LLMEngine:
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching,
+                                       sliding_window=source.config.kv_window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)

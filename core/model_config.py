@@ -1,22 +1,59 @@
-"""ModelConfig: the architecture of a Llama-family model, read from config.json or GGUF."""
+"""ModelConfig: the architecture of a decoder-only model, read from config.json or GGUF.
+
+The common shapes are fields; what only one family reads stays in `hf` (the config dict),
+read by that family's file. Validation happens here, before any weights load: an
+unsupported architecture, a missing field, an unknown RoPE scaling, or a field that changes
+the computation in a way pkv does not implement is one error naming it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
+from pkv.core.layers.rotary import ROPE_TYPES, RopeSpec
+from pkv.core.models.registry import ARCHITECTURES, family_of
+
+# Config fields that change the computation, the families that implement them, and the
+# values that mean "off" (accepted anywhere).
+_FAMILY_FIELDS: dict[str, tuple[set[str], tuple[Any, ...]]] = {
+    "partial_rotary_factor": ({"phi3"}, (None, 1, 1.0)),
+    "attn_logit_softcapping": ({"gemma2", "gemma3"}, (None,)),
+    "final_logit_softcapping": ({"gemma2", "gemma3"}, (None,)),
+    "embedding_multiplier": ({"granite"}, (None, 1, 1.0)),
+    "residual_multiplier": ({"granite"}, (None, 1, 1.0)),
+    "attention_multiplier": ({"granite"}, (None,)),
+    "logits_scaling": ({"granite"}, (None, 1, 1.0)),
+    "mlp_bias": (set(), (None, False)),
+    "use_bidirectional_attention": (set(), (None, False)),
+    "attention_chunk_size": (set(), (None,)),
+    "shared_expert_intermediate_size": (set(), (None, 0)),
+    "use_qk_norm": (set(), (None, False)),
 }
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One view of the RoPE settings: transformers 5.x keeps them in `rope_parameters`
+    (per layer type for Gemma 3), 4.x in `rope_theta`, `rope_scaling` and top-level fields."""
+    params: dict[str, Any] = {}
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+        if cfg.get(key) is not None:
+            params[key] = cfg[key]
+    if cfg.get("rope_theta") is not None:
+        params["rope_theta"] = cfg["rope_theta"]
+    params.update(cfg.get("rope_scaling") or {})
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer type: the global layers' settings
+        rope = rope["full_attention"] or {}
+    params.update(rope)
+    return params
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Shapes and constants of a decoder-only Llama-family model."""
+    """Shapes and constants of a decoder-only model."""
 
-    architecture: str
+    architecture: str  # the family: llama, qwen3, gemma2, ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,51 +70,116 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0
+    # per layer: the sliding window (None: global attention)
+    layer_windows: tuple[int | None, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"pkv runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"pkv runs {', '.join(ARCHITECTURES)}")
+        family = ARCHITECTURES[arch]
+        model_cls = family_of(family)
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        for key in (*required, *model_cls.required_fields):
+            if cfg.get(key) is None:
+                raise ValueError(f"config of {arch} lacks the field {key!r}")
         heads = cfg["num_attention_heads"]
-        # transformers 5.x keeps rope settings in rope_parameters; 4.x at top level.
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-        rope_scaling = cfg.get("rope_scaling") or None
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
+        rope = _rope_parameters(cfg)
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"config field rope_scaling.rope_type={kind!r} is not supported "
+                             f"({', '.join(ROPE_TYPES)})")
+        scaling = None if kind == "default" else rope
+        for key, (families, neutral) in _FAMILY_FIELDS.items():
+            if family not in families and cfg.get(key) not in neutral:
+                raise ValueError(f"config field {key}={cfg[key]!r} changes the computation, "
+                                 f"and pkv does not implement it for {arch}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            architecture=SUPPORTED_ARCHITECTURES[arch],
+        config = cls(
+            architecture=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=float(rope.get("rope_theta") or model_cls.default_rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and its config does not say so.
-            attention_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             model_cls.default_tie_word_embeddings)),
+            attention_bias=bool(cfg.get("attention_bias", False)) or model_cls.qkv_bias,
+            rope_scaling=scaling,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            partial_rotary_factor=float(rope.get("partial_rotary_factor") or 1.0),
+            hf=cfg,
         )
+        model_cls.configure(config, cfg)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Checks every family shares; family-specific ones are in `configure`."""
+        if len(self.layer_windows) != self.num_hidden_layers:
+            self.layer_windows = (None,) * self.num_hidden_layers
+        for window in self.layer_windows:
+            if window is not None and window < 1:
+                raise ValueError(f"config field sliding_window={window} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"config field num_experts_per_tok={self.num_experts_per_tok} "
+                                 f"must be in [1, {self.num_experts}] (the number of experts)")
+            if self.moe_intermediate_size < 1:
+                raise ValueError("config of a mixture of experts lacks the experts' "
+                                 "intermediate size")
+        elif self.intermediate_size < 1:
+            raise ValueError("config lacks the field 'intermediate_size'")
+
+    def rope_spec(self, theta: float | None = None,
+                  scaling: dict[str, Any] | None = None) -> RopeSpec:
+        """The RoPE of the global layers, or another base/scaling (Gemma 3's local layers)."""
+        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        return RopeSpec(theta=theta or self.rope_theta, rotary_dim=rotary_dim,
+                        scaling=dict((self.rope_scaling if scaling is None else scaling) or {}),
+                        max_position_embeddings=self.max_position_embeddings)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within, when all layers are windowed: KV blocks
+        behind it are never read again (None: some layer reads the whole sequence)."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
     @property
     def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.num_experts:
+            mlp = 3 * h * self.moe_intermediate_size * self.num_experts + h * self.num_experts
+        else:
+            mlp = 3 * h * self.intermediate_size
+        per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         head = 0 if self.tie_word_embeddings else v * h

@@ -19,7 +19,8 @@ import torch
 from pkv.core.attention import AttentionBackend
 from pkv.core.linear import LinearMethod
 from pkv.core.model_config import ModelConfig
-from pkv.core.models.llama import LlamaForCausalLM
+from pkv.core.models.base import CausalLM
+from pkv.core.models.registry import family_of
 from pkv.core.parallel import ShardPlan
 from pkv.core.progress import progress_bar
 from pkv.core.quantization import checkpoint_quantization
@@ -62,11 +63,22 @@ def bundled_model_path() -> Path:
     return path
 
 
-def open_model(model: str | None, registry: PluginRegistry | None = None) -> ModelSource:
-    """Resolve `model` (None = bundled) and read its config and tokenizer."""
-    path = bundled_model_path() if model is None else Path(model).expanduser()
+def open_model(model: str | None, registry: PluginRegistry | None = None, *,
+               revision: str | None = None, gguf_file: str | None = None) -> ModelSource:
+    """Resolve `model` (None = bundled, a path, or a Hub id fetched into the Hugging Face
+    cache: see core.hub) and read its config and tokenizer."""
+    from pkv.core.hub import is_hub_id, resolve_model
+
+    if model is None and (revision is not None or gguf_file is not None):
+        raise ValueError("revision and gguf_file need a model (a Hub id or a folder)")
+    hub_id = model if model is not None and is_hub_id(model) else None
+    path = bundled_model_path() if model is None else resolve_model(model, revision, gguf_file)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if hub_id is not None:  # named by its id, not by the snapshot's commit hash
+        source = open_model(str(path), registry)
+        source.name = hub_id
+        return source
     if path.is_dir():
         return open_folder(path)
     if registry is None:
@@ -145,19 +157,20 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
                 dtype: torch.dtype, device: torch.device, method: LinearMethod | None = None,
-                show_progress: bool = True, plan: ShardPlan | None = None) -> LlamaForCausalLM:
+                show_progress: bool = True, plan: ShardPlan | None = None) -> CausalLM:
     """Build the model on `device` without a float copy in between, and load its weights."""
     # Parameters are created in the compute dtype; quantized ones choose their own.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(source.config, backend, max_len, method, plan)
+            model_cls = family_of(source.config.architecture)
+            model = model_cls(source.config, backend, max_len, method, plan)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    model.model.rotary_emb.reset()
+    model.reset_buffers()
     model.requires_grad_(False)
     weights = progress_bar(source.weights(), total=source.num_tensors,
                            description=f"Loading {source.name}", enabled=show_progress)

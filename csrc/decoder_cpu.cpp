@@ -100,7 +100,7 @@ class CpuDecoder {
       rotary(positions, q, k, cos_, sin_);
       auto attn = torch::empty({T, heads_, head_dim_}, h.options());
       paged_attention(attn, q, k, v, kv_caches[i].first, kv_caches[i].second, slot_mapping,
-                      block_tables, seq_ids, kv_lens, scale_);
+                      block_tables, seq_ids, kv_lens, scale_, 0, 0.0);
       h = linear(attn.view({T, q_size}), layer.o);
       add_rms_norm(h, residual, layer.post_attention_norm, eps_);
       const torch::Tensor gate_up = linear(h, layer.gate_up);

@@ -10,6 +10,11 @@
 //   seq_ids      [T]                int32   which sequence each token belongs to
 //   kv_lens      [T]                int32   keys the token may see (its position + 1)
 //   out          [T, H, D]          contiguous
+//   window       > 0: a token sees only its last `window` keys (itself included)
+//   soft_cap     > 0: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2)
+//
+// With a window, blocks wholly before it are never read (they may already be back in the
+// pool, their table entries stale).
 //
 // Work is split over (token, kv head); the G = H / KVH query heads that share a KV head are
 // processed together so each K/V row is loaded once for all of them. Head sizes of 16..128
@@ -44,8 +49,8 @@ struct VecState {
 // row by row across the KV heads, so a block's K (then V) is read front to back.
 template <int64_t DC>
 static void attend_vec(const float* qt, const float* kp, const float* vp, const int32_t* table,
-                       int64_t len, int64_t BS, int64_t KVH, int64_t kh0, int64_t kh1,
-                       int64_t G, float scale, VecState& st, float* ot) {
+                       int64_t len, int64_t lo, int64_t BS, int64_t KVH, int64_t kh0,
+                       int64_t kh1, int64_t G, float scale, float cap, VecState& st, float* ot) {
   constexpr int64_t D = 16 * DC;
   const int64_t padded = (BS + 15) / 16 * 16, row = KVH * D;
   const int64_t h0 = kh0 * G, heads = (kh1 - kh0) * G;
@@ -59,10 +64,11 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
   float* scores = st.scores.data();
   std::memcpy(q, qt + h0 * D, heads * D * sizeof(float));
   for (int64_t i = 0; i < heads * DC; ++i) q[i] *= scale;
-  for (int64_t b = 0; b * BS < len; ++b) {
+  for (int64_t b = lo / BS; b * BS < len; ++b) {
     const int64_t n = std::min(BS, len - b * BS);
+    const int64_t j0 = std::max<int64_t>(0, lo - b * BS);  // first key inside the window
     const int64_t base = static_cast<int64_t>(table[b]) * BS * row;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       for (int64_t kh = kh0; kh < kh1; ++kh) {
         vf16 k[DC];
         std::memcpy(k, kp + base + j * row + kh * D, sizeof(k));
@@ -76,23 +82,26 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
     }
     for (int64_t h = 0; h < heads; ++h) {
       float* sc = scores + h * padded;
-      float block_max = sc[0];
-      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
+      if (cap > 0.f)
+        for (int64_t j = j0; j < n; ++j) sc[j] = cap * std::tanh(sc[j] / cap);
+      float block_max = sc[j0];
+      for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
       const float m_new = std::max(st.m[h], block_max);
       const float correction = std::exp(st.m[h] - m_new);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      for (int64_t c = 0; c < n; c += 16) {
         vf16 x;
-        std::memcpy(&x, sc + j0, sizeof(x));
+        std::memcpy(&x, sc + c, sizeof(x));
         x = vexp(x - m_new);
-        std::memcpy(sc + j0, &x, sizeof(x));
+        std::memcpy(sc + c, &x, sizeof(x));
       }
+      for (int64_t j = 0; j < j0; ++j) sc[j] = 0.f;  // keys before the window
       float sum = 0.f;
       for (int64_t j = 0; j < n; ++j) sum += sc[j];
       st.l[h] = st.l[h] * correction + sum;
       for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= correction;
       st.m[h] = m_new;
     }
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       for (int64_t kh = kh0; kh < kh1; ++kh) {
         vf16 v[DC];
         std::memcpy(v, vp + base + j * row + kh * D, sizeof(v));
@@ -137,7 +146,7 @@ static void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor seq_ids, torch::Tensor kv_lens,
-                     double scale) {
+                     double scale, int64_t window, double soft_cap) {
   check_rows(q, "q");
   check_rows(k, "k");
   check_rows(v, "v");
@@ -162,7 +171,10 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sid = seq_ids.data_ptr<int32_t>();
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  const auto first_key = [&](int64_t len) {
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+  };
   const int64_t row = KVH * D;  // stride between two tokens of a block
 
   const int64_t DC = D % 16 == 0 ? D / 16 : 0;
@@ -177,8 +189,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
       for (int64_t w = begin; w < end; ++w) {
         const int64_t t = w / split, part = w % split;
         const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
-        run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], BS, KVH,
-            kh0, kh1, G, fscale, st, op + t * H * D);
+        run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
+            first_key(lens[t]), BS, KVH, kh0, kh1, G, fscale, cap, st, op + t * H * D);
       }
     });
     return;
@@ -187,22 +199,24 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
     std::vector<float> scores(G * BS), acc(G * D), m(G), l(G);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / KVH, kh = w % KVH;
-      const int64_t len = lens[t];
+      const int64_t len = lens[t], lo = first_key(len);
       const int32_t* table = bt + static_cast<int64_t>(sid[t]) * MB;
       const float* qg = qp + t * QS + kh * G * D;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t b = 0; b * BS < len; ++b) {
+      for (int64_t b = lo / BS; b * BS < len; ++b) {
         const int64_t n = std::min(BS, len - b * BS);
+        const int64_t j0 = std::max<int64_t>(0, lo - b * BS);
         const int64_t base = (static_cast<int64_t>(table[b]) * BS * KVH + kh) * D;
         const float* kb = kp + base;
         const float* vb = vp + base;
         for (int64_t g = 0; g < G; ++g) {
           float* s = scores.data() + g * BS;
           float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = j0; j < n; ++j) {
             s[j] = dot(qg + g * D, kb + j * row, D) * fscale;
+            if (cap > 0.f) s[j] = cap * std::tanh(s[j] / cap);
             block_max = std::max(block_max, s[j]);
           }
           const float m_new = std::max(m[g], block_max);
@@ -211,7 +225,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
           l[g] *= correction;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = j0; j < n; ++j) {
             const float p = std::exp(s[j] - m_new);
             l[g] += p;
             const float* vj = vb + j * row;

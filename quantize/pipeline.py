@@ -104,7 +104,15 @@ def choose_group_size(requested: int | None, sizes: list[int],
     raise ValueError(f"none of the group sizes {GROUP_SIZES} divides the input sizes {sizes}")
 
 
+# AWQ's scale search follows Llama's layer (pre-norm, q/k/v and gate/up sharing an input).
+QUANTIZABLE_FAMILIES = ("llama", "mistral", "qwen2")
+
+
 def load_float_model(source: ModelSource, max_len: int, show_progress: bool) -> LlamaForCausalLM:
+    family = source.config.architecture
+    if family not in QUANTIZABLE_FAMILIES:
+        raise ValueError(f"pkv quantize runs the {', '.join(QUANTIZABLE_FAMILIES)} families; "
+                         f"{source.name} is {family}")
     return build_model(source, TorchAttentionBackend(), max_len, torch.float32,
                        torch.device("cpu"), show_progress=show_progress)
 

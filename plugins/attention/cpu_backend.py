@@ -33,12 +33,16 @@ class CPUAttentionBackend(TorchAttentionBackend):
         self.kernel = load_kernel()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         if q.dtype != torch.float32 or q.device.type != "cpu":
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window,
+                                   logits_soft_cap)
         # q, k and v may be views of one fused qkv output: the kernel reads strided rows and
         # writes k/v into their slots itself.
         out = torch.empty(q.shape, dtype=q.dtype)
         self.kernel.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping,
-                                    meta.block_tables, meta.seq_ids, meta.kv_lens, scale)
+                                    meta.block_tables, meta.seq_ids, meta.kv_lens, scale,
+                                    sliding_window or 0, logits_soft_cap or 0.0)
         return out

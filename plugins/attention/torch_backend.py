@@ -14,24 +14,33 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.flatten(-4, -3)
 
 
+def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Gathers each sequence's blocks and runs dense attention over them."""
 
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window,
+                                   logits_soft_cap)
         if nd < q.shape[0]:
-            out[nd:] = self.prefill(q, k_cache, v_cache, meta, scale)[nd:]
+            out[nd:] = self.prefill(q, k_cache, v_cache, meta, scale, sliding_window,
+                                    logits_soft_cap)[nd:]
         return out
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+               logits_soft_cap: float | None = None) -> torch.Tensor:
         nd, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         seq_lens = meta.seq_lens[:nd]
@@ -40,15 +49,19 @@ class TorchAttentionBackend(AttentionBackend):
         k = _gather(k_cache, block_tables).permute(0, 2, 3, 1)  # [nd, kvh, hd, L]
         v = _gather(v_cache, block_tables).transpose(1, 2)  # [nd, kvh, L, hd]
         q = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.matmul(q, k) * scale  # [nd, kvh, group, L]
+        scores = _soft_cap(torch.matmul(q, k) * scale, logits_soft_cap)  # [nd, kvh, group, L]
         positions = torch.arange(scores.shape[-1], device=q.device)
-        invalid = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [nd, L]
+        lens = seq_lens[:, None].to(positions.dtype)
+        invalid = positions[None, :] >= lens  # [nd, L]
+        if sliding_window is not None:
+            invalid |= positions[None, :] < lens - sliding_window
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.matmul(probs, v).view(nd, num_heads, head_dim)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         out = torch.zeros_like(q)
         block_size = k_cache.shape[1]
         first = meta.num_decode_tokens  # decodes are one token, one sequence each
@@ -58,18 +71,31 @@ class TorchAttentionBackend(AttentionBackend):
             table = meta.block_tables[i, : (seq_len + block_size - 1) // block_size]
             k = _gather(k_cache, table)[:seq_len].transpose(0, 1)  # [kvh, L, hd]
             v = _gather(v_cache, table)[:seq_len].transpose(0, 1)
-            out[start:end] = self._causal(q[start:end].transpose(0, 1), k, v, scale)
+            out[start:end] = self._causal(q[start:end].transpose(0, 1), k, v, scale,
+                                          sliding_window, logits_soft_cap)
         return out
 
     @staticmethod
-    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         # q: [heads, q_len, hd]; k, v: [kv_heads, L, hd]; queries are the last q_len positions.
         q_len, kv_len = q.shape[1], k.shape[1]
-        if q_len == kv_len:
-            mask = None
-        else:
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        if sliding_window is None and logits_soft_cap is None and q_len == kv_len:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+            return out.transpose(0, 1)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos  # [q_len, L]
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        if logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                                 enable_gqa=True)
+            return out.transpose(0, 1)
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = _soft_cap(torch.matmul(q, k.transpose(1, 2)) * scale, logits_soft_cap)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.matmul(probs, v).transpose(0, 1)

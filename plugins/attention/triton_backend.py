@@ -17,10 +17,11 @@ from pkv.core.attention import AttentionBackend, AttentionMetadata
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_ids_ptr, kv_lens_ptr, scale,
-    stride_bt,
+    stride_bt, window, soft_cap,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -37,15 +38,22 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     num_blocks = tl.cdiv(kv_len, BLOCK_SIZE)
-    for b in range(0, num_blocks):
+    first_key = 0
+    if HAS_WINDOW:  # blocks wholly before the window are never read
+        first_key = tl.maximum(kv_len - window, 0)
+    for b in range(first_key // BLOCK_SIZE, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
         pos = b * BLOCK_SIZE + n
-        valid = (n < BLOCK_SIZE) & (pos < kv_len)
+        valid = (n < BLOCK_SIZE) & (pos < kv_len) & (pos >= first_key)
         rows = (block * BLOCK_SIZE + n) * NUM_KV_HEADS + kv_head
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        if HAS_SOFT_CAP:  # cap * tanh(s / cap), tanh from exp
+            e = tl.exp(-2.0 * tl.abs(s / soft_cap))
+            t = (1.0 - e) / (1.0 + e)
+            s = soft_cap * tl.where(s < 0, -t, t)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -68,7 +76,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -78,8 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
         block_tables = meta.block_tables.contiguous()
         _paged_attention_kernel[(num_tokens, num_kv_heads)](
             out, q, k_cache, v_cache, block_tables, meta.seq_ids, meta.kv_lens, scale,
-            block_tables.stride(0),
+            block_tables.stride(0), sliding_window or 0, logits_soft_cap or 0.0,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_G=_pow2(group), BLOCK_N=_pow2(block_size),
-            BLOCK_D=_pow2(head_dim))
+            BLOCK_D=_pow2(head_dim), HAS_WINDOW=sliding_window is not None,
+            HAS_SOFT_CAP=logits_soft_cap is not None)
         return out

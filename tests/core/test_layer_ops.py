@@ -9,7 +9,9 @@ import torch
 from pkv.core.config import EngineConfig
 from pkv.core.llm_engine import LLMEngine
 from pkv.core.model_config import ModelConfig
-from pkv.core.models.llama import MLP, RMSNorm, RotaryEmbedding
+from pkv.core.layers.mlp import GatedMLP as MLP
+from pkv.core.layers.norm import RMSNorm
+from pkv.core.layers.rotary import RotaryEmbedding
 from pkv.core.parallel import single_rank_plan
 from pkv.plugins import cpp_build
 
@@ -53,9 +55,13 @@ def _config(head_dim: int, **extra: object) -> ModelConfig:
         "rope_theta": 10000.0, **extra})
 
 
+def _rope(cfg: ModelConfig, max_len: int) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.rope_spec(), cfg.head_dim, max_len)
+
+
 @pytest.mark.parametrize("head_dim", [64, 6])
 def test_rotary_on_views_of_a_fused_qkv(head_dim: int):
-    rope = RotaryEmbedding(_config(head_dim), 256)
+    rope = _rope(_config(head_dim), 256)
     torch.manual_seed(head_dim)
     qkv = torch.randn(9, 8 * head_dim)  # q: 4 heads, k: 2, v: 2
     positions = torch.tensor([0, 1, 2, 100, 255, 7, 7, 31, 64])
@@ -74,7 +80,7 @@ def test_rotary_on_views_of_a_fused_qkv(head_dim: int):
 
 
 def test_rotary_rejects_a_position_past_the_table():
-    rope = RotaryEmbedding(_config(8), 16)
+    rope = _rope(_config(8), 16)
     rope.kernel = OPS
     q, k = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="position 16 outside the table"):
@@ -95,7 +101,8 @@ def test_silu_and_mul_matches_torch(rows: int, size: int):
 
 def test_mlp_with_the_kernel_matches_torch():
     cfg = _config(16)
-    mlp = MLP(cfg, None, single_rank_plan(cfg))
+    plan = single_rank_plan(cfg)
+    mlp = MLP(cfg.hidden_size, plan.intermediate, "silu", None, plan)
     torch.manual_seed(0)
     for p in mlp.parameters():
         p.data = torch.randn_like(p) * 0.2

@@ -1,0 +1,52 @@
+"""The gated MLP of every family here: down(act(gate(x)) * up(x)), gate and up fused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pkv.core.layers.attention import tp_split
+from pkv.core.linear import Linear, LinearMethod
+from pkv.core.parallel import ShardPlan
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def check_activation(name: str, field: str = "hidden_act") -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"config field {field}={name!r} is not supported "
+                         f"({', '.join(ACTIVATIONS)})")
+    return name
+
+
+class GatedMLP(nn.Module):
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels` (SiLU only)
+
+    def __init__(self, hidden_size: int, intermediate: tuple[int, int], act: str,
+                 method: LinearMethod | None, plan: ShardPlan) -> None:
+        """`intermediate` is this rank's (start, count) of the intermediate channels."""
+        super().__init__()
+        size = intermediate[1]
+        self.gate_up_proj = Linear(hidden_size, [size, size], False, method,
+                                   split=tp_split(plan, "column", intermediate, intermediate))
+        self.down_proj = Linear(size, [hidden_size], False, method,
+                                split=tp_split(plan, "row", intermediate))
+        self.act = check_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.kernel is not None and self.act in ("silu", "swish"):
+            h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            self.kernel.silu_and_mul(h, gate_up)
+            return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)

@@ -1,0 +1,126 @@
+"""A sparse mixture of experts: a softmax router picks `top_k` experts per token; each
+expert is a gated MLP.
+
+The step's tokens are grouped by expert (a stable sort of the (token, expert) pairs), so
+each active expert runs one GEMM pair over all its tokens: the Python loop is over the
+experts a step uses, never over tokens. Under tensor parallelism every rank holds a slice
+of every expert's intermediate channels, as a dense MLP is split, and the partial outputs
+are summed.
+
+Checkpoints store experts either one module per expert (`experts.3.gate_proj.weight`,
+Mixtral's `experts.3.w1.weight`) or stacked (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]); both load.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pkv.core.layers.mlp import ACTIVATIONS, check_activation
+from pkv.core.linear import as_tensor, check_shape, take
+from pkv.core.parallel import ShardPlan
+
+# per-expert checkpoint names -> our part
+_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+          "w1": "gate", "w3": "up", "w2": "down"}
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 intermediate: tuple[int, int], act: str, renormalize: bool,
+                 plan: ShardPlan) -> None:
+        """`intermediate` is this rank's (start, count) of each expert's channels."""
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.start, self.size = intermediate
+        self.tp = plan.tp
+        self.act = check_activation(act)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.size))
+        self._loaded: set[tuple[str, int]] = set()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids), both [T, top_k]."""
+        logits = self.gate(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()  # [T * top_k]
+        order = torch.argsort(flat, stable=True)
+        token = order // self.top_k  # the token of each (token, expert) pair, grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        grouped = x[token]  # [T * top_k, hidden]
+        out = torch.empty_like(grouped)
+        start = 0
+        act = ACTIVATIONS[self.act]
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = F.linear(grouped[start:start + n], self.w13[e]).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(act(gate) * up, self.w2[e])
+            start += n
+        out *= weights.flatten()[order].unsqueeze(-1)
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        return self.tp.all_reduce(y)
+
+    # --- loading -------------------------------------------------------------------------
+
+    def load_checkpoint(self, rest: str, tensor: Any, name: str) -> None:
+        """Load `rest` (the checkpoint name after this module's path)."""
+        if rest == "gate.weight":
+            self._copy(self.gate.weight, as_tensor(tensor), name)
+            self._loaded.add(("gate", -1))
+            return
+        match = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", rest)
+        if match and match.group(2) in _PARTS and int(match.group(1)) < self.num_experts:
+            e = int(match.group(1))
+            self._load_part(_PARTS[match.group(2)], e, tensor, name, expert_dim=None)
+            return
+        if rest in ("experts.gate_up_proj", "experts.down_proj"):
+            for e in range(self.num_experts):
+                part = "down" if rest.endswith("down_proj") else "gate_up"
+                self._load_part(part, e, tensor, name, expert_dim=0)
+            return
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+
+    def _load_part(self, part: str, e: int, tensor: Any, name: str,
+                   expert_dim: int | None) -> None:
+        # One expert's whole tensor (a stacked checkpoint: its row of the stack), then this
+        # rank's channels of it.
+        t = as_tensor(take(tensor, 0, e, 1))[0] if expert_dim is not None else as_tensor(tensor)
+        s, n = self.start, self.size
+        if part == "down":
+            self._copy(self.w2[e], t[:, s:s + n], name)
+            self._loaded.add(("down", e))
+            return
+        if part == "gate_up":
+            half = t.shape[0] // 2
+            pieces = {"gate": t[s:s + n], "up": t[half + s:half + s + n]}
+        else:
+            pieces = {part: t[s:s + n]}
+        for piece, rows in pieces.items():
+            i = 0 if piece == "gate" else 1
+            self._copy(self.w13[e, i * n:(i + 1) * n], rows, name)
+            self._loaded.add((piece, e))
+
+    @staticmethod
+    def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        check_shape(param, tensor, name)
+        param.copy_(tensor)
+
+    def missing(self) -> list[str]:
+        """What the checkpoint did not fill (empty once complete)."""
+        need = {("gate", -1)} | {(p, e) for e in range(self.num_experts)
+                                 for p in ("gate", "up", "down")}
+        return sorted(f"{p}[{e}]" for p, e in need - self._loaded)

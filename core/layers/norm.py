@@ -1,0 +1,59 @@
+"""RMSNorm, and Gemma's variant that scales by (1 + weight)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 whatever the dtype, as transformers does."""
+
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels`
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def scale(self) -> torch.Tensor:
+        """What the normalized x is multiplied by."""
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.is_contiguous():
+            out = torch.empty_like(x)
+            self.kernel.rms_norm(out, x, self.scale(), self.eps)
+            return out
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.scale() * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the kernel writes both in place."""
+        if self.kernel is not None:
+            self.kernel.add_rms_norm(x, residual, self.scale(), self.eps)
+            return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma stores the norm's weight as an offset from 1 (zeros at initialization)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.is_contiguous():
+            return super().forward(x)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.scale()).to(x.dtype)

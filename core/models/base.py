@@ -1,0 +1,242 @@
+"""What every family shares: the decoder stack (embedding -> layers -> final norm), the LM
+head, and loading checkpoint tensors (Hugging Face names) into place.
+
+A family subclasses `CausalLM` and says how its layers are built (`make_layer`) and, where
+it differs, how its checkpoint names map onto the modules (`checkpoint_tensors`) and what
+happens to the logits (`process_logits`).
+
+Layers pass the residual stream beside each sub-layer's output, so that the next norm can
+add the two in one fused kernel:
+
+    layer(h, residual) -> (h', residual')     with x = h + residual the true hidden state
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.layers.attention import tp_split
+from pkv.core.layers.embedding import VocabEmbedding
+from pkv.core.layers.moe import SparseMoE
+from pkv.core.layers.norm import RMSNorm
+from pkv.core.layers.rotary import RotaryEmbedding
+from pkv.core.linear import Linear, LinearMethod, as_tensor, check_shape, take
+from pkv.core.model_config import ModelConfig
+from pkv.core.parallel import ShardPlan, single_rank_plan
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# checkpoint module name -> (fused module name, shard index)
+STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_UNSTACKED = {value: key for key, value in STACKED.items()}
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What building a layer needs besides the config."""
+
+    backend: AttentionBackend
+    method: LinearMethod | None
+    plan: ShardPlan
+    max_len: int
+
+
+class DecoderModel(nn.Module):
+    """embed -> N layers -> final norm. `rotary_emb` is the RoPE most layers use."""
+
+    fused: Any = None  # the whole stack in C++ (core/fused_decoder.py), set by `use_kernels`
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: RMSNorm,
+                 rotary_emb: RotaryEmbedding | None, plan: ShardPlan,
+                 embed_scale: float | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.hidden_size, plan)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rotary_emb
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            # transformers rounds the factor to the compute dtype first (Gemma)
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if self.fused is not None:
+            return self.fused.forward(h, positions, kv_caches, meta.slot_mapping,
+                                      meta.block_tables, meta.seq_ids, meta.kv_lens)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h, residual = layer(h, residual, positions, kv_cache, meta)
+        return self.norm.add_forward(h, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """Decoder plus LM head; `forward` returns hidden states, `compute_logits` the logits.
+
+    `method` decides how the decoder's linear layers store weights (float, AWQ, FP8); the
+    embedding and the LM head stay in the compute dtype. `plan` says which slice of every
+    split dimension this rank holds (everything, without tensor parallelism).
+    """
+
+    # Whether csrc/decoder_cpu.cpp computes exactly this family's layers (Llama's).
+    fused_decoder_compatible = False
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
+                 method: LinearMethod | None = None, plan: ShardPlan | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.plan = plan or single_rank_plan(cfg)
+        ctx = BuildContext(backend, method, self.plan, max_len)
+        self.model = self.make_decoder(cfg, ctx)
+        self.lm_head = Linear(cfg.hidden_size, [self.plan.vocab[1]], False,
+                              split=tp_split(self.plan, "column", self.plan.vocab))
+        self.tie_weights()
+
+    # --- what a family says -----------------------------------------------------------
+
+    def make_decoder(self, cfg: ModelConfig, ctx: BuildContext) -> DecoderModel:
+        raise NotImplementedError
+
+    def checkpoint_tensors(self, name: str, tensor: Any) -> Iterable[tuple[str, Any]]:
+        """The checkpoint tensor `name` under the names this model loads (default: as is)."""
+        yield name, tensor
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Final scaling or soft-capping of the logits (default: none)."""
+        return logits
+
+    # --- shared -------------------------------------------------------------------------
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head where the config says so (again after
+        `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def use_kernels(self, ops: Any, fused: Any = None) -> None:
+        """Compute norms, RoPE and the MLP activation with `ops` (csrc/layer_ops_cpu.cpp,
+        float32 on CPU only), and the whole decoder stack with `fused` where given (see
+        core/fused_decoder.py); None goes back to torch."""
+        from pkv.core.layers.mlp import GatedMLP
+
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+                module.kernel = ops
+        self.model.fused = fused
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)  # [num_sampled, this rank's vocab]
+        logits = self.plan.tp.all_gather_last_dim(logits, self.plan.vocab_sizes)
+        return self.process_logits(logits)
+
+    def reset_buffers(self) -> None:
+        """Recompute derived buffers (RoPE tables) after `to_empty`."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset()
+
+    def _expected_tensors(self) -> dict[tuple[str, str, int | None], str]:
+        """(module, parameter, shard) -> the checkpoint name that must fill it."""
+        expected = {}
+        moe = [path for path, m in self.named_modules() if isinstance(m, SparseMoE)]
+        for path, module in self.named_modules():
+            if path == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            if any(path == p or path.startswith(p + ".") for p in moe):
+                continue
+            if isinstance(module, Linear):
+                shards = range(len(module.out_sizes)) if len(module.out_sizes) > 1 else [None]
+                for leaf in module.layouts:
+                    for shard in shards:
+                        expected[(path, leaf, shard)] = checkpoint_name(path, leaf, shard)
+            elif not isinstance(module, CausalLM):
+                for leaf, _ in module.named_parameters(recurse=False):
+                    expected[(path, leaf, None)] = f"{path}.{leaf}"
+        return expected
+
+    def _renamed(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            yield from self.checkpoint_tensors(name, tensor)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into place; all must be set. Then let
+        each linear layer convert what it loaded."""
+        modules = dict(self.named_modules())
+        moe = {p: m for p, m in modules.items() if isinstance(m, SparseMoE)}
+        missing = self._expected_tensors()
+        for name, tensor in self._renamed(weights):
+            owner = _moe_owner(name, moe)
+            if owner is not None:
+                moe[owner].load_checkpoint(name[len(owner) + 1:], tensor, name)
+                continue
+            path, _, leaf = name.rpartition(".")
+            base, _, part = path.rpartition(".")
+            fused, shard = STACKED.get(part, (part, None))
+            path = f"{base}.{fused}" if base else fused
+            module = modules.get(path)
+            if isinstance(module, Linear):
+                module.load(leaf, tensor, shard, name)
+            elif isinstance(module, VocabEmbedding) and leaf == "weight":
+                module.load(tensor, name)
+            elif module is not None and isinstance(module._parameters.get(leaf), nn.Parameter):
+                param, tensor = module._parameters[leaf], as_tensor(tensor)
+                check_shape(param, tensor, name)
+                param.copy_(tensor)
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            missing.pop((path, leaf, shard), None)
+        names = sorted(missing.values())
+        names += [f"{p}.experts {m}" for p, module in moe.items() for m in module.missing()]
+        if names:
+            raise ValueError(f"checkpoint lacks {len(names)} tensor(s), e.g. {names[:3]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights_after_loading(module)
+
+
+def _moe_owner(name: str, moe: dict[str, SparseMoE]) -> str | None:
+    if not moe:
+        return None
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in moe:
+            return prefix
+    return None
+
+
+def split_fused(name: str, tensor: Any, parts: list[tuple[str, int]]) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's fused projection (`qkv_proj.weight`) as its parts' names and rows, e.g.
+    [("q_proj", 2048), ("k_proj", 512), ("v_proj", 512)]; rows are read lazily."""
+    path, _, leaf = name.rpartition(".")
+    base, _, _ = path.rpartition(".")
+    start = 0
+    for part, rows in parts:
+        yield f"{base}.{part}.{leaf}", take(tensor, 0, start, rows)
+        start += rows
+
+
+def checkpoint_name(path: str, leaf: str, shard: int | None) -> str:
+    if shard is not None:
+        base, _, fused = path.rpartition(".")
+        path = f"{base}.{_UNSTACKED[(fused, shard)]}"
+    return f"{path}.{leaf}"

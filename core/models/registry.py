@@ -1,0 +1,62 @@
+"""Which architectures pkv runs, and the family file that runs each (imported on demand)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# config.json `architectures` entry -> family
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+
+# family -> "module:class" under pkv.core.models
+FAMILIES = {
+    "llama": "llama:LlamaForCausalLM",
+    "mistral": "llama:MistralForCausalLM",
+    "qwen2": "llama:Qwen2ForCausalLM",
+    "qwen3": "qwen3:Qwen3ForCausalLM",
+    "qwen3_moe": "qwen3_moe:Qwen3MoeForCausalLM",
+    "mixtral": "mixtral:MixtralForCausalLM",
+    "gemma2": "gemma2:Gemma2ForCausalLM",
+    "gemma3": "gemma3:Gemma3ForCausalLM",
+    "phi3": "phi3:Phi3ForCausalLM",
+    "olmo2": "olmo2:Olmo2ForCausalLM",
+    "granite": "granite:GraniteForCausalLM",
+    "smollm3": "smollm3:SmolLM3ForCausalLM",
+}
+
+
+def family_of(family: str) -> Any:
+    """The model class of `family` (a `CausalLM` subclass)."""
+    module, _, name = FAMILIES[family].partition(":")
+    return getattr(importlib.import_module(f"pkv.core.models.{module}"), name)
+
+
+def windows_from_layer_types(hf: dict[str, Any], num_layers: int,
+                             default: list[str] | None = None) -> tuple[int | None, ...]:
+    """Per-layer sliding windows from `layer_types` ("sliding_attention" / "full_attention"),
+    as transformers 5.x writes them; `default` where a config predates the field."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types") or default or ["full_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"config field layer_types has {len(types)} entries for "
+                         f"{num_layers} layers")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"config field layer_types holds {unknown}, which pkv does not run")
+    if "sliding_attention" in types and window is None:
+        raise ValueError("config field layer_types names sliding layers but sliding_window "
+                         "is not set")
+    return tuple(window if t == "sliding_attention" else None for t in types)
