@@ -48,7 +48,9 @@ def _int_list(value: str, name: str) -> list[int]:
 
 @bench_app.command("run")
 def run(
-    model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,
+    model: Annotated[Optional[str], typer.Argument(help="HF folder, .gguf or Hub id (ORG/NAME); default: bundled")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a Hub id.")] = None,
+    gguf_file: Annotated[Optional[str], typer.Option(help="The .gguf to load from a Hub id or folder.")] = None,
     batch: Annotated[str, typer.Option(help="Concurrent sequences; a list (1,16,64) sweeps.")] = "256",
     num_prompts: Annotated[Optional[int], typer.Option(help="Requests (default 2 x batch).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
@@ -105,7 +107,8 @@ def _run_offline(o: dict[str, Any]) -> None:
     url = base_url(o["url"]) if o["url"] else ""
     remote_model = check_server(url, headers) if o["baseline"] == "openai" else None
     engine = LLMEngine(EngineConfig(
-        model=o["model"], dtype=o["dtype"], block_size=o["block_size"],
+        model=o["model"], revision=o["revision"], gguf_file=o["gguf_file"], dtype=o["dtype"],
+        block_size=o["block_size"],
         kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
@@ -119,10 +122,12 @@ def _run_offline(o: dict[str, Any]) -> None:
     engine.generate_until_done()
     hf_model = None
     if o["baseline"] == "hf":
+        from pkv.core.hub import resolve_model
         from pkv.core.model_loader import bundled_model_path
 
         with console.status("loading the model in transformers"):
-            path = Path(o["model"]) if o["model"] else bundled_model_path()
+            path = (resolve_model(o["model"], o["revision"], o["gguf_file"]) if o["model"]
+                    else bundled_model_path())
             hf_model = off.load_hf_model(path, engine.runner.dtype)
     rooflines = {}
     if o["roofline"]:

@@ -35,7 +35,9 @@ SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
 
 def serve(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled SmolLM2.")] = None,
+    model: Annotated[Optional[str], typer.Argument(help="HF folder, .gguf or Hub id (ORG/NAME); default: bundled SmolLM2.")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a Hub id.")] = None,
+    gguf_file: Annotated[Optional[str], typer.Option(help="The .gguf to load from a Hub id or folder.")] = None,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Require this Bearer key (comma-separated: one per tenant; tenants never share prefix-cache blocks).")] = None,

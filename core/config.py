@@ -41,7 +41,10 @@ def _opt(default: Any, help: str) -> Any:
 class EngineConfig:
     """All engine settings. Unknown keys are errors (see `from_dict`)."""
 
-    model: str | None = _opt(None, "Hugging Face folder or .gguf file; default: bundled SmolLM2.")
+    model: str | None = _opt(None, "Hugging Face folder, .gguf file or Hub id (ORG/NAME); "
+                             "default: bundled SmolLM2.")
+    revision: str | None = _opt(None, "Branch, tag or commit of a Hub id (default: main).")
+    gguf_file: str | None = _opt(None, "The .gguf file to load from a Hub id or folder.")
     dtype: str = _opt("auto", "Compute dtype: auto, float32, bfloat16, float16 "
                       "(auto: float32 on CPU, the checkpoint's dtype on GPU).")
     device: str = _opt("auto", "Device: auto, cpu or cuda.")

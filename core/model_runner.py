@@ -80,7 +80,8 @@ class ModelSetup:
         """Open the model and pick its attention backend and weight loader; errors here
         come before any weights load."""
         registry = discover()
-        source = open_model(config.model, registry)
+        source = open_model(config.model, registry, revision=config.revision,
+                            gguf_file=config.gguf_file)
         device = resolve_device(config.device)
         backend = select_attention_backend(config.attention_backend, device.type, registry)
         loader = resolve_weight_loader(config.quantization, source, registry)
