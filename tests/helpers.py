@@ -14,9 +14,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 
 
+# pkv family -> transformers model_type
+MODEL_TYPES = {
+    "llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3_text",
+    "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
+}
+
+
 def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama",
                      **overrides: Any) -> Path:
-    """Save a small random Llama/Qwen2 (real safetensors + SmolLM2's tokenizer) into `out`."""
+    """Save a small random model of family `arch` (real safetensors + SmolLM2's tokenizer)
+    into `out`; `overrides` are config fields."""
     import transformers
 
     common: dict[str, Any] = dict(
@@ -25,18 +34,72 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama",
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         initializer_range=0.08)
     common.update(overrides)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[arch]
+    config = transformers.AutoConfig.for_model(MODEL_TYPES[arch], **common)
     torch.manual_seed(1234)
-    model = model_cls(config_cls(**common)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def parity_prompts(count: int = 6, shortest: int = 9, longest: int = 70) -> list[list[int]]:
+    """Deterministic token-id prompts of `shortest`..`longest` tokens."""
+    step = (longest - shortest) // max(1, count - 1)
+    return [[(7 * i + 13 * j) % 49000 + 100 for j in range(shortest + step * i)]
+            for i in range(count)]
+
+
+def kv_block_bytes(model_dir: Path, block_size: int) -> tuple[int, int | None]:
+    """(bytes of one float32 KV block, the all-layer window or None) of `model_dir`'s model."""
+    from pkv.core.model_loader import open_model
+
+    cfg = open_model(str(model_dir)).config
+    per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
+    return per_block * 4, cfg.kv_window
+
+
+def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
+                               prompts: list[list[int]] | None = None,
+                               eos_token_id: int | None = 2) -> None:
+    """Greedy pkv output equals transformers' (eager attention, float32) on `model_dir`,
+    under batching, chunked prefill with small blocks, a pool small enough to preempt,
+    prefix-cache hits on a repeated prompt and the torch attention backend."""
+    from transformers import AutoModelForCausalLM
+
+    from pkv import LLM, SamplingParams
+
+    prompts = prompts or parity_prompts()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    reference = hf_greedy(hf, prompts, new_tokens, eos_token_id)
+    assert any(len(r) == new_tokens for r in reference)  # the reference really decoded
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    longest, block = max(map(len, prompts)) + new_tokens, 4
+    per_block, window = kv_block_bytes(model_dir, block)
+    # Enough blocks for two of the longest sequences, never for all at once; a model whose
+    # every layer is windowed holds less per sequence, so it gets the least the engine takes
+    # (one sequence of max_model_len).
+    max_len = longest + 8
+    small_pool = per_block * (-(-max_len // block) if window else 2 * -(-longest // block) + 1)
+    runs = [dict(), dict(block_size=block, max_num_batched_tokens=16),
+            dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len),
+            dict(attention_backend="torch", block_size=8)]
+    for options in runs:
+        options.setdefault("kv_cache_memory", "16MiB")
+        llm = LLM(str(model_dir), show_progress=False, **options)
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == reference, options
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_blocks_used == 0, options
+        if options.get("kv_cache_memory") == small_pool:
+            assert stats.num_preemptions > 0, options
+        if not options:  # prefix cache: the same prompts again reuse their blocks
+            again = llm.generate(prompts, params)
+            assert [o.outputs[0].token_ids for o in again] == reference
+            assert sum(o.num_cached_tokens for o in again) > 0
+        llm.llm_engine.shutdown()
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int,
