@@ -1,11 +1,13 @@
 """The whole decoder stack of a float32 model on CPU in one C++ call per step.
 
 csrc/decoder_cpu.cpp runs the same kernels as the Python model does once `use_kernels` gave
-it them, in the same order, so its hidden states are bitwise the same; it only leaves out
-the ~40 Python calls per layer between them (a SmolLM2 4-bit batch-1 step: 9.2 -> 6.2 ms).
-It is built only where every piece it replaces is a kernel: linears that are 4-bit AWQ on the
-CPU kernel or float32 packed by oneDNN, the `cpu` attention backend, the layer ops, one rank;
-anything else runs the Python model.
+it them, in the same order; it only leaves out the ~40 Python calls per layer between them
+(a SmolLM2 4-bit batch-1 step: 9.2 -> 6.2 ms). It is built only where every piece it
+replaces is a kernel: linears that are 4-bit AWQ on the CPU kernel or float32 packed by
+oneDNN, the `cpu` attention backend, the layer ops, one rank, and layers it can express
+(Llama's, with the options of the dense families: q/k norms, per-layer RoPE tables or none,
+windows, soft-capping, post-sub-layer norms, multipliers, GeGLU). Anything else runs the
+Python model; `fused_decoder_gaps` says why.
 """
 
 from __future__ import annotations
@@ -13,11 +15,42 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
+from pkv.core.layers.attention import Attention
+from pkv.core.layers.mlp import GatedMLP
+from pkv.core.layers.norm import RMSNorm
 from pkv.core.linear import Linear, UnquantizedLinearMethod
 from pkv.core.models.base import CausalLM
 from pkv.plugins import cpp_build
 from pkv.plugins.weights.awq import GEMV_MAX_ROWS, AWQLinearMethod
+
+_NORM_SLOTS = ("in", "attn_out", "mlp_in", "mlp_out")
+
+
+def fused_decoder_gaps(model: CausalLM) -> list[str]:
+    """Why csrc/decoder_cpu.cpp cannot compute `model`'s layers (empty: it can); such
+    models take the Python layer loop, with the same kernels per op where they apply."""
+    gaps = []
+    layers = list(model.model.layers)
+    if model.plan.tp.enabled:
+        gaps.append("tensor parallelism")
+    for layer in layers:
+        if not hasattr(layer, "fused_norms"):
+            gaps.append(f"{type(layer).__name__} has no fused form")
+            break
+        if not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in ("silu", "swish",
+                                                                         "gelu_pytorch_tanh",
+                                                                         "gelu_tanh"):
+            gaps.append(f"the MLP is {type(layer.mlp).__name__} ({getattr(layer.mlp, 'act', '')})")
+            break
+        rope = layer.self_attn.rotary_emb
+        if rope is not None and rope.spec.long_threshold is not None:
+            gaps.append("LongRoPE (two tables chosen per sequence)")
+            break
+    if layers and layers[0].self_attn.backend.name != "cpu":
+        gaps.append(f"the {layers[0].self_attn.backend.name} attention backend")
+    return gaps
 
 
 def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
@@ -25,29 +58,41 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
     apply; `ops` are the layer ops (csrc/layer_ops_cpu.cpp), None where they did not build."""
     inner = model.model
     layers = list(inner.layers)
-    if model.plan.tp.enabled or not layers or ops is None or fused_decoder_gaps(model):
+    if not layers or ops is None or fused_decoder_gaps(model):
         return None
     linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj) for layer in layers]
     kernel_weights = [[_kernel_weights(linear) for linear in group] for group in linears]
     if any(weights is None for group in kernel_weights for weights in group):
         return None
-    attn = layers[0].self_attn
-    if attn.backend.name != "cpu":  # the C++ paged attention
-        return None
     ext = cpp_build.build_or_none("decoder_cpu.cpp", "CPU decoder stack")
     if ext is None:
         return None
-    rope = inner.rotary_emb
-    assert rope is not None
+    attn: Attention = layers[0].self_attn
     decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             inner.norm.eps, GEMV_MAX_ROWS, rope.cos, rope.sin,
-                             inner.norm.weight)
+                             inner.norm.eps, GEMV_MAX_ROWS, _weight(inner.norm))
     for layer, group, weights in zip(layers, linears, kernel_weights):
-        decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+        norms, multiplier = layer.fused_norms()
+        a: Attention = layer.self_attn
+        q_norm = getattr(a, "q_norm", None)
+        k_norm = getattr(a, "k_norm", None)
+        rope = a.rotary_emb
+        decoder.add_layer([_weight(norms.get(slot)) for slot in _NORM_SLOTS]
+                          + [_weight(q_norm), _weight(k_norm)],
+                          a.qk_norm == "full", rope.cos if rope else None,
+                          rope.sin if rope else None, a.sliding_window or 0,
+                          a.logits_soft_cap or 0.0, multiplier, layer.mlp.act.startswith("gelu"),
                           weights, [lin.bias for lin in group],
                           [lin.out_features for lin in group], [_group(lin) for lin in group])
     return decoder
+
+
+def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+    """What a norm multiplies by, as the kernels take it (Gemma's 1 + weight, computed once)."""
+    if norm is None:
+        return None
+    assert isinstance(norm, RMSNorm)
+    return norm.scale().contiguous()
 
 
 def _kernel_weights(linear: Linear) -> list[torch.Tensor] | None:
@@ -66,19 +111,3 @@ def _kernel_weights(linear: Linear) -> list[torch.Tensor] | None:
 
 def _group(linear: Linear) -> int:
     return linear.method.group_size if isinstance(linear.method, AWQLinearMethod) else 0
-
-
-def fused_decoder_gaps(model: CausalLM) -> list[str]:
-    """Why csrc/decoder_cpu.cpp cannot compute `model`'s layers (empty: it can); these
-    models take the Python layer loop, with the same kernels per op where they apply."""
-    gaps = []
-    if not model.fused_decoder_compatible:
-        gaps.append(f"the {model.config.architecture} layer differs from Llama's")
-    attn = model.model.layers[0].self_attn if len(model.model.layers) else None
-    if any(w is not None for w in model.config.layer_windows):
-        gaps.append("sliding-window layers")
-    if attn is not None and (attn.rotary_emb is None or
-                             attn.rotary_emb.spec.rotary_dim != attn.head_dim or
-                             attn.rotary_emb.spec.long_threshold is not None):
-        gaps.append("partial or LongRoPE rotary embeddings")
-    return gaps

@@ -4,10 +4,14 @@
 //
 //   rms_norm(out, x, w, eps)           out = w * (x * rsqrt(mean(x^2) + eps)), per row
 //   add_rms_norm(x, residual, w, eps)  residual += x; x = rms_norm(residual), both in place
+//   head_rms_norm(out, x, w, eps)      rms_norm of each head of x [T, H, D] (rows may be
+//                                      strided views of a fused qkv); out may be x
 //   rotary(positions, q, k, cos, sin)  rotate-half RoPE on q [T, H, D] and k [T, KVH, D] in
 //                                      place (rows may be strided views of a fused qkv);
-//                                      cos/sin [max_len, D], each half repeated
+//                                      cos/sin [max_len, R], each half repeated: the first
+//                                      R <= D dims rotate (partial rotary), the rest stay
 //   silu_and_mul(out, x)               out = silu(x[:, :I]) * x[:, I:] for x [T, 2I]
+//   gelu_tanh_and_mul(out, x)          out = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU)
 //
 // The arithmetic follows transformers' order (normalize, then scale; x1*c - x2*s), so results
 // match torch's to a rounding or two (the sum of squares is accumulated in another order).
@@ -87,6 +91,27 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
   });
 }
 
+void head_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2) && out.sizes() == x.sizes() &&
+                  out.scalar_type() == torch::kFloat && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "head_rms_norm: x and out must be float32 [T, H, D] with dense rows");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(2),
+              "head_rms_norm: weight must be float32 [D]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        normalize_row(op + t * os + h * D, xp + t * xs + h * D, wp, D, static_cast<float>(eps));
+  });
+}
+
 namespace {
 
 void check_heads(const torch::Tensor& t, const char* name) {
@@ -115,9 +140,10 @@ void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Te
                   positions.scalar_type() == torch::kLong && positions.is_contiguous(),
               "rotary: positions [T] int64 and k [T, KVH, D] must match q");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
-                  cos.size(1) == D && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
-                  sin.scalar_type() == torch::kFloat,
-              "rotary: cos/sin must be float32 [max_len, D]");
+                  cos.size(1) <= D && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes() &&
+                  sin.is_contiguous() && sin.scalar_type() == torch::kFloat,
+              "rotary: cos/sin must be float32 [max_len, R], R even and <= D");
+  const int64_t R = cos.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t len = cos.size(0);
   for (int64_t t = 0; t < T; ++t)
@@ -129,10 +155,10 @@ void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Te
   const int64_t H = q.size(1), KVH = k.size(1);
   at::parallel_for(0, T, grain((H + KVH) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pos[t] * D;
-      const float* s = sp + pos[t] * D;
-      for (int64_t h = 0; h < H; ++h) rotate(qp + t * q.stride(0) + h * D, c, s, D / 2);
-      for (int64_t h = 0; h < KVH; ++h) rotate(kp + t * k.stride(0) + h * D, c, s, D / 2);
+      const float* c = cp + pos[t] * R;
+      const float* s = sp + pos[t] * R;
+      for (int64_t h = 0; h < H; ++h) rotate(qp + t * q.stride(0) + h * D, c, s, R / 2);
+      for (int64_t h = 0; h < KVH; ++h) rotate(kp + t * k.stride(0) + h * D, c, s, R / 2);
     }
   });
 }
@@ -162,11 +188,46 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   });
 }
 
+// gelu(g) with the tanh approximation, as torch's approximate="tanh":
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (1 + exp(2y)).
+void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
+                  x.size(1) % 2 == 0,
+              "gelu_tanh_and_mul: x must be contiguous float32 [T, 2I]");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == T && out.size(1) == I,
+              "gelu_tanh_and_mul: out must be contiguous float32 [T, I]");
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) {
+        const vf16 gv = load16(g + i);
+        const vf16 y = kAlpha * (gv + 0.044715f * gv * gv * gv);
+        const vf16 th = 1.f - 2.f / (1.f + vexp(2.f * y));
+        store16(o + i, 0.5f * gv * (1.f + th) * load16(u + i));
+      }
+      for (; i < I; ++i) {
+        const float y = kAlpha * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+        o[i] = 0.5f * g[i] * (1.f + std::tanh(y)) * u[i];
+      }
+    }
+  });
+}
+
 #ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up into out");
+  m.def("head_rms_norm", &head_rms_norm, "RMSNorm of each head of [T, H, D] into out");
 }
 #endif

@@ -20,6 +20,10 @@ ACTIVATIONS = {
     "gelu": F.gelu,
 }
 
+# activation -> the layer-ops kernel that computes act(gate) * up in one pass
+_FUSED = {"silu": "silu_and_mul", "swish": "silu_and_mul",
+          "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}
+
 
 def check_activation(name: str, field: str = "hidden_act") -> str:
     if name not in ACTIVATIONS:
@@ -29,7 +33,7 @@ def check_activation(name: str, field: str = "hidden_act") -> str:
 
 
 class GatedMLP(nn.Module):
-    kernel: Any = None  # the compiled layer ops, set by `use_kernels` (SiLU only)
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels` (SiLU, GeGLU-tanh)
 
     def __init__(self, hidden_size: int, intermediate: tuple[int, int], act: str,
                  method: LinearMethod | None, plan: ShardPlan) -> None:
@@ -44,9 +48,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernel is not None and self.act in ("silu", "swish"):
+        fused = _FUSED.get(self.act)
+        if self.kernel is not None and fused is not None and gate_up.dtype == torch.float32:
             h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            self.kernel.silu_and_mul(h, gate_up)
+            getattr(self.kernel, fused)(h, gate_up)
             return self.down_proj(h)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)

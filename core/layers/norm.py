@@ -23,10 +23,19 @@ class RMSNorm(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.is_contiguous():
-            out = torch.empty_like(x)
-            self.kernel.rms_norm(out, x, self.scale(), self.eps)
-            return out
+        if self.kernel is not None and x.dtype == torch.float32:
+            if x.is_contiguous():
+                out = torch.empty_like(x)
+                self.kernel.rms_norm(out, x, self.scale(), self.eps)
+                return out
+            rows = x.unsqueeze(1) if x.dim() == 2 else x  # heads, or a slice of a fused qkv
+            if rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]:
+                out = torch.empty(rows.shape, dtype=x.dtype)
+                self.kernel.head_rms_norm(out, rows, self.scale().contiguous(), self.eps)
+                return out.view(x.shape)
+        return self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.scale() * x32.to(x.dtype)
@@ -51,9 +60,7 @@ class GemmaRMSNorm(RMSNorm):
     def scale(self) -> torch.Tensor:
         return 1.0 + self.weight.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.is_contiguous():
-            return super().forward(x)
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.scale()).to(x.dtype)

@@ -74,7 +74,7 @@ def rope_inv_freq(spec: RopeSpec, long: bool = False) -> tuple[torch.Tensor, flo
 class RotaryEmbedding(nn.Module):
     """cos/sin tables in float32; `forward` rotates q [T, H, D] and k [T, KVH, D]."""
 
-    kernel: Any = None  # the compiled layer ops, set by `use_kernels` (full-width RoPE only)
+    kernel: Any = None  # the compiled layer ops, set by `use_kernels`
 
     def __init__(self, spec: RopeSpec, head_dim: int, max_len: int) -> None:
         super().__init__()
@@ -99,19 +99,22 @@ class RotaryEmbedding(nn.Module):
             sin.append(emb.sin() * factor)
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
-    def table_positions(self, positions: torch.Tensor, seq_lens: torch.Tensor,
+    def table_positions(self, positions: torch.Tensor, total_lens: torch.Tensor | None,
                         seq_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the tables for each token: LongRoPE's long table for tokens of sequences
-        longer than the threshold; the position itself otherwise."""
+        whose whole length (`total_lens`, prompt and outputs, not just this step's chunk) is
+        over the threshold, as transformers computes the whole sequence with one table; the
+        position itself otherwise."""
         threshold = self.spec.long_threshold
         if threshold is None:
             return positions
-        long = seq_lens.to(positions.device)[seq_ids.long()] > threshold
+        assert total_lens is not None, "LongRoPE needs AttentionMetadata.total_lens"
+        long = total_lens.to(positions.device)[seq_ids.long()] > threshold
         return positions + long.to(positions.dtype) * self.max_len
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kernel is not None and self.spec.rotary_dim == self.head_dim:
+        if self.kernel is not None and q.dtype == torch.float32:
             self.kernel.rotary(positions, q, k, self.cos, self.sin)  # in place
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rotary_dim]

@@ -88,9 +88,6 @@ class CausalLM(nn.Module):
     split dimension this rank holds (everything, without tensor parallelism).
     """
 
-    # Whether csrc/decoder_cpu.cpp computes exactly this family's layers (Llama's).
-    fused_decoder_compatible = False
-
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
                  method: LinearMethod | None = None, plan: ShardPlan | None = None) -> None:
         super().__init__()
@@ -224,14 +221,16 @@ def _moe_owner(name: str, moe: dict[str, SparseMoE]) -> str | None:
     return None
 
 
-def split_fused(name: str, tensor: Any, parts: list[tuple[str, int]]) -> Iterator[tuple[str, Any]]:
+def split_fused(name: str, tensor: Any, parts: list[tuple[str, int]],
+                dim: int = 0) -> Iterator[tuple[str, Any]]:
     """A checkpoint's fused projection (`qkv_proj.weight`) as its parts' names and rows, e.g.
-    [("q_proj", 2048), ("k_proj", 512), ("v_proj", 512)]; rows are read lazily."""
+    [("q_proj", 2048), ("k_proj", 512), ("v_proj", 512)]; rows are read lazily. `dim` is
+    the output axis (1 for AWQ's packed tensors)."""
     path, _, leaf = name.rpartition(".")
     base, _, _ = path.rpartition(".")
     start = 0
     for part, rows in parts:
-        yield f"{base}.{part}.{leaf}", take(tensor, 0, start, rows)
+        yield f"{base}.{part}.{leaf}", take(tensor, dim, start, rows)
         start += rows
 
 

@@ -39,6 +39,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
+    def fused_norms(self) -> tuple[dict[str, RMSNorm], float]:
+        """The norms in csrc/decoder_cpu.cpp's slots (in, attn_out, mlp_in, mlp_out) and the
+        multiplier of the sub-layers' outputs: how the C++ decoder computes this layer."""
+        return {"in": self.input_layernorm, "mlp_in": self.post_attention_layernorm}, 1.0
+
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`h` is the previous layer's output, not yet added to the residual stream (the
@@ -59,7 +64,6 @@ class LlamaForCausalLM(CausalLM):
     default_rope_theta = 10000.0
     default_tie_word_embeddings = False
     qkv_bias = False
-    fused_decoder_compatible = True
 
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:

@@ -119,3 +119,53 @@ def test_engine_uses_the_kernels_for_float32_only(tiny_llama_dir):
     bf16 = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=128,
                                   kv_cache_memory="4MiB", dtype="bfloat16"), show_progress=False)
     assert bf16.runner.model.model.norm.kernel is None
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_head_norm_on_views_of_a_fused_qkv(gemma: bool):
+    from pkv.core.layers.norm import GemmaRMSNorm
+
+    torch.manual_seed(3)
+    qkv = torch.randn(7, 8 * 16)  # q: 4 heads of 16, k: 2, v: 2
+    q = qkv[:, :64].view(7, 4, 16)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(16, 1e-6)
+    norm.weight.data = torch.randn(16) * 0.3
+    want = norm(q)  # the torch path: q is a strided view
+    norm.kernel = OPS
+    torch.testing.assert_close(norm(q), want, rtol=1e-5, atol=1e-6)
+    whole = (GemmaRMSNorm if gemma else RMSNorm)(64, 1e-6)  # over the whole projection
+    want = whole(qkv[:, :64])
+    whole.kernel = OPS
+    torch.testing.assert_close(whole(qkv[:, :64]), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,size", [(1, 40), (9, 128)])
+def test_gelu_tanh_and_mul_matches_torch(rows: int, size: int):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * size) * 4
+    out = torch.empty(rows, size)
+    OPS.gelu_tanh_and_mul(out, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_rotary_leaves_the_other_dims():
+    cfg = _config(16, partial_rotary_factor=0.5, architectures=["Phi3ForCausalLM"])
+    rope = _rope(cfg, 64)
+    assert rope.spec.rotary_dim == 8
+    torch.manual_seed(5)
+    qkv = torch.randn(6, 8 * 16)
+    positions = torch.tensor([0, 3, 9, 17, 40, 63])
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([64, 32, 32], dim=-1)
+        return q.view(6, 4, 16), k.view(6, 2, 16)
+
+    before = qkv.clone()
+    want_q, want_k = rope(positions, *views(before.clone()))
+    rope.kernel = OPS
+    got_q, got_k = rope(positions, *views(qkv))
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_q[..., 8:], views(before)[0][..., 8:])  # the unrotated half
