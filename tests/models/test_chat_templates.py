@@ -1,0 +1,188 @@
+"""Chat templates render through the model's own template, as pkv loads it from a model
+folder (tokenizer_config.json's `chat_template`, or chat_template.jinja): Gemma's (no system
+role: the system prompt opens the first user turn; Gemma 2's refuses it), and Qwen3's
+`enable_thinking`, which requests pass in `chat_template_kwargs`. The templates are short
+versions of the families' own, written here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import jinja2
+import pytest
+
+from pkv import LLM, SamplingParams
+from pkv.core.tokenizer import Tokenizer
+
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}<end_of_turn>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\\n' }}
+{%- endif -%}
+"""
+
+GEMMA2_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {{ raise_exception('System role not supported') }}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\\n' + (message['content'] | trim) + '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}
+"""
+
+QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content %}
+        {%- if '</think>' in content %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "  What is 2+2? "}]
+
+
+def _model_folder(out: Path, model_dir: Path, template: str, in_config: bool) -> Path:
+    """`model_dir`'s weights (linked) with SmolLM2's tokenizer and `template` as its chat
+    template, in tokenizer_config.json or in chat_template.jinja."""
+    out.mkdir()
+    for item in model_dir.iterdir():
+        if item.name not in ("tokenizer_config.json", "chat_template.jinja"):
+            (out / item.name).symlink_to(item)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    config["bos_token"] = "<|endoftext|>"
+    if in_config:
+        config["chat_template"] = template
+    else:
+        (out / "chat_template.jinja").write_text(template)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    return _model_folder(tmp_path_factory.mktemp("gemma-chat") / "m", tiny_llama_dir,
+                         GEMMA3_TEMPLATE, in_config=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
+                    ) -> Tokenizer:
+    folder = _model_folder(tmp_path_factory.mktemp("qwen3-chat") / "m", tiny_llama_dir,
+                           QWEN3_TEMPLATE, in_config=False)
+    return Tokenizer.from_folder(folder)
+
+
+def test_gemma_folds_the_system_prompt_into_the_first_user_turn(gemma_folder: Path):
+    tokenizer = Tokenizer.from_folder(gemma_folder)
+    assert tokenizer.apply_chat_template(CHAT) == (
+        "<|endoftext|><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n")
+    assert tokenizer.apply_chat_template(CHAT[1:2], add_generation_prompt=False) == (
+        "<|endoftext|><start_of_turn>user\nHi!<end_of_turn>\n")
+    with pytest.raises(jinja2.TemplateError, match="alternate"):
+        tokenizer.apply_chat_template(CHAT[1:2] * 2)
+
+
+def test_gemma2_template_refuses_a_system_prompt(tmp_path: Path, tiny_llama_dir: Path):
+    tokenizer = Tokenizer.from_folder(_model_folder(tmp_path / "m", tiny_llama_dir,
+                                                    GEMMA2_TEMPLATE, in_config=True))
+    assert tokenizer.apply_chat_template(CHAT[1:]) == (
+        "<|endoftext|><start_of_turn>user\nHi!<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(jinja2.TemplateError, match="System role not supported"):
+        tokenizer.apply_chat_template(CHAT)
+
+
+def test_llm_chat_prompts_through_the_model_template(gemma_folder: Path):
+    llm = LLM(str(gemma_folder), kv_cache_memory="16MiB", show_progress=False)
+    tokenizer = llm.get_tokenizer()
+    outs = llm.chat([CHAT, CHAT[1:2]], SamplingParams(temperature=0, max_tokens=1))
+    for out, conversation in zip(outs, [CHAT, CHAT[1:2]]):
+        text = tokenizer.apply_chat_template(conversation)
+        assert text.endswith("<start_of_turn>model\n")
+        assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    llm.shutdown()
+
+
+def test_qwen3_enable_thinking_false_adds_an_empty_think_block(qwen3_tokenizer: Tokenizer):
+    head = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+            "<|im_start|>assistant\nHello.<|im_end|>\n"
+            "<|im_start|>user\n  What is 2+2? <|im_end|>\n<|im_start|>assistant\n")
+    assert qwen3_tokenizer.apply_chat_template(CHAT) == head
+    assert qwen3_tokenizer.apply_chat_template(CHAT, enable_thinking=True) == head
+    assert qwen3_tokenizer.apply_chat_template(CHAT, enable_thinking=False) == (
+        head + "<think>\n\n</think>\n\n")
+    # earlier turns' reasoning is dropped from the history
+    thought = [*CHAT[:2], {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello."}]
+    assert qwen3_tokenizer.apply_chat_template(thought, add_generation_prompt=False) == (
+        head[:head.index("<|im_start|>user\n  What")])
+
+
+def test_server_passes_chat_template_kwargs_to_the_template(qwen3_tokenizer: Tokenizer):
+    # `LLM.chat` takes no template variables; the OpenAI server's chat_template_kwargs do.
+    from pkv.core.server.protocol import ChatCompletionRequest
+    from pkv.core.server.serving import OpenAIServing, ServerLimits
+
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=qwen3_tokenizer))
+    serving = OpenAIServing(engine, "m", ServerLimits())  # type: ignore[arg-type]
+
+    def render(**kwargs: object) -> str:
+        body = ChatCompletionRequest(messages=CHAT[1:2], **kwargs)
+        return asyncio.run(serving._render_chat(body))
+
+    prompt = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert render() == prompt
+    assert render(chat_template_kwargs={"enable_thinking": False}) == (
+        prompt + "<think>\n\n</think>\n\n")
+    assert render(chat_template_kwargs={"enable_thinking": True}) == prompt
+
+
+def test_template_folder_layouts_are_both_read(gemma_folder: Path, tmp_path: Path):
+    # chat_template.jinja alone (transformers 5.x writes it so) gives the same template
+    folder = tmp_path / "jinja"
+    shutil.copytree(gemma_folder, folder, symlinks=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_folder(folder).chat_template == GEMMA3_TEMPLATE
