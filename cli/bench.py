@@ -134,6 +134,9 @@ def _run_offline(o: dict[str, Any]) -> None:
         from pkv.cli.bench_roofline import measure
 
         rooflines = measure(engine.model_config, o["batches"])
+    from pkv.cli.cpu_info import cpu_summary
+
+    console.print(f"[bold]CPU[/]: {cpu_summary()}")
     runs = []
     for b in o["batches"]:
         prompts = off.make_prompts(vocab_ids, o["num_prompts"] or 2 * b, o["input_len"],
@@ -163,6 +166,7 @@ def _run_offline(o: dict[str, Any]) -> None:
         console.print(report.offline_table([r for run in runs for r in run if r is not None]))
     if o["profile"]:
         console.print(report.profile_table([r for r, _ in runs]))
+        console.print(f"decoder path: {decoder_path(engine)}")
     if rooflines:
         console.print(report.roofline_table([r for r, _ in runs]))
     if engine.workers is not None:
@@ -225,6 +229,24 @@ def attention(
         for name, t in sorted(times.items(), key=lambda kv: kv[1]):
             table.add_row(name, f"{1000 * t:.1f}", f"{times.get('torch', t) / t:.2f}x faster")
         console.print(table)
+
+
+@bench_app.command("moe")
+def moe(
+    batch: Annotated[str, typer.Option(help="Tokens per forward; a list (1,64) sweeps.")] = "1,64",
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 1024,
+    experts: Annotated[int, typer.Option(help="Experts in the layer.")] = 8,
+    top_k: Annotated[int, typer.Option(help="Experts per token.")] = 2,
+    expert_intermediate: Annotated[int, typer.Option(help="Each expert's width.")] = 512,
+    repeat: Annotated[int, typer.Option(help="Timed forwards (the median is kept).")] = 50,
+) -> None:
+    """One sparse MoE layer vs a dense MLP with the same active parameters (random weights)."""
+    from pkv.cli.bench_moe import print_moe_vs_dense
+
+    with user_errors(console):
+        print_moe_vs_dense(console, batch_sizes=_int_list(batch, "--batch"), hidden=hidden,
+                           num_experts=experts, top_k=top_k,
+                           expert_intermediate=expert_intermediate, repeats=repeat)
 
 
 @bench_app.command("guided")
@@ -304,6 +326,34 @@ def serve(
 
 
 
+@bench_app.command("families")
+def families(
+    family: Annotated[str, typer.Option(help="Families, comma-separated (default: all).")] = "",
+    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,64",
+    output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 32,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """Decode speed of every model family on random weights of one shape, beside Llama."""
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_families import FAMILY_SHAPES, bench_families, families_table
+    from pkv.cli.cpu_info import cpu_summary
+
+    with user_errors():
+        names = [f.strip() for f in family.split(",") if f.strip()] or list(FAMILY_SHAPES)
+        unknown = sorted(set(names) - set(FAMILY_SHAPES))
+        if unknown:
+            raise ValueError(f"unknown families {unknown}; known: {', '.join(FAMILY_SHAPES)}")
+        batches = _int_list(batch, "batch")
+        console.print(f"[bold]CPU[/]: {cpu_summary()}")
+        rows = bench_families(names, batches, output_len)
+    console.print(families_table(rows, batches))
+    if json_path:
+        report.write_json(json_path, {"cpu": cpu_summary(), "rows": [
+            {"family": r.family, "path": r.path,
+             "decode_tokens_per_s": {str(b): v for b, v in r.decode_tps.items()}}
+            for r in rows]}, console)
+
+
 @bench_app.command("soak")
 def soak(
     model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,
@@ -365,3 +415,15 @@ def soak(
             raise typer.Exit(1)
         console.print(f"[bold green]soak passed[/]: {sum(m.served for m in minutes)} served, "
                       "0 unexpected errors, every KV block back, memory back near its start")
+
+
+def decoder_path(engine: Any) -> str:
+    """Which code computes the decoder layers: the C++ stack, or the Python loop and why."""
+    from pkv.core.fused_decoder import fused_decoder_gaps
+
+    model = engine.runner.model
+    if model.model.fused is not None:
+        return "fused C++ decoder stack (csrc/decoder_cpu.cpp)"
+    gaps = fused_decoder_gaps(model) or ["linears not on the C++ kernels (dtype, device or "
+                                         "weight format)"]
+    return f"Python layer loop ({model.config.architecture}: {'; '.join(gaps)})"

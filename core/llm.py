@@ -63,15 +63,17 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, add_generation_prompt: bool = True
-             ) -> list[RequestOutput]:
-        """Render conversations through the model's chat template, then generate."""
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render conversations through the model's chat template, then generate;
+        `chat_template_kwargs` go to the template (e.g. Qwen3's `enable_thinking`)."""
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else list(messages))
         tokenizer = self.llm_engine.tokenizer
         prompts: list[Prompt] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 

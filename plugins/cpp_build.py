@@ -4,6 +4,9 @@ Builds are cached by torch in its extensions directory; the name carries a hash 
 CPU's feature flags, because a -march=native build must never load on a CPU with fewer
 instructions, and of the csrc/ files the source includes (torch rebuilds when a source
 changes, but does not look at what it includes).
+
+`PKV_CPU_ARCH` (a -march value, e.g. `x86-64-v3` for AVX2 + FMA) builds for less than this
+CPU has: how an AVX-512 machine measures the code an AVX2-only machine runs.
 """
 
 from __future__ import annotations
@@ -58,8 +61,17 @@ def _build_key(source: Path) -> str:
     except OSError:
         pass
     key = " ".join(sorted(flags.split())) or torch.backends.cpu.get_cpu_capability()
+    key += f" -march={target_arch()}"
     included = b"".join(path.read_bytes() for path in _local_includes(source))
     return hashlib.sha256(key.encode() + included).hexdigest()[:10]
+
+
+def target_arch() -> str:
+    """The -march the kernels are built for: this CPU's, unless PKV_CPU_ARCH says less."""
+    arch = os.environ.get("PKV_CPU_ARCH", "native")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", arch):
+        raise ValueError(f"PKV_CPU_ARCH={arch!r} is not a -march value (e.g. x86-64-v3)")
+    return arch
 
 
 @lru_cache(maxsize=None)
@@ -75,7 +87,7 @@ def build(source_name: str, what: str) -> Any:
     name = f"pkv_{source.stem}_{_build_key(source)}"
     with Console(stderr=True).status(f"building the {what} (cached after once)"):
         return load(name=name, sources=[str(source)],
-                    extra_cflags=["-O3", "-fopenmp", "-march=native"],
+                    extra_cflags=["-O3", "-fopenmp", f"-march={target_arch()}"],
                     extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -13,8 +13,8 @@ import torch
 from pkv.core.linear import Linear
 from pkv.core.model_loader import ModelSource, write_tokenizer
 from pkv.core.models.llama import LlamaForCausalLM, checkpoint_name
+from pkv.core.models.registry import MODEL_TYPES
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
 
@@ -58,7 +58,7 @@ def _split_bias(path: str, linear: Linear, dtype: torch.dtype) -> dict[str, torc
 def hf_config(source: ModelSource, quant_config: dict[str, Any]) -> dict[str, Any]:
     """The source's config.json with `quantization_config` and float16 as its dtype."""
     config = {k: v for k, v in source.hf_config.items() if v is not None}
-    config.setdefault("model_type", _MODEL_TYPES[source.config.architecture])
+    config.setdefault("model_type", MODEL_TYPES[source.config.architecture])
     config["torch_dtype"] = "float16"
     config["quantization_config"] = quant_config
     return config

@@ -40,6 +40,12 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
+    def fused_norms(self) -> tuple[dict[str, GemmaRMSNorm], float]:
+        """As `DecoderLayer.fused_norms`: all four slots of the C++ decoder are used."""
+        return {"in": self.input_layernorm, "attn_out": self.post_attention_layernorm,
+                "mlp_in": self.pre_feedforward_layernorm,
+                "mlp_out": self.post_feedforward_layernorm}, 1.0
+
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """As `DecoderLayer.forward`: `h` is not yet added to `residual` (None: first layer)."""
@@ -56,8 +62,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2; Gemma 3 changes the attention (q/k norms, RoPE per layer type) on top."""
 
     default_tie_word_embeddings = True
-    # csrc/decoder_cpu.cpp computes Llama's layer (no post-norms, soft-capping, windows).
-    fused_decoder_compatible = False
     sliding_window_pattern = 2  # layer i slides unless (i + 1) % pattern == 0
     # transformers' config defaults, for the fields a config.json may leave out
     defaults: dict[str, Any] = {"head_dim": 256, "query_pre_attn_scalar": 256,

@@ -37,6 +37,13 @@ FAMILIES = {
     "smollm3": "smollm3:SmolLM3ForCausalLM",
 }
 
+# family -> transformers' model_type (config.json "model_type")
+MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3_text",
+    "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
+}
+
 
 def family_of(family: str) -> Any:
     """The model class of `family` (a `CausalLM` subclass)."""

@@ -145,6 +145,20 @@ def test_llm_chat_prompts_through_the_model_template(gemma_folder: Path):
     llm.shutdown()
 
 
+def test_llm_chat_passes_template_kwargs(tmp_path: Path, tiny_llama_dir: Path):
+    folder = _model_folder(tmp_path / "m", tiny_llama_dir, QWEN3_TEMPLATE, in_config=False)
+    llm = LLM(str(folder), kv_cache_memory="16MiB", show_progress=False)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=1)
+    thinking = llm.chat(CHAT, params)[0].prompt_token_ids
+    quiet = llm.chat(CHAT, params, chat_template_kwargs={"enable_thinking": False})[0]
+    text = tokenizer.apply_chat_template(CHAT, enable_thinking=False)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert quiet.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert len(quiet.prompt_token_ids) > len(thinking)
+    llm.shutdown()
+
+
 def test_qwen3_enable_thinking_false_adds_an_empty_think_block(qwen3_tokenizer: Tokenizer):
     head = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
             "<|im_start|>assistant\nHello.<|im_end|>\n"

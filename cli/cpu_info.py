@@ -1,0 +1,30 @@
+"""The CPU a figure was measured on: every benchmark prints this line beside its numbers,
+since kernels run different code on AVX2, AVX-512 and ARM machines."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+# The flags that decide which kernel code runs.
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+          "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_summary() -> str:
+    """'<model> | torch: <capability> | flags: ...' for the machine this runs on."""
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    capability = torch.backends.cpu.get_cpu_capability()
+    shown = " ".join(f for f in _FLAGS if f in flags) or "none of interest"
+    return f"{model} | torch: {capability} | flags: {shown}"
