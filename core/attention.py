@@ -30,6 +30,9 @@ class AttentionMetadata:
     # Host copies, so backends that loop over prefills never synchronize with the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # [num_seqs] int32: each sequence's whole length, prompt and outputs, computed or not
+    # (more than seq_lens during a chunked prefill); LongRoPE picks its table by it
+    total_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -269,6 +269,8 @@ class ModelRunner:
             kv_lens=torch.from_numpy((all_positions + 1).astype(np.int32)).to(dev),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            total_lens=torch.tensor([r.num_tokens for r in sched.scheduled], dtype=torch.int32,
+                                    device=dev),
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.from_numpy(all_positions).to(dev), meta,

@@ -79,7 +79,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k)
+            rows = self.rotary_emb.table_positions(positions, meta.total_lens, meta.seq_ids)
+            q, k = self.rotary_emb(rows, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    sliding_window=self.sliding_window,
                                    logits_soft_cap=self.logits_soft_cap)
