@@ -1,0 +1,306 @@
+"""A GGUF writer for tests: a tiny Hugging Face folder converted the way llama.cpp's
+convert_hf_to_gguf.py converts each architecture, so that pkv's GGUF loader is tested against
+the files people download, not against its own inverse.
+
+Per architecture, as the converter does it (conversion/{llama,qwen,gemma,phi,olmo,granite}.py):
+- llama (Llama, Mistral, Mixtral), granite, smollm3: q/k rows permuted for llama.cpp's RoPE,
+  `rope.dimension_count`; Mixtral's experts stacked into `ffn_{gate,up,down}_exps`;
+- gemma2 / gemma3: their own key set (no RoPE base for Gemma 2, no window pattern, no
+  query_pre_attn_scalar), every `*norm.weight` stored as 1 + weight, Gemma 2's LM head dropped;
+- phi3: fused `attn_qkv` / `ffn_up`, a window of 0 for none, LongRoPE factors as tensors;
+- qwen3moe: experts stacked, `expert_feed_forward_length`;
+- granite: head_dim dropped, multipliers written as scales.
+One addition of ours: a Mistral/Mixtral `sliding_window` is written as
+`llama.attention.sliding_window` (llama.cpp's converter drops it; llama.cpp runs no window
+for the llama architecture).
+
+Tensor names come from gguf-py's own TensorNameMap, as in the converter. Tokenizer metadata
+is copied from another GGUF file (the bundled SmolLM2), whose vocabulary the tiny models use.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_ARCHS = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+# LlamaModel and its subclasses in the converter (undo_permute = True)
+_PERMUTED = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+             "GraniteForCausalLM", "SmolLM3ForCausalLM"}
+_LLAMA_SHAPED = _PERMUTED
+
+
+def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path) -> Path:
+    """Write the HF folder `model_dir` as GGUF at `out` the way llama.cpp converts its
+    architecture; tensors of 2+ dims in `quant` (F32, F16, Q8_0, ...), tokenizer metadata
+    copied from `tokenizer_gguf`."""
+    import gguf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hf_arch = cfg["architectures"][0]
+    writer = gguf.GGUFWriter(str(out), GGUF_ARCHS[hf_arch])
+    _write_metadata(writer, hf_arch, cfg)
+    for key, value in _tokenizer_fields(str(tokenizer_gguf)).items():
+        getattr(writer, key)(value)
+    qtype = gguf.GGMLQuantizationType[quant]
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == GGUF_ARCHS[hf_arch])
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    for name, data in _converted_tensors(hf_arch, cfg, _load_state(model_dir)):
+        gname = name if name.startswith("rope_factors_") else names.get_name(
+            name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ValueError(f"gguf-py maps no {hf_arch} tensor named {name!r}")
+        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def quantized_copy(model_dir: Path, out: Path, quant: str) -> Path:
+    """A copy of the HF folder whose tensors of 2+ dims went through `quant` and back (gguf-py's
+    quantize / dequantize): the weights a `quant` GGUF of the model holds, for a reference
+    run in transformers."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import save_file
+
+    qtype = gguf.GGMLQuantizationType[quant]
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = {}
+    for name, tensor in _load_state(model_dir).items():
+        data = tensor.float().numpy()
+        if data.ndim >= 2:
+            data = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+        state[name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _load_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """The RoPE settings of a config of either transformers generation."""
+    params = dict(cfg.get("rope_scaling") or {})
+    if cfg.get("rope_theta") is not None:
+        params.setdefault("rope_theta", cfg["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}
+    if layer_type in rope:  # Gemma 3: one set per layer type
+        rope = rope[layer_type] or {}
+    params.update(rope)
+    return params
+
+
+# --- metadata: each converter's set_gguf_parameters ------------------------------------------
+
+def _write_metadata(w: Any, hf_arch: str, cfg: dict[str, Any]) -> None:
+    if hf_arch == "Gemma2ForCausalLM":
+        _gemma_common(w, cfg)
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    elif hf_arch == "Gemma3ForCausalLM":
+        _gemma_common(w, cfg)
+        rope = _rope(cfg)
+        w.add_rope_freq_base(rope.get("rope_theta", 1_000_000.0))
+        w.add_sliding_window(cfg["sliding_window"])
+        if rope.get("rope_type", "default") != "default":
+            assert rope["rope_type"] == "linear"
+            w.add_rope_scaling_type(_scaling("LINEAR"))
+            w.add_rope_scaling_factor(rope["factor"])
+    elif hf_arch == "Phi3ForCausalLM":
+        _phi3_metadata(w, cfg)
+    else:
+        if hf_arch == "GraniteForCausalLM":
+            cfg = {k: v for k, v in cfg.items() if k != "head_dim"}
+        _base_metadata(w, cfg)
+        if hf_arch in _LLAMA_SHAPED:
+            _llama_metadata(w, hf_arch, cfg)
+        if hf_arch == "Qwen3MoeForCausalLM":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if hf_arch == "GraniteForCausalLM":
+            for key, method in [("attention_multiplier", "add_attention_scale"),
+                                ("embedding_multiplier", "add_embedding_scale"),
+                                ("residual_multiplier", "add_residual_scale"),
+                                ("logits_scaling", "add_logit_scale")]:
+                if cfg.get(key):
+                    getattr(w, method)(cfg[key])
+
+
+def _scaling(kind: str) -> Any:
+    import gguf
+
+    return gguf.RopeScalingType[kind]
+
+
+def _base_metadata(w: Any, cfg: dict[str, Any]) -> None:
+    """TextModel.set_gguf_parameters."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    rope = _rope(cfg)
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        w.add_rope_scaling_type(_scaling("LINEAR"))
+        w.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        w.add_rope_scaling_type(_scaling("YARN"))
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("head_dim") is not None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+
+
+def _llama_metadata(w: Any, hf_arch: str, cfg: dict[str, Any]) -> None:
+    """LlamaModel.set_gguf_parameters, plus the window (ours, see the module docstring)."""
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg.get("head_dim")
+                               or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM") and cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+
+
+def _gemma_common(w: Any, cfg: dict[str, Any]) -> None:
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+
+
+def _phi3_metadata(w: Any, cfg: dict[str, Any]) -> None:
+    """Phi3MiniModel.set_gguf_parameters (the LongRoPE factors are tensors, see below)."""
+    rope = _rope(cfg)
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(int(partial * hidden) // heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type", "default") in ("longrope", "su"):
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+
+
+# --- tensors: each converter's modify_tensors -------------------------------------------------
+
+def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _converted_tensors(hf_arch: str, cfg: dict[str, Any],
+                       state: dict[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF or GGUF name, data) of every tensor the converter writes."""
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    experts: dict[str, np.ndarray] = {}
+    for name, tensor in state.items():
+        data = tensor.float().numpy()
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if hf_arch == "Gemma2ForCausalLM" and name == "lm_head.weight":
+            continue  # tied in every Gemma 2; the converter drops it
+        if hf_arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
+        if hf_arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = _llama_permute(data, heads)
+        elif hf_arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _llama_permute(data, kv_heads)
+        if ".experts." in name:
+            experts[name] = data
+            continue
+        yield name, data
+    yield from _stacked_experts(hf_arch, cfg, experts)
+    if hf_arch == "Phi3ForCausalLM":
+        rope = _rope(cfg)
+        if rope.get("rope_type", "default") in ("longrope", "su"):
+            yield "rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32)
+            yield "rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32)
+
+
+def _stacked_experts(hf_arch: str, cfg: dict[str, Any],
+                     experts: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """Per-expert tensors stacked into one [E, ...] tensor per layer and part, under the
+    merged names the converter maps."""
+    if not experts:
+        return
+    if hf_arch == "MixtralForCausalLM":
+        count, block, parts = cfg["num_local_experts"], "block_sparse_moe", ("w1", "w2", "w3")
+    else:
+        count = cfg.get("num_experts") or cfg["num_local_experts"]
+        block, parts = "mlp", ("down_proj", "gate_proj", "up_proj")
+    for layer in range(cfg["num_hidden_layers"]):
+        for part in parts:
+            names = [f"model.layers.{layer}.{block}.experts.{e}.{part}.weight"
+                     for e in range(count)]
+            if names[0] not in experts:
+                continue
+            stacked = np.stack([experts.pop(n) for n in names])
+            merged = (f"layers.{layer}.feed_forward.experts.{part}.weight"
+                      if hf_arch == "MixtralForCausalLM"
+                      else f"model.layers.{layer}.mlp.experts.{part}.weight")
+            yield merged, stacked
+    assert not experts, f"unconverted experts: {sorted(experts)[:3]}"
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(path: str) -> dict[str, Any]:
+    """GGUFWriter method -> value for the tokenizer metadata of a GGUF file (read once)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    keys = {"add_tokenizer_model": "model", "add_tokenizer_pre": "pre", "add_token_list": "tokens",
+            "add_token_types": "token_type", "add_token_merges": "merges",
+            "add_bos_token_id": "bos_token_id", "add_eos_token_id": "eos_token_id"}
+    out = {method: fields[f"tokenizer.ggml.{key}"].contents() for method, key in keys.items()}
+    out["add_chat_template"] = fields["tokenizer.chat_template"].contents()
+    return out
