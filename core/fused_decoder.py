@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from pkv.core.layers.attention import Attention
 from pkv.core.layers.mlp import GatedMLP
@@ -87,12 +86,9 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
     return decoder
 
 
-def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     """What a norm multiplies by, as the kernels take it (Gemma's 1 + weight, computed once)."""
-    if norm is None:
-        return None
-    assert isinstance(norm, RMSNorm)
-    return norm.scale().contiguous()
+    return None if norm is None else norm.scale().contiguous()
 
 
 def _kernel_weights(linear: Linear) -> list[torch.Tensor] | None:

@@ -108,7 +108,8 @@ class RotaryEmbedding(nn.Module):
         threshold = self.spec.long_threshold
         if threshold is None:
             return positions
-        assert total_lens is not None, "LongRoPE needs AttentionMetadata.total_lens"
+        if total_lens is None:
+            raise ValueError("LongRoPE needs each sequence's length (AttentionMetadata.total_lens)")
         long = total_lens.to(positions.device)[seq_ids.long()] > threshold
         return positions + long.to(positions.dtype) * self.max_len
 
