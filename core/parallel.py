@@ -60,6 +60,9 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
                          f"{cfg.num_key_value_heads} KV-head groups")
     if tp > cfg.intermediate_size or tp > cfg.vocab_size:
         raise ValueError(f"tensor_parallel_size={tp} exceeds the MLP width or the vocabulary")
+    if cfg.num_experts and tp > cfg.moe_intermediate_size:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the experts' intermediate size "
+                         f"({cfg.moe_intermediate_size})")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class ShardPlan:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
     vocab_sizes: list[int]  # every rank's vocabulary count, for gathering logits
+    moe_intermediate: tuple[int, int] = (0, 0)  # of each expert's channels (MoE models)
 
     @classmethod
     def build(cls, cfg: ModelConfig, tp: TPGroup) -> ShardPlan:
@@ -81,7 +85,8 @@ class ShardPlan:
                    q_heads=(kv_start * group, kv_count * group),
                    intermediate=split(cfg.intermediate_size, tp.size, tp.rank),
                    vocab=split(cfg.vocab_size, tp.size, tp.rank),
-                   vocab_sizes=[split(cfg.vocab_size, tp.size, r)[1] for r in range(tp.size)])
+                   vocab_sizes=[split(cfg.vocab_size, tp.size, r)[1] for r in range(tp.size)],
+                   moe_intermediate=split(cfg.moe_intermediate_size, tp.size, tp.rank))
 
 
 def single_rank_plan(cfg: ModelConfig) -> ShardPlan:

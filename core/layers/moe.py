@@ -18,7 +18,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.layers.mlp import ACTIVATIONS, check_activation
@@ -67,8 +66,10 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = F.linear(grouped[start:start + n], self.w13[e]).chunk(2, dim=-1)
-            out[start:start + n] = F.linear(act(gate) * up, self.w2[e])
+            # W @ x^T rather than x @ W^T: with ~16 rows per expert MKL runs this form
+            # ~1.5x faster on CPU, the whole layer ~25% (`pkv bench moe`, batch 64)
+            h = torch.mm(self.w13[e], grouped[start:start + n].t())  # [2 * size, n]
+            out[start:start + n] = torch.mm(self.w2[e], act(h[:self.size]) * h[self.size:]).t()
             start += n
         out *= weights.flatten()[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token, out)
