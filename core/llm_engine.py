@@ -97,7 +97,8 @@ class LLMEngine:
                                        config.enable_prefix_caching,
                                        sliding_window=source.config.kv_window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   self.max_num_batched_tokens, self.max_model_len)
+                                   self.max_num_batched_tokens, self.max_model_len,
+                                   source.config.rope_spec().long_threshold)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0

@@ -89,6 +89,14 @@ class Request:
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
 
+    def resalt(self, extra: bytes) -> None:
+        """Add `extra` to the cache salt and rehash every block: the KV of these tokens is
+        computed differently from now on (LongRoPE's long table), so blocks of the old kind
+        must never be taken as this request's prefix."""
+        self.cache_salt += extra
+        self.block_hashes = []
+        self._update_block_hashes()
+
     def _update_block_hashes(self) -> None:
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):

@@ -4,6 +4,10 @@ Each step: running requests first (a decode token each, or the next prefill chun
 waiting requests while the token budget, `max_num_seqs` and free blocks allow. When blocks run
 out, the most recently admitted running request is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue, to be prefilled again (prompt + outputs).
+
+LongRoPE models (Phi-3) compute a sequence with one of two RoPE tables, by its length; when a
+sequence outgrows the short table's range it is recomputed from scratch with the long one,
+as transformers does, and its blocks are hashed apart from short-table blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from dataclasses import dataclass, field
 
 from pkv.core.kv_cache_manager import KVCacheManager
 from pkv.core.request import Request, RequestStatus, record_failure
+
+# Salt of the blocks of sequences past LongRoPE's threshold (computed with the long table).
+LONG_ROPE_SALT = b"\0longrope"
 
 
 @dataclass(slots=True)
@@ -33,11 +40,13 @@ class Scheduler:
     """Decides which requests run each step and how many of their tokens."""
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int,
+                 long_rope_threshold: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.long_rope_threshold = long_rope_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -45,6 +54,8 @@ class Scheduler:
         self.num_prefill_tokens = 0  # prompt tokens computed (cache hits excluded)
 
     def add_request(self, request: Request) -> None:
+        if self.long_rope_threshold is not None and request.num_tokens > self.long_rope_threshold:
+            request.resalt(LONG_ROPE_SALT)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -94,12 +105,16 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, request: Request) -> None:
+        self._restart(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _restart(self, request: Request) -> None:
+        """Free a running request's blocks; it is prefilled again first (prompt + outputs)."""
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            failures: dict[str, Exception] | None = None) -> list[Request]:
@@ -123,6 +138,10 @@ class Scheduler:
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
+            elif request.num_tokens - 1 == self.long_rope_threshold:
+                self.running.remove(request)  # recomputed with the long table
+                self._restart(request)
+                request.resalt(LONG_ROPE_SALT)
         return finished
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

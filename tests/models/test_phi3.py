@@ -31,7 +31,8 @@ def _prompts(crossing: bool) -> list[list[int]]:
     short factors throughout; long: the long ones), or one that crosses it while decoding."""
     base = parity_prompts(count=6, shortest=9, longest=69)  # 9, 21, 33, 45, 57, 69 tokens
     if crossing:
-        return [base[1]]  # 21 + 16 tokens
+        # 21 + 16 and 29 + 16 tokens cross; 9 + 16 stays short; 45 is long from the start
+        return [base[1], base[0], base[2][:29], base[3]]
     return [base[0], base[1][:ORIGINAL - NEW_TOKENS], *base[2:]]
 
 
@@ -56,10 +57,9 @@ def test_phi3_longrope_matches_transformers(tmp_path: Path, smol_hf_dir: Path) -
     check_matches_transformers(model_dir, NEW_TOKENS, prompts=_prompts(crossing=False))
 
 
-@pytest.mark.xfail(strict=True, reason="transformers recomputes the whole sequence with the "
-                   "long factors once it outgrows original_max_position_embeddings; pkv "
-                   "keeps the KV it computed with the short ones")
 def test_phi3_longrope_crossing_the_threshold(tmp_path: Path, smol_hf_dir: Path) -> None:
+    # Sequences that outgrow original_max_position_embeddings while decoding are recomputed
+    # with the long factors, as transformers recomputes them.
     model_dir = build_tiny_model(tmp_path / "longrope", smol_hf_dir, "phi3", **LONGROPE)
     check_matches_transformers(model_dir, NEW_TOKENS, prompts=_prompts(crossing=True))
 
