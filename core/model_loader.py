@@ -104,7 +104,7 @@ def open_folder(path: Path) -> ModelSource:
     if not isinstance(hf_config, dict):
         raise ValueError(f"{cfg_path} must hold a JSON object")
     config = ModelConfig.from_hf_dict(hf_config)
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = (f" ({', '.join(pickled)} are pickle files, which pkv never loads: convert "
@@ -121,6 +121,26 @@ def open_folder(path: Path) -> ModelSource:
                        num_tensors=num_tensors, weights=lambda: _iter_safetensors(files),
                        hf_config=hf_config,
                        quantization=checkpoint_quantization(hf_config.get("quantization_config")))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a folder: those its `model.safetensors.index.json` names
+    (shards), else every `*.safetensors` but Mistral's `consolidated*` copy of the same
+    weights when other files are there."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index: {exc}") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} shard(s) its index names, "
+                             f"e.g. {missing[0]}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    others = [f for f in files if not f.name.startswith("consolidated")]
+    return others or files
 
 
 def write_tokenizer(folder: Path, tokenizer: Tokenizer) -> None:

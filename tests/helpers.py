@@ -25,6 +25,7 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama",
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,  # some families default to ids beyond a tiny vocabulary (SmolLM3)
         initializer_range=0.08)
     common.update(overrides)
     config = transformers.AutoConfig.for_model(MODEL_TYPES[arch], **common)

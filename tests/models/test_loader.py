@@ -128,3 +128,28 @@ def test_kv_pool_smaller_than_one_sequence_is_refused(tiny_llama_dir: Path):
         LLM(str(tiny_llama_dir), kv_cache_memory="16KiB", show_progress=False)
     with pytest.raises(ValueError, match="exceeds the model's"):
         LLM(str(tiny_llama_dir), max_model_len=10**6, show_progress=False)
+
+
+def test_sharded_safetensors_load_through_their_index(tmp_path: Path, smol_hf_dir: Path):
+    """A checkpoint saved in shards (model.safetensors.index.json) loads whole, a stray
+    consolidated copy beside the shards is not read too, and a missing shard is one line."""
+    from transformers import AutoModelForCausalLM
+
+    from pkv.tests.helpers import build_tiny_model
+
+    whole = build_tiny_model(tmp_path / "whole", smol_hf_dir, "qwen3")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(whole, sharded)
+    (sharded / "model.safetensors").rename(sharded / "consolidated.safetensors")
+    AutoModelForCausalLM.from_pretrained(whole).save_pretrained(sharded, max_shard_size="1MB")
+    shards = sorted(set(json.loads(
+        (sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(shards) > 1
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompt = [[100 + 3 * j for j in range(12)]]
+    outs = [LLM(str(d), kv_cache_memory="4MiB", show_progress=False).generate(prompt, params)
+            for d in (whole, sharded)]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    (sharded / shards[-1]).unlink()
+    with pytest.raises(ValueError, match="lacks 1 shard"):
+        LLM(str(sharded), kv_cache_memory="4MiB", show_progress=False)

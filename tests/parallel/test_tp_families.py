@@ -1,6 +1,8 @@
 """Tensor parallelism beyond Llama: TP=2 (gloo ranks on CPU) decodes the same greedy tokens
-as one rank on a tiny Qwen3-MoE (experts split by intermediate channels) and a tiny dense
-Qwen3 (per-head q/k norms on each rank's heads)."""
+as one rank on a tiny Qwen3-MoE (experts split by intermediate channels), Mixtral (the same,
+windowed), a dense Qwen3 (per-head q/k norms on each rank's heads), Gemma 3 (two RoPE tables,
+windows, soft-capped logits after the gather), Granite (multipliers), SmolLM3 (NoPE layers)
+and Mistral (a window); OLMo 2's whole-projection q/k norm refuses TP in one line."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ MODELS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, mlp_only_layers=[1], head_dim=32),
     "qwen3": dict(head_dim=32),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+    "gemma3": dict(head_dim=32, sliding_window=8, final_logit_softcapping=5.0),
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5,
+                    attention_multiplier=0.2, logits_scaling=2.0),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "mistral": dict(sliding_window=8),
 }
 
 
@@ -33,6 +41,12 @@ def _greedy(model_dir: Path, tp: int) -> list[list[int]]:
 def test_tp2_equals_tp1(tmp_path: Path, smol_hf_dir: Path, arch: str) -> None:
     model_dir = build_tiny_model(tmp_path / arch, smol_hf_dir, arch, **MODELS[arch])
     assert _greedy(model_dir, 2) == _greedy(model_dir, 1)
+
+
+def test_olmo2_refuses_tensor_parallelism_in_one_line(tmp_path: Path, smol_hf_dir: Path):
+    model_dir = build_tiny_model(tmp_path / "olmo2", smol_hf_dir, "olmo2")
+    with pytest.raises(ValueError, match="does not run with tensor parallelism"):
+        _greedy(model_dir, 2)
 
 
 def test_experts_narrower_than_the_split_are_a_clear_error() -> None:
