@@ -354,6 +354,30 @@ def families(
             for r in rows]}, console)
 
 
+@bench_app.command("window")
+def window(
+    window: Annotated[int, typer.Option(help="Sliding window of every layer, in tokens.")] = 256,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 32,
+    output_len: Annotated[int, typer.Option(help="New tokens.")] = 2048,
+    every: Annotated[int, typer.Option(help="Sample the block count every this many tokens.")] = 256,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """KV blocks one long generation holds over time, with a sliding window and without."""
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_window import window_table, window_vs_full
+    from pkv.cli.cpu_info import cpu_summary
+
+    with user_errors():
+        if window < 1 or output_len < every or every < 1:
+            raise ValueError("window and every must be >= 1, output_len >= every")
+        console.print(f"[bold]CPU[/]: {cpu_summary()}")
+        runs = window_vs_full(window, prompt_len, output_len, every)
+    console.print(window_table(runs, 16))
+    if json_path:
+        report.write_json(json_path, {name: {str(k): v for k, v in r.items()}
+                                      for name, r in runs.items()}, console)
+
+
 @bench_app.command("soak")
 def soak(
     model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,

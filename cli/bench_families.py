@@ -18,7 +18,7 @@ from typing import Any
 BASE_SHAPE: dict[str, Any] = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "llama": {},

@@ -39,6 +39,19 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
   return s;
 }
 
+// scores[0, n) -> cap * tanh(scores / cap), 16 at a time (n may be rounded up: the buffer is
+// padded), tanh(y) = 1 - 2 / (exp(2y) + 1): a scalar tanh per score cost Gemma 2 ~15% of a
+// batch-64 step.
+static inline void soft_cap16(float* scores, int64_t n, float cap) {
+  const float inv = 2.f / cap;
+  for (int64_t c = 0; c < n; c += 16) {
+    vf16 x;
+    std::memcpy(&x, scores + c, sizeof(x));
+    x = cap * (1.f - 2.f / (vexp(x * inv) + 1.f));
+    std::memcpy(scores + c, &x, sizeof(x));
+  }
+}
+
 // State of one token's attention over KV heads [kh0, kh1): G query heads each.
 struct VecState {
   std::vector<vf16> q, acc;  // [heads][DC]
@@ -82,8 +95,7 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
     }
     for (int64_t h = 0; h < heads; ++h) {
       float* sc = scores + h * padded;
-      if (cap > 0.f)
-        for (int64_t j = j0; j < n; ++j) sc[j] = cap * std::tanh(sc[j] / cap);
+      if (cap > 0.f) soft_cap16(sc, n, cap);
       float block_max = sc[j0];
       for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
       const float m_new = std::max(st.m[h], block_max);

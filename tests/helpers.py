@@ -38,6 +38,20 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama",
     return out
 
 
+def randomize_norms(model_dir: Path, seed: int = 5) -> None:
+    """Give every norm weight of the saved model random values: transformers initializes
+    them to ones, which would hide a mix-up of two norms."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    state = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in state.items():
+        if "norm" in name:
+            state[name] = 1 + 0.5 * torch.randn(tensor.shape, generator=gen)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 def parity_prompts(count: int = 6, shortest: int = 9, longest: int = 70) -> list[list[int]]:
     """Deterministic token-id prompts of `shortest`..`longest` tokens."""
     step = (longest - shortest) // max(1, count - 1)

@@ -25,7 +25,8 @@ def tp_split(plan: ShardPlan, kind: str, *slices: tuple[int, int]) -> LinearSpli
 class AttentionOptions:
     """How one layer's attention differs from Llama's (the defaults are Llama's)."""
 
-    bias: bool = False
+    bias: bool = False  # on q, k and v
+    o_bias: bool = False  # on the output projection
     scale: float | None = None  # None: head_dim ** -0.5
     sliding_window: int | None = None  # keys within this many positions, the query included
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap)
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                options.bias, method,
                                split=tp_split(plan, "column", q_rows, kv_rows, kv_rows))
-        self.o_proj = Linear(self.q_size, [hidden_size], False, method,
+        self.o_proj = Linear(self.q_size, [hidden_size], options.o_bias, method,
                              split=tp_split(plan, "row", q_rows))
         self.scale = options.scale if options.scale is not None else d**-0.5
         self.sliding_window = options.sliding_window

@@ -48,14 +48,6 @@ class GraniteDecoderLayer(DecoderLayer):
 class GraniteForCausalLM(LlamaForCausalLM):
     """Llama with embedding, residual, attention and logit multipliers."""
 
-    @classmethod
-    def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
-        super().configure(config, hf)
-        if config.attention_bias:
-            # transformers' Granite then biases o_proj too, which pkv's attention lacks
-            raise ValueError("config field attention_bias=True is not supported for "
-                             "GraniteForCausalLM")
-
     def _multiplier(self, key: str) -> float:
         value = self.config.hf.get(key)
         return 1.0 if value is None else float(value)  # transformers' default for each

@@ -9,6 +9,7 @@ matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps checkpoint names o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -63,7 +64,9 @@ class LlamaForCausalLM(CausalLM):
     required_fields: tuple[str, ...] = ("intermediate_size",)
     default_rope_theta = 10000.0
     default_tie_word_embeddings = False
-    qkv_bias = False
+    qkv_bias = False  # q/k/v biases whatever the config says (Qwen2)
+    # transformers' Llama-style attention biases o_proj too when `attention_bias` is set
+    o_proj_follows_attention_bias = True
 
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
@@ -91,9 +94,10 @@ class LlamaForCausalLM(CausalLM):
 
     def make_attention(self, cfg: ModelConfig, i: int, rope: RotaryEmbedding | None,
                        ctx: BuildContext) -> Attention:
+        options = replace(self.attention_options(cfg, i), bias=cfg.attention_bias,
+                          o_bias=cfg.attention_bias and self.o_proj_follows_attention_bias)
         return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                         cfg.head_dim, rope, ctx.backend, ctx.method, ctx.plan,
-                         self.attention_options(cfg, i))
+                         cfg.head_dim, rope, ctx.backend, ctx.method, ctx.plan, options)
 
     def make_mlp(self, cfg: ModelConfig, i: int, ctx: BuildContext) -> nn.Module:
         return GatedMLP(cfg.hidden_size, ctx.plan.intermediate, cfg.hidden_act, ctx.method,
@@ -102,6 +106,8 @@ class LlamaForCausalLM(CausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama with `sliding_window` on every layer."""
+
+    o_proj_follows_attention_bias = False
 
     @classmethod
     def layer_windows(cls, hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
@@ -113,6 +119,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     `use_sliding_window`, windows on the layers from `max_window_layers` on."""
 
     qkv_bias = True
+    o_proj_follows_attention_bias = False
 
     @classmethod
     def layer_windows(cls, hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -63,10 +63,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
         super().configure(config, hf)
-        if config.attention_bias:
-            # transformers' OLMo 2 then biases o_proj too, which pkv's attention lacks
-            raise ValueError("config field attention_bias=True is not supported for "
-                             "Olmo2ForCausalLM")
         if "rms_norm_eps" not in hf:
             config.rms_norm_eps = _RMS_NORM_EPS
 

@@ -27,14 +27,6 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     default_tie_word_embeddings = True
 
     @classmethod
-    def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
-        super().configure(config, hf)
-        if config.attention_bias:
-            # transformers' SmolLM3 then biases o_proj too, which pkv's attention lacks
-            raise ValueError("config field attention_bias=True is not supported for "
-                             "SmolLM3ForCausalLM")
-
-    @classmethod
     def rope_layers(cls, hf: dict[str, Any], num_layers: int) -> list[bool]:
         """Per layer: whether it applies RoPE."""
         flags = hf.get("no_rope_layers")

@@ -18,3 +18,14 @@ def test_rows_for_a_dense_and_a_moe_family():
     assert llama.path.startswith("fused C++") and gemma2.path.startswith("fused C++")
     assert mixtral.path.startswith("Python layer loop") and "MLP" in mixtral.path
     assert families_table(rows, [1, 2]).row_count == 3
+
+
+def test_window_bench_levels_off_with_a_window():
+    from pkv.cli.bench_window import window_table, window_vs_full
+
+    runs = window_vs_full(8, 8, 96, 16, shape={**TINY, "vocab_size": 49152})
+    windowed, full = runs["window 8"], runs["no window"]
+    assert sorted(windowed) == sorted(full) == [24, 40, 56, 72, 88]
+    assert max(windowed.values()) <= 2  # the window's keys span two blocks at most
+    assert full[88] == -(-87 // 16) and full[88] > full[24]  # 87 tokens computed so far
+    assert window_table(runs, 16).row_count == 5

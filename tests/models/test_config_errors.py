@@ -39,8 +39,6 @@ CASES = {
     "attn-soft-cap": (_llama(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     "granite-multiplier-on-llama": (_llama(residual_multiplier=0.22), "residual_multiplier"),
     "partial-rotary-on-llama": (_llama(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    "olmo2-attention-bias": (_llama(architectures=["Olmo2ForCausalLM"], attention_bias=True),
-                             "attention_bias"),
     "smollm3-no-rope-layers": (_llama(architectures=["SmolLM3ForCausalLM"],
                                       no_rope_layers=[1, 0, 1]), "no_rope_layers"),
     "phi3-longrope-factors": (_llama(architectures=["Phi3ForCausalLM"], rope_scaling={

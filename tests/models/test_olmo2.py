@@ -6,28 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from pkv.tests.helpers import build_tiny_model, check_matches_transformers
+from pkv.tests.helpers import build_tiny_model, check_matches_transformers, randomize_norms
 
 CASES = {
     "gqa": dict(head_dim=32, num_key_value_heads=2, rope_theta=500000.0),
     "mqa-tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "biased": dict(attention_bias=True),  # q, k, v and o projections
 }
-
-
-def randomize_norms(model_dir: Path) -> None:
-    """Random norm weights: transformers initializes them to ones, which would hide a
-    q_norm/k_norm or post-attention/post-feedforward mix-up."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    state = load_file(str(path))
-    gen = torch.Generator().manual_seed(5)
-    for name, tensor in state.items():
-        if "norm" in name:
-            state[name] = 1 + 0.5 * torch.randn(tensor.shape, generator=gen)
-    save_file(state, str(path), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("name", CASES)

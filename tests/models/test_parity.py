@@ -75,7 +75,8 @@ def test_prefix_cache_hits_keep_output(smol_hf_dir: Path, smol_prompt_ids, smol_
                                 "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 64}}),
     ("mistral", {"tie_word_embeddings": True}),
-], ids=["llama", "qwen2", "llama3-rope", "mistral-tied"])
+    ("llama", {"attention_bias": True}),  # biases q, k, v and o_proj
+], ids=["llama", "qwen2", "llama3-rope", "mistral-tied", "llama-biased"])
 def test_tiny_models_match_transformers(tmp_path: Path, smol_hf_dir: Path, arch: str,
                                         overrides: dict):
     from transformers import AutoModelForCausalLM

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from pkv.core.model_loader import open_model
-from pkv.tests.helpers import build_tiny_model, check_matches_transformers
+from pkv.tests.helpers import build_tiny_model, check_matches_transformers, randomize_norms
 
 CASES = {
     "gqa": dict(head_dim=32, num_key_value_heads=2),
@@ -17,20 +16,6 @@ CASES = {
     "window": dict(head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "mqa": dict(head_dim=32, num_key_value_heads=1),
 }
-
-
-def randomize_norms(model_dir: Path) -> None:
-    """Give every norm random weights (transformers initializes them to ones, which would
-    hide a q_norm/k_norm mix-up)."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    state = load_file(str(path))
-    gen = torch.Generator().manual_seed(5)
-    for name, tensor in state.items():
-        if "norm" in name:
-            state[name] = 1 + 0.5 * torch.randn(tensor.shape, generator=gen)
-    save_file(state, str(path), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("name", CASES)
