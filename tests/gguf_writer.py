@@ -15,7 +15,8 @@ One addition of ours: a Mistral/Mixtral `sliding_window` is written as
 for the llama architecture).
 
 Tensor names come from gguf-py's own TensorNameMap, as in the converter. Tokenizer metadata
-is copied from another GGUF file (the bundled SmolLM2), whose vocabulary the tiny models use.
+is copied from another GGUF file (the bundled SmolLM2), whose vocabulary the tiny models use,
+or written from given fields (a SentencePiece vocabulary: tests/models/test_gguf_tokenizers.py).
 """
 
 from __future__ import annotations
@@ -43,17 +44,23 @@ _PERMUTED = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
 _LLAMA_SHAPED = _PERMUTED
 
 
-def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path) -> Path:
+def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path | None = None,
+               *, tokenizer_fields: dict[str, Any] | None = None) -> Path:
     """Write the HF folder `model_dir` as GGUF at `out` the way llama.cpp converts its
     architecture; tensors of 2+ dims in `quant` (F32, F16, Q8_0, ...), tokenizer metadata
-    copied from `tokenizer_gguf`."""
+    copied from `tokenizer_gguf`, or `tokenizer_fields` (GGUFWriter method -> value) when
+    given."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
     hf_arch = cfg["architectures"][0]
     writer = gguf.GGUFWriter(str(out), GGUF_ARCHS[hf_arch])
     _write_metadata(writer, hf_arch, cfg)
-    for key, value in _tokenizer_fields(str(tokenizer_gguf)).items():
+    if tokenizer_fields is None:
+        if tokenizer_gguf is None:
+            raise ValueError("write_gguf needs tokenizer_gguf or tokenizer_fields")
+        tokenizer_fields = _tokenizer_fields(str(tokenizer_gguf))
+    for key, value in tokenizer_fields.items():
         getattr(writer, key)(value)
     qtype = gguf.GGMLQuantizationType[quant]
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == GGUF_ARCHS[hf_arch])

@@ -28,8 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, open_folder, write_tokenizer
@@ -38,12 +36,12 @@ from pkv.core.tokenizer import Tokenizer
 from pkv.core.weight_cache import convert_while_loading, converted_folder
 from pkv.plugins.weights.gguf_archs import (ARCHS, CONFIG_TENSORS, EXPERT_PARTS, GLOBAL_NAMES,
                                             LAYER_NAMES, decimal)
+from pkv.plugins.weights.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger("pkv.gguf")
 
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
                     "Q5_K", "Q6_K", "Q8_K", "Q2_K", "Q3_K")
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -212,29 +210,8 @@ class GGUFFile:
                 yield name, torch.from_numpy(part)
 
     def tokenizer(self) -> Tokenizer:
-        """Build the tokenizer from tokenizer.ggml.* metadata (byte-level BPE models)."""
-        kind = self.field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
-        tokens: list[str] = self.field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges", [])]
-        types = self.field("tokenizer.ggml.token_type", [1] * len(tokens))
-        backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                         fuse_unk=False, ignore_merges=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if self.field("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "codeshell"):
-            # These vocabularies split every digit on its own before the GPT-2 regex.
-            byte_level = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([t for t, k in zip(tokens, types) if k == _CONTROL])
-        backend.add_tokens([t for t, k in zip(tokens, types) if k == _USER_DEFINED])
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        return Tokenizer(backend, bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-                         eos_token_ids={eos} if eos is not None else set(),
-                         add_bos_token=bool(self.field("tokenizer.ggml.add_bos_token", False)),
-                         chat_template=self.field("tokenizer.chat_template"))
+        """The tokenizer from tokenizer.* metadata (plugins/weights/gguf_tokenizer.py)."""
+        return gguf_tokenizer(self.field)
 
 
 class GGUFLoader(WeightLoader):
