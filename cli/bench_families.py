@@ -51,7 +51,12 @@ def write_random_model(family: str, out: Path, shape: dict[str, Any] | None = No
     """A random-weight model of `family` at BASE_SHAPE (or `shape`), with the bundled
     tokenizer."""
     import torch
-    import transformers
+
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("this benchmark builds its random models with transformers: "
+                         "pip install 'pkv[dev]'") from None
 
     from pkv.core.model_loader import open_model, write_tokenizer
     from pkv.core.models.registry import MODEL_TYPES
