@@ -72,8 +72,9 @@ def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
                                prompts: list[list[int]] | None = None,
                                eos_token_id: int | None = 2) -> None:
     """Greedy pkv output equals transformers' (eager attention, float32) on `model_dir`,
-    under batching, chunked prefill with small blocks, a pool small enough to preempt,
-    prefix-cache hits on a repeated prompt and the torch attention backend."""
+    under batching, chunked prefill with small blocks (on the torch attention backend and the
+    Python layer loop), a pool small enough to preempt, and prefix-cache hits on a repeated
+    prompt."""
     from transformers import AutoModelForCausalLM
 
     from pkv import LLM, SamplingParams
@@ -91,9 +92,10 @@ def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
     # (one sequence of max_model_len).
     max_len = longest + 8
     small_pool = per_block * (-(-max_len // block) if window else 2 * -(-longest // block) + 1)
-    runs = [dict(), dict(block_size=block, max_num_batched_tokens=16),
-            dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len),
-            dict(attention_backend="torch", block_size=8)]
+    # The C++ path (fused decoder stack, cpu attention) by default; the Python layer loop
+    # and the torch reference backend with chunked prefill.
+    runs = [dict(), dict(block_size=block, max_num_batched_tokens=16, attention_backend="torch"),
+            dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len)]
     for options in runs:
         options.setdefault("kv_cache_memory", "16MiB")
         llm = LLM(str(model_dir), show_progress=False, **options)
