@@ -210,6 +210,15 @@ class CausalLM(nn.Module):
                 module.method.process_weights_after_loading(module)
 
 
+def add_norm(norm: RMSNorm, h: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Into a pre-normed sub-layer: (norm(residual + h), residual + h); the first layer's
+    residual is h itself (None before it)."""
+    if residual is None:
+        return norm(h), h
+    return norm.add_forward(h, residual)
+
+
 def _moe_owner(name: str, moe: dict[str, SparseMoE]) -> str | None:
     if not moe:
         return None

@@ -22,7 +22,7 @@ from pkv.core.layers.mlp import check_activation
 from pkv.core.layers.norm import GemmaRMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
 from pkv.core.model_config import ModelConfig
-from pkv.core.models.base import BuildContext, DecoderModel, KVCache
+from pkv.core.models.base import BuildContext, DecoderModel, KVCache, add_norm
 from pkv.core.models.llama import LlamaForCausalLM
 from pkv.core.models.registry import windows_from_layer_types
 
@@ -49,10 +49,7 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """As `DecoderLayer.forward`: `h` is not yet added to `residual` (None: first layer)."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+        h, residual = add_norm(self.input_layernorm, h, residual)
         h = self.post_attention_layernorm(self.self_attn(h, positions, kv_cache, meta))
         h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

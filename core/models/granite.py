@@ -17,7 +17,7 @@ from pkv.core.attention import AttentionMetadata
 from pkv.core.layers.attention import AttentionOptions
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.model_config import ModelConfig
-from pkv.core.models.base import BuildContext, DecoderModel, KVCache
+from pkv.core.models.base import BuildContext, DecoderModel, KVCache, add_norm
 from pkv.core.models.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -36,10 +36,7 @@ class GraniteDecoderLayer(DecoderLayer):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+        h, residual = add_norm(self.input_layernorm, h, residual)
         h = self.self_attn(h, positions, kv_cache, meta) * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h) * self.residual_multiplier, residual

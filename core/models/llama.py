@@ -22,7 +22,7 @@ from pkv.core.layers.mlp import GatedMLP
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
 from pkv.core.model_config import ModelConfig
-from pkv.core.models.base import (BuildContext, CausalLM, DecoderModel, KVCache,
+from pkv.core.models.base import (BuildContext, CausalLM, DecoderModel, KVCache, add_norm,
                                   checkpoint_name)
 from pkv.core.models.registry import windows_from_layer_types
 
@@ -49,10 +49,7 @@ class DecoderLayer(nn.Module):
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`h` is the previous layer's output, not yet added to the residual stream (the
         first layer gets the embeddings and no residual); returns this layer's likewise."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+        h, residual = add_norm(self.input_layernorm, h, residual)
         h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
