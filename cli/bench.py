@@ -195,6 +195,8 @@ def attention(
     layers: Annotated[int, typer.Option(help="Layers per step (SmolLM2: 30).")] = 30,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     repeat: Annotated[int, typer.Option(help="Timed repetitions (best is kept).")] = 5,
+    sliding_window: Annotated[Optional[int], typer.Option(help="Attend within this many keys.")] = None,
+    soft_cap: Annotated[Optional[float], typer.Option(help="Soft-cap scores (Gemma 2: 50).")] = None,
 ) -> None:
     """Decode-attention time per engine step for every attention backend usable here."""
     import time
@@ -202,9 +204,11 @@ def attention(
     import torch
     from rich.table import Table
 
+    from pkv.cli.cpu_info import cpu_summary
     from pkv.plugins.attention.layouts import random_paged_layout
     from pkv.plugins.registry import discover, select_attention_backend
 
+    console.print(f"[bold]CPU[/]: {cpu_summary()}")
     with user_errors(console):
         if min(batch, context, heads, kv_heads, head_dim, layers, repeat) < 1:
             raise ValueError("every size must be >= 1")
@@ -219,11 +223,13 @@ def attention(
             for _ in range(repeat + 1):  # the first run warms up
                 start = time.perf_counter()
                 for _ in range(layers):
-                    backend.forward(*inputs, head_dim**-0.5)
+                    backend.forward(*inputs, head_dim**-0.5, sliding_window=sliding_window,
+                                    logits_soft_cap=soft_cap)
                 best = min(best, time.perf_counter() - start)
             times[name] = best
         table = Table(title=f"decode attention per step: batch {batch}, context {context}, "
-                            f"{heads}/{kv_heads} heads x {head_dim}, {layers} layers")
+                            f"{heads}/{kv_heads} heads x {head_dim}, {layers} layers, window "
+                            f"{sliding_window}, soft-cap {soft_cap}")
         for column in ("backend", "ms per step", "vs torch"):
             table.add_column(column, justify="left" if column == "backend" else "right")
         for name, t in sorted(times.items(), key=lambda kv: kv[1]):

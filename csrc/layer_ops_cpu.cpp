@@ -163,14 +163,19 @@ void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Te
   });
 }
 
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+namespace {
+
+// out = act(x[:, :I]) * x[:, I:] for x [T, 2I]; `Act` computes act(g) 16 lanes at a time
+// (vf16) and one at a time (float).
+template <typename Act>
+void act_and_mul(torch::Tensor out, torch::Tensor x, const char* name, Act act) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
                   x.size(1) % 2 == 0,
-              "silu_and_mul: x must be contiguous float32 [T, 2I]");
+              name, ": x must be contiguous float32 [T, 2I]");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == T && out.size(1) == I,
-              "silu_and_mul: out must be contiguous float32 [T, I]");
+              name, ": out must be contiguous float32 [T, I]");
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
@@ -179,46 +184,38 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
       const float* u = g + I;
       float* o = op + t * I;
       int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        const vf16 gv = load16(g + i);
-        store16(o + i, gv / (1.f + vexp(-gv)) * load16(u + i));
-      }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i + 16 <= I; i += 16) store16(o + i, act(load16(g + i)) * load16(u + i));
+      for (; i < I; ++i) o[i] = act(g[i]) * u[i];
     }
   });
 }
 
+struct Silu {
+  vf16 operator()(vf16 g) const { return g / (1.f + vexp(-g)); }
+  float operator()(float g) const { return g / (1.f + std::exp(-g)); }
+};
+
 // gelu(g) with the tanh approximation, as torch's approximate="tanh":
 // 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (1 + exp(2y)).
+struct GeluTanh {
+  static constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  vf16 operator()(vf16 g) const {
+    const vf16 y = kAlpha * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.f + (1.f - 2.f / (1.f + vexp(2.f * y))));
+  }
+  float operator()(float g) const {
+    return 0.5f * g * (1.f + std::tanh(kAlpha * (g + 0.044715f * g * g * g)));
+  }
+};
+
+}  // namespace
+
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  act_and_mul(out, x, "silu_and_mul", Silu{});
+}
+
 void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
-                  x.size(1) % 2 == 0,
-              "gelu_tanh_and_mul: x must be contiguous float32 [T, 2I]");
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == T && out.size(1) == I,
-              "gelu_tanh_and_mul: out must be contiguous float32 [T, I]");
-  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        const vf16 gv = load16(g + i);
-        const vf16 y = kAlpha * (gv + 0.044715f * gv * gv * gv);
-        const vf16 th = 1.f - 2.f / (1.f + vexp(2.f * y));
-        store16(o + i, 0.5f * gv * (1.f + th) * load16(u + i));
-      }
-      for (; i < I; ++i) {
-        const float y = kAlpha * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
-        o[i] = 0.5f * g[i] * (1.f + std::tanh(y)) * u[i];
-      }
-    }
-  });
+  act_and_mul(out, x, "gelu_tanh_and_mul", GeluTanh{});
 }
 
 #ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels

@@ -58,6 +58,7 @@ class GemmaDecoderLayer(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2; Gemma 3 changes the attention (q/k norms, RoPE per layer type) on top."""
 
+    layer_cls = GemmaDecoderLayer
     default_tie_word_embeddings = True
     sliding_window_pattern = 2  # layer i slides unless (i + 1) % pattern == 0
     # transformers' config defaults, for the fields a config.json may leave out
@@ -102,13 +103,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return [RotaryEmbedding(cfg.rope_spec(), cfg.head_dim, ctx.max_len)] * \
             cfg.num_hidden_layers
 
-    def make_layer(self, cfg: ModelConfig, i: int, rope: RotaryEmbedding | None,
-                   ctx: BuildContext) -> nn.Module:
-        return GemmaDecoderLayer(cfg, self.make_attention(cfg, i, rope, ctx),
-                                 self.make_mlp(cfg, i, ctx))
-
     def attention_options(self, cfg: ModelConfig, i: int) -> AttentionOptions:
-        return AttentionOptions(bias=cfg.attention_bias, sliding_window=cfg.layer_windows[i],
+        return AttentionOptions(sliding_window=cfg.layer_windows[i],
                                 scale=self.setting(cfg.hf, "query_pre_attn_scalar") ** -0.5,
                                 logits_soft_cap=self.setting(cfg.hf, "attn_logit_softcapping"),
                                 norm_eps=cfg.rms_norm_eps)

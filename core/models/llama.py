@@ -61,6 +61,7 @@ class LlamaForCausalLM(CausalLM):
     required_fields: tuple[str, ...] = ("intermediate_size",)
     default_rope_theta = 10000.0
     default_tie_word_embeddings = False
+    layer_cls: type[nn.Module] = DecoderLayer  # built with (cfg, attention, mlp)
     qkv_bias = False  # q/k/v biases whatever the config says (Qwen2)
     # transformers' Llama-style attention biases o_proj too when `attention_bias` is set
     o_proj_follows_attention_bias = True
@@ -82,12 +83,13 @@ class LlamaForCausalLM(CausalLM):
 
     def make_layer(self, cfg: ModelConfig, i: int, rope: RotaryEmbedding | None,
                    ctx: BuildContext) -> nn.Module:
-        return DecoderLayer(cfg, self.make_attention(cfg, i, rope, ctx),
-                            self.make_mlp(cfg, i, ctx))
+        return self.layer_cls(cfg, self.make_attention(cfg, i, rope, ctx),
+                              self.make_mlp(cfg, i, ctx))
 
     def attention_options(self, cfg: ModelConfig, i: int) -> AttentionOptions:
-        return AttentionOptions(bias=cfg.attention_bias, sliding_window=cfg.layer_windows[i],
-                                norm_eps=cfg.rms_norm_eps)
+        """How layer i's attention differs from Llama's (biases follow the config, set in
+        `make_attention`)."""
+        return AttentionOptions(sliding_window=cfg.layer_windows[i], norm_eps=cfg.rms_norm_eps)
 
     def make_attention(self, cfg: ModelConfig, i: int, rope: RotaryEmbedding | None,
                        ctx: BuildContext) -> Attention:

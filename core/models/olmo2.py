@@ -60,6 +60,8 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     """Llama with post-sub-layer norms and whole-projection q/k norms."""
 
+    layer_cls = Olmo2DecoderLayer
+
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
         super().configure(config, hf)
@@ -70,10 +72,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         decoder = super().make_decoder(cfg, ctx)
         decoder.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the final norm too
         return decoder
-
-    def make_layer(self, cfg: ModelConfig, i: int, rope: Any, ctx: BuildContext) -> nn.Module:
-        return Olmo2DecoderLayer(cfg, self.make_attention(cfg, i, rope, ctx),
-                                 self.make_mlp(cfg, i, ctx))
 
     def attention_options(self, cfg: ModelConfig, i: int) -> AttentionOptions:
         return AttentionOptions(sliding_window=cfg.layer_windows[i], qk_norm="full",
