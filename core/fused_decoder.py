@@ -64,7 +64,7 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
     kernel_weights = [[_kernel_weights(linear) for linear in group] for group in linears]
     if any(weights is None for group in kernel_weights for weights in group):
         return None
-    ext = cpp_build.build_or_none("decoder_cpu.cpp", "CPU decoder stack")
+    ext = cpp_build.kernels_or_none()
     if ext is None:
         return None
     attn: Attention = layers[0].self_attn

@@ -115,7 +115,7 @@ class ModelRunner:
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
         prepack_linears(self.model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            ops = cpp_build.build_or_none("layer_ops_cpu.cpp", "CPU layer kernels")
+            ops = cpp_build.kernels_or_none()
             self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
         release_free_memory()  # what loading and repacking the weights left behind
         self.num_blocks = self._num_kv_blocks(setup.max_model_len)

@@ -35,7 +35,6 @@ namespace {
 
 constexpr int64_t kTile = 32;  // output columns per tile: two 16-float vectors
 constexpr int64_t kMaxRows = 8;
-typedef uint32_t vu16 __attribute__((vector_size(64)));
 constexpr float kLowBase = 256.f, kHighBase = 16.f;
 constexpr uint32_t kLowExp = 0x43800000;   // 256.0f: mantissa bit 15 weighs 1
 constexpr uint32_t kHighExp = 0x41800000;  // 16.0f: mantissa bit 19 weighs 1
@@ -59,12 +58,6 @@ Shape check(const torch::Tensor& codes, const torch::Tensor& scales, const torch
                   scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kTile,
               "scales and zs must be contiguous float32 [N' / 32, K / group, 32]");
   return {K, n, NT, group};
-}
-
-inline vf16 as_floats(vu16 bits) {
-  vf16 f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
 }
 
 template <int R>
@@ -108,8 +101,7 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
     vf16 acc[S][M][2] = {};
     for (int64_t blk = g * s.G / 8; blk < (g + 1) * s.G / 8; ++blk) {
       const int32_t* words = stream + blk * kTile;
-      vu16 w[2];
-      std::memcpy(w, words, sizeof(w));
+      const vu16 w[2] = {load16u(words), load16u(words + 16)};
       const float* x = xp + blk * 8;
       step<0, 3, 4>(w, x, s.K, acc);
       step<8, 1, 2>(w, x, s.K, acc);
@@ -127,7 +119,17 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
     }
   }
   const int64_t n0 = t * kTile, n = std::min(kTile, s.N - n0);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * s.N + n0, out[m], n * sizeof(float));
+  for (int64_t m = 0; m < M; ++m) {
+    if (n == kTile) {
+      store16(yp + m * s.N + n0, out[m][0]);
+      store16(yp + m * s.N + n0 + 16, out[m][1]);
+    } else {  // the last, padded tile
+      float full[kTile];
+      store16(full, out[m][0]);
+      store16(full + 16, out[m][1]);
+      std::memcpy(yp + m * s.N + n0, full, n * sizeof(float));
+    }
+  }
 }
 
 // All tiles for M rows, split over threads.
@@ -192,8 +194,7 @@ torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::T
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t g = blk * 8 / s.G;
       for (int64_t t = 0; t < s.NT * 2; ++t) {  // t: 16 columns, half a tile
-        vu16 word;
-        std::memcpy(&word, cp + ((t / 2) * (s.K / 8) + blk) * kTile + t % 2 * 16, sizeof(word));
+        const vu16 word = load16u(cp + ((t / 2) * (s.K / 8) + blk) * kTile + t % 2 * 16);
         const int64_t at = ((t / 2) * (s.K / s.G) + g) * kTile + t % 2 * 16;
         const vf16 sv = load16(sp + at), zv = load16(zp + at);
         float* row = wp + blk * 8 * Np + t * 16;
@@ -225,11 +226,3 @@ torch::Tensor awq_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   shape.back() = n;
   return y.view(shape).to(x.scalar_type());
 }
-
-#ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
-  m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
-  m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
-}
-#endif

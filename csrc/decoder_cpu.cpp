@@ -17,12 +17,7 @@
 //              x = residual + h; a = mlp_in_norm(x)   (OLMo 2: a = x)
 //              h = down(act(gate) * up); h = mlp_out_norm(h) * multiplier
 //   return final_norm(h + residual)
-#define PKV_NO_MODULE
-#include "awq_cpu.cpp"
-#include "layer_ops_cpu.cpp"
-#include "paged_attention_cpu.cpp"
-#undef PKV_NO_MODULE
-
+// Built inside csrc/kernels_cpu.cpp, after the kernels it calls.
 #include <optional>
 #include <utility>
 #include <vector>
@@ -174,10 +169,3 @@ class CpuDecoder {
   torch::Tensor norm_;
   std::vector<Layer> layers_;
 };
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<CpuDecoder>(m, "CpuDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor>())
-      .def("add_layer", &CpuDecoder::add_layer)
-      .def("forward", &CpuDecoder::forward);
-}

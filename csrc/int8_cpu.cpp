@@ -16,30 +16,37 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
+#include "vec_math.h"
+
+// Its own namespace: csrc/kernels_cpu.cpp builds every kernel in one unit, and the AWQ
+// kernels name their tiles and shapes alike.
+namespace int8 {
 namespace {
 
 constexpr int64_t kTile = 32;
 constexpr int64_t kMaxRows = 8;
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int8_t vi8x16 __attribute__((vector_size(16)));
-typedef int16_t vs16 __attribute__((vector_size(32)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-// 16 int8 codes to floats. With AVX-512 two instructions (sign-extend to int32, convert);
-// elsewhere through int16 and int32: GCC 12 scalarizes a direct int8 -> float or int8 ->
-// int32 conversion of vector extensions (byte extracts, 6x slower), but not these steps.
+// 16 int8 codes to floats: sign-extend to int32 and convert, one native vector at a time.
+// GCC 12 scalarizes a direct int8 -> float conversion of vector extensions (byte extracts,
+// 6x slower), so AVX-512 and AVX2 say it in intrinsics; elsewhere (SSE2, NEON) a plain loop
+// the compiler vectorizes.
 inline vf16 widen(const int8_t* p) {
+  vf16 f;
 #if defined(__AVX512F__)
-  return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  f.p[0] = (vfn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  for (int i = 0; i < kParts; ++i)
+    f.p[i] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * i))));
 #else
-  vi8x16 b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(
-      __builtin_convertvector(__builtin_convertvector(b, vs16), vi16), vf16);
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  f = load16(tmp);
 #endif
+  return f;
 }
 
 struct Shape {
@@ -86,13 +93,12 @@ void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, co
           acc[0][m][1] += xp[m * s.K + k] * hi;
         }
       }
-      vf16 sc[2];
-      std::memcpy(sc, sp + t * kTile, sizeof(sc));
+      const vf16 sc[2] = {load16(sp + t * kTile), load16(sp + t * kTile + 16)};
       for (int64_t m = 0; m < M; ++m) {
         const vf16 a0 = S == 2 ? acc[0][m][0] + acc[S - 1][m][0] : acc[0][m][0];
         const vf16 a1 = S == 2 ? acc[0][m][1] + acc[S - 1][m][1] : acc[0][m][1];
-        const vf16 out[2] = {a0 * sc[0], a1 * sc[1]};
-        std::memcpy(yp + m * s.N + t * kTile, out, sizeof(out));
+        store16(yp + m * s.N + t * kTile, a0 * sc[0]);
+        store16(yp + m * s.N + t * kTile + 16, a1 * sc[1]);
       }
     }
   });
@@ -148,7 +154,4 @@ torch::Tensor int8_dequantize(torch::Tensor codes, torch::Tensor scale) {
   return w;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_gemv", &int8_gemv, "weight-only int8 GEMV for any number of rows");
-  m.def("int8_dequantize", &int8_dequantize, "int8 codes to a float32 W^T [K, N]");
-}
+}  // namespace int8

@@ -217,14 +217,3 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
   act_and_mul(out, x, "gelu_tanh_and_mul", GeluTanh{});
 }
-
-#ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
-  m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out");
-  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up into out");
-  m.def("head_rms_norm", &head_rms_norm, "RMSNorm of each head of [T, H, D] into out");
-}
-#endif

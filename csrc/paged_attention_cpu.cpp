@@ -45,10 +45,8 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 static inline void soft_cap16(float* scores, int64_t n, float cap) {
   const float inv = 2.f / cap;
   for (int64_t c = 0; c < n; c += 16) {
-    vf16 x;
-    std::memcpy(&x, scores + c, sizeof(x));
-    x = cap * (1.f - 2.f / (vexp(x * inv) + 1.f));
-    std::memcpy(scores + c, &x, sizeof(x));
+    const vf16 x = load16(scores + c);
+    store16(scores + c, cap * (1.f - 2.f / (vexp(x * inv) + 1.f)));
   }
 }
 
@@ -84,7 +82,7 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
     for (int64_t j = j0; j < n; ++j) {
       for (int64_t kh = kh0; kh < kh1; ++kh) {
         vf16 k[DC];
-        std::memcpy(k, kp + base + j * row + kh * D, sizeof(k));
+        for (int64_t c = 0; c < DC; ++c) k[c] = load16(kp + base + j * row + kh * D + 16 * c);
         for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h) {
           const vf16* qh = q + h * DC;
           vf16 d = qh[0] * k[0];
@@ -101,10 +99,7 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
       const float m_new = std::max(st.m[h], block_max);
       const float correction = std::exp(st.m[h] - m_new);
       for (int64_t c = 0; c < n; c += 16) {
-        vf16 x;
-        std::memcpy(&x, sc + c, sizeof(x));
-        x = vexp(x - m_new);
-        std::memcpy(sc + c, &x, sizeof(x));
+        store16(sc + c, vexp(load16(sc + c) - m_new));
       }
       for (int64_t j = 0; j < j0; ++j) sc[j] = 0.f;  // keys before the window
       float sum = 0.f;
@@ -116,7 +111,7 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
     for (int64_t j = j0; j < n; ++j) {
       for (int64_t kh = kh0; kh < kh1; ++kh) {
         vf16 v[DC];
-        std::memcpy(v, vp + base + j * row + kh * D, sizeof(v));
+        for (int64_t c = 0; c < DC; ++c) v[c] = load16(vp + base + j * row + kh * D + 16 * c);
         for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h) {
           const float p = scores[h * padded + j];
           for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] += p * v[c];
@@ -255,9 +250,3 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
     }
   });
 }
-
-#ifndef PKV_NO_MODULE  // csrc/decoder_cpu.cpp includes this file for its kernels
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
-}
-#endif

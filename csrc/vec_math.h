@@ -1,50 +1,150 @@
-// 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones) and
-// the math the CPU kernels share on them.
+// 16-float vectors and the math the CPU kernels share on them.
+//
+// vf16 is 16 floats held as the CPU's native registers: one AVX-512 register, two AVX2 ones,
+// four SSE2 or NEON ones. GCC's vector extensions would take a 64-byte vector type as it is
+// on every CPU, but without AVX-512 GCC 12 lowers it through the stack (each store became
+// four 16-byte moves and a spill), which made the AVX2 builds of every kernel 3-5x slower.
+// A struct of native vectors, with operators that loop over its parts (unrolled at -O3),
+// keeps the kernels written once for 16 lanes and every part in a register.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else  // SSE2, NEON
+constexpr int kLanes = 4;
+#endif
+constexpr int kParts = 16 / kLanes;
 
-static inline vf16 load16(const float* p) {
+typedef float vfn __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vin __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vun __attribute__((vector_size(kLanes * 4)));
+
+// The name of the ISA flavour this translation unit is built for (pkv plugins prints it).
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__)
+constexpr const char* kIsa = "avx2";
+#elif defined(__aarch64__)
+constexpr const char* kIsa = "generic (NEON)";
+#else
+constexpr const char* kIsa = "generic";
+#endif
+
+// Lane-wise operators of a struct of kParts native vectors of type V.
+#define PKV_VEC16_OPS(T, V, S)                                                        \
+  inline T operator+(T a, T b) { for (int i = 0; i < kParts; ++i) a.p[i] += b.p[i]; return a; } \
+  inline T operator-(T a, T b) { for (int i = 0; i < kParts; ++i) a.p[i] -= b.p[i]; return a; } \
+  inline T operator*(T a, T b) { for (int i = 0; i < kParts; ++i) a.p[i] *= b.p[i]; return a; } \
+  inline T operator/(T a, T b) { for (int i = 0; i < kParts; ++i) a.p[i] /= b.p[i]; return a; } \
+  inline T operator+(T a, S s) { for (int i = 0; i < kParts; ++i) a.p[i] += s; return a; }      \
+  inline T operator-(T a, S s) { for (int i = 0; i < kParts; ++i) a.p[i] -= s; return a; }      \
+  inline T operator*(T a, S s) { for (int i = 0; i < kParts; ++i) a.p[i] *= s; return a; }      \
+  inline T operator+(S s, T a) { for (int i = 0; i < kParts; ++i) a.p[i] = s + a.p[i]; return a; } \
+  inline T operator-(S s, T a) { for (int i = 0; i < kParts; ++i) a.p[i] = s - a.p[i]; return a; } \
+  inline T operator*(S s, T a) { for (int i = 0; i < kParts; ++i) a.p[i] = s * a.p[i]; return a; } \
+  inline T& operator+=(T& a, T b) { return a = a + b; }                                 \
+  inline T& operator-=(T& a, T b) { return a = a - b; }                                 \
+  inline T& operator*=(T& a, T b) { return a = a * b; }                                 \
+  inline T& operator*=(T& a, S s) { return a = a * s; }
+
+struct vf16 {
+  vfn p[kParts];
+};
+PKV_VEC16_OPS(vf16, vfn, float)
+
+inline vf16 operator-(vf16 a) { return 0.f - a; }
+inline vf16 operator/(float s, vf16 a) {
+  for (int i = 0; i < kParts; ++i) a.p[i] = s / a.p[i];
+  return a;
+}
+
+// 16 unsigned 32-bit words (bit fields of packed weights).
+struct vu16 {
+  vun p[kParts];
+};
+
+inline vu16 operator|(vu16 a, vu16 b) {
+  for (int i = 0; i < kParts; ++i) a.p[i] |= b.p[i];
+  return a;
+}
+inline vu16 operator|(vu16 a, uint32_t s) {
+  for (int i = 0; i < kParts; ++i) a.p[i] |= s;
+  return a;
+}
+inline vu16 operator&(vu16 a, uint32_t s) {
+  for (int i = 0; i < kParts; ++i) a.p[i] &= s;
+  return a;
+}
+inline vu16 operator<<(vu16 a, int n) {
+  for (int i = 0; i < kParts; ++i) a.p[i] <<= n;
+  return a;
+}
+inline vu16 operator>>(vu16 a, int n) {
+  for (int i = 0; i < kParts; ++i) a.p[i] >>= n;
+  return a;
+}
+
+// The same 64 bytes read as floats.
+inline vf16 as_floats(vu16 bits) {
+  vf16 f;
+  for (int i = 0; i < kParts; ++i) f.p[i] = reinterpret_cast<vfn>(bits.p[i]);
+  return f;
+}
+
+// Loads and stores go part by part: a memcpy of the whole struct is copied through the stack.
+inline vf16 load16(const float* p) {
   vf16 v;
-  std::memcpy(&v, p, sizeof(v));
+  for (int i = 0; i < kParts; ++i) std::memcpy(&v.p[i], p + i * kLanes, sizeof(vfn));
   return v;
 }
 
-static inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store16(float* p, vf16 v) {
+  for (int i = 0; i < kParts; ++i) std::memcpy(p + i * kLanes, &v.p[i], sizeof(vfn));
+}
 
-static inline float hsum(vf16 v) {
-  typedef float vf8 __attribute__((vector_size(32)));
-  typedef float vf4 __attribute__((vector_size(16)));
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4 b =
-      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+inline vu16 load16u(const void* p) {
+  vu16 v;
+  for (int i = 0; i < kParts; ++i)
+    std::memcpy(&v.p[i], static_cast<const char*>(p) + i * sizeof(vun), sizeof(vun));
+  return v;
+}
+
+inline float hsum(vf16 v) {
+  vfn a = v.p[0];
+  for (int i = 1; i < kParts; ++i) a += v.p[i];
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += a[i];
+  return s;
 }
 
 // exp(x) as in Cephes' expf (~1 ulp): x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n
 // built in the exponent bits. x is clamped to [-87.3, 88.3]: ~0 below, finite above.
-static inline vf16 vexp(vf16 x) {
-  const vf16 lo = vf16{} - 87.3f, hi = vf16{} + 88.3f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  vf16 fx = x * 1.44269504088896341f + 0.5f;
-  const vi16 ni = __builtin_convertvector(fx, vi16);  // truncates toward zero
-  vf16 fn = __builtin_convertvector(ni, vf16);
+inline vfn vexp(vfn x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.3f ? 88.3f : x;
+  vfn fx = x * 1.44269504088896341f + 0.5f;
+  const vin ni = __builtin_convertvector(fx, vin);  // truncates toward zero
+  vfn fn = __builtin_convertvector(ni, vfn);
   fn = fn > fx ? fn - 1.f : fn;  // floor
   x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  vf16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+  vfn y = 1.9875691500E-4f * x + 1.3981999507E-3f;
   y = y * x + 8.3334519073E-3f;
   y = y * x + 4.1665795894E-2f;
   y = y * x + 1.6666665459E-1f;
   y = y * x + 5.0000001201E-1f;
   y = y * (x * x) + x + 1.f;
-  const vi16 pow2 = (__builtin_convertvector(fn, vi16) + 127) << 23;
-  vf16 scale;
+  const vin pow2 = (__builtin_convertvector(fn, vin) + 127) << 23;
+  vfn scale;
   std::memcpy(&scale, &pow2, sizeof(scale));
   return y * scale;
+}
+
+inline vf16 vexp(vf16 x) {
+  for (int i = 0; i < kParts; ++i) x.p[i] = vexp(x.p[i]);
+  return x;
 }

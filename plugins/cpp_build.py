@@ -1,31 +1,82 @@
-"""Build the C++ kernels in csrc/ with torch.utils.cpp_extension, once per CPU model.
+"""Build the C++ kernels in csrc/ with torch.utils.cpp_extension: one module per ISA flavour.
 
-Builds are cached by torch in its extensions directory; the name carries a hash of the
-CPU's feature flags, because a -march=native build must never load on a CPU with fewer
-instructions, and of the csrc/ files the source includes (torch rebuilds when a source
-changes, but does not look at what it includes).
-
-`PKV_CPU_ARCH` (a -march value, e.g. `x86-64-v3` for AVX2 + FMA) builds for less than this
-CPU has: how an AVX-512 machine measures the code an AVX2-only machine runs.
+Every kernel is compiled into one module (`csrc/kernels_cpu.cpp`), for one of three ISA
+flavours: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (SSE2 on
+x86-64, NEON on aarch64). By default the best flavour this CPU runs is built; `PKV_CPU_ISA`
+picks another (AVX2 code runs on AVX-512 hardware), which is how one machine measures and tests
+what another runs. Builds are cached by torch in its extensions directory, under a name that
+carries the flavour and a hash of the csrc/ files (torch rebuilds when the source changes, but
+does not look at what it includes).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-import re
+import platform
 import shutil
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import torch
-
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SOURCE = CSRC / "kernels_cpu.cpp"
+FLAVOURS = ("avx512", "avx2", "generic")
+
+# What /proc/cpuinfo must list for a flavour's -march (x86-64-v4 and v3 as GCC defines them).
+_X86_NEEDS = {
+    "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"),
+    "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
+    "generic": (),
+}
 
 
-def unusable_reasons(source: Path) -> list[str]:
-    """Why `source` cannot be built here (empty: it can)."""
+def _cpu_flags() -> set[str]:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def runnable_flavours() -> list[str]:
+    """The ISA flavours this CPU executes, best first (`generic` runs everywhere)."""
+    if not _is_x86():
+        return ["generic"]
+    flags = _cpu_flags()
+    return [f for f in FLAVOURS if all(flag in flags for flag in _X86_NEEDS[f])]
+
+
+def selected_flavour() -> str:
+    """`PKV_CPU_ISA` if set (checked against this CPU), else the best flavour it runs."""
+    chosen = os.environ.get("PKV_CPU_ISA", "").strip().lower()
+    runnable = runnable_flavours()
+    if not chosen or chosen == "auto":
+        return runnable[0]
+    if chosen not in FLAVOURS:
+        raise ValueError(f"PKV_CPU_ISA={chosen!r}: choose one of auto, {', '.join(FLAVOURS)}")
+    if chosen not in runnable:
+        raise ValueError(f"PKV_CPU_ISA={chosen}: this CPU cannot run it "
+                         f"(it runs {', '.join(runnable)})")
+    return chosen
+
+
+def compile_flags(flavour: str) -> list[str]:
+    """The code-generation flags of a flavour on this machine's architecture."""
+    if not _is_x86():
+        return ["-march=armv8-a"] if platform.machine().lower() in ("aarch64", "arm64") else []
+    march = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64"}[flavour]
+    return [f"-march={march}", "-mtune=native"]
+
+
+def unusable_reasons() -> list[str]:
+    """Why the kernels cannot be built here (empty: they can)."""
     from torch.utils.cpp_extension import is_ninja_available
 
     reasons = []
@@ -34,70 +85,49 @@ def unusable_reasons(source: Path) -> list[str]:
         reasons.append(f"no C++ compiler ({compiler}) on PATH")
     if not is_ninja_available():
         reasons.append("ninja is not installed")
-    if not source.is_file():
-        reasons.append(f"kernel source {source} is missing")
+    if not SOURCE.is_file():
+        reasons.append(f"kernel source {SOURCE} is missing")
     return reasons
 
 
-def _local_includes(source: Path) -> list[Path]:
-    """The csrc/ files `source` includes, directly or through them."""
-    found: list[Path] = []
-    pending = [source]
-    while pending:
-        text = pending.pop().read_text()
-        for name in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
-            path = CSRC / name
-            if path.is_file() and path not in found:
-                found.append(path)
-                pending.append(path)
-    return sorted(found)
+def _source_hash(flags: list[str]) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
-def _build_key(source: Path) -> str:
-    flags = ""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
-    key = " ".join(sorted(flags.split())) or torch.backends.cpu.get_cpu_capability()
-    key += f" -march={target_arch()}"
-    included = b"".join(path.read_bytes() for path in _local_includes(source))
-    return hashlib.sha256(key.encode() + included).hexdigest()[:10]
-
-
-def target_arch() -> str:
-    """The -march the kernels are built for: this CPU's, unless PKV_CPU_ARCH says less."""
-    arch = os.environ.get("PKV_CPU_ARCH", "native")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", arch):
-        raise ValueError(f"PKV_CPU_ARCH={arch!r} is not a -march value (e.g. x86-64-v3)")
-    return arch
+def kernels(flavour: str | None = None) -> Any:
+    """The kernels module for `flavour` (default: `selected_flavour()`); compiled the first
+    time (about a minute) and cached by torch after that."""
+    return _kernels(flavour or selected_flavour())
 
 
 @lru_cache(maxsize=None)
-def build(source_name: str, what: str) -> Any:
-    """Compile (first time only, about a minute) and import csrc/`source_name`."""
+def _kernels(flavour: str) -> Any:
     from rich.console import Console
     from torch.utils.cpp_extension import load
 
-    source = CSRC / source_name
-    reasons = unusable_reasons(source)
+    if flavour not in runnable_flavours():
+        raise ValueError(f"this CPU cannot run {flavour} code")
+    reasons = unusable_reasons()
     if reasons:
-        raise RuntimeError(f"cannot build the {what}: {'; '.join(reasons)}")
-    name = f"pkv_{source.stem}_{_build_key(source)}"
-    with Console(stderr=True).status(f"building the {what} (cached after once)"):
-        return load(name=name, sources=[str(source)],
-                    extra_cflags=["-O3", "-fopenmp", f"-march={target_arch()}"],
+        raise RuntimeError(f"cannot build the CPU kernels: {'; '.join(reasons)}")
+    flags = compile_flags(flavour)
+    name = f"pkv_kernels_{flavour}_{_source_hash(flags)}"
+    with Console(stderr=True).status(f"building the CPU kernels for {flavour} (cached after once)"):
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def build_or_none(source_name: str, what: str) -> Any:
-    """`build`, or None with a logged warning where nothing can build it (callers then
+def kernels_or_none(flavour: str | None = None) -> Any:
+    """`kernels`, or None with a logged warning where nothing can build them (callers then
     compute the same in torch)."""
-    import logging
-
     try:
-        return build(source_name, what)
+        return kernels(flavour)
+    except ValueError:
+        raise  # a PKV_CPU_ISA this CPU cannot run is the user's to fix, not to fall back from
     except Exception as exc:  # no compiler, no ninja, a failed build
-        logging.getLogger("pkv.kernels").warning("%s unavailable (%s); using torch", what, exc)
+        logging.getLogger("pkv.kernels").warning("CPU kernels unavailable (%s); using torch", exc)
         return None

@@ -1,6 +1,6 @@
 """`cpu` attention backend: a C++ kernel (csrc/paged_attention_cpu.cpp) that writes the
-step's K/V into their slots and reads K/V straight through the block tables, built once with
-torch.utils.cpp_extension and cached."""
+step's K/V into their slots and reads K/V straight through the block tables, built once (with
+the other CPU kernels, for this CPU's ISA flavour) and cached."""
 
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ from pkv.core.attention import AttentionMetadata
 from pkv.plugins import cpp_build
 from pkv.plugins.attention.torch_backend import TorchAttentionBackend
 
-SOURCE = "paged_attention_cpu.cpp"
-
-
 def unusable_reasons(device: str) -> list[str]:
     """Why the kernel cannot be built here (empty: it can)."""
-    return cpp_build.unusable_reasons(cpp_build.CSRC / SOURCE)
+    return cpp_build.unusable_reasons()
 
 
 def load_kernel() -> Any:
-    return cpp_build.build(SOURCE, "CPU attention kernel")
+    return cpp_build.kernels()
 
 
 class CPUAttentionBackend(TorchAttentionBackend):

@@ -83,4 +83,4 @@ def _cpu_kernel() -> Any:
     """The compiled kernel, or None (with a warning) where nothing can build it."""
     from pkv.plugins import cpp_build
 
-    return cpp_build.build_or_none("int8_cpu.cpp", "int8 CPU kernel")
+    return cpp_build.kernels_or_none()

@@ -15,7 +15,7 @@ from pkv.core.layers.rotary import RotaryEmbedding
 from pkv.core.parallel import single_rank_plan
 from pkv.plugins import cpp_build
 
-OPS = cpp_build.build_or_none("layer_ops_cpu.cpp", "CPU layer kernels")
+OPS = cpp_build.kernels_or_none()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain to build the kernels")
 
 

@@ -175,7 +175,7 @@ def test_gemma_rms_norm_scales_by_one_plus_weight(with_kernel: bool):
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(-0.5, 0.5, 16))
     if with_kernel:
-        norm.kernel = cpp_build.build_or_none("layer_ops_cpu.cpp", "CPU layer kernels")
+        norm.kernel = cpp_build.kernels_or_none()
         if norm.kernel is None:
             pytest.skip("no C++ compiler: the layer kernels are absent")
     x, residual = torch.randn(5, 16), torch.randn(5, 16)

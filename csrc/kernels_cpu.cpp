@@ -1,0 +1,38 @@
+// Every CPU kernel in one extension module, built once per ISA flavour (plugins/cpp_build.py):
+// one compile of torch's headers instead of one per kernel file, which is what lets the tests
+// build and check every flavour the machine can run.
+#include <torch/extension.h>
+
+#include "awq_cpu.cpp"
+#include "int8_cpu.cpp"
+#include "layer_ops_cpu.cpp"
+#include "paged_attention_cpu.cpp"
+#include "decoder_cpu.cpp"
+
+// module_local: each flavour's module registers its own CpuDecoder type, and a process may load
+// several (the tests load every flavour the CPU runs).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = kIsa;
+  m.attr("lanes") = kLanes;
+
+  m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
+  m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
+  m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
+
+  m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
+  m.def("int8_dequantize", &int8::int8_dequantize, "int8 codes to a float32 W^T [K, N]");
+
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
+  m.def("head_rms_norm", &head_rms_norm, "RMSNorm of each head of [T, H, D] into out");
+  m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up into out");
+
+  m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
+
+  pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor>())
+      .def("add_layer", &CpuDecoder::add_layer)
+      .def("forward", &CpuDecoder::forward);
+}
