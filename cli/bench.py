@@ -450,10 +450,11 @@ def soak(
 def decoder_path(engine: Any) -> str:
     """Which code computes the decoder layers: the C++ stack, or the Python loop and why."""
     from pkv.core.fused_decoder import fused_decoder_gaps
+    from pkv.plugins.cpp_build import selected_flavour
 
     model = engine.runner.model
     if model.model.fused is not None:
-        return "fused C++ decoder stack (csrc/decoder_cpu.cpp)"
+        return f"fused C++ decoder stack (csrc/decoder_cpu.cpp, {selected_flavour()} kernels)"
     gaps = fused_decoder_gaps(model) or ["linears not on the C++ kernels (dtype, device or "
                                          "weight format)"]
     return f"Python layer loop ({model.config.architecture}: {'; '.join(gaps)})"

@@ -12,8 +12,11 @@ _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni
 
 
 def cpu_summary() -> str:
-    """'<model> | torch: <capability> | flags: ...' for the machine this runs on."""
+    """'<model> | kernels: <ISA flavour> | torch: <capability> | flags: ...' for the machine
+    this runs on (the flavour pkv's C++ kernels are built for: PKV_CPU_ISA, or the best)."""
     import torch
+
+    from pkv.plugins.cpp_build import selected_flavour
 
     model, flags = platform.processor() or platform.machine(), set()
     cpuinfo = Path("/proc/cpuinfo")
@@ -27,4 +30,4 @@ def cpu_summary() -> str:
                 flags = set(value.split())
     capability = torch.backends.cpu.get_cpu_capability()
     shown = " ".join(f for f in _FLAGS if f in flags) or "none of interest"
-    return f"{model} | torch: {capability} | flags: {shown}"
+    return f"{model} | kernels: {selected_flavour()} | torch: {capability} | flags: {shown}"

@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pkv.cli.errors import user_errors
+
 console = Console()
 
 
@@ -43,3 +45,21 @@ def plugins(
     for name, spec in sorted(registry.weight_loaders.items()):
         loaders.add_row(name, spec.description, spec.target)
     console.print(loaders)
+    with user_errors():
+        console.print(_kernel_flavours())
+
+
+def _kernel_flavours() -> Table:
+    """The ISA flavours of the C++ kernels: which this CPU runs, and which one runs."""
+    from pkv.plugins import cpp_build
+
+    selected = cpp_build.selected_flavour()
+    runnable = cpp_build.runnable_flavours()
+    table = Table(title="C++ CPU kernels (PKV_CPU_ISA picks the flavour)")
+    for column in ("flavour", "compile flags", "this CPU runs it", "selected"):
+        table.add_column(column)
+    for flavour in cpp_build.FLAVOURS:
+        table.add_row(flavour, " ".join(cpp_build.compile_flags(flavour)),
+                      "[green]yes[/]" if flavour in runnable else "[red]no[/]",
+                      "[bold]<- runs[/]" if flavour == selected else "")
+    return table

@@ -45,18 +45,20 @@ def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def runnable_flavours() -> list[str]:
-    """The ISA flavours this CPU executes, best first (`generic` runs everywhere)."""
+def runnable_flavours(flags: set[str] | None = None) -> list[str]:
+    """The ISA flavours a CPU with these /proc/cpuinfo flags (default: this CPU's) executes,
+    best first; `generic` runs everywhere."""
     if not _is_x86():
         return ["generic"]
-    flags = _cpu_flags()
+    flags = _cpu_flags() if flags is None else flags
     return [f for f in FLAVOURS if all(flag in flags for flag in _X86_NEEDS[f])]
 
 
-def selected_flavour() -> str:
-    """`PKV_CPU_ISA` if set (checked against this CPU), else the best flavour it runs."""
+def selected_flavour(runnable: list[str] | None = None) -> str:
+    """`PKV_CPU_ISA` if set (checked against the runnable flavours, default this CPU's), else
+    the best flavour the CPU runs."""
     chosen = os.environ.get("PKV_CPU_ISA", "").strip().lower()
-    runnable = runnable_flavours()
+    runnable = runnable_flavours() if runnable is None else runnable
     if not chosen or chosen == "auto":
         return runnable[0]
     if chosen not in FLAVOURS:

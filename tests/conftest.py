@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pkv.core.model_loader import bundled_model_path
+from pkv.plugins import cpp_build
 from pkv.tests.helpers import build_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -23,6 +24,28 @@ if "PKV_CACHE_DIR" not in os.environ:
     # Converted models go to a cache of this run only (workers inherit it), never ~/.cache.
     os.environ["PKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="pkv-test-cache-")
     atexit.register(shutil.rmtree, os.environ["PKV_CACHE_DIR"], ignore_errors=True)
+
+# Every ISA flavour of the C++ kernels this CPU executes (AVX2 code runs on AVX-512 CPUs), so
+# one machine checks what AVX2-only and baseline machines will run; none without a toolchain.
+KERNEL_FLAVOURS = [] if cpp_build.unusable_reasons() else cpp_build.runnable_flavours()
+
+
+@pytest.fixture(params=KERNEL_FLAVOURS or [None])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test once per kernel flavour, with PKV_CPU_ISA set so engines use it too."""
+    if request.param is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    monkeypatch.setenv("PKV_CPU_ISA", request.param)
+    return request.param
+
+
+@pytest.fixture
+def cpu_kernels(isa: str):  # noqa: ANN201 - the compiled module
+    """The kernels module of each flavour in turn."""
+    kernels = cpp_build.kernels(isa)
+    assert kernels.isa.startswith(isa)
+    return kernels
+
 
 # Prompts of different lengths (3 to ~60 tokens) for batched parity runs.
 PROMPTS = [

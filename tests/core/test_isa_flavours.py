@@ -1,0 +1,67 @@
+"""The ISA flavours of the C++ kernels (plugins/cpp_build.py): which a CPU runs, how
+PKV_CPU_ISA picks one, and greedy parity with transformers through the fused C++ decoder stack
+under every flavour this machine executes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pkv.cli.cpu_info import cpu_summary
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.plugins import cpp_build
+from pkv.tests.helpers import check_matches_transformers, parity_prompts
+
+AVX512_CPU = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c",
+              "bmi1", "bmi2", "movbe", "abm"}
+ZEN3_CPU = AVX512_CPU - {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.skipif(not cpp_build._is_x86(), reason="x86 flags; other CPUs run generic only")
+def test_runnable_flavours_follow_the_cpu_flags():
+    assert cpp_build.runnable_flavours(AVX512_CPU) == ["avx512", "avx2", "generic"]
+    assert cpp_build.runnable_flavours(ZEN3_CPU) == ["avx2", "generic"]
+    assert cpp_build.runnable_flavours(ZEN3_CPU - {"fma"}) == ["generic"]
+
+
+def test_pkv_cpu_isa_picks_a_flavour_the_cpu_runs(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("PKV_CPU_ISA", raising=False)
+    assert cpp_build.selected_flavour(["avx2", "generic"]) == "avx2"
+    monkeypatch.setenv("PKV_CPU_ISA", "generic")
+    assert cpp_build.selected_flavour(["avx2", "generic"]) == "generic"
+    monkeypatch.setenv("PKV_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="cannot run it .it runs avx2, generic"):
+        cpp_build.selected_flavour(["avx2", "generic"])
+    monkeypatch.setenv("PKV_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="choose one of auto, avx512, avx2, generic"):
+        cpp_build.selected_flavour()
+
+
+def test_flavours_build_apart_and_name_themselves(cpu_kernels, isa: str):
+    assert cpu_kernels.isa.startswith(isa)
+    assert cpu_kernels.lanes == {"avx512": 16, "avx2": 8, "generic": 4}[isa]
+    assert f"kernels: {isa}" in cpu_summary()
+
+
+def test_bad_pkv_cpu_isa_is_one_line_in_the_cli(monkeypatch: pytest.MonkeyPatch):
+    from typer.testing import CliRunner
+
+    from pkv.cli.main import app
+
+    result = CliRunner().invoke(app, ["plugins"], env={"PKV_CPU_ISA": "avx1024"})
+    assert result.exit_code == 2
+    assert "PKV_CPU_ISA='avx1024'" in result.output and "Traceback" not in result.output
+
+
+def test_greedy_parity_with_transformers_under_each_flavour(tiny_llama_dir: Path, isa: str):
+    # The first of check_matches_transformers' runs takes the fused C++ stack; one prompt is
+    # long enough for the blockwise prefill attention.
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4MiB"),
+                       show_progress=False)
+    assert engine.runner.model.model.fused is not None
+    assert engine.runner.model.model.norm.kernel is cpp_build.kernels(isa)
+    engine.shutdown()
+    long_prompt = [(7 * i) % 500 + 3 for i in range(150)]
+    check_matches_transformers(tiny_llama_dir, prompts=parity_prompts() + [long_prompt])
