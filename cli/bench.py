@@ -152,6 +152,11 @@ def _run_offline(o: dict[str, Any]) -> None:
         result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"])
         if b in rooflines:
             result.roofline_tps = rooflines[b].tokens_per_s
+            from pkv.cli.bench_roofline import measure_prefill
+
+            chunk = engine.max_num_batched_tokens
+            result.prefill_roofline_tps = measure_prefill(
+                engine.model_config, [len(p) for p in prompts], chunk).tokens_per_s
         other = None
         if hf_model is not None:
             other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
@@ -169,6 +174,7 @@ def _run_offline(o: dict[str, Any]) -> None:
         console.print(f"decoder path: {decoder_path(engine)}")
     if rooflines:
         console.print(report.roofline_table([r for r, _ in runs]))
+        console.print(report.prefill_roofline_table([r for r, _ in runs]))
     if engine.workers is not None:
         ranks = [os.getpid(), *engine.workers.pids]
         console.print("per-rank peak RSS: " + ", ".join(

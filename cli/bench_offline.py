@@ -39,6 +39,8 @@ class BenchResult:
     decode_s: float = 0.0  # and those steps' time
     profile_ms: dict[str, float] | None = None  # mean ms per step by phase (--profile)
     roofline_tps: float | None = None  # the GEMM roofline at this batch (--roofline)
+    prefill_s: float = 0.0  # time of the steps that prefilled something
+    prefill_roofline_tps: float | None = None  # of this workload's prefill (--roofline)
 
     @property
     def decode_tps(self) -> float:
@@ -48,6 +50,18 @@ class BenchResult:
     @property
     def roofline_pct(self) -> float | None:
         return 100 * self.decode_tps / self.roofline_tps if self.roofline_tps else None
+
+    @property
+    def prefill_tps(self) -> float:
+        """Prompt tokens computed per second of the steps that prefilled (decode tokens those
+        steps carried included in the time: a pure prefill has none)."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def prefill_roofline_pct(self) -> float | None:
+        if not self.prefill_roofline_tps:
+            return None
+        return 100 * self.prefill_tps / self.prefill_roofline_tps
 
     @property
     def output_tps(self) -> float:
@@ -72,7 +86,9 @@ class BenchResult:
                 "mean_ttft_ms": 1000 * self.mean_ttft_s, "max_itl_ms": 1000 * self.max_itl_s,
                 "decode_throughput": self.decode_tps,
                 "profile_ms_per_step": self.profile_ms, "roofline_tokens_per_s": self.roofline_tps,
-                "roofline_pct": self.roofline_pct}
+                "roofline_pct": self.roofline_pct, "prefill_throughput": self.prefill_tps,
+                "prefill_roofline_tokens_per_s": self.prefill_roofline_tps,
+                "prefill_roofline_pct": self.prefill_roofline_pct}
 
 
 def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: int,
@@ -133,6 +149,8 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             if engine.scheduler.num_prefill_tokens == prefilled:
                 result.decode_tokens += len(outputs)
                 result.decode_s += now - step_start
+            else:
+                result.prefill_s += now - step_start
             for output in outputs:
                 rid = output.request_id
                 if rid in last_token:

@@ -65,6 +65,19 @@ def roofline_table(results: list[BenchResult]) -> Table:
     return table
 
 
+def prefill_roofline_table(results: list[BenchResult]) -> Table:
+    table = Table(title="pkv bench --roofline: prefill tokens/s vs the float32 GEMM roofline "
+                        "of the prompts' FLOPs (linears and attention)")
+    for column in ("batch", "prompt tokens", "pkv prefill tok/s", "roofline tok/s",
+                   "% of roofline"):
+        table.add_column(column, justify="right")
+    for r in results:
+        if r.prefill_roofline_tps and r.prefill_s:
+            table.add_row(str(r.batch), str(r.prefill_tokens), f"{r.prefill_tps:.1f}",
+                          f"{r.prefill_roofline_tps:.1f}", f"{r.prefill_roofline_pct:.0f}%")
+    return table
+
+
 def serve_table(summaries: list[dict[str, Any]], url: str) -> Table:
     table = Table(title=f"pkv bench serve: {url}")
     columns = ["concurrency", "done", "req/s", "out tok/s", "goodput"]

@@ -1,4 +1,5 @@
-"""`pkv bench --roofline`: the float32 GEMM roofline of one decode step, measured here.
+"""`pkv bench --roofline`: the float32 GEMM roofline of a decode step and of a prefill,
+measured here.
 
 For a batch of B sequences a decode step multiplies B rows through every linear layer of the
 model and its LM head. This times exactly those GEMMs (the model's own shapes, one weight
@@ -6,6 +7,12 @@ copy per layer so the weights stream from memory as in a real step), with both G
 has on CPU (MKL on plain weights, oneDNN on packed ones), and keeps the faster per shape.
 B / that time is the throughput a step made of nothing but GEMMs would reach: attention,
 norms, sampling and the engine all come on top, so a real engine stays below it.
+
+A prefill's roofline counts its FLOPs: the linears at the rows of each chunk the scheduler
+runs (`max_num_batched_tokens`), the LM head on each prompt's last token, and causal
+attention (QK^T and PV: 4 x head_dim x heads multiply-adds per query per key it sees), all at
+the FLOP rate the linears' GEMMs reach at that chunk size. Prompt tokens / that time is what a
+prefill made of nothing but GEMM-speed matrix products would reach.
 """
 
 from __future__ import annotations
@@ -95,3 +102,51 @@ def measure(cfg: ModelConfig, batches: list[int], repeat: int = 3) -> dict[int, 
                 progress.advance(task)
             results[batch] = Roofline(batch, step_s, flops)
     return results
+
+
+@dataclass
+class PrefillRoofline:
+    tokens: int
+    step_s: float  # the whole prefill at GEMM speed
+    flops: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+
+def _chunks(prompt_lens: list[int], chunk: int) -> list[int]:
+    """The rows of each prefill step: the prompts back to back, `chunk` tokens a step."""
+    total = sum(prompt_lens)
+    return [min(chunk, total - start) for start in range(0, total, chunk)]
+
+
+def attention_flops(cfg: ModelConfig, prompt_len: int) -> float:
+    """Causal attention FLOPs of one prompt over all layers (no sliding window)."""
+    keys_seen = prompt_len * (prompt_len + 1) / 2
+    return 4.0 * cfg.head_dim * cfg.num_attention_heads * keys_seen * cfg.num_hidden_layers
+
+
+@torch.inference_mode()
+def measure_prefill(cfg: ModelConfig, prompt_lens: list[int], chunk: int,
+                    repeat: int = 3) -> PrefillRoofline:
+    """The GEMM roofline of prefilling these prompts in steps of `chunk` tokens."""
+    linears = [s for s in gemm_shapes(cfg) if s.name != "lm_head"]
+    head = next(s for s in gemm_shapes(cfg) if s.name == "lm_head")
+    flops_per_row = sum(2.0 * s.in_features * s.out_features * s.count for s in linears)
+    steps = _chunks(prompt_lens, chunk)
+    rate: dict[int, float] = {}  # FLOP/s of the linears at each chunk size
+    with make_progress() as progress:
+        task = progress.add_task("prefill roofline", total=len(set(steps)), info="")
+        for rows in sorted(set(steps)):
+            # Prefill GEMMs are compute-bound: time one weight per shape, count it `count` times.
+            seconds = sum(_shape_time(GemmShape(s.name, s.in_features, s.out_features, 1), rows,
+                                      repeat) * s.count for s in linears)
+            rate[rows] = rows * flops_per_row / seconds
+            progress.advance(task)
+    linear_s = sum(rows * flops_per_row / rate[rows] for rows in steps)
+    # Attention and the LM head at the rate of the largest chunk's GEMMs.
+    other = (sum(attention_flops(cfg, n) for n in prompt_lens)
+             + 2.0 * len(prompt_lens) * head.in_features * head.out_features)
+    return PrefillRoofline(sum(prompt_lens), linear_s + other / rate[max(steps)],
+                           sum(steps) * flops_per_row + other)

@@ -100,3 +100,32 @@ def test_soak_verdict_names_each_problem():
                   "RSS outside the KV pool grew 300 MiB", "open files grew 10 -> 30",
                   "p99 TTFT drifted up"):
         assert words in problems
+
+
+def test_roofline_covers_prefill(tmp_path: Path, tiny_llama_dir: Path):
+    out = tmp_path / "roof.json"
+    result = _bench(str(tiny_llama_dir), "--batch", "1", "--num-prompts", "2", "--input-len",
+                    "40", "--output-len", "1", "--warmup", "0", "--kv-cache-memory", "8MiB",
+                    "--max-num-batched-tokens", "32", "--roofline", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    run = json.loads(out.read_text())
+    assert run["prefill_throughput"] > 0 and run["prefill_roofline_tokens_per_s"] > 0
+    assert run["prefill_roofline_pct"] == pytest.approx(
+        100 * run["prefill_throughput"] / run["prefill_roofline_tokens_per_s"])
+    assert "prefill tokens/s vs the float32 GEMM roofline" in result.output
+
+
+def test_prefill_roofline_counts_linears_attention_and_head(tiny_llama_dir: Path):
+    from pkv.cli.bench_roofline import attention_flops, gemm_shapes, measure_prefill
+    from pkv.core.model_loader import open_model
+
+    cfg = open_model(str(tiny_llama_dir)).config
+    roof = measure_prefill(cfg, [40, 25], chunk=32, repeat=1)
+    per_row = sum(2.0 * s.in_features * s.out_features * s.count
+                  for s in gemm_shapes(cfg) if s.name != "lm_head")
+    head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    assert attention_flops(cfg, 3) == 4.0 * cfg.head_dim * cfg.num_attention_heads * 6 * \
+        cfg.num_hidden_layers  # 1 + 2 + 3 keys seen
+    expected = 65 * per_row + attention_flops(cfg, 40) + attention_flops(cfg, 25) + 2 * head
+    assert roof.flops == pytest.approx(expected) and roof.tokens == 65
+    assert roof.tokens_per_s > 0

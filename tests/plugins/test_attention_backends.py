@@ -68,7 +68,8 @@ def test_expected_backends_are_usable_here():
 @pytest.mark.parametrize("head_dim", [16, 40, 128])  # vector paths (16, 128) and scalar (40)
 @pytest.mark.parametrize("seqs", [[(70, 1)], [(3, 1), (50, 1)], [(20, 1)] * 9],
                          ids=["one-token", "two-tokens", "nine-tokens"])
-def test_cpu_kernel_head_sizes_and_work_splits(head_dim: int, seqs: list[tuple[int, int]]):
+def test_cpu_kernel_head_sizes_and_work_splits(head_dim: int, seqs: list[tuple[int, int]],
+                                               isa: str):
     # One or two tokens split work per (token, KV head), more per token: both must agree.
     backend = select_attention_backend("cpu", "cpu")
     q, k, v, k_cache, v_cache, meta = random_paged_layout(seqs, 16, 12, 3, head_dim, seed=head_dim)

@@ -70,6 +70,18 @@ def _dense_reference(q, k, v, k_cache, v_cache, meta, window: int | None,
 def test_window_and_soft_cap_match_dense_reference(backend_name: str, window: int | None,
                                                    cap: float | None, block_size: int,
                                                    head_dim: int, layout: str):
+    _check_backend(backend_name, window, cap, block_size, head_dim, layout)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
+@pytest.mark.parametrize("head_dim", [16, 24])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cpu_window_and_soft_cap_under_each_flavour(isa: str, head_dim: int, layout: str):
+    _check_backend("cpu", 5, 3.0, 4, head_dim, layout)
+
+
+def _check_backend(backend_name: str, window: int | None, cap: float | None, block_size: int,
+                   head_dim: int, layout: str) -> None:
     backend = select_attention_backend(backend_name, DEVICE)
     q, k, v, k_cache, v_cache, meta = random_paged_layout(
         LAYOUTS[layout], block_size, HEADS, KV_HEADS, head_dim, seed=head_dim + block_size,
