@@ -4,6 +4,9 @@ under every flavour this machine executes."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,22 @@ def test_greedy_parity_with_transformers_under_each_flavour(tiny_llama_dir: Path
     engine.shutdown()
     long_prompt = [(7 * i) % 500 + 3 for i in range(150)]
     check_matches_transformers(tiny_llama_dir, prompts=parity_prompts() + [long_prompt])
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
+def test_kernels_cross_compile_for_aarch64_neon(tmp_path: Path):
+    # The generic flavour is what ARM machines build (-march=armv8-a: NEON vectors of 4).
+    from torch.utils.cpp_extension import include_paths
+
+    obj = tmp_path / "kernels_arm.o"
+    command = ["aarch64-linux-gnu-g++", "-std=c++20", "-O2", "-march=armv8-a", "-fopenmp",
+               "-fPIC", "-DTORCH_EXTENSION_NAME=pkv_kernels_neon",
+               *(f"-I{p}" for p in include_paths()),
+               f"-I{sysconfig.get_paths()['include']}", "-c", str(cpp_build.SOURCE),
+               "-o", str(obj)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = obj.read_bytes()
+    assert data[:4] == b"\x7fELF" and int.from_bytes(data[18:20], "little") == 183  # AArch64
+    assert b"generic (NEON)" in data
