@@ -144,66 +144,68 @@ namespace prefill {
 constexpr int64_t kMinRun = 16;  // shorter runs (and decodes) take the per-token path
 constexpr int64_t kTileK = 128;  // keys per tile
 
-// Register blocking of the two products, per flavour: S^T tiles of kSR keys x kSC 16-column
-// chunks, O tiles of kPR rows x kPC 16-float chunks of D (accumulators: 16 zmm on AVX-512,
-// 12 ymm on AVX2, 8 xmm on SSE2/NEON).
+// The products work on native vectors (vfn: kLanes floats), which GCC keeps in registers
+// better than arrays of vf16. Register blocking per flavour: S^T tiles of kSR keys x kSC
+// vectors of columns, O tiles of kPR rows x kPC vectors of D (accumulators: 16-24 zmm on
+// AVX-512, 12 ymm on AVX2, 8 xmm on SSE2/NEON).
 #if defined(__AVX512F__)
-constexpr int kSR = 8, kSC = 2, kPR = 4, kPC = 4;
+constexpr int kSR = 8, kSC = 2, kPR = 6, kPC = 4;
 #elif defined(__AVX__)
-constexpr int kSR = 6, kSC = 1, kPR = 6, kPC = 1;
+constexpr int kSR = 6, kSC = 2, kPR = 6, kPC = 2;
 #else
-constexpr int kSR = 2, kSC = 1, kPR = 2, kPC = 1;
+constexpr int kSR = 2, kSC = 4, kPR = 2, kPC = 4;
 #endif
 
-inline vf16 vmax(vf16 a, vf16 b) {
-  for (int i = 0; i < kParts; ++i) a.p[i] = a.p[i] > b.p[i] ? a.p[i] : b.p[i];
-  return a;
+inline vfn loadv(const float* p) {
+  vfn v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// st[r * MP + 16c ...] = sum_d key[r][d] * qt[d * MP + 16c ...] for r < MR, c < NC.
+inline void storev(float* p, vfn v) { std::memcpy(p, &v, sizeof(v)); }
+
+// st[r * MP + kLanes * c ...] = sum_d key[r][d] * qt[d * MP + kLanes * c ...], r < MR, c < NC.
 template <int MR, int NC>
 static inline void s_tile(const float* const* key, const float* qt, int64_t MP, int64_t D,
                           float* st) {
-  vf16 acc[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = vf16{};
+  vfn acc[MR][NC] = {};
   const float* kr[MR];
   for (int r = 0; r < MR; ++r) kr[r] = key[r];
   for (int64_t d = 0; d < D; ++d) {
-    vf16 qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = load16(qt + d * MP + 16 * c);
+    vfn qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = loadv(qt + d * MP + kLanes * c);
     for (int r = 0; r < MR; ++r) {
       const float kv = kr[r][d];
       for (int c = 0; c < NC; ++c) acc[r][c] += kv * qv[c];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) store16(st + r * MP + 16 * c, acc[r][c]);
+    for (int c = 0; c < NC; ++c) storev(st + r * MP + kLanes * c, acc[r][c]);
 }
 
-// o[r * D + 16c ...] = o[...] * corr[r] + sum_{j < n} pt[j * MP + r] * val[j][16c ...].
+// o[r * D + kLanes * c ...] = o[...] * corr[r] + sum_{j < n} pt[j * MP + r] * val[j][kLanes * c ...].
 template <int MR, int NC>
 static inline void pv_tile(const float* const* val, int64_t n, const float* pt, int64_t MP,
                            const float* corr, float* o, int64_t D) {
-  vf16 acc[MR][NC];
+  vfn acc[MR][NC];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = load16(o + r * D + 16 * c) * corr[r];
+    for (int c = 0; c < NC; ++c) acc[r][c] = loadv(o + r * D + kLanes * c) * corr[r];
   for (int64_t j = 0; j < n; ++j) {
-    vf16 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load16(val[j] + 16 * c);
+    vfn vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = loadv(val[j] + kLanes * c);
     for (int r = 0; r < MR; ++r) {
       const float p = pt[j * MP + r];
       for (int c = 0; c < NC; ++c) acc[r][c] += p * vv[c];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) store16(o + r * D + 16 * c, acc[r][c]);
+    for (int c = 0; c < NC; ++c) storev(o + r * D + kLanes * c, acc[r][c]);
 }
 
-// S^T [n keys x MP columns] = K Q^T.
+// S^T [n keys x MP columns] = K Q^T (MP: a multiple of 32).
 static void scores(const float* const* key, int64_t n, const float* qt, int64_t MP, int64_t D,
                    float* st) {
-  for (int64_t c = 0; c + kSC * 16 <= MP; c += kSC * 16) {
+  for (int64_t c = 0; c < MP; c += kSC * kLanes) {
     int64_t j = 0;
     for (; j + kSR <= n; j += kSR) s_tile<kSR, kSC>(key + j, qt + c, MP, D, st + j * MP + c);
     for (; j < n; ++j) s_tile<1, kSC>(key + j, qt + c, MP, D, st + j * MP + c);
@@ -215,13 +217,13 @@ static void accumulate(const float* const* val, int64_t n, const float* pt, int6
                        int64_t M, const float* corr, float* o, int64_t D) {
   const float* vrow[kTileK];
   int64_t d = 0;
-  for (; d + kPC * 16 <= D; d += kPC * 16) {
+  for (; d + kPC * kLanes <= D; d += kPC * kLanes) {
     for (int64_t j = 0; j < n; ++j) vrow[j] = val[j] + d;
     int64_t r = 0;
     for (; r + kPR <= M; r += kPR) pv_tile<kPR, kPC>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
     for (; r < M; ++r) pv_tile<1, kPC>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
   }
-  for (; d < D; d += 16) {  // D / 16 not a multiple of kPC
+  for (; d < D; d += kLanes) {  // D / kLanes not a multiple of kPC
     for (int64_t j = 0; j < n; ++j) vrow[j] = val[j] + d;
     int64_t r = 0;
     for (; r + kPR <= M; r += kPR) pv_tile<kPR, 1>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
@@ -235,9 +237,46 @@ struct Item {
 
 struct Buffers {
   std::vector<float> qt, st, o, m, l, corr;
-  std::vector<int64_t> lo, len;
+  std::vector<float> lo, len;  // per row: its keys are [lo, len) (exact: below 2^24)
   std::vector<const float*> key, val;
 };
+
+// Online softmax over a tile's scores S^T [n x MP] (keys k0 ...), kLanes rows (columns) at a
+// time: running max m and sum l per row, corr = exp(m_old - m_new) for the accumulators, and
+// st overwritten with P^T. Masked: keys outside a row's [lo, len) get probability 0.
+template <bool kMasked>
+static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& b) {
+  const vfn ninf = vfn{} - std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < MP; c += kLanes) {
+    vfn lo{}, len{};
+    if (kMasked) lo = loadv(b.lo.data() + c), len = loadv(b.len.data() + c);
+    vfn mx = ninf;
+    for (int64_t j = 0; j < n; ++j) {
+      vfn x = loadv(st + j * MP + c);
+      if (kMasked) {
+        const vfn pos = vfn{} + static_cast<float>(k0 + j);
+        x = (pos >= lo) & (pos < len) ? x : ninf;
+      }
+      mx = mx > x ? mx : x;
+    }
+    const vfn m_old = loadv(b.m.data() + c);
+    const vfn m_new = m_old > mx ? m_old : mx;  // finite: m starts at -1e30
+    vfn sum{};
+    for (int64_t j = 0; j < n; ++j) {
+      vfn p = vexp(loadv(st + j * MP + c) - m_new);
+      if (kMasked) {
+        const vfn pos = vfn{} + static_cast<float>(k0 + j);
+        p = (pos >= lo) & (pos < len) ? p : vfn{};
+      }
+      storev(st + j * MP + c, p);
+      sum += p;
+    }
+    const vfn corr = vexp(m_old - m_new);
+    storev(b.corr.data() + c, corr);
+    storev(b.l.data() + c, loadv(b.l.data() + c) * corr + sum);
+    storev(b.m.data() + c, m_new);
+  }
+}
 
 // One item: tokens [t0, t0 + tokens) of one run (kv_lens rising by one), KV head kh.
 static void attend_item(const Item& it, const float* qp, int64_t QS, const float* kp,
@@ -263,16 +302,20 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
     const float* qrow = qp + (it.t0 + i) * QS + it.kh * G * D;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t m = i * G + g;
-      b.lo[m] = lo;
-      b.len[m] = n;
+      b.lo[m] = static_cast<float>(lo);
+      b.len[m] = static_cast<float>(n);
       for (int64_t d = 0; d < D; ++d) qt[d * MP + m] = qrow[g * D + d] * scale;
     }
   }
   for (int64_t m = M; m < MP; ++m) b.lo[m] = b.lo[M - 1], b.len[m] = b.len[M - 1];
   // Keys any row sees: [first row's window start, last row's length). Rows see all of a
   // tile when it lies in [last row's window start, first row's length).
-  const int64_t k_begin = b.lo[0], k_end = b.len[M - 1];
-  const int64_t full_lo = b.lo[M - 1], full_hi = b.len[0];
+  const auto first_key = [&](int64_t len) {
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+  };
+  const int64_t first_len = lens[it.t0], last_len = lens[it.t0 + it.tokens - 1];
+  const int64_t k_begin = first_key(first_len), k_end = last_len;
+  const int64_t full_lo = first_key(last_len), full_hi = first_len;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kTileK) {
     const int64_t n = std::min(kTileK, k_end - k0);
     for (int64_t j = 0; j < n; ++j) {
@@ -283,41 +326,10 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
     }
     scores(b.key.data(), n, qt, MP, D, st);
     if (cap > 0.f) soft_cap16(st, n * MP, cap);
-    const bool masked = k0 < full_lo || k0 + n > full_hi;
-    if (masked) {
-      for (int64_t m = 0; m < MP; ++m) {
-        const int64_t a = std::clamp<int64_t>(b.lo[m] - k0, 0, n);
-        const int64_t e = std::clamp<int64_t>(b.len[m] - k0, 0, n);
-        for (int64_t j = 0; j < a; ++j) st[j * MP + m] = -std::numeric_limits<float>::infinity();
-        for (int64_t j = e; j < n; ++j) st[j * MP + m] = -std::numeric_limits<float>::infinity();
-      }
-    }
-    // Online softmax, 16 rows (columns of S^T) at a time.
-    for (int64_t c = 0; c < MP; c += 16) {
-      vf16 mx = load16(st + c);
-      for (int64_t j = 1; j < n; ++j) mx = vmax(mx, load16(st + j * MP + c));
-      const vf16 m_old = load16(b.m.data() + c);
-      const vf16 m_new = vmax(m_old, mx);
-      vf16 sum{};
-      for (int64_t j = 0; j < n; ++j) {
-        const vf16 p = vexp(load16(st + j * MP + c) - m_new);
-        store16(st + j * MP + c, p);
-        sum += p;
-      }
-      const vf16 corr = vexp(m_old - m_new);
-      store16(b.corr.data() + c, corr);
-      store16(b.l.data() + c, load16(b.l.data() + c) * corr + sum);
-      store16(b.m.data() + c, m_new);
-    }
-    if (masked) {  // exp clamps: masked scores gave ~1e-38, not 0
-      for (int64_t m = 0; m < MP; ++m) {
-        const int64_t a = std::clamp<int64_t>(b.lo[m] - k0, 0, n);
-        const int64_t e = std::clamp<int64_t>(b.len[m] - k0, 0, n);
-        float lost = 0.f;
-        for (int64_t j = 0; j < a; ++j) lost += st[j * MP + m], st[j * MP + m] = 0.f;
-        for (int64_t j = e; j < n; ++j) lost += st[j * MP + m], st[j * MP + m] = 0.f;
-        b.l[m] = std::max(0.f, b.l[m] - lost);
-      }
+    if (k0 < full_lo || k0 + n > full_hi) {
+      softmax_tile<true>(st, n, MP, k0, b);
+    } else {
+      softmax_tile<false>(st, n, MP, k0, b);
     }
     accumulate(b.val.data(), n, st, MP, M, b.corr.data(), b.o.data(), D);
   }

@@ -54,12 +54,22 @@ LAYOUTS = {
 }
 
 
+# (layout, heads, kv heads, head size, window, soft cap): head sizes 64, 48 (a multiple of 16
+# that no flavour's register blocking divides), 16 and 24 (the per-token scalar path)
+CASES = [
+    *[(layout, 6, kvh, 64, 0, 0.0) for layout in LAYOUTS for kvh in (6, 2)],
+    ("cached_prefix", 6, 2, 48, 0, 0.0),
+    ("mixed", 4, 4, 16, 0, 0.0),
+    *[(layout, 6, 2, 64, window, cap) for layout in ("cached_prefix", "mixed")
+      for window, cap in ((37, 0.0), (0, 2.0), (150, 5.0))],
+    ("prefill", 6, 6, 48, 100, 0.0),
+    ("mixed", 6, 2, 24, 37, 2.0),
+]
+
+
 @pytest.mark.parametrize("flavour", cpp_build.runnable_flavours())
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("heads, kv_heads", [(6, 6), (6, 2)], ids=["g1", "g3"])
-@pytest.mark.parametrize("head_dim", [64, 48, 24])
-@pytest.mark.parametrize("window, cap", [(0, 0.0), (37, 0.0), (0, 2.0), (150, 5.0)],
-                         ids=["causal", "window37", "cap2", "window150_cap5"])
+@pytest.mark.parametrize("layout, heads, kv_heads, head_dim, window, cap", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
 def test_prefill_matches_reference(flavour: str, layout: str, heads: int, kv_heads: int,
                                    head_dim: int, window: int, cap: float):
     kernels = cpp_build.kernels(flavour)
