@@ -24,13 +24,14 @@
 //
 // Prefill chunks (runs of at least kMinRun consecutive tokens of one sequence whose kv_lens
 // rise by one, the first possibly after a cached prefix) take a tiled, flash-attention style
-// path instead, when D is a multiple of 16: work items are (run, KV head, tile of kTileQ
+// path instead, when D is a multiple of 16: work items are (run, KV head, tile of 32-64
 // tokens), and an item stacks its G query heads' rows (G * tokens of them, pre-scaled) and
 // walks key tiles of kTileK keys read through the block table, each with two register-blocked
 // matrix products (S = K Q^T, O += P V) and an online softmax per row. K and V rows are read
 // in place from the cache (one pointer per key); only Q is transposed (once per item). Keys
 // before the first row's window or after the last row's position are never read; tiles that
-// some row must not see (the causal diagonal, a window's edge) are masked row by row.
+// some row must not see (the causal diagonal, a window's edge) are masked inside the softmax.
+// Items are handed out dearest first from a shared counter (causal items differ in cost).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -143,6 +144,9 @@ namespace prefill {
 
 constexpr int64_t kMinRun = 16;  // shorter runs (and decodes) take the per-token path
 constexpr int64_t kTileK = 128;  // keys per tile
+
+// Tokens per item: G * tokens rows of about 64-128 (a multiple of 32 but for a run's last).
+inline int64_t tile_tokens(int64_t G) { return G >= 3 ? 32 : 64; }
 
 // The products work on native vectors (vfn: kLanes floats), which GCC keeps in registers
 // better than arrays of vf16. Register blocking per flavour: S^T tiles of kSR keys x kSC
@@ -413,8 +417,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
       int64_t e = t + 1;
       while (e < T && sid[e] == sid[t] && lens[e] == lens[e - 1] + 1) ++e;
       if (e - t >= prefill::kMinRun) {
-        // G * tokens rows per item: about 64-128 rows.
-        const int64_t tq = G >= 3 ? 32 : 64;
+        const int64_t tq = prefill::tile_tokens(G);
         for (int64_t i = t; i < e; i += tq) {
           const int64_t n = std::min(tq, e - i);
           const int64_t span = lens[i + n - 1] - first_key(lens[i]);
