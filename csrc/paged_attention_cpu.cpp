@@ -21,10 +21,22 @@
 // (multiples of 16) take a vectorized path: q and the accumulators live in 16-float vectors,
 // the block's scores are exponentiated 16 at a time (a polynomial exp, ~1 ulp), and each V
 // row is loaded once for all G heads. Other sizes take the scalar loop.
+//
+// Prefill chunks (runs of at least kMinRun consecutive tokens of one sequence whose kv_lens
+// rise by one, the first possibly after a cached prefix) take a tiled, flash-attention style
+// path instead, when D is a multiple of 16: work items are (run, KV head, tile of 32-64
+// tokens), and an item stacks its G query heads' rows (G * tokens of them, pre-scaled) and
+// walks key tiles of kTileK keys read through the block table, each with two register-blocked
+// matrix products (S = K Q^T, O += P V) and an online softmax per row. K and V rows are read
+// in place from the cache (one pointer per key); only Q is transposed (once per item). Keys
+// before the first row's window or after the last row's position are never read; tiles that
+// some row must not see (the causal diagonal, a window's edge) are masked inside the softmax.
+// Items are handed out dearest first from a shared counter (causal items differ in cost).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -126,6 +138,217 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
   std::memcpy(ot + h0 * D, acc, heads * D * sizeof(float));
 }
 
+// ---- Tiled prefill path ------------------------------------------------------------------
+
+namespace prefill {
+
+constexpr int64_t kMinRun = 16;  // shorter runs (and decodes) take the per-token path
+constexpr int64_t kTileK = 128;  // keys per tile
+
+// Tokens per item: G * tokens rows of about 64-128 (a multiple of 32 but for a run's last).
+inline int64_t tile_tokens(int64_t G) { return G >= 3 ? 32 : 64; }
+
+// The products work on native vectors (vfn: kLanes floats), which GCC keeps in registers
+// better than arrays of vf16. Register blocking per flavour: S^T tiles of kSR keys x kSC
+// vectors of columns, O tiles of kPR rows x kPC vectors of D (accumulators: 16-24 zmm on
+// AVX-512, 12 ymm on AVX2, 8 xmm on SSE2/NEON).
+#if defined(__AVX512F__)
+constexpr int kSR = 8, kSC = 2, kPR = 6, kPC = 4;
+#elif defined(__AVX__)
+constexpr int kSR = 6, kSC = 2, kPR = 6, kPC = 2;
+#else
+constexpr int kSR = 2, kSC = 4, kPR = 2, kPC = 4;
+#endif
+
+inline vfn loadv(const float* p) {
+  vfn v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, vfn v) { std::memcpy(p, &v, sizeof(v)); }
+
+// st[r * MP + kLanes * c ...] = sum_d key[r][d] * qt[d * MP + kLanes * c ...], r < MR, c < NC.
+template <int MR, int NC>
+static inline void s_tile(const float* const* key, const float* qt, int64_t MP, int64_t D,
+                          float* st) {
+  vfn acc[MR][NC] = {};
+  const float* kr[MR];
+  for (int r = 0; r < MR; ++r) kr[r] = key[r];
+  for (int64_t d = 0; d < D; ++d) {
+    vfn qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = loadv(qt + d * MP + kLanes * c);
+    for (int r = 0; r < MR; ++r) {
+      const float kv = kr[r][d];
+      for (int c = 0; c < NC; ++c) acc[r][c] += kv * qv[c];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) storev(st + r * MP + kLanes * c, acc[r][c]);
+}
+
+// o[r * D + kLanes * c ...] = o[...] * corr[r] + sum_{j < n} pt[j * MP + r] * val[j][kLanes * c ...].
+template <int MR, int NC>
+static inline void pv_tile(const float* const* val, int64_t n, const float* pt, int64_t MP,
+                           const float* corr, float* o, int64_t D) {
+  vfn acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = loadv(o + r * D + kLanes * c) * corr[r];
+  for (int64_t j = 0; j < n; ++j) {
+    vfn vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = loadv(val[j] + kLanes * c);
+    for (int r = 0; r < MR; ++r) {
+      const float p = pt[j * MP + r];
+      for (int c = 0; c < NC; ++c) acc[r][c] += p * vv[c];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) storev(o + r * D + kLanes * c, acc[r][c]);
+}
+
+// S^T [n keys x MP columns] = K Q^T (MP: a multiple of 32).
+static void scores(const float* const* key, int64_t n, const float* qt, int64_t MP, int64_t D,
+                   float* st) {
+  for (int64_t c = 0; c < MP; c += kSC * kLanes) {
+    int64_t j = 0;
+    for (; j + kSR <= n; j += kSR) s_tile<kSR, kSC>(key + j, qt + c, MP, D, st + j * MP + c);
+    for (; j < n; ++j) s_tile<1, kSC>(key + j, qt + c, MP, D, st + j * MP + c);
+  }
+}
+
+// O [M rows x D] = O * corr + P V, P given as P^T [n x MP].
+static void accumulate(const float* const* val, int64_t n, const float* pt, int64_t MP,
+                       int64_t M, const float* corr, float* o, int64_t D) {
+  const float* vrow[kTileK];
+  int64_t d = 0;
+  for (; d + kPC * kLanes <= D; d += kPC * kLanes) {
+    for (int64_t j = 0; j < n; ++j) vrow[j] = val[j] + d;
+    int64_t r = 0;
+    for (; r + kPR <= M; r += kPR) pv_tile<kPR, kPC>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
+    for (; r < M; ++r) pv_tile<1, kPC>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
+  }
+  for (; d < D; d += kLanes) {  // D / kLanes not a multiple of kPC
+    for (int64_t j = 0; j < n; ++j) vrow[j] = val[j] + d;
+    int64_t r = 0;
+    for (; r + kPR <= M; r += kPR) pv_tile<kPR, 1>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
+    for (; r < M; ++r) pv_tile<1, 1>(vrow, n, pt + r, MP, corr + r, o + r * D + d, D);
+  }
+}
+
+struct Item {
+  int64_t t0, tokens, kh, cost;  // first token, tokens in the tile, KV head, keys x tokens
+};
+
+struct Buffers {
+  std::vector<float> qt, st, o, m, l, corr;
+  std::vector<float> lo, len;  // per row: its keys are [lo, len) (exact: below 2^24)
+  std::vector<const float*> key, val;
+};
+
+// Online softmax over a tile's scores S^T [n x MP] (keys k0 ...), kLanes rows (columns) at a
+// time: running max m and sum l per row, corr = exp(m_old - m_new) for the accumulators, and
+// st overwritten with P^T. Masked: keys outside a row's [lo, len) get probability 0.
+template <bool kMasked>
+static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& b) {
+  const vfn ninf = vfn{} - std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < MP; c += kLanes) {
+    vfn lo{}, len{};
+    if (kMasked) lo = loadv(b.lo.data() + c), len = loadv(b.len.data() + c);
+    vfn mx = ninf;
+    for (int64_t j = 0; j < n; ++j) {
+      vfn x = loadv(st + j * MP + c);
+      if (kMasked) {
+        const vfn pos = vfn{} + static_cast<float>(k0 + j);
+        x = (pos >= lo) & (pos < len) ? x : ninf;
+      }
+      mx = mx > x ? mx : x;
+    }
+    const vfn m_old = loadv(b.m.data() + c);
+    const vfn m_new = m_old > mx ? m_old : mx;  // finite: m starts at -1e30
+    vfn sum{};
+    for (int64_t j = 0; j < n; ++j) {
+      vfn p = vexp(loadv(st + j * MP + c) - m_new);
+      if (kMasked) {
+        const vfn pos = vfn{} + static_cast<float>(k0 + j);
+        p = (pos >= lo) & (pos < len) ? p : vfn{};
+      }
+      storev(st + j * MP + c, p);
+      sum += p;
+    }
+    const vfn corr = vexp(m_old - m_new);
+    storev(b.corr.data() + c, corr);
+    storev(b.l.data() + c, loadv(b.l.data() + c) * corr + sum);
+    storev(b.m.data() + c, m_new);
+  }
+}
+
+// One item: tokens [t0, t0 + tokens) of one run (kv_lens rising by one), KV head kh.
+static void attend_item(const Item& it, const float* qp, int64_t QS, const float* kp,
+                        const float* vp, const int32_t* table, const int32_t* lens,
+                        int64_t window, int64_t H, int64_t D, int64_t BS, int64_t KVH,
+                        int64_t G, float scale, float cap, float* op, Buffers& b) {
+  const int64_t M = it.tokens * G, MP = (M + 31) / 32 * 32, row = KVH * D;
+  b.qt.assign(D * MP, 0.f);
+  b.st.resize(kTileK * MP);
+  b.o.assign(MP * D, 0.f);
+  b.m.assign(MP, -1e30f);  // finite: exp(m_old - m_new) stays a number while rows see nothing
+  b.l.assign(MP, 0.f);
+  b.corr.resize(MP);
+  b.lo.resize(MP);
+  b.len.resize(MP);
+  b.key.resize(kTileK);
+  b.val.resize(kTileK);
+  float* qt = b.qt.data();
+  float* st = b.st.data();
+  for (int64_t i = 0; i < it.tokens; ++i) {
+    const int64_t n = lens[it.t0 + i];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    const float* qrow = qp + (it.t0 + i) * QS + it.kh * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t m = i * G + g;
+      b.lo[m] = static_cast<float>(lo);
+      b.len[m] = static_cast<float>(n);
+      for (int64_t d = 0; d < D; ++d) qt[d * MP + m] = qrow[g * D + d] * scale;
+    }
+  }
+  for (int64_t m = M; m < MP; ++m) b.lo[m] = b.lo[M - 1], b.len[m] = b.len[M - 1];
+  // Keys any row sees: [first row's window start, last row's length). Rows see all of a
+  // tile when it lies in [last row's window start, first row's length).
+  const auto first_key = [&](int64_t len) {
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+  };
+  const int64_t first_len = lens[it.t0], last_len = lens[it.t0 + it.tokens - 1];
+  const int64_t k_begin = first_key(first_len), k_end = last_len;
+  const int64_t full_lo = first_key(last_len), full_hi = first_len;
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kTileK) {
+    const int64_t n = std::min(kTileK, k_end - k0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = k0 + j;
+      const int64_t off = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * row + it.kh * D;
+      b.key[j] = kp + off;
+      b.val[j] = vp + off;
+    }
+    scores(b.key.data(), n, qt, MP, D, st);
+    if (cap > 0.f) soft_cap16(st, n * MP, cap);
+    if (k0 < full_lo || k0 + n > full_hi) {
+      softmax_tile<true>(st, n, MP, k0, b);
+    } else {
+      softmax_tile<false>(st, n, MP, k0, b);
+    }
+    accumulate(b.val.data(), n, st, MP, M, b.corr.data(), b.o.data(), D);
+  }
+  for (int64_t i = 0; i < it.tokens; ++i) {
+    float* orow = op + (it.t0 + i) * H * D + it.kh * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t m = i * G + g;
+      const float inv = 1.f / b.l[m];
+      for (int64_t d = 0; d < D; ++d) orow[g * D + d] = b.o[m * D + d] * inv;
+    }
+  }
+}
+
+}  // namespace prefill
+
 // Rows of a [T, heads, D] tensor whose last two dimensions are dense.
 static void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat32 && t.stride(2) == 1 &&
@@ -184,17 +407,62 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
   };
   const int64_t row = KVH * D;  // stride between two tokens of a block
 
+  // Prefill runs of at least kMinRun tokens go to the tiled path, the rest (decodes, short
+  // chunks) to the per-token one below; `tokens` lists the latter.
+  std::vector<int64_t> tokens;
+  if (D % 16 == 0) {
+    std::vector<prefill::Item> items;
+    tokens.reserve(T);
+    for (int64_t t = 0; t < T;) {
+      int64_t e = t + 1;
+      while (e < T && sid[e] == sid[t] && lens[e] == lens[e - 1] + 1) ++e;
+      if (e - t >= prefill::kMinRun) {
+        const int64_t tq = prefill::tile_tokens(G);
+        for (int64_t i = t; i < e; i += tq) {
+          const int64_t n = std::min(tq, e - i);
+          const int64_t span = lens[i + n - 1] - first_key(lens[i]);
+          for (int64_t kh = 0; kh < KVH; ++kh) items.push_back({i, n, kh, span * n});
+        }
+      } else {
+        for (int64_t i = t; i < e; ++i) tokens.push_back(i);
+      }
+      t = e;
+    }
+    if (!items.empty()) {
+      // Dearest items first, handed out one at a time: causal items differ in cost.
+      std::stable_sort(items.begin(), items.end(),
+                       [](const prefill::Item& a, const prefill::Item& b) {
+                         return a.cost > b.cost;
+                       });
+      std::atomic<int64_t> next{0};
+      const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
+      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+        prefill::Buffers buf;
+        for (int64_t w = next++; w < static_cast<int64_t>(items.size()); w = next++) {
+          const prefill::Item& it = items[w];
+          prefill::attend_item(it, qp, QS, kp, vp, bt + static_cast<int64_t>(sid[it.t0]) * MB,
+                               lens, window, H, D, BS, KVH, G, fscale, cap, op, buf);
+        }
+      });
+    }
+    if (tokens.empty()) return;
+  } else {
+    tokens.resize(T);
+    for (int64_t t = 0; t < T; ++t) tokens[t] = t;
+  }
+  const int64_t NT = tokens.size();
+
   const int64_t DC = D % 16 == 0 ? D / 16 : 0;
   if (DC == 1 || DC == 2 || DC == 4 || DC == 8) {
     // Many tokens: one work item per token, all its KV heads (blocks read front to back).
     // Few tokens (batch-1 decode): one per (token, KV head), so every core has work.
-    const int64_t split = T >= 2 * at::get_num_threads() ? 1 : KVH;
+    const int64_t split = NT >= 2 * at::get_num_threads() ? 1 : KVH;
     const auto run = DC == 1 ? attend_vec<1> : DC == 2 ? attend_vec<2>
                      : DC == 4 ? attend_vec<4> : attend_vec<8>;
-    at::parallel_for(0, T * split, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, NT * split, 1, [&](int64_t begin, int64_t end) {
       VecState st;
       for (int64_t w = begin; w < end; ++w) {
-        const int64_t t = w / split, part = w % split;
+        const int64_t t = tokens[w / split], part = w % split;
         const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
         run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
             first_key(lens[t]), BS, KVH, kh0, kh1, G, fscale, cap, st, op + t * H * D);
@@ -202,10 +470,10 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
     });
     return;
   }
-  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, NT * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * BS), acc(G * D), m(G), l(G);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t t = w / KVH, kh = w % KVH;
+      const int64_t t = tokens[w / KVH], kh = w % KVH;
       const int64_t len = lens[t], lo = first_key(len);
       const int32_t* table = bt + static_cast<int64_t>(sid[t]) * MB;
       const float* qg = qp + t * QS + kh * G * D;
