@@ -32,9 +32,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
-#include <array>
 #include <utility>
 #include <vector>
 
@@ -164,7 +164,6 @@ void gemv_chunk(const float* xp, const int32_t* cp, const float* sp, const float
   }
 }
 
-
 // ---- Panel GEMM: y[M, 32-column tile] (+)= x[M, kc] @ panel[kc, 32] ----
 // Shared with csrc/int8_cpu.cpp (csrc/kernels_cpu.cpp builds every kernel in one unit).
 // Micro-kernel of R rows x V vf16 column blocks: AVX-512 8 x 32 (16 zmm accumulators), AVX2
@@ -236,8 +235,8 @@ constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::integer_sequence<in
   return {&panel_rows_of<R + 1>...};
 }
 
-// All M rows of x [M, ldx] (from input k0 on) times a panel [kc, 32] into y [M, ldy] (32
-// columns), in the fewest blocks of at most kPanelRows rows, their sizes as even as can be
+// All M rows of x [M, ldx] (pointing at the panel's first input) times a panel [kc, 32] into
+// y [M, ldy] (32 columns), in the fewest blocks of at most kPanelRows rows, their sizes as even as can be
 // (8 rows on AVX2: 4 + 4, not 6 + 2).
 void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t kc,
                 float* y, int64_t ldy, bool first) {
@@ -255,11 +254,10 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int6
 // writes the float panel [kc, 32], then every row is multiplied by it. The last tile, when N
 // pads it, goes through a [M, 32] scratch copied out.
 template <typename Fill>
-void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, int64_t k_step, float* yp,
-                const Fill& fill) {
+void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, const Fill& fill) {
   const int64_t NT = (N + kTile - 1) / kTile;
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float panel[kPanelK * kTile];
+    alignas(64) float panel[kPanelK * kTile];  // 32 KB: L1
     std::vector<float> scratch;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTile, n = std::min(kTile, N - n0);
@@ -270,8 +268,8 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, int64_t k_step
         y = scratch.data();
         ldy = kTile;
       }
-      for (int64_t k0 = 0; k0 < K; k0 += k_step) {
-        const int64_t kc = std::min(k_step, K - k0);
+      for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
+        const int64_t kc = std::min(kPanelK, K - k0);
         fill(panel, t, k0, kc);
         panel_rows(xp + k0, K, M, panel, kc, y, ldy, k0 == 0);
       }
@@ -341,7 +339,7 @@ torch::Tensor awq_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
       }
     }
   };
-  panel_gemm(x.data_ptr<float>(), M, s.K, s.N, kPanelK, y.data_ptr<float>(), fill);
+  panel_gemm(x.data_ptr<float>(), M, s.K, s.N, y.data_ptr<float>(), fill);
   return y;
 }
 

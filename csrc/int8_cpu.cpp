@@ -158,7 +158,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
       store16(panel + k * kTile + 16, widen(c + k * kTile + 16) * sc[1]);
     }
   };
-  panel_gemm(x.data_ptr<float>(), M, s.K, s.N, kPanelK, y.data_ptr<float>(), fill);
+  panel_gemm(x.data_ptr<float>(), M, s.K, s.N, y.data_ptr<float>(), fill);
   return y;
 }
 
