@@ -20,13 +20,22 @@
 // once, as one sequential stream per tile, and unpacks it once for all rows. At one or two
 // rows, codes at bits 15..18 and 19..22 feed separate accumulators: 4+ independent FMA
 // chains hide the FMA latency.
-// awq_dequantize writes W^T [K, N] in float32 for torch's GEMM, which wins at large M.
+// awq_gemm is the many-row path: the tiles are split over threads, and each thread decodes a
+// panel of one tile (up to kPanelK inputs x 32 columns, 32 KB of float32, in L1) once and
+// multiplies every row by it with a register-blocked micro-kernel (panel_rows below: rows x
+// 16 or 32 columns of accumulators, x broadcast, FMA), accumulating into y. The weight is
+// decoded once per call, as GEMV decodes it once per 8 rows, and never written out whole.
+// awq_linear takes the GEMV up to `max_gemv_rows` rows (Python passes 8, measured on AVX-512
+// and AVX2), awq_gemm above.
+// awq_dequantize writes W^T [K, N] in float32 (for tests and torch fallbacks).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -155,6 +164,122 @@ void gemv_chunk(const float* xp, const int32_t* cp, const float* sp, const float
   }
 }
 
+// ---- Panel GEMM: y[M, 32-column tile] (+)= x[M, kc] @ panel[kc, 32] ----
+// Shared with csrc/int8_cpu.cpp (csrc/kernels_cpu.cpp builds every kernel in one unit).
+// Micro-kernel of R rows x V vf16 column blocks: AVX-512 8 x 32 (16 zmm accumulators), AVX2
+// 6 x 16 (12 ymm), SSE2/NEON 2 x 16 (8 xmm); the panel rows and one broadcast fill the rest.
+constexpr int64_t kPanelK = 256;  // inputs per panel: 256 x 32 floats = 32 KB
+#if defined(__AVX512F__)
+constexpr int kPanelRows = 8, kPanelVecs = 2;
+#elif defined(__AVX__)
+constexpr int kPanelRows = 6, kPanelVecs = 1;
+#else
+constexpr int kPanelRows = 2, kPanelVecs = 1;
+#endif
+
+// Rows [0, R) times columns [16 c0, 16 (c0 + V)) of the panel; y is overwritten when first.
+// A block too small to fill the FMA pipes (under 6 native-vector chains) runs even and odd
+// inputs into two accumulator sets (S = 2), as the GEMV does at one or two rows.
+template <int R, int V>
+void panel_block(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y,
+                 int64_t ldy, int c0, bool first) {
+  constexpr int S = R * V * kParts < 6 ? 2 : 1;
+  vf16 acc[S][R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      acc[0][r][v] = first ? vf16{} : load16(y + r * ldy + (c0 + v) * 16);
+      if constexpr (S == 2) acc[S - 1][r][v] = vf16{};
+    }
+  const float* b = panel + c0 * 16;
+  int64_t k = 0;
+  if constexpr (S == 2) {
+    for (; k + 2 <= kc; k += 2, b += 2 * kTile) {
+      vf16 w0[V], w1[V];
+      for (int v = 0; v < V; ++v) {
+        w0[v] = load16(b + v * 16);
+        w1[v] = load16(b + kTile + v * 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float x0 = x[r * ldx + k], x1 = x[r * ldx + k + 1];
+        for (int v = 0; v < V; ++v) {
+          acc[0][r][v] += x0 * w0[v];
+          acc[S - 1][r][v] += x1 * w1[v];
+        }
+      }
+    }
+  }
+  for (; k < kc; ++k, b += kTile) {
+    vf16 w[V];
+    for (int v = 0; v < V; ++v) w[v] = load16(b + v * 16);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      for (int v = 0; v < V; ++v) acc[0][r][v] += xv * w[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      store16(y + r * ldy + (c0 + v) * 16, S == 2 ? acc[0][r][v] + acc[S - 1][r][v] : acc[0][r][v]);
+}
+
+template <int R>
+void panel_rows_of(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y,
+                   int64_t ldy, bool first) {
+  for (int c0 = 0; c0 < 2; c0 += kPanelVecs)
+    panel_block<R, kPanelVecs>(x, ldx, panel, kc, y, ldy, c0, first);
+}
+
+using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+
+template <int... R>
+constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::integer_sequence<int, R...>) {
+  return {&panel_rows_of<R + 1>...};
+}
+
+// All M rows of x [M, ldx] (pointing at the panel's first input) times a panel [kc, 32] into
+// y [M, ldy] (32 columns), in the fewest blocks of at most kPanelRows rows, their sizes as even as can be
+// (8 rows on AVX2: 4 + 4, not 6 + 2).
+void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t kc,
+                float* y, int64_t ldy, bool first) {
+  static constexpr auto table = panel_table(std::make_integer_sequence<int, kPanelRows>());
+  const int64_t blocks = (M + kPanelRows - 1) / kPanelRows, rows = M / blocks,
+                longer = M % blocks;  // the first `longer` blocks take rows + 1
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int64_t r = rows + (b < longer);
+    table[r - 1](x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, first);
+    m += r;
+  }
+}
+
+// The GEMM driver: tiles split over threads; per tile and block of kPanelK inputs, `fill`
+// writes the float panel [kc, 32], then every row is multiplied by it. The last tile, when N
+// pads it, goes through a [M, 32] scratch copied out.
+template <typename Fill>
+void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, const Fill& fill) {
+  const int64_t NT = (N + kTile - 1) / kTile;
+  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float panel[kPanelK * kTile];  // 32 KB: L1
+    std::vector<float> scratch;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile, n = std::min(kTile, N - n0);
+      float* y = yp + n0;
+      int64_t ldy = N;
+      if (n < kTile) {
+        scratch.resize(M * kTile);
+        y = scratch.data();
+        ldy = kTile;
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
+        const int64_t kc = std::min(kPanelK, K - k0);
+        fill(panel, t, k0, kc);
+        panel_rows(xp + k0, K, M, panel, kc, y, ldy, k0 == 0);
+      }
+      if (n < kTile)
+        for (int64_t m = 0; m < M; ++m)
+          std::memcpy(yp + m * N + n0, y + m * kTile, n * sizeof(float));
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -178,6 +303,43 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
                zs.data_ptr<float>(), xsum.data() + 2 * m0 * NG, y.data_ptr<float>() + m0 * s.N,
                std::min(kMaxRows, M - m0), s);
   }
+  return y;
+}
+
+// The same product as awq_gemv for any number of rows, by decoded panels (see the top).
+torch::Tensor awq_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                       torch::Tensor zs, int64_t n, int64_t group) {
+  const Shape s = check(codes, scales, zs, n, group);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) == s.K, "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), NG = s.K / s.G;
+  auto y = torch::empty({M, s.N}, x.options());
+  if (M == 0) return y;
+  const int32_t* cp = codes.data_ptr<int32_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zs.data_ptr<float>();
+  // W[k] = s q - zs = s (256 + q) - (256 s + zs) for the fields read as 256 + q (odd k),
+  // and with 16 for the others: one FMA a value.
+  auto fill = [&](float* panel, int64_t t, int64_t k0, int64_t kc) {
+    for (int64_t blk = k0 / 8; blk < (k0 + kc) / 8; ++blk) {
+      const int64_t g = blk * 8 / s.G;
+      float* rows = panel + (blk * 8 - k0) * kTile;
+      for (int64_t h = 0; h < 2; ++h) {
+        const vu16 word = load16u(cp + (t * (s.K / 8) + blk) * kTile + h * 16);
+        const int64_t at = (t * NG + g) * kTile + h * 16;
+        const vf16 sv = load16(sp + at), zv = load16(zp + at);
+        const vf16 zlow = sv * kLowBase + zv, zhigh = sv * kHighBase + zv;
+        const vu16 r[4] = {rotl<16>(word), rotl<8>(word), word, rotl<24>(word)};
+        for (int64_t i = 0; i < 8; ++i) {  // input i: rotation (i + 1) / 2 % 4
+          const vu16 ri = r[(i + 1) / 2 % 4];
+          const vf16 v = i % 2 ? sv * as_floats((ri & (0xFu << 15)) | kLowExp) - zlow
+                               : sv * as_floats((ri & (0xFu << 19)) | kHighExp) - zhigh;
+          store16(rows + i * kTile + h * 16, v);
+        }
+      }
+    }
+  };
+  panel_gemm(x.data_ptr<float>(), M, s.K, s.N, y.data_ptr<float>(), fill);
   return y;
 }
 
@@ -211,16 +373,15 @@ torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::T
   return s.N == Np ? w : w.narrow(1, 0, s.N);
 }
 
-// The whole layer for x [..., K] of any float dtype: GEMV up to `max_gemv_rows` rows, else a
-// GEMM on the dequantized weight; plus the bias; in x's dtype. One call from Python per layer
+// The whole layer for x [..., K] of any float dtype: the fused GEMV up to `max_gemv_rows` rows,
+// else awq_gemm; plus the bias; in x's dtype. One call from Python per layer
 // (the reshapes and casts in C++ cost a fraction of what they cost as Python calls at batch 1).
 torch::Tensor awq_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                          torch::Tensor zs, c10::optional<torch::Tensor> bias, int64_t n,
                          int64_t group, int64_t max_gemv_rows) {
   const auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
-  auto y = x2.size(0) <= max_gemv_rows
-               ? awq_gemv(x2, codes, scales, zs, n, group)
-               : at::matmul(x2, awq_dequantize(codes, scales, zs, n, group));
+  auto y = x2.size(0) <= max_gemv_rows ? awq_gemv(x2, codes, scales, zs, n, group)
+                               : awq_gemm(x2, codes, scales, zs, n, group);
   if (bias.has_value()) y.add_(bias->to(torch::kFloat));
   auto shape = x.sizes().vec();
   shape.back() = n;

@@ -8,7 +8,11 @@
 //
 // int8_gemv reads every code once per chunk of up to 8 rows, with the accumulators in
 // registers; the batch-1 LM head of SmolLM2 drops from 113 MB of float32 to 28 MB read per
-// step. int8_dequantize writes W^T [K, N] in float32 for torch's GEMM at large M.
+// step. int8_gemm is the many-row path: per tile and block of inputs it widens and scales the
+// codes into a float panel once and multiplies every row by it (panel_gemm, csrc/awq_cpu.cpp:
+// one unit builds both files), so its cost grows with M at the rate of a float GEMM, not of
+// re-reading and re-widening the codes every 8 rows. int8_dequantize writes W^T [K, N] in
+// float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -132,6 +136,29 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
                scale.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N,
                std::min(kMaxRows, M - m0), s);
   }
+  return y;
+}
+
+// The same product as int8_gemv for any number of rows, by widened panels (see the top).
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
+  const Shape s = check(codes, scale);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) == s.K,
+              "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, s.N}, x.options());
+  if (M == 0) return y;
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  auto fill = [&](float* panel, int64_t t, int64_t k0, int64_t kc) {
+    const vf16 sc[2] = {load16(sp + t * kTile), load16(sp + t * kTile + 16)};
+    const int8_t* c = cp + (t * s.K + k0) * kTile;
+    for (int64_t k = 0; k < kc; ++k) {
+      store16(panel + k * kTile, widen(c + k * kTile) * sc[0]);
+      store16(panel + k * kTile + 16, widen(c + k * kTile + 16) * sc[1]);
+    }
+  };
+  panel_gemm(x.data_ptr<float>(), M, s.K, s.N, y.data_ptr<float>(), fill);
   return y;
 }
 

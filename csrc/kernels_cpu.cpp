@@ -17,9 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
+  m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
+  m.def("int8_gemm", &int8::int8_gemm, "weight-only int8 GEMM by widened panels, for many rows");
   m.def("int8_dequantize", &int8::int8_dequantize, "int8 codes to a float32 W^T [K, N]");
 
   m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");

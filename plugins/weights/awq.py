@@ -27,9 +27,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8
 KERNEL_TILE = 32  # output columns per tile of the CPU kernel
-# Up to this many rows the fused GEMV wins (measured on SmolLM2's shapes, 2 AVX-512 cores);
-# above it, dequantize once and use torch's GEMM.
-GEMV_MAX_ROWS = 64
+# Up to this many rows the fused GEMV wins; above it the kernel's GEMM by decoded panels
+# (awq_gemm), which decodes each weight once per call for all rows. The crossover, measured on
+# SmolLM2-135M's shapes, is 8 rows on AVX-512 and AVX2 builds alike.
+GEMV_MAX_ROWS = 8
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from torch import nn
 from pkv.core.linear import Linear, LinearMethod, ParamLayout
 
 TILE = 32
+# Rows up to which int8_gemv beats int8_gemm (SmolLM2's head, 49152 x 576, AVX-512 and AVX2).
+GEMV_MAX_ROWS = 8
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +61,11 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         if layer.kernel is not None:
-            # Chunks of 8 rows re-read the codes, yet at 256 rows that still beats
-            # dequantizing 113 MB of float32 per step (111 vs 163 ms for SmolLM2's head).
-            y = layer.kernel.int8_gemv(x2, layer.codes, layer.scale)
+            # The GEMV (codes read once per 8 rows) up to GEMV_MAX_ROWS rows, then the GEMM by
+            # widened panels (codes read and widened once for all rows).
+            gemm = x2.shape[0] > GEMV_MAX_ROWS
+            y = (layer.kernel.int8_gemm if gemm else layer.kernel.int8_gemv)(x2, layer.codes,
+                                                                              layer.scale)
         else:
             y = x2 @ self.dequantize(layer)
         y = y[:, :layer.out_features]
