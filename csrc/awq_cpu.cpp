@@ -69,6 +69,11 @@ Shape check(const torch::Tensor& codes, const torch::Tensor& scales, const torch
   return {K, n, NT, group};
 }
 
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) == K, "x must be contiguous float32 [M, K]");
+}
+
 // Bits 15..22 of the word rotated left by R (the rest is garbage the caller masks off). Only
 // R = 16 needs a true rotation (input 7's field wraps from bit 31 to bit 0); for R = 8 and 24
 // one shift brings the same bits, and AVX2 has no rotate instruction (three instructions
@@ -293,8 +298,7 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, con
 torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                        torch::Tensor zs, int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.size(1) == s.K, "x must be contiguous float32 [M, K]");
+  check_x(x, s.K);
   const int64_t M = x.size(0), NG = s.K / s.G;
   auto y = torch::empty({M, s.N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -318,8 +322,7 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
 torch::Tensor awq_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                        torch::Tensor zs, int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.size(1) == s.K, "x must be contiguous float32 [M, K]");
+  check_x(x, s.K);
   const int64_t M = x.size(0), NG = s.K / s.G;
   auto y = torch::empty({M, s.N}, x.options());
   if (M == 0) return y;

@@ -126,9 +126,7 @@ void gemv_chunk(const float* xp, const int8_t* cp, const float* sp, float* yp, i
 
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
   const Shape s = check(codes, scale);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.size(1) == s.K,
-              "x must be contiguous float32 [M, K]");
+  check_x(x, s.K);  // csrc/awq_cpu.cpp's
   const int64_t M = x.size(0);
   auto y = torch::empty({M, s.N}, x.options());
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
@@ -142,9 +140,7 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 // The same product as int8_gemv for any number of rows, by widened panels (see the top).
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
   const Shape s = check(codes, scale);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.size(1) == s.K,
-              "x must be contiguous float32 [M, K]");
+  check_x(x, s.K);  // csrc/awq_cpu.cpp's
   const int64_t M = x.size(0);
   auto y = torch::empty({M, s.N}, x.options());
   if (M == 0) return y;
