@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def kernels(flavour: str | None = None) -> Any:
 @lru_cache(maxsize=None)
 def _kernels(flavour: str) -> Any:
     from rich.console import Console
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     if flavour not in runnable_flavours():
         raise ValueError(f"this CPU cannot run {flavour} code")
@@ -118,9 +119,26 @@ def _kernels(flavour: str) -> Any:
         raise RuntimeError(f"cannot build the CPU kernels: {'; '.join(reasons)}")
     flags = compile_flags(flavour)
     name = f"pkv_kernels_{flavour}_{_source_hash(flags)}"
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     with Console(stderr=True).status(f"building the CPU kernels for {flavour} (cached after once)"):
         return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = 600.0) -> bool:
+    """Remove the lock a killed build left in `build_dir` (torch would wait on it forever,
+    idle and silent); a live build takes about a minute, so an older lock is stale."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logging.getLogger("pkv.kernels").warning("removing a stale build lock (%.0f s old): %s",
+                                             age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def kernels_or_none(flavour: str | None = None) -> Any:

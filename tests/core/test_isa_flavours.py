@@ -87,3 +87,17 @@ def test_kernels_cross_compile_for_aarch64_neon(tmp_path: Path):
     data = obj.read_bytes()
     assert data[:4] == b"\x7fELF" and int.from_bytes(data[18:20], "little") == 183  # AArch64
     assert b"generic (NEON)" in data
+
+
+def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path: Path):
+    # A build killed mid-way leaves `lock`; torch's load() would then wait forever.
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert not cpp_build.clear_stale_lock(tmp_path)  # none there
+    lock.write_text("")
+    assert not cpp_build.clear_stale_lock(tmp_path) and lock.exists()  # a build running now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert cpp_build.clear_stale_lock(tmp_path) and not lock.exists()
