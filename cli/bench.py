@@ -131,7 +131,7 @@ def _run_offline(o: dict[str, Any]) -> None:
             hf_model = off.load_hf_model(path, engine.runner.dtype)
     rooflines = {}
     if o["roofline"]:
-        from pkv.cli.bench_roofline import measure
+        from pkv.cli.bench_roofline import measure, measure_prefill
 
         rooflines = measure(engine.model_config, o["batches"])
     from pkv.cli.cpu_info import cpu_summary
@@ -152,8 +152,6 @@ def _run_offline(o: dict[str, Any]) -> None:
         result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"])
         if b in rooflines:
             result.roofline_tps = rooflines[b].tokens_per_s
-            from pkv.cli.bench_roofline import measure_prefill
-
             chunk = engine.max_num_batched_tokens
             result.prefill_roofline_tps = measure_prefill(
                 engine.model_config, [len(p) for p in prompts], chunk).tokens_per_s

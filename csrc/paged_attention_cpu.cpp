@@ -160,14 +160,6 @@ constexpr int kSR = 6, kSC = 2, kPR = 6, kPC = 2;
 constexpr int kSR = 2, kSC = 4, kPR = 2, kPC = 4;
 #endif
 
-inline vfn loadv(const float* p) {
-  vfn v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void storev(float* p, vfn v) { std::memcpy(p, &v, sizeof(v)); }
-
 // st[r * MP + kLanes * c ...] = sum_d key[r][d] * qt[d * MP + kLanes * c ...], r < MR, c < NC.
 template <int MR, int NC>
 static inline void s_tile(const float* const* key, const float* qt, int64_t MP, int64_t D,

@@ -96,15 +96,24 @@ inline vf16 as_floats(vu16 bits) {
   return f;
 }
 
+// One native vector from or to memory (unaligned).
+inline vfn loadv(const float* p) {
+  vfn v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, vfn v) { std::memcpy(p, &v, sizeof(v)); }
+
 // Loads and stores go part by part: a memcpy of the whole struct is copied through the stack.
 inline vf16 load16(const float* p) {
   vf16 v;
-  for (int i = 0; i < kParts; ++i) std::memcpy(&v.p[i], p + i * kLanes, sizeof(vfn));
+  for (int i = 0; i < kParts; ++i) v.p[i] = loadv(p + i * kLanes);
   return v;
 }
 
 inline void store16(float* p, vf16 v) {
-  for (int i = 0; i < kParts; ++i) std::memcpy(p + i * kLanes, &v.p[i], sizeof(vfn));
+  for (int i = 0; i < kParts; ++i) storev(p + i * kLanes, v.p[i]);
 }
 
 inline vu16 load16u(const void* p) {

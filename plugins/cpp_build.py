@@ -33,20 +33,21 @@ _X86_NEEDS = {
 }
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def runnable_flavours(flags: set[str] | None = None) -> list[str]:
+def runnable_flavours(flags: frozenset[str] | set[str] | None = None) -> list[str]:
     """The ISA flavours a CPU with these /proc/cpuinfo flags (default: this CPU's) executes,
     best first; `generic` runs everywhere."""
     if not _is_x86():
