@@ -62,6 +62,39 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class RequestStream:
+    """The outputs of one admitted request. Closing it before the request finished aborts
+    the request; every holder closes it however it leaves (closing twice is harmless)."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str, stream: _Stream,
+                 timings: RequestTimings) -> None:
+        self.request_id = request_id
+        self.timings = timings
+        self.finished = False
+        self._owner = owner
+        self._stream = stream
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Each output of the request until the final one; raises the request's failure."""
+        try:
+            while not self.finished:
+                item = await self._stream.queue.get()
+                if isinstance(item, Exception):
+                    self.finished = True
+                    raise item
+                self._owner._record(item, self.timings)
+                self.finished = item.finished
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner._release(self)
+
+
 class AsyncLLM:
     """Serve many concurrent requests from one engine stepped in a background thread."""
 
@@ -82,6 +115,7 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._queued = 0  # sequences submitted that the engine thread has not added yet
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="pkv-engine", daemon=True)
@@ -118,13 +152,20 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def check_admission(self) -> None:
-        """Raise before any response starts if the engine is dead or the queue is full."""
-        if not self.is_alive:
-            raise EngineDeadError(self.dead_reason or "the engine loop is not running")
-        waiting = self.num_in_flight - len(self.engine.scheduler.running)
-        if waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{waiting} requests are already waiting; retry later")
+    def check_admission(self, num_sequences: int = 1) -> None:
+        """Raise EngineDeadError or QueueFullError if `num_sequences` more could not queue."""
+        with self._lock:
+            self._check_admission_locked(num_sequences)
+
+    def _check_admission_locked(self, num_sequences: int) -> None:
+        if self._stop.is_set() or not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the server is shutting down")
+        # Sequences sent to the engine thread but not yet added count as waiting too: two
+        # admissions between engine steps must see each other.
+        waiting = self._queued + len(self.engine.scheduler.waiting)
+        if waiting and waiting + num_sequences > self.max_waiting_requests:
+            raise QueueFullError(f"{waiting} sequences are already waiting (the limit is "
+                                 f"{self.max_waiting_requests}); retry later")
 
     async def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                       cache_salt: str | None = None) -> PreparedRequest:
@@ -132,40 +173,48 @@ class AsyncLLM:
         return await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
                                        cache_salt)
 
+    def submit(self, prepared: list[PreparedRequest]) -> list[RequestStream]:
+        """Queue prepared requests for the engine: all of them or, raising EngineDeadError or
+        QueueFullError, none. The decision and the queueing happen under one lock, so
+        concurrent callers cannot all pass a check that only one of them fits."""
+        loop = asyncio.get_running_loop()
+        ids = [p.request_id for p in prepared]
+        num_sequences = sum(len(p.children) for p in prepared)
+        with self._lock:
+            self._check_admission_locked(num_sequences)
+            if len(set(ids)) < len(ids) or any(i in self._streams for i in ids):
+                raise ValueError(f"request ids must be unique and not in use: {ids}")
+            streams = []
+            for p in prepared:
+                stream = _Stream(loop)
+                self._streams[p.request_id] = stream
+                timings = RequestTimings(time.monotonic(), len(p.children))
+                streams.append(RequestStream(self, p.request_id, stream, timings))
+            self._queued += num_sequences
+        for p in prepared:
+            self._send("add", p)
+        return streams
+
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Submit a prepared request and yield its outputs until it finishes.
 
         Leaving the iteration early (client gone, cancelled) aborts the request.
         """
-        self.check_admission()
-        request_id = prepared.request_id
-        stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        timings = RequestTimings(time.monotonic(), len(prepared.children))
-        self._send("add", prepared)
-        finished = False
+        [stream] = self.submit([prepared])
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                self._record(item, timings)
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in stream.outputs():
+                yield output
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-                timings.finished = time.monotonic()
-                timings.finish_reasons = ["abort"] * timings.num_samples
-                self._report(timings)
+            stream.close()
+
+    def _release(self, stream: RequestStream) -> None:
+        with self._lock:
+            self._streams.pop(stream.request_id, None)
+        if not stream.finished:
+            self.abort(stream.request_id)
+            stream.timings.finished = time.monotonic()
+            stream.timings.finish_reasons = ["abort"] * stream.timings.num_samples
+            self._report(stream.timings)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -282,13 +331,18 @@ class AsyncLLM:
             loop.call_soon_threadsafe(future.set_result, result)
 
     def _add(self, prepared: PreparedRequest) -> None:
-        stream = self._streams.get(prepared.request_id)
-        if stream is None:
-            return  # the client left before the engine saw the request
         try:
-            self.engine.add_prepared(prepared)
-        except ValueError as exc:
-            stream.put(exc)
+            stream = self._streams.get(prepared.request_id)
+            if stream is None:
+                return  # the client left before the engine saw the request
+            try:
+                self.engine.add_prepared(prepared)
+            except ValueError as exc:
+                stream.put(exc)
+        finally:
+            # Only now that the scheduler counts them (a moment counted twice errs safe).
+            with self._lock:
+                self._queued -= len(prepared.children)
 
     def _fail_in_flight(self, error: Exception) -> None:
         with self._lock:

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pkv.core.async_engine import EngineDeadError, EngineStepError, QueueFullError
+
 logger = logging.getLogger("pkv.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -27,6 +29,24 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+
+
+# What a refused client is told to wait: the queue moves every engine step.
+RETRY_AFTER_S = "1"
+
+
+def engine_error(exc: Exception) -> OpenAIError | None:
+    """The OpenAI error for a failure of the engine or of admission; None for anything else
+    (a bug: a plain 500). Overload and a stopped engine are 503s, a failed step a 500."""
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(503, str(exc), code="server_overloaded",
+                           headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, f"the engine is not available: {exc}", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(exc, EngineStepError):
+        return OpenAIError(500, str(exc), code="generation_failed")
+    return None
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -65,5 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        known = engine_error(exc)
+        if known is not None:
+            return error_response(known)
         logger.exception("unhandled error")
         return error_response(OpenAIError(500, "internal server error"))

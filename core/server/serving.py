@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pkv.core.async_engine import AsyncLLM, EngineDeadError, QueueFullError
+from pkv.core.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from pkv.core.llm_engine import ContextLengthError, PreparedRequest
 from pkv.core.outputs import CompletionOutput, RequestOutput
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
-from pkv.core.server.errors import OpenAIError, error_body
+from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+logger = logging.getLogger("pkv.server")
 
 # Template variables a request may set (chat templates of Qwen3 and others read these).
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "reasoning_effort"})
@@ -142,13 +146,13 @@ class OpenAIServing:
                 param = first
             raise OpenAIError(400, str(exc), param) from None
 
-    def _admit(self) -> None:
+    def _submit(self, prepared: list[PreparedRequest]) -> list[RequestStream]:
+        """Queue the requests (all or none) before any response starts: a full queue or a
+        stopped engine is a 503 here, never an error inside a started response."""
         try:
-            self.llm.check_admission()
-        except QueueFullError as exc:
-            raise OpenAIError(503, str(exc), headers={"Retry-After": "1"}) from None
-        except EngineDeadError as exc:
-            raise OpenAIError(503, f"the engine is not available: {exc}") from None
+            return self.llm.submit(prepared)
+        except (QueueFullError, EngineDeadError) as exc:
+            raise engine_error(exc) from None  # type: ignore[misc]
 
     # ---- chat --------------------------------------------------------------------------
 
@@ -160,11 +164,10 @@ class OpenAIServing:
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw)
-        self._admit()
+        [stream] = self._submit([prepared])
         if body.stream:
-            return StreamingResponse(self._chat_stream(body, prepared),
-                                     media_type="text/event-stream")
-        final = await self._collect(prepared, raw)
+            return _EngineStreamingResponse(self._chat_stream(body, prepared, stream), [stream])
+        final = await self._collect(stream, raw)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0) if body.logprobs
                     else None,
@@ -173,8 +176,8 @@ class OpenAIServing:
                              "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": _usage([final])})
 
-    async def _chat_stream(self, body: ChatCompletionRequest,
-                           prepared: PreparedRequest) -> AsyncIterator[bytes]:
+    async def _chat_stream(self, body: ChatCompletionRequest, prepared: PreparedRequest,
+                           stream: RequestStream) -> AsyncIterator[bytes]:
         base = {"id": prepared.request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.model_name}
         n = len(prepared.children)
@@ -185,7 +188,7 @@ class OpenAIServing:
         tracker = _DeltaTracker()
         final = None
         try:
-            async for output in self.llm.generate(prepared):
+            async for output in stream.outputs():
                 final = output
                 for c in output.outputs:
                     delta = tracker.advance(c.index, c)
@@ -218,11 +221,16 @@ class OpenAIServing:
         base_id = f"cmpl-{uuid.uuid4().hex}"
         prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt", raw)
                     for i, p in enumerate(prompts)]
-        self._admit()
+        streams = self._submit(prepared)
         if body.stream:
-            return StreamingResponse(self._completion_stream(body, base_id, prepared),
-                                     media_type="text/event-stream")
-        finals = await asyncio.gather(*(self._collect(p, raw) for p in prepared))
+            return _EngineStreamingResponse(self._completion_stream(body, base_id, streams),
+                                            streams)
+        tasks = [asyncio.ensure_future(self._collect(s, raw)) for s in streams]
+        try:
+            finals = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one failed (client gone): stop the others with it
+                task.cancel()
         choices = []
         for i, final in enumerate(finals):
             prefix = self._prompt_text(final) if body.echo else ""
@@ -237,13 +245,13 @@ class OpenAIServing:
                              "choices": choices, "usage": _usage(finals)})
 
     async def _completion_stream(self, body: CompletionRequest, base_id: str,
-                                 prepared: list[PreparedRequest]) -> AsyncIterator[bytes]:
+                                 streams: list[RequestStream]) -> AsyncIterator[bytes]:
         base = {"id": base_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         tracker = _DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         try:
-            async for i, output in _merge([self.llm.generate(p) for p in prepared]):
+            async for i, output in _merge([s.outputs() for s in streams]):
                 finals[i] = output
                 for c in output.outputs:
                     index = i * body.n + c.index
@@ -270,28 +278,44 @@ class OpenAIServing:
 
     # ---- shared ------------------------------------------------------------------------
 
-    async def _collect(self, prepared: PreparedRequest, raw: Request) -> RequestOutput:
+    async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
         """Run to the end; abort if the client disconnects while we wait."""
         async def last() -> RequestOutput:
             final = None
-            async for output in self.llm.generate(prepared):
+            async for output in stream.outputs():
                 final = output
             if final is None:
                 raise RuntimeError("the engine finished a request without an output")
             return final
 
         task = asyncio.ensure_future(last())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                break
-            if await raw.is_disconnected():
-                task.cancel()  # the generator's cleanup aborts the request
-                raise OpenAIError(499, "client disconnected")
         try:
-            return task.result()
-        except (EngineDeadError, RuntimeError) as exc:
-            raise OpenAIError(500, str(exc)) from None
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    break
+                if await raw.is_disconnected():
+                    raise OpenAIError(499, "client disconnected")
+        finally:
+            task.cancel()  # a no-op once done; else the generator's cleanup aborts the request
+            stream.close()
+        return task.result()  # engine failures reach the client through engine_error
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """An SSE response that closes its engine streams however it ends: finished, client
+    gone, or never started at all (then the body generator's own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.close()
 
 
 class _DeltaTracker:
@@ -339,8 +363,12 @@ def _usage(finals: list[RequestOutput]) -> dict[str, int]:
 
 
 def _stream_error(exc: Exception) -> dict:
-    status = 503 if isinstance(exc, EngineDeadError) else 500
-    return error_body(status, str(exc) or "internal error")
+    """The error event of a stream that already answered 200."""
+    known = engine_error(exc)
+    if known is None:
+        logger.error("a stream failed", exc_info=exc)
+        return error_body(500, "internal server error")
+    return error_body(known.status, known.message, code=known.code)
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]
