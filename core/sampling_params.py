@@ -60,6 +60,8 @@ class SamplingParams:
         check(isinstance(self.top_k, int) and self.top_k >= 0,
               f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.seed is None or -2**63 <= self.seed < 2**64,
+              f"seed must be a 64-bit integer, got {self.seed}")
         check(
             self.max_tokens is None or self.max_tokens >= 1,
             f"max_tokens must be >= 1, got {self.max_tokens}",
@@ -73,8 +75,8 @@ class SamplingParams:
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(0 < self.repetition_penalty < math.inf,
+              f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         check(self.logprobs is None or 0 <= self.logprobs <= 20,
               f"logprobs must be in [0, 20], got {self.logprobs}")
         check(all(isinstance(t, int) and not isinstance(t, bool) and isinstance(b, (int, float))

@@ -7,6 +7,42 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# Bounds on a JSON schema, checked before anything walks it recursively (the meta-schema
+# validator, the regex builder): nesting past them would exhaust the stack, and a schema of
+# thousands of parts would compile for minutes. OpenAI's own are lower (10 levels, 5000
+# properties). Depth counts JSON objects and arrays: one schema level inside "properties"
+# is two.
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_NODES = 2048  # objects and arrays in the whole schema
+
+
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """ValueError unless `schema` is within the bounds above and valid under its JSON Schema
+    draft's meta-schema (`$schema`, else 2020-12)."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    nodes = 0
+    while stack:  # iterative: a deep schema must not reach a recursion limit here either
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured outputs: the json schema nests deeper than "
+                             f"{MAX_SCHEMA_DEPTH} levels of objects and arrays")
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"structured outputs: the json schema has more than "
+                             f"{MAX_SCHEMA_NODES} objects and arrays")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise ValueError(f"structured outputs: json is not a valid JSON Schema: {exc.message} "
+                         f"(at {where})") from None
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of: a JSON schema, any JSON object, a regex, or a list of choices."""
@@ -36,6 +72,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured outputs: json is not valid JSON: {exc}") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured outputs: json must be a JSON schema object")
+        if self.json is not None:
+            check_json_schema(self.json)
         if self.regex is not None and not self.regex:
             raise ValueError("structured outputs: regex must not be empty")
 

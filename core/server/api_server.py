@@ -15,7 +15,7 @@ from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, split_keys
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
-from pkv.core.server.serving import OpenAIServing, ServerLimits
+from pkv.core.server.serving import OpenAIServing, ServerLimits, check_messages
 
 
 @dataclass
@@ -84,6 +84,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
+            check_messages(body.messages)
             try:
                 text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
             except Exception as exc:  # jinja errors from the model's own template

@@ -65,6 +65,18 @@ def error_bytes(status: int, message: str, param: str | None = None,
     return json.dumps(error_body(status, message, param, code)).encode()
 
 
+def _param(loc: list[str | int]) -> str | None:
+    """The field a validation error is about, as the client wrote it: the top-level field
+    (not pydantic's union branch or a dict key inside it), and for messages the message and
+    its field (`messages[2].role`)."""
+    if not loc:
+        return None
+    param = str(loc[0])
+    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        param += f"[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 else "")
+    return param
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -73,8 +85,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        param = loc[0] if loc else None  # the request field, not pydantic's union branch
+        param = _param([p for p in first.get("loc", ()) if p != "body"])
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
             first.get("msg", "invalid request body"))
         return error_response(OpenAIError(400, message, param))

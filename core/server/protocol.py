@@ -1,4 +1,11 @@
-"""OpenAI request bodies (pydantic) and their translation into SamplingParams."""
+"""OpenAI request bodies (pydantic) and their translation into SamplingParams.
+
+One rule for every number, as OpenAI has it: a number field takes a JSON number and nothing
+else. Strings are refused, not coerced ("n": "1" is a 400, as is "temperature": "0.5"); an
+integer field refuses 1.5, 1.0 and booleans; NaN and ±Infinity (which Python's JSON reader
+accepts) are refused in every float field. Ranges are SamplingParams' own; every error names
+the field the client sent.
+"""
 
 from __future__ import annotations
 
@@ -10,33 +17,44 @@ from pkv.core.sampling_params import SamplingParams
 from pkv.core.structured_outputs import StructuredOutputsParams
 
 
+# Strict types, finite floats: see the module docstring. Unknown fields are accepted and
+# ignored, as OpenAI-compatible servers do: clients send vendor extras (e.g. `metadata`).
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
 class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
 class ResponseFormat(BaseModel):
+    model_config = STRICT
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputsField(BaseModel):
+    model_config = STRICT
+
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
 
-    # Unknown fields are accepted and ignored, as OpenAI-compatible servers do: clients send
-    # vendor extras (e.g. `user`, `metadata`) that change nothing here.
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -131,10 +149,16 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
+
+    def missing_content(self) -> bool:
+        """OpenAI: only an assistant message that calls tools may go without content."""
+        extra = self.model_extra or {}
+        return self.content is None and not (self.role == "assistant" and (
+            extra.get("tool_calls") or extra.get("function_call")))
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -160,6 +184,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = STRICT
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -167,6 +193,8 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+
     model: str | None = None
     tokens: list[int]
 

@@ -25,7 +25,8 @@ from pkv.core.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.server.middleware import request_tenant
-from pkv.core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pkv.core.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                      _SamplingFields)
 
 logger = logging.getLogger("pkv.server")
 
@@ -76,6 +77,7 @@ class OpenAIServing:
                 raise OpenAIError(400, f"chat_template_kwargs may hold only "
                                   f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
                                   f"scalar values; got {key!r}", "chat_template_kwargs")
+        check_messages(body.messages)
         messages = [m.as_template_dict() for m in body.messages]
         try:
             text = await asyncio.wait_for(asyncio.to_thread(
@@ -91,15 +93,16 @@ class OpenAIServing:
                               "characters", "messages")
         return text
 
-    def _check_common(self, body: _SamplingFields, logprobs: int | None) -> None:
+    def _check_common(self, body: _SamplingFields, logprobs: int | None,
+                      logprobs_param: str = "logprobs") -> None:
         if body.model is not None and body.model != self.model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
                               f"{self.model_name!r}", "model", "model_not_found")
         if not 1 <= body.n <= self.limits.max_n:
             raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
         if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
-            raise OpenAIError(400, f"logprobs must be between 0 and {self.limits.max_logprobs}",
-                              "logprobs")
+            raise OpenAIError(400, f"{logprobs_param} must be between 0 and "
+                              f"{self.limits.max_logprobs}", logprobs_param)
         salt = body.cache_salt
         if salt is not None and (len(salt) > self.limits.max_cache_salt_length
                                  or not salt.isprintable()):
@@ -114,8 +117,10 @@ class OpenAIServing:
                               "characters", "stop")
 
     @staticmethod
-    def _params(body: _SamplingFields, max_tokens: int | None,
-                logprobs: int | None) -> SamplingParams:
+    def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                names: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams of the request; a 400 naming the field the client sent (`names`
+        maps SamplingParams' names to the request's where they differ)."""
         fields = body.constraint_fields()
         try:
             _, field = body.structured()
@@ -126,7 +131,8 @@ class OpenAIServing:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             # SamplingParams messages start with the field's name.
-            param = field if "structured outputs" in str(exc) else str(exc).split(" ", 1)[0]
+            name = str(exc).split(" ", 1)[0]
+            param = field if "structured outputs" in str(exc) else (names or {}).get(name, name)
             raise OpenAIError(400, str(exc), param) from None
 
     async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -157,9 +163,12 @@ class OpenAIServing:
     # ---- chat --------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        self._check_common(body, top)
-        params = self._params(body, body.max_completion_tokens or body.max_tokens, top)
+        top = body.top_logprobs
+        self._check_common(body, top, "top_logprobs")
+        top = (top or 0) if body.logprobs else None
+        given = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        params = self._params(body, getattr(body, given), top,
+                              {"max_tokens": given, "logprobs": "top_logprobs"})
         text = await self._render_chat(body)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -342,6 +351,15 @@ class _DeltaTracker:
             self.done.add(index)
         lps = c.logprobs[tokens:] if c.logprobs is not None else None
         return text, lps, c.token_ids[tokens:]
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """A 400 naming the first message that has no content where OpenAI requires it."""
+    for i, message in enumerate(messages):
+        if message.missing_content():
+            raise OpenAIError(400, f"messages[{i}]: a {message.role} message needs content (a "
+                              "string or a list of content parts), not null",
+                              f"messages[{i}].content")
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]

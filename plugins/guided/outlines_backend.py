@@ -166,6 +166,10 @@ class GuidedState:
             self.state = nxt
 
 
+# A regular expression this long takes outlines-core ~4 s to index over a 49k vocabulary;
+# a schema of 2000 optional properties would make one of 92 MB.
+MAX_REGEX_CHARS = 512 * 1024
+
 # Past this many runaway compiles (each holding a thread and a core), new ones are refused.
 MAX_ABANDONED_COMPILES = 2
 
@@ -231,8 +235,14 @@ class OutlinesBackend:
         if self._vocabulary is None:
             eos = self.tokenizer.eos_token_id
             self._vocabulary = Vocabulary(eos, token_bytes_map(self.tokenizer))
+        regex = to_regex(params)
+        if len(regex) > MAX_REGEX_CHARS:
+            raise ValueError(f"the {params.kind} constraint is too large to compile: its "
+                             f"regular expression has {len(regex)} characters, over "
+                             f"{MAX_REGEX_CHARS} (optional properties multiply it: make more "
+                             "of them required, or split the schema)")
         try:
-            grammar = CompiledGrammar(Index(to_regex(params), self._vocabulary), self.vocab_size,
+            grammar = CompiledGrammar(Index(regex, self._vocabulary), self.vocab_size,
                                       self.masks)
         except ValueError as exc:
             raise ValueError(f"invalid {params.kind} constraint: {exc}") from None

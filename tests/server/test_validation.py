@@ -1,0 +1,151 @@
+"""Every field a client can get wrong is a 400 naming that field: one table over every number
+field of both endpoints (a new field missing from it fails the test), hostile JSON schemas,
+messages without content."""
+
+from __future__ import annotations
+
+import json
+import time
+import typing
+
+import httpx
+import pytest
+
+from pkv.core.server.protocol import ChatCompletionRequest, CompletionRequest
+from pkv.tests.server.conftest import RunningServer
+from pkv.tests.server.test_hardening import _blocks_idle
+from pkv.tests.server.test_http import MODEL, _assert_error
+
+NAN, INF = float("nan"), float("inf")
+
+# Bad values of every number field: out of range, not finite, and numbers sent as strings,
+# floats and booleans for integers (the strict policy: see pkv/core/server/protocol.py).
+COMMON: dict[str, list[object]] = {
+    "max_tokens": [0, -1, 1.5, "16", True],
+    "temperature": [-0.5, NAN, INF, -INF, "0.5"],
+    "top_p": [0, 1.5, NAN, INF, "1"],
+    "top_k": [-2, 1.5, "5", True],
+    "min_p": [-0.1, 1.5, NAN, INF],
+    "n": [0, 10**6, "1", 1.5, True],
+    "seed": [2**64, -(2**63) - 1, "7", 1.5],
+    "stop_token_ids": [[-1], [10**9], ["1"], [1.5]],
+    "logit_bias": [{"5": 101}, {"5": NAN}, {"5": INF}, {"5": "1"}],
+    "presence_penalty": [2.5, -2.5, NAN, INF, "0"],
+    "frequency_penalty": [2.5, NAN, -INF],
+    "repetition_penalty": [0, -1, NAN, INF, "1.1"],
+    "min_tokens": [-1, 1.5, "2"],
+}
+BAD = {
+    "/v1/completions": {**COMMON, "logprobs": [-1, 21, 1.5, "2", True],
+                        "prompt": [[1.5], [-1], [10**9], [NAN]]},
+    "/v1/chat/completions": {**COMMON, "max_completion_tokens": [0, -1, 1.5, "16"],
+                             "top_logprobs": [-1, 21, 1.5, "2"]},
+}
+# A valid value of every number field: strictness must not refuse what is right.
+GOOD = {"max_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0.0, "n": 1,
+        "seed": 2**63, "stop_token_ids": [2], "logit_bias": {"5": -1}, "presence_penalty": 0,
+        "frequency_penalty": 0.5, "repetition_penalty": 1, "min_tokens": 1}
+BASE = {
+    "/v1/completions": {"model": MODEL, "prompt": "Hello"},
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+}
+MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def _numeric(annotation: object) -> bool:
+    """Whether an annotation holds an int or a float anywhere (bool is not a number)."""
+    if annotation in (int, float):
+        return True
+    return any(_numeric(arg) for arg in typing.get_args(annotation))
+
+
+def _send(server: RunningServer, path: str, body: dict) -> httpx.Response:
+    # json.dumps writes NaN and Infinity as Python's JSON reader (and so the server) reads them.
+    return httpx.post(f"{server.base_url}{path}", content=json.dumps(body), timeout=60,
+                      headers={**server.headers, "content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path", list(BAD))
+def test_every_number_field_is_checked_and_named(server: RunningServer, path: str) -> None:
+    fields = {name for name, f in MODELS[path].model_fields.items() if _numeric(f.annotation)}
+    assert fields == set(BAD[path]), "a number field without bad values in this table"
+    extra = {"max_completion_tokens": 4, "top_logprobs": 2, "logprobs": True} if "chat" in path \
+        else {"logprobs": 2, "prompt": [1, 2, 3]}
+    ok = _send(server, path, {**BASE[path], **GOOD, **extra})
+    assert ok.status_code == 200, ok.text
+    wrong = []
+    for field, values in BAD[path].items():
+        for value in values:
+            r = _send(server, path, {**BASE[path], "max_tokens": 2, field: value})
+            error = r.json().get("error") or {}
+            if r.status_code != 400 or error.get("param") != field:
+                wrong.append((field, value, r.status_code, error.get("param"),
+                              error.get("message")))
+    assert not wrong, wrong
+    _blocks_idle(server)
+
+
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _response_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema, says", [
+    (_deep(300), "deeper than 64"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}},
+     "more than 2048"),
+    # Under the size bounds, but 1500 optional properties make a regex of ~50 MB.
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1500)}},
+     "too large to compile"),
+    ({"type": "object", "required": 5}, "at required"),
+    ({"type": "integer", "minimum": "x"}, "at minimum"),
+    ({"type": "stsring"}, "at type"),
+])
+def test_hostile_schemas_are_400s(server: RunningServer, schema: dict, says: str) -> None:
+    start = time.monotonic()
+    r = _send(server, "/v1/chat/completions", {**BASE["/v1/chat/completions"], "max_tokens": 4,
+                                               "response_format": _response_format(schema)})
+    error = _assert_error(r, 400, "response_format")
+    assert says in error["message"], error
+    assert time.monotonic() - start < 20
+
+
+def test_a_schema_just_inside_the_bounds_is_served(server: RunningServer) -> None:
+    schema = _deep(31)  # 63 levels of objects
+    r = _send(server, "/v1/chat/completions", {**BASE["/v1/chat/completions"], "max_tokens": 4,
+                                               "response_format": _response_format(schema)})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content"),
+    ([{"role": "assistant", "content": None}, {"role": "user", "content": "Hi"}],
+     "messages[0].content"),
+    ([{"role": "wizard", "content": "Hi"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+])
+def test_messages_need_content_and_a_role(server: RunningServer, messages: list,
+                                          param: str) -> None:
+    r = _send(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                               "max_tokens": 2})
+    _assert_error(r, 400, param)
+    r = _send(server, "/tokenize", {"messages": messages})
+    _assert_error(r, 400, param)
+
+
+def test_an_assistant_message_with_tool_calls_needs_no_content(server: RunningServer) -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = _send(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                               "max_tokens": 2})
+    assert r.status_code == 200, r.text
