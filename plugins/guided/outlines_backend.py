@@ -235,13 +235,13 @@ class OutlinesBackend:
         if self._vocabulary is None:
             eos = self.tokenizer.eos_token_id
             self._vocabulary = Vocabulary(eos, token_bytes_map(self.tokenizer))
-        regex = to_regex(params)
-        if len(regex) > MAX_REGEX_CHARS:
-            raise ValueError(f"the {params.kind} constraint is too large to compile: its "
-                             f"regular expression has {len(regex)} characters, over "
-                             f"{MAX_REGEX_CHARS} (optional properties multiply it: make more "
-                             "of them required, or split the schema)")
         try:
+            regex = to_regex(params)
+            if len(regex) > MAX_REGEX_CHARS:
+                raise ValueError(f"too large to compile: its regular expression has "
+                                 f"{len(regex)} characters, over {MAX_REGEX_CHARS} (optional "
+                                 "properties multiply it: make more of them required, or "
+                                 "split the schema)")
             grammar = CompiledGrammar(Index(regex, self._vocabulary), self.vocab_size,
                                       self.masks)
         except ValueError as exc:

@@ -89,7 +89,7 @@ def test_n_samples_each_follow_the_grammar(smol_llm: LLM):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"json": {"type": "nonsense"}}, "invalid json constraint"),
+    ({"json": {"type": "nonsense"}}, "not a valid JSON Schema"),
     ({"json": {"type": "integer", "minimum": 0}}, "unsupported schema feature"),
     ({"regex": "(unclosed"}, "invalid regex constraint"),
 ])

@@ -184,22 +184,12 @@ def _rss_without_kv(server: RunningServer) -> float:
     return rss - server.metrics()["pkv:kv_cache_resident_bytes"]
 
 
-NAN, INF = float("nan"), float("inf")
-
-
+# Every number field's bounds are checked by one table in test_validation.py; these are the
+# other fields a client can get wrong.
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", -1), ("max_tokens", 10**12), ("max_tokens", "many"),
-    ("temperature", NAN), ("temperature", INF), ("temperature", "hot"),
-    ("top_p", NAN), ("top_p", 1.5), ("top_p", -1),
-    ("top_k", -2), ("top_k", "x"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", NAN),
-    ("n", 0), ("n", -1), ("n", 10**6), ("seed", "x"),
-    ("presence_penalty", NAN), ("presence_penalty", 3), ("frequency_penalty", -3),
-    ("repetition_penalty", 0), ("repetition_penalty", NAN), ("logprobs", -1),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [10**9]), ("stop", [""]),
-    ("logit_bias", {"999999": 5}), ("logit_bias", {"-1": 5}), ("logit_bias", {"5": 1000}),
-    ("logit_bias", {"5": NAN}), ("logit_bias", {"x": 1}), ("logit_bias", [1]),
-    ("min_tokens", -1), ("prompt", [999999]), ("prompt", [-1]), ("prompt", []),
-    ("prompt", ["hi"] * 1000), ("prompt", None),
+    ("max_tokens", 10**12), ("stop", [""]),
+    ("logit_bias", {"999999": 5}), ("logit_bias", {"-1": 5}), ("logit_bias", {"x": 1}),
+    ("logit_bias", [1]), ("prompt", []), ("prompt", ["hi"] * 1000), ("prompt", None),
     ("cache_salt", "x" * 10000), ("cache_salt", "a\nb\x00"),
 ])
 def test_parameter_bounds_are_400s_naming_the_field(server: RunningServer, field: str,

@@ -93,7 +93,7 @@ def test_chat_errors(server: RunningServer):
                   "messages")
     _assert_error(_post(server, "/v1/chat/completions",
                         {"model": MODEL, "messages": msgs, "logprobs": True,
-                         "top_logprobs": 25}), 400, "logprobs")
+                         "top_logprobs": 25}), 400, "top_logprobs")
     _assert_error(_post(server, "/v1/chat/completions",
                         {"model": MODEL, "messages": msgs, "max_completion_tokens": 4000}),
                   400, "messages", "context_length_exceeded")
