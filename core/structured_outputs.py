@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class ConstraintCompilerBusyError(RuntimeError):
+    """Constraints compiled before this one ran past their time limit and still occupy the
+    compiler: the server is overloaded (a 503 to retry), not the request wrong."""
+
+
 # Bounds on a JSON schema, checked before anything walks it recursively (the meta-schema
 # validator, the regex builder): nesting past them would exhaust the stack, and a schema of
 # thousands of parts would compile for minutes. OpenAI's own are lower (10 levels, 5000

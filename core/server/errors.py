@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pkv.core.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from pkv.core.structured_outputs import ConstraintCompilerBusyError
 
 logger = logging.getLogger("pkv.server")
 
@@ -38,7 +39,7 @@ RETRY_AFTER_S = "1"
 def engine_error(exc: Exception) -> OpenAIError | None:
     """The OpenAI error for a failure of the engine or of admission; None for anything else
     (a bug: a plain 500). Overload and a stopped engine are 503s, a failed step a 500."""
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, (QueueFullError, ConstraintCompilerBusyError)):
         return OpenAIError(503, str(exc), code="server_overloaded",
                            headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, EngineDeadError):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.structured_outputs import ConstraintCompilerBusyError, StructuredOutputsParams
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 _MAX_ENUM_RANGE = 1000
@@ -204,8 +204,9 @@ class OutlinesBackend:
             if future is None:
                 self._abandoned = {f for f in self._abandoned if not f.done()}
                 if len(self._abandoned) >= MAX_ABANDONED_COMPILES:
-                    raise ValueError("the constraint compiler is still busy with constraints "
-                                     "that exceeded the time limit; try again later")
+                    raise ConstraintCompilerBusyError(
+                        "the constraint compiler is still busy with constraints that exceeded "
+                        "the time limit; retry later")
                 future = self._pool.submit(self._compile, params)
                 self._pending[key] = future
         try:

@@ -12,6 +12,9 @@ import httpx
 import pytest
 
 from pkv.cli.bench_burst import burst
+from pkv.core.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from pkv.core.server.errors import engine_error
+from pkv.core.structured_outputs import ConstraintCompilerBusyError
 from pkv.tests.server.conftest import RunningServer, start_server, stop_server
 from pkv.tests.server.test_hardening import _blocks_idle, _canary, _rss_without_kv
 from pkv.tests.server.test_http import MODEL
@@ -88,3 +91,15 @@ def test_memory_comes_back_after_each_burst(small_server: RunningServer) -> None
     after = [one_round() for _ in range(19)]
     grew = [(rss - start) / 2**20 for rss in after]
     assert max(grew) < 48, grew
+
+
+@pytest.mark.parametrize("exc, status, retry", [
+    (QueueFullError("full"), 503, True), (ConstraintCompilerBusyError("busy"), 503, True),
+    (EngineDeadError("the server is shutting down"), 503, True),
+    (EngineStepError("step failed"), 500, False), (ValueError("a bug"), None, False),
+])
+def test_every_engine_failure_has_its_status(exc: Exception, status: int | None,
+                                             retry: bool) -> None:
+    error = engine_error(exc)
+    assert (error.status if error else None) == status
+    assert ("Retry-After" in error.headers if error else False) == retry
