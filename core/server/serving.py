@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pkv.core.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from pkv.core.async_engine import AsyncLLM, RequestStream
 from pkv.core.llm_engine import ContextLengthError, PreparedRequest
 from pkv.core.outputs import CompletionOutput, RequestOutput
 from pkv.core.sampling_params import SamplingParams
@@ -152,14 +152,6 @@ class OpenAIServing:
                 param = first
             raise OpenAIError(400, str(exc), param) from None
 
-    def _submit(self, prepared: list[PreparedRequest]) -> list[RequestStream]:
-        """Queue the requests (all or none) before any response starts: a full queue or a
-        stopped engine is a 503 here, never an error inside a started response."""
-        try:
-            return self.llm.submit(prepared)
-        except (QueueFullError, EngineDeadError) as exc:
-            raise engine_error(exc) from None  # type: ignore[misc]
-
     # ---- chat --------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
@@ -173,7 +165,9 @@ class OpenAIServing:
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw)
-        [stream] = self._submit([prepared])
+        # Queued (all or none) before any response starts: a full queue or a stopped engine
+        # is a 503 (engine_error), never an error inside a started response.
+        [stream] = self.llm.submit([prepared])
         if body.stream:
             return _EngineStreamingResponse(self._chat_stream(body, prepared, stream), [stream])
         final = await self._collect(stream, raw)
@@ -230,7 +224,7 @@ class OpenAIServing:
         base_id = f"cmpl-{uuid.uuid4().hex}"
         prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt", raw)
                     for i, p in enumerate(prompts)]
-        streams = self._submit(prepared)
+        streams = self.llm.submit(prepared)
         if body.stream:
             return _EngineStreamingResponse(self._completion_stream(body, base_id, streams),
                                             streams)
