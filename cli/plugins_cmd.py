@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pkv.cli.errors import user_errors
@@ -45,6 +46,12 @@ def plugins(
     for name, spec in sorted(registry.weight_loaders.items()):
         loaders.add_row(name, spec.description, spec.target)
     console.print(loaders)
+    parsers = Table(title="tool call parsers (--tool-call-parser; auto reads the chat template)")
+    for column in ("name", "format", "auto picks it for templates with"):
+        parsers.add_column(column)
+    for name, spec in sorted(registry.tool_parsers.items()):
+        parsers.add_row(name, escape(spec.description), escape(", ".join(spec.markers) or "-"))
+    console.print(parsers)
     with user_errors():
         console.print(_kernel_flavours())
 

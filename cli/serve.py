@@ -30,7 +30,7 @@ console = Console(stderr=True)
 SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
                   "shutdown_timeout", "allowed_origins", "max_waiting_requests", "step_timeout",
                   "body_timeout", "max_body_bytes", "max_n", "max_logprobs", "max_stop_strings",
-                  "max_stop_length")
+                  "max_stop_length", "tool_call_parser", "reasoning_parser")
 
 
 def serve(
@@ -70,6 +70,8 @@ def serve(
     max_logprobs: Annotated[int, typer.Option(help="Largest logprobs/top_logprobs.")] = 20,
     max_stop_strings: Annotated[int, typer.Option(help="Most stop strings per request.")] = 16,
     max_stop_length: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
+    tool_call_parser: Annotated[str, typer.Option(help="How `auto` tool calls are read: a parser from `pkv plugins`, or auto (from the chat template).")] = "auto",
+    reasoning_parser: Annotated[Optional[str], typer.Option(help="deepseek_r1 or qwen3: <think> blocks go to reasoning_content.")] = None,
     check: Annotated[bool, typer.Option("--check", help="Validate the options and exit, without loading weights.")] = False,
 ) -> None:
     """Serve a model over the OpenAI API (chat, completions, streaming)."""
@@ -122,6 +124,14 @@ def _check(options: dict[str, Any]) -> None:
     config = _engine_config(options)
     if not 0 <= options["port"] <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {options['port']}")
+    from pkv.core.reasoning import reasoning_parser
+    from pkv.plugins.registry import discover
+
+    reasoning_parser(options["reasoning_parser"])
+    parsers = discover().tool_parsers
+    if options["tool_call_parser"] != "auto" and options["tool_call_parser"] not in parsers:
+        raise ValueError(f"unknown tool call parser {options['tool_call_parser']!r}; choose "
+                         f"auto or one of {', '.join(sorted(parsers))}")
     if options["log_level"].lower() not in ("debug", "info", "warning", "error", "critical"):
         raise ValueError(f"log_level must be debug, info, warning or error, got "
                          f"{options['log_level']!r}")
@@ -156,6 +166,7 @@ def _run(options: dict[str, Any]) -> None:
         max_waiting_requests=options["max_waiting_requests"],
         step_timeout=options["step_timeout"], body_timeout=options["body_timeout"],
         allowed_origins=list(options["allowed_origins"] or []),
+        tool_call_parser=options["tool_call_parser"], reasoning_parser=options["reasoning_parser"],
         limits=ServerLimits(options["max_n"], options["max_logprobs"],
                             options["max_stop_strings"], options["max_stop_length"]))
     async_llm = AsyncLLM(engine, server_config.max_waiting_requests,

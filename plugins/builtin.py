@@ -4,7 +4,8 @@ point like any third-party plugin."""
 from __future__ import annotations
 
 from pkv.plugins.hookspecs import hookimpl
-from pkv.plugins.registry import AttentionBackendSpec, GuidedDecodingSpec, WeightLoaderSpec
+from pkv.plugins.registry import (AttentionBackendSpec, GuidedDecodingSpec, ToolParserSpec,
+                                  WeightLoaderSpec)
 
 
 def _cpu_reasons(device: str) -> list[str]:
@@ -59,4 +60,19 @@ def pkv_weight_loaders() -> list[WeightLoaderSpec]:
                          "AutoAWQ GEMM 4-bit checkpoints (fused CPU kernel, Triton on GPU)"),
         WeightLoaderSpec("fp8", "pkv.plugins.weights.fp8:FP8Loader",
                          "FP8 e4m3 checkpoints (vLLM / compressed-tensors), or fp8 on load"),
+    ]
+
+
+@hookimpl
+def pkv_tool_parsers() -> list[ToolParserSpec]:
+    base = "pkv.plugins.tool_parsers"
+    return [
+        ToolParserSpec("hermes", f"{base}.hermes:HermesToolParser", ("<tool_call>",),
+                       "<tool_call>{json}</tool_call> (Qwen 2.5/3, SmolLM3, Hermes)"),
+        ToolParserSpec("llama3_json", f"{base}.llama3_json:Llama3JsonToolParser",
+                       ("<|python_tag|>",), '{"name", "parameters"} objects (Llama 3.1/3.3)'),
+        ToolParserSpec("mistral", f"{base}.mistral:MistralToolParser", ("[TOOL_CALLS]",),
+                       "[TOOL_CALLS][{json}, ...] (Mistral)"),
+        ToolParserSpec("pythonic", f"{base}.pythonic:PythonicToolParser", (),
+                       "[f(a=1), g()] (Llama 3.2/4, ToolACE)"),
     ]

@@ -29,3 +29,7 @@ class PkvHookSpecs:
     @hookspec
     def pkv_guided_decoding_backends(self) -> list:
         """Return GuidedDecodingSpec objects: logit-mask backends for structured output."""
+
+    @hookspec
+    def pkv_tool_parsers(self) -> list:
+        """Return ToolParserSpec objects: readers of a model family's tool-call format."""

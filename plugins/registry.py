@@ -69,6 +69,20 @@ class GuidedDecodingSpec:
         return import_target(self.target)
 
 
+@dataclass(frozen=True)
+class ToolParserSpec:
+    """A tool-call format. `markers`: strings whose presence in a chat template says the
+    model writes this format (how `--tool-call-parser auto` picks)."""
+
+    name: str
+    target: str  # "module:Class" of a pkv.core.tool_calls.ToolParser
+    markers: tuple[str, ...] = ()
+    description: str = ""
+
+    def load(self) -> Any:
+        return import_target(self.target)
+
+
 @dataclass
 class PluginInfo:
     """One discovered plugin: where it comes from and what it gave (or why it failed)."""
@@ -85,6 +99,7 @@ class PluginRegistry:
     attention_backends: dict[str, AttentionBackendSpec] = field(default_factory=dict)
     weight_loaders: dict[str, WeightLoaderSpec] = field(default_factory=dict)
     guided_decoding: dict[str, GuidedDecodingSpec] = field(default_factory=dict)
+    tool_parsers: dict[str, ToolParserSpec] = field(default_factory=dict)
     plugins: list[PluginInfo] = field(default_factory=list)
 
     def usable_attention_backends(self, device: str) -> list[str]:
@@ -120,6 +135,9 @@ def _collect(pm: pluggy.PluginManager, registry: PluginRegistry, info: PluginInf
     for spec in _flatten(pm.hook.pkv_guided_decoding_backends()):
         registry.guided_decoding[spec.name] = spec
         info.provides.append(f"guided:{spec.name}")
+    for spec in _flatten(pm.hook.pkv_tool_parsers()):
+        registry.tool_parsers[spec.name] = spec
+        info.provides.append(f"tools:{spec.name}")
 
 
 def _flatten(results: list[list[Any] | None]) -> list[Any]:
@@ -164,3 +182,24 @@ def select_guided_backend(name: str, registry: PluginRegistry | None = None) -> 
         raise ValueError(f"unknown guided decoding backend {name!r}; available: "
                          f"{', '.join(registry.guided_decoding) or 'none'}")
     return registry.guided_decoding[name].load()
+
+
+# What `auto` picks when no parser's markers are in the template: the format that pkv's
+# fallback tools prompt asks for.
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+def select_tool_parser(name: str, chat_template: str | None,
+                       registry: PluginRegistry | None = None) -> Any:
+    """A tool parser instance: the one called `name`, or for `auto` the first (by name)
+    whose markers appear in the chat template."""
+    registry = registry or discover()
+    specs = registry.tool_parsers
+    if name == "auto":
+        template = chat_template or ""
+        name = next((n for n, s in sorted(specs.items())
+                     if any(m in template for m in s.markers)), DEFAULT_TOOL_PARSER)
+    if name not in specs:
+        raise ValueError(f"unknown tool call parser {name!r}; available: "
+                         f"{', '.join(sorted(specs)) or 'none'}")
+    return specs[name].load()()

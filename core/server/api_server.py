@@ -10,12 +10,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pkv
 from pkv.core.async_engine import AsyncLLM
+from pkv.core.reasoning import reasoning_parser
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, split_keys
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
 from pkv.core.server.serving import OpenAIServing, ServerLimits, check_messages
+from pkv.plugins.registry import select_tool_parser
 
 
 @dataclass
@@ -29,6 +31,8 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     step_timeout: float = 120.0  # seconds before the watchdog calls a step wedged
     allowed_origins: list[str] = field(default_factory=list)
+    tool_call_parser: str = "auto"  # a registered parser, or auto (from the chat template)
+    reasoning_parser: str | None = None  # deepseek_r1, qwen3
     limits: ServerLimits = field(default_factory=ServerLimits)
 
 
@@ -37,8 +41,11 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pkv", version=pkv.__version__, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(async_llm.engine)
     async_llm.on_request_finished = metrics.observe
-    serving = OpenAIServing(async_llm, config.served_model_name, config.limits)
     engine = async_llm.engine
+    serving = OpenAIServing(async_llm, config.served_model_name, config.limits,
+                            select_tool_parser(config.tool_call_parser,
+                                               engine.tokenizer.chat_template),
+                            reasoning_parser(config.reasoning_parser))
     created = int(time.time())
     install_error_handlers(app)
 

@@ -9,6 +9,7 @@ the field the client sent.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -164,11 +165,49 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        out = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if out.get("tool_calls"):
+            # Templates write `arguments | tojson`: they expect an object, not its JSON text.
+            out["tool_calls"] = [{**call, "function": {
+                **call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+                for call in out["tool_calls"]]
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -24,9 +24,14 @@ from pkv.core.outputs import CompletionOutput, RequestOutput
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.errors import OpenAIError, engine_error, error_body
+from pkv.core.reasoning import ReasoningParser
+from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       _SamplingFields)
+from pkv.core.server.tools import ToolPlan, check_tool_messages, plan_tools, template_messages
+from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.tool_calls import ToolParser
 
 logger = logging.getLogger("pkv.server")
 
@@ -56,15 +61,19 @@ def _sse(payload: dict | str) -> bytes:
 class OpenAIServing:
     """Turns OpenAI request bodies into engine requests and engine outputs into responses."""
 
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str, limits: ServerLimits) -> None:
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, limits: ServerLimits,
+                 tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.llm = async_llm
         self.model_name = served_model_name
         self.limits = limits
         self.tokenizer = async_llm.engine.tokenizer
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
 
     # ---- validation --------------------------------------------------------------------
 
-    async def _render_chat(self, body: ChatCompletionRequest) -> str:
+    async def _render_chat(self, body: ChatCompletionRequest, tools: list[dict]) -> str:
         """The server's own template, sandboxed by jinja, off the event loop, with a time
         and a size limit; requests may pass only allow-listed template variables."""
         if body.chat_template is not None:
@@ -78,7 +87,10 @@ class OpenAIServing:
                                   f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
                                   f"scalar values; got {key!r}", "chat_template_kwargs")
         check_messages(body.messages)
-        messages = [m.as_template_dict() for m in body.messages]
+        messages = template_messages([m.as_template_dict() for m in body.messages], tools,
+                                     self.tokenizer.chat_template or "")
+        if tools and "tools" in (self.tokenizer.chat_template or ""):
+            kwargs = {**kwargs, "tools": tools}
         try:
             text = await asyncio.wait_for(asyncio.to_thread(
                 self.tokenizer.apply_chat_template, messages, True, **kwargs),
@@ -136,7 +148,8 @@ class OpenAIServing:
             raise OpenAIError(400, str(exc), param) from None
 
     async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       body: _SamplingFields, param: str, raw: Request) -> PreparedRequest:
+                       body: _SamplingFields, param: str, raw: Request,
+                       constraint_param: str | None = None) -> PreparedRequest:
         # Tenants (API keys) never share prefix-cache blocks: their name salts every hash.
         tenant = request_tenant(raw.scope)
         salt = body.cache_salt if tenant is None else f"{tenant}:{body.cache_salt or ''}"
@@ -147,7 +160,7 @@ class OpenAIServing:
         except ValueError as exc:
             first = str(exc).split(" ", 1)[0]
             if "constraint" in str(exc):  # compiling the structured-output constraint failed
-                param = body.structured()[1] or param
+                param = constraint_param or body.structured()[1] or param
             elif first in type(body).model_fields:  # engine messages start with the field
                 param = first
             raise OpenAIError(400, str(exc), param) from None
@@ -161,30 +174,50 @@ class OpenAIServing:
         given = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         params = self._params(body, getattr(body, given), top,
                               {"max_tokens": given, "logprobs": "top_logprobs"})
-        text = await self._render_chat(body)
+        plan = plan_tools(body, self.tool_parser)
+        if plan.schema is not None:
+            params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+        params.skip_special_tokens = plan.skip_special_tokens
+        self._check_tools_fit(plan)
+        text = await self._render_chat(body, plan.tools)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw)
+        prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw,
+                                       "tools" if plan.schema is not None else None)
         # Queued (all or none) before any response starts: a full queue or a stopped engine
         # is a 503 (engine_error), never an error inside a started response.
         [stream] = self.llm.submit([prepared])
+        shapers = [ChoiceShaper(plan.extractor, self.reasoning_parser)
+                   for _ in prepared.children]
         if body.stream:
-            return _EngineStreamingResponse(self._chat_stream(body, prepared, stream), [stream])
+            return _EngineStreamingResponse(self._chat_stream(body, prepared, stream, shapers),
+                                            [stream])
         final = await self._collect(stream, raw)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0) if body.logprobs
-                    else None,
-                    "finish_reason": c.finish_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish = shapers[c.index].message(c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
+                            if body.logprobs else None, "finish_reason": finish})
         return JSONResponse({"id": request_id, "object": "chat.completion",
                              "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": _usage([final])})
 
+    def _check_tools_fit(self, plan: ToolPlan) -> None:
+        if not plan.tools:
+            return
+        size = len(self.tokenizer.encode(json.dumps(plan.tools), add_special_tokens=False))
+        limit = self.llm.engine.max_model_len
+        if size >= limit:
+            raise OpenAIError(400, f"the tools alone take {size} tokens, more than the model's "
+                              f"context of {limit}", "tools", "context_length_exceeded")
+
     async def _chat_stream(self, body: ChatCompletionRequest, prepared: PreparedRequest,
-                           stream: RequestStream) -> AsyncIterator[bytes]:
+                           stream: RequestStream, shapers: list[ChoiceShaper]
+                           ) -> AsyncIterator[bytes]:
         base = {"id": prepared.request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.model_name}
-        n = len(prepared.children)
-        for i in range(n):
+        for i in range(len(shapers)):
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
@@ -194,15 +227,21 @@ class OpenAIServing:
             async for output in stream.outputs():
                 final = output
                 for c in output.outputs:
-                    delta = tracker.advance(c.index, c)
-                    if delta is None:
+                    new = tracker.advance(c.index, c)
+                    if new is None:
                         continue
-                    text, lps, ids = delta
-                    yield _sse({**base, "choices": [{
-                        "index": c.index, "delta": {"content": text} if text else {},
-                        "logprobs": lpf.chat(lps, ids, body.top_logprobs or 0)
-                        if body.logprobs and lps else None,
-                        "finish_reason": c.finish_reason}]})
+                    _, lps, ids = new
+                    shaper = shapers[c.index]
+                    delta = shaper.delta(c.text, c.finish_reason is not None)
+                    logprobs = (lpf.chat(lps, ids, body.top_logprobs or 0)
+                                if body.logprobs and lps else None)
+                    if not delta and logprobs is None and c.finish_reason is None:
+                        continue  # held back: it may still become markup
+                    finish = ("tool_calls" if c.finish_reason == "stop" and shaper.called
+                              else c.finish_reason)
+                    yield _sse({**base, "choices": [{"index": c.index, "delta": delta,
+                                                     "logprobs": logprobs,
+                                                     "finish_reason": finish}]})
         except Exception as exc:
             yield _sse(_stream_error(exc))
         else:
@@ -348,7 +387,9 @@ class _DeltaTracker:
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """A 400 naming the first message that has no content where OpenAI requires it."""
+    """A 400 naming the first message that has no content where OpenAI requires it, or
+    whose tool calls or tool result are malformed."""
+    check_tool_messages(messages)
     for i, message in enumerate(messages):
         if message.missing_content():
             raise OpenAIError(400, f"messages[{i}]: a {message.role} message needs content (a "

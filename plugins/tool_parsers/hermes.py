@@ -1,0 +1,49 @@
+"""Hermes format (Qwen 2.5/3, SmolLM3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
+from __future__ import annotations
+
+import json
+
+from pkv.core.tool_calls import Extraction, ToolCall, json_call, partial_marker
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+class HermesToolParser:
+    name = "hermes"
+    needs_special_tokens = False
+
+    def extract(self, text: str, final: bool) -> Extraction:
+        first = text.find(START)
+        if first < 0:
+            held = 0 if final else partial_marker(text, START)
+            return Extraction(text[:len(text) - held])
+        calls: list[ToolCall] = []
+        at = first
+        while at >= 0:
+            body = at + len(START)
+            end = text.find(END, body)
+            call = _call(text[body:end] if end >= 0 else text[body:], final or end >= 0)
+            if call is None:
+                break
+            calls.append(call)
+            if end < 0 or not call.complete:
+                break
+            at = text.find(START, end + len(END))
+        if final and not calls:
+            return Extraction(text)  # markup without a readable call: it was content
+        return Extraction(text[:first], calls)
+
+
+def _call(body: str, closed: bool) -> ToolCall | None:
+    found = json_call(body, len(body) - len(body.lstrip()))
+    if found is not None:
+        return found[0]
+    if not closed:
+        return None  # the name has not arrived yet
+    try:  # keys in another order: read it whole
+        obj = json.loads(body)
+        return ToolCall(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False),
+                        complete=True)
+    except (ValueError, KeyError, TypeError):
+        return None
