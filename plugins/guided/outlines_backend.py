@@ -7,8 +7,8 @@ are mapped back to the bytes they stand for. EOS is allowed only in accepting st
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from pkv.core.structured_outputs import ConstraintCompilerBusyError, StructuredOutputsParams
+from pkv.plugins.guided.schema_rewrite import SchemaRewriter
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
-_MAX_ENUM_RANGE = 1000
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -58,22 +58,6 @@ def token_bytes_map(tokenizer: Any) -> dict[bytes, list[int]]:
     return out
 
 
-def _bounded_integers(schema: Any) -> Any:
-    """outlines-core ignores integer bounds: turn small bounded ranges into enums."""
-    if isinstance(schema, list):
-        return [_bounded_integers(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _bounded_integers(v) for k, v in schema.items()}
-    if out.get("type") == "integer" and ("minimum" in out or "maximum" in out):
-        lo, hi = out.get("minimum"), out.get("maximum")
-        if lo is None or hi is None or hi - lo > _MAX_ENUM_RANGE:
-            raise ValueError("unsupported schema feature: integer bounds need both minimum and "
-                             f"maximum, at most {_MAX_ENUM_RANGE} apart")
-        return {"enum": list(range(int(lo), int(hi) + 1))}
-    return out
-
-
 def to_regex(params: StructuredOutputsParams) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
@@ -82,8 +66,11 @@ def to_regex(params: StructuredOutputsParams) -> str:
     if params.kind == "choice":
         escape = lambda s: "".join("\\" + c if c in _REGEX_META else c for c in s)
         return "(" + "|".join(escape(c) for c in params.choice or ()) + ")"
-    schema = params.json if params.kind == "json" else {"type": "object"}
-    return build_regex_from_schema(json.dumps(_bounded_integers(schema)))
+    rewriter = SchemaRewriter(params.json if params.kind == "json" else {"type": "object"})
+    regex = build_regex_from_schema(json.dumps(rewriter.schema))
+    for key, number in rewriter.numbers.items():
+        regex = regex.replace(f'"{key}"', f"(?:{number})")
+    return regex
 
 
 # Token masks of every grammar share one LRU budget: a mask is one byte per vocabulary entry

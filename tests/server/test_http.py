@@ -80,7 +80,8 @@ def test_auth_is_required_and_compared(server: RunningServer):
     ({"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
      "response_format", None),
     ({"model": MODEL, "prompt": "hi", "structured_outputs": {"json": {"type": "integer",
-                                                                      "minimum": 0}}},
+                                                                      "minimum": 5,
+                                                                      "maximum": 4}}},
      400, "structured_outputs", None),
 ])
 def test_completion_errors(server: RunningServer, body, status, param, code):
