@@ -266,22 +266,32 @@ def guided(
     batch: Annotated[int, typer.Option(help="Batch for guided vs unguided throughput.")] = 32,
     max_tokens: Annotated[int, typer.Option(help="Token limit per request.")] = 128,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size.")] = "1GiB",
+    backends: Annotated[str, typer.Option(help="Comma-separated guided decoding backends.")] = "outlines,xgrammar",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
 ) -> None:
-    """Structured outputs: validity over 5 schemas, compile times, masking cost."""
+    """Structured outputs per backend: keyword-suite coverage, validity over 5 schemas,
+    compile time cold and cached, mask cost per step at batch 1 and 32, throughput."""
     from pkv.cli import bench_report as report
-    from pkv.cli.bench_guided import run_guided_bench
+    from pkv.cli.bench_guided import backends_table, run_guided_bench
+    from pkv.cli.cpu_info import cpu_summary
     from pkv.core.config import EngineConfig
     from pkv.core.llm_engine import LLMEngine
 
     with user_errors(console):
         if min(num_requests, batch, max_tokens) < 1:
             raise ValueError("--num-requests, --batch and --max-tokens must be >= 1")
-        engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=kv_cache_memory,
-                                        max_model_len=1024, max_num_seqs=max(batch, 64)))
-        result = run_guided_bench(engine, num_requests, batch, max_tokens, console)
+        results = {}
+        console.print(f"[bold]CPU[/]: {cpu_summary()}")
+        for backend in [b.strip() for b in backends.split(",") if b.strip()]:
+            engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=kv_cache_memory,
+                                            max_model_len=1024, max_num_seqs=max(batch, 64),
+                                            guided_decoding_backend=backend))
+            results[backend] = run_guided_bench(engine, num_requests, batch, max_tokens,
+                                                console)
+            engine.shutdown()
+        console.print(backends_table(results))
         if json_path:
-            report.write_json(json_path, result, console)
+            report.write_json(json_path, results, console)
 
 
 @bench_app.command("serve")

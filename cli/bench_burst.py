@@ -8,7 +8,7 @@ every few milliseconds meanwhile, and counts every answer by status.
 from __future__ import annotations
 
 import asyncio
-import threading
+import multiprocessing
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -83,33 +83,38 @@ async def burst(base: str, headers: dict[str, str], bodies: list[dict[str, Any]]
                 result.stream_errors += 1
                 result.examples.setdefault(-1, r.text[-300:])
 
-        done = threading.Event()
-        # The probe has its own thread: on the clients' event loop its timings would
-        # include the wait behind 200 of their own callbacks.
-        prober = threading.Thread(target=_probe_health, args=(base, health_every, done, result))
-        tasks = [asyncio.ensure_future(one(i)) for i in range(clients)]
+        # The probe is its own process: in this one its timings would include the wait for
+        # the interpreter behind 200 clients' callbacks, which says nothing of the server.
+        context = multiprocessing.get_context("spawn")
+        done, times = context.Event(), context.Queue()
+        prober = context.Process(target=_probe_health, args=(base, health_every, done, times),
+                                 daemon=True)
         prober.start()
-        await asyncio.sleep(0.2)  # every client waiting at the gate
+        tasks = [asyncio.ensure_future(one(i)) for i in range(clients)]
+        await asyncio.sleep(0.5)  # every client waiting at the gate, the probe running
         began = time.monotonic()
         start_gate.set()
         await asyncio.gather(*tasks)
         result.seconds = time.monotonic() - began
         done.set()
-        prober.join()
+        result.health_s, result.health_failures = times.get(timeout=30)
+        prober.join(timeout=10)
     return result
 
 
-def _probe_health(base: str, every: float, done: threading.Event, result: BurstResult) -> None:
+def _probe_health(base: str, every: float, done: Any, times: Any) -> None:
+    """GET /health every `every` seconds until `done`; put (latencies, failures)."""
+    latencies, failures = [], 0
     with httpx.Client(timeout=10) as health:
         while not done.is_set():
             began = time.monotonic()
             try:
-                ok = health.get(f"{base}/health").status_code == 200
+                failures += health.get(f"{base}/health").status_code != 200
             except httpx.HTTPError:
-                ok = False
-            result.health_s.append(time.monotonic() - began)
-            result.health_failures += not ok
+                failures += 1
+            latencies.append(time.monotonic() - began)
             done.wait(every)
+    times.put((latencies, failures))
 
 
 def burst_table(results: dict[str, BurstResult], title: str) -> Table:

@@ -39,6 +39,108 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+_SHORT = {"type": "string", "maxLength": 12}
+# One schema per JSON Schema keyword pkv enforces (README: Structured outputs).
+KEYWORD_SUITE: dict[str, dict[str, Any]] = {
+    "integer-wide": {"type": "integer", "minimum": 1, "maximum": 99999},
+    "integer-min-only": {"type": "integer", "minimum": 1000},
+    "integer-exclusive": {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 7},
+    "number-range": {"type": "number", "minimum": -1.5, "maximum": 2.25},
+    "string-length": {"type": "string", "minLength": 3, "maxLength": 6},
+    "string-pattern": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
+    "format-date": {"type": "string", "format": "date"},
+    "format-time": {"type": "string", "format": "time"},
+    "format-date-time": {"type": "string", "format": "date-time"},
+    "format-uuid": {"type": "string", "format": "uuid"},
+    "format-email": {"type": "string", "format": "email"},
+    "enum": {"enum": ["red", 7, None, True]},
+    "const": {"type": "object", "properties": {"v": {"const": "fixed"}}, "required": ["v"]},
+    "anyOf": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, _SHORT]},
+    "oneOf": {"oneOf": [{"type": "boolean"}, {"type": "null"}]},
+    "allOf-objects": {"allOf": [
+        {"type": "object", "properties": {"a": _SHORT}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer", "minimum": 0,
+                                                "maximum": 50}}, "required": ["b"]}]},
+    "ref-defs": {"$defs": {"age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                 "type": "object", "properties": {"age": {"$ref": "#/$defs/age"}},
+                 "required": ["age"]},
+    "ref-recursive": {"$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+        "required": ["v", "next"]}}, "$ref": "#/$defs/node"},
+    "nullable": {"type": "object", "properties": {"x": {"type": ["string", "null"],
+                                                        "maxLength": 8}}, "required": ["x"]},
+    "additionalProperties-false": {"type": "object", "properties": {"a": _SHORT},
+                                   "required": ["a"], "additionalProperties": False},
+    "additionalProperties-schema": {"type": "object", "maxProperties": 3,
+                                    "additionalProperties": {"type": "integer", "minimum": 0,
+                                                             "maximum": 9}},
+    "prefixItems": {"type": "array", "prefixItems": [_SHORT, {"type": "integer", "minimum": 1,
+                                                         "maximum": 5}], "items": False},
+    "minItems-maxItems": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99},
+                          "minItems": 2, "maxItems": 3},
+}
+
+
+def _keyword_suite(generate: Any, prompt: Any) -> int:
+    """How many of the keyword suite's schemas the backend's outputs satisfy (formats too)."""
+    import jsonschema
+
+    from pkv.core.sampling_params import SamplingParams
+    from pkv.core.structured_outputs import StructuredOutputsParams as SO
+
+    names = list(KEYWORD_SUITE)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80,
+                             structured_outputs=SO(json=KEYWORD_SUITE[n]))
+              for i, n in enumerate(names)]
+    outs, _ = generate(params, [prompt("JSON value") for _ in names])
+    valid = 0
+    for name, out in zip(names, outs):
+        try:
+            jsonschema.validate(json.loads(out.outputs[0].text), KEYWORD_SUITE[name],
+                                format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return valid
+
+
+def mask_ms_per_step(engine: Any, outs: list, batch: int) -> float:
+    """Milliseconds one decode step spends on guided decoding at `batch`: a mask and an
+    advance for each of `batch` sequences, replaying generated outputs on fresh states."""
+    from pkv.core.structured_outputs import StructuredOutputsParams as SO
+
+    names = list(SCHEMAS)
+    paths = [(SCHEMAS[names[i % len(names)]], outs[i % len(outs)].outputs[0].token_ids)
+             for i in range(batch)]
+    states = [engine.guided.compile(SO(json=schema)).new_state() for schema, _ in paths]
+    steps = min(len(ids) for _, ids in paths)
+    start = time.perf_counter()
+    for t in range(steps):
+        for state, (_, ids) in zip(states, paths):
+            state.allowed_mask()
+            state.advance(ids[t])
+    return 1000 * (time.perf_counter() - start) / max(steps, 1)
+
+
+def backends_table(results: dict[str, dict[str, Any]]) -> Table:
+    """The backends side by side: coverage, validity, compile time, mask cost, throughput."""
+    table = Table(title="guided decoding backends")
+    for column in ("backend", "keyword suite valid", "outputs valid", "compile cold ms (mean)",
+                   "compile cached ms", "mask ms/step b1", "mask ms/step b32",
+                   "guided/unguided tok/s"):
+        table.add_column(column, justify="right")
+    for name, r in results.items():
+        cold = [c["cold"] for c in r["compile_s"].values()]
+        cached = [c["cached"] for c in r["compile_s"].values()]
+        table.add_row(name, f"{r['suite_valid']}/{r['suite']}", f"{r['valid']}/{r['requests']}",
+                      f"{1000 * sum(cold) / len(cold):.0f}",
+                      f"{1000 * sum(cached) / len(cached):.3f}", f"{r['mask_ms']['1']:.2f}",
+                      f"{r['mask_ms']['32']:.2f}", f"{r['ratio']:.2f}")
+    return table
+
+
 def run_guided_bench(engine: Any, num_requests: int, batch: int, max_tokens: int,
                      console: Console) -> dict[str, Any]:
     import jsonschema
@@ -90,7 +192,9 @@ def run_guided_bench(engine: Any, num_requests: int, batch: int, max_tokens: int
         "unguided_output_throughput": tokens(free) / t_free,
     }
     result["ratio"] = result["guided_output_throughput"] / result["unguided_output_throughput"]
-    table = Table(title="compile time per schema")
+    result["suite_valid"], result["suite"] = _keyword_suite(generate, prompt), len(KEYWORD_SUITE)
+    result["mask_ms"] = {str(b): mask_ms_per_step(engine, outs, b) for b in (1, 32)}
+    table = Table(title=f"compile time per schema ({engine.guided.name})")
     for column in ("schema", "cold ms", "cached ms"):
         table.add_column(column, justify="left" if column == "schema" else "right")
     for name, (cold, cached) in compile_times.items():

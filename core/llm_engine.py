@@ -10,6 +10,7 @@ import itertools
 import logging
 import weakref
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from pkv.core.outputs import RequestOutput
 from pkv.core.request import Request, RequestStatus
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import Scheduler
+from pkv.core.structured_outputs import DelayedGuidedState
 from pkv.core.step_timer import StepTimer
 from pkv.core.workers import WorkerGroup
 from pkv.plugins.registry import select_guided_backend
@@ -138,10 +140,19 @@ class LLMEngine:
         children = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
                     eos, self.config.block_size, salt, self._generator(params.seed, i),
-                    guided=grammar.new_state() if grammar is not None else None)
+                    guided=self._guided_state(grammar, params))
             for i in range(params.n)
         ]
         return PreparedRequest(request_id, prompt_text, children)
+
+    def _guided_state(self, grammar: Any, params: SamplingParams) -> Any:
+        if grammar is None:
+            return None
+        after = params.structured_outputs.starts_after  # type: ignore[union-attr]
+        if after is None:
+            return grammar.new_state()
+        marker = self.tokenizer.encode(after, add_special_tokens=False)
+        return DelayedGuidedState(grammar.new_state(), marker)
 
     def add_prepared(self, prepared: PreparedRequest) -> str:
         """Queue a prepared request (on the thread that steps the engine)."""

@@ -56,6 +56,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     json_object: bool = False
+    # The constraint starts once the output contains this text (a reasoning model's
+    # "</think>": the thinking before it is free); not part of the compiled grammar.
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name, value in (("json", self.json), ("regex", self.regex),
@@ -97,3 +100,24 @@ class StructuredOutputsParams:
                 "regex": lambda: self.regex, "choice": lambda: json.dumps(list(self.choice)),
                 "json_object": lambda: ""}[self.kind]()
         return self.kind, spec or ""
+
+
+class DelayedGuidedState:
+    """A grammar state that lets every token through until the output ends with `marker`
+    (token ids), then constrains what follows: structured output after a thinking block."""
+
+    def __init__(self, inner: Any, marker: list[int]) -> None:
+        self.inner = inner
+        self.marker = marker
+        self.recent: list[int] = []
+        self.active = not marker
+
+    def allowed_mask(self) -> Any:
+        return self.inner.allowed_mask() if self.active else None
+
+    def advance(self, token_id: int) -> None:
+        if self.active:
+            self.inner.advance(token_id)
+            return
+        self.recent = (self.recent + [token_id])[-len(self.marker):]
+        self.active = self.recent == self.marker

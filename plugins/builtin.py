@@ -48,7 +48,11 @@ def pkv_attention_backends() -> list[AttentionBackendSpec]:
 @hookimpl
 def pkv_guided_decoding_backends() -> list[GuidedDecodingSpec]:
     return [GuidedDecodingSpec("outlines", "pkv.plugins.guided.outlines_backend:OutlinesBackend",
-                               "JSON schema / regex / choice via outlines-core")]
+                               "JSON schema / regex / choice via outlines-core"),
+            GuidedDecodingSpec("xgrammar", "pkv.plugins.guided.xgrammar_backend:XGrammarBackend",
+                               "JSON schema / regex / choice via xgrammar"),
+            GuidedDecodingSpec("auto", "pkv.plugins.guided.auto_backend:AutoBackend",
+                               "per constraint kind, the backend measured better")]
 
 
 @hookimpl

@@ -50,6 +50,9 @@ def engine_error(exc: Exception) -> OpenAIError | None:
     return None
 
 
+ENGINE_ERRORS = (QueueFullError, ConstraintCompilerBusyError, EngineDeadError, EngineStepError)
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
@@ -95,10 +98,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(OpenAIError(exc.status_code, str(exc.detail)))
 
+    async def _engine(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(engine_error(exc))  # type: ignore[arg-type]
+
+    # Each by its own type: a handler of Exception runs in Starlette's outermost middleware,
+    # which re-raises after answering (a traceback in the log for a mere refusal).
+    for kind in ENGINE_ERRORS:
+        app.add_exception_handler(kind, _engine)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        known = engine_error(exc)
-        if known is not None:
-            return error_response(known)
         logger.exception("unhandled error")
         return error_response(OpenAIError(500, "internal server error"))

@@ -7,6 +7,7 @@ first byte of a response, so a refusal is a status code and never a truncated st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from pkv.core.outputs import CompletionOutput, RequestOutput
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.errors import OpenAIError, engine_error, error_body
+from pkv.core.reasoning import END as REASONING_END
 from pkv.core.reasoning import ReasoningParser
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.middleware import request_tenant
@@ -177,6 +179,10 @@ class OpenAIServing:
         plan = plan_tools(body, self.tool_parser)
         if plan.schema is not None:
             params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+        if params.structured_outputs is not None and self._thinks(body):
+            # The grammar constrains the answer, after the (free) thinking block.
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            starts_after=REASONING_END)
         params.skip_special_tokens = plan.skip_special_tokens
         self._check_tools_fit(plan)
         text = await self._render_chat(body, plan.tools)
@@ -202,6 +208,11 @@ class OpenAIServing:
         return JSONResponse({"id": request_id, "object": "chat.completion",
                              "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": _usage([final])})
+
+    def _thinks(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer opens with a thinking block to leave unconstrained."""
+        kwargs = body.chat_template_kwargs or {}
+        return self.reasoning_parser is not None and kwargs.get("enable_thinking") is not False
 
     def _check_tools_fit(self, plan: ToolPlan) -> None:
         if not plan.tools:

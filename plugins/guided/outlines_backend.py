@@ -11,13 +11,12 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
-from pkv.core.structured_outputs import ConstraintCompilerBusyError, StructuredOutputsParams
+from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.plugins.guided.compiling import CompilingBackend
 from pkv.plugins.guided.schema_rewrite import SchemaRewriter
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -58,14 +57,19 @@ def token_bytes_map(tokenizer: Any) -> dict[bytes, list[int]]:
     return out
 
 
+def choice_regex(choices: tuple[str, ...] | list[str]) -> str:
+    """Exactly one of the strings."""
+    escape = lambda s: "".join("\\" + c if c in _REGEX_META else c for c in s)
+    return "(" + "|".join(escape(c) for c in choices) + ")"
+
+
 def to_regex(params: StructuredOutputsParams) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     if params.kind == "regex":
         return params.regex or ""
     if params.kind == "choice":
-        escape = lambda s: "".join("\\" + c if c in _REGEX_META else c for c in s)
-        return "(" + "|".join(escape(c) for c in params.choice or ()) + ")"
+        return choice_regex(params.choice or ())
     rewriter = SchemaRewriter(params.json if params.kind == "json" else {"type": "object"})
     regex = build_regex_from_schema(json.dumps(rewriter.schema))
     for key, number in rewriter.numbers.items():
@@ -157,88 +161,30 @@ class GuidedState:
 # a schema of 2000 optional properties would make one of 92 MB.
 MAX_REGEX_CHARS = 512 * 1024
 
-# Past this many runaway compiles (each holding a thread and a core), new ones are refused.
-MAX_ABANDONED_COMPILES = 2
 
-
-class OutlinesBackend:
-    """Compiles constraints off the engine loop, with a bounded cache and a time limit."""
+class OutlinesBackend(CompilingBackend):
+    """Constraints compiled by outlines-core into an Index; masks cached by (grammar, state)."""
 
     name = "outlines"
 
     def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float = 30.0,
                  cache_size: int = 64, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES) -> None:
+        super().__init__(timeout_s, cache_size)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
-        self.cache_size = cache_size
         self.masks = MaskCache(mask_cache_bytes)
         self._vocabulary: Any = None
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
-        self._pending: dict[tuple[str, str], Any] = {}
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
-        self._abandoned: set[Any] = set()  # compiles past the limit, still running
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar (cached); ValueError if invalid or over the time limit."""
-        key = params.key
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-            future = self._pending.get(key)
-            if future is None:
-                self._abandoned = {f for f in self._abandoned if not f.done()}
-                if len(self._abandoned) >= MAX_ABANDONED_COMPILES:
-                    raise ConstraintCompilerBusyError(
-                        "the constraint compiler is still busy with constraints that exceeded "
-                        "the time limit; retry later")
-                future = self._pool.submit(self._compile, params)
-                self._pending[key] = future
-        try:
-            grammar = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            self._abandon(future)
-            raise ValueError(f"compiling the {params.kind} constraint took longer than "
-                             f"{self.timeout_s:g} s") from None
-        finally:
-            if future.done():
-                with self._lock:
-                    self._pending.pop(key, None)
-        return grammar
-
-    def _abandon(self, future: Any) -> None:
-        """A thread cannot be stopped: leave it to finish on its own and give later
-        constraints a fresh worker, so one poison constraint does not time them all out."""
-        with self._lock:
-            if future not in self._abandoned:
-                self._abandoned.add(future)
-                self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
-
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
         from outlines_core import Index, Vocabulary
 
         if self._vocabulary is None:
             eos = self.tokenizer.eos_token_id
             self._vocabulary = Vocabulary(eos, token_bytes_map(self.tokenizer))
-        try:
-            regex = to_regex(params)
-            if len(regex) > MAX_REGEX_CHARS:
-                raise ValueError(f"too large to compile: its regular expression has "
-                                 f"{len(regex)} characters, over {MAX_REGEX_CHARS} (optional "
-                                 "properties multiply it: make more of them required, or "
-                                 "split the schema)")
-            grammar = CompiledGrammar(Index(regex, self._vocabulary), self.vocab_size,
-                                      self.masks)
-        except ValueError as exc:
-            raise ValueError(f"invalid {params.kind} constraint: {exc}") from None
-        with self._lock:
-            self._cache[params.key] = grammar
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return grammar
-
-    def is_cached(self, params: StructuredOutputsParams) -> bool:
-        return params.key in self._cache
+        regex = to_regex(params)
+        if len(regex) > MAX_REGEX_CHARS:
+            raise ValueError(f"too large to compile: its regular expression has "
+                             f"{len(regex)} characters, over {MAX_REGEX_CHARS} (optional "
+                             "properties multiply it: make more of them required, or "
+                             "split the schema)")
+        return CompiledGrammar(Index(regex, self._vocabulary), self.vocab_size, self.masks)

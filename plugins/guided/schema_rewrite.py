@@ -31,10 +31,12 @@ NEVER: Any = object()  # a schema no value satisfies (where recursion was cut)
 
 
 class SchemaRewriter:
-    """`schema`: the rewritten schema; `numbers`: placeholder -> range regex."""
+    """`schema`: the rewritten schema; `numbers`: placeholder -> range regex (with `ranges`
+    False, bounds stay in the schema: for a compiler that enforces them itself)."""
 
-    def __init__(self, schema: dict[str, Any]) -> None:
+    def __init__(self, schema: dict[str, Any], ranges: bool = True) -> None:
         self.root = schema
+        self.ranges = ranges
         self.numbers: dict[str, str] = {}
         rewritten = self._node(schema, {})
         if rewritten is NEVER:
@@ -100,7 +102,7 @@ class SchemaRewriter:
             pattern = FORMATS[node["format"]]
             node = {**{k: v for k, v in node.items() if k != "format"}, "pattern": pattern}
         kind = node.get("type")
-        if kind in ("integer", "number") and any(b in node for b in BOUNDS):
+        if self.ranges and kind in ("integer", "number") and any(b in node for b in BOUNDS):
             key = f"PKVRANGE{len(self.numbers)}X"
             self.numbers[key] = _range_regex(kind, node)
             return {"const": key}

@@ -12,60 +12,28 @@ import jsonschema
 import pytest
 
 from pkv import LLM, SamplingParams
+from pkv.cli.bench_guided import KEYWORD_SUITE as SUITE
 from pkv.core.number_ranges import integer_range, number_range
 from pkv.core.structured_outputs import StructuredOutputsParams as SO
 
-S = {"type": "string", "maxLength": 12}
-SUITE = {
-    "integer-wide": {"type": "integer", "minimum": 1, "maximum": 99999},
-    "integer-min-only": {"type": "integer", "minimum": 1000},
-    "integer-exclusive": {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 7},
-    "number-range": {"type": "number", "minimum": -1.5, "maximum": 2.25},
-    "string-length": {"type": "string", "minLength": 3, "maxLength": 6},
-    "string-pattern": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
-    "format-date": {"type": "string", "format": "date"},
-    "format-time": {"type": "string", "format": "time"},
-    "format-date-time": {"type": "string", "format": "date-time"},
-    "format-uuid": {"type": "string", "format": "uuid"},
-    "format-email": {"type": "string", "format": "email"},
-    "enum": {"enum": ["red", 7, None, True]},
-    "const": {"type": "object", "properties": {"v": {"const": "fixed"}}, "required": ["v"]},
-    "anyOf": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, S]},
-    "oneOf": {"oneOf": [{"type": "boolean"}, {"type": "null"}]},
-    "allOf-objects": {"allOf": [
-        {"type": "object", "properties": {"a": S}, "required": ["a"]},
-        {"type": "object", "properties": {"b": {"type": "integer", "minimum": 0,
-                                                "maximum": 50}}, "required": ["b"]}]},
-    "ref-defs": {"$defs": {"age": {"type": "integer", "minimum": 0, "maximum": 120}},
-                 "type": "object", "properties": {"age": {"$ref": "#/$defs/age"}},
-                 "required": ["age"]},
-    "ref-recursive": {"$defs": {"node": {"type": "object", "properties": {
-        "v": {"type": "integer", "minimum": 0, "maximum": 9},
-        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
-        "required": ["v", "next"]}}, "$ref": "#/$defs/node"},
-    "nullable": {"type": "object", "properties": {"x": {"type": ["string", "null"],
-                                                        "maxLength": 8}}, "required": ["x"]},
-    "additionalProperties-false": {"type": "object", "properties": {"a": S},
-                                   "required": ["a"], "additionalProperties": False},
-    "additionalProperties-schema": {"type": "object", "maxProperties": 3,
-                                    "additionalProperties": {"type": "integer", "minimum": 0,
-                                                             "maximum": 9}},
-    "prefixItems": {"type": "array", "prefixItems": [S, {"type": "integer", "minimum": 1,
-                                                         "maximum": 5}], "items": False},
-    "minItems-maxItems": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                     "maximum": 99},
-                          "minItems": 2, "maxItems": 3},
-}
 CHECK = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
-@pytest.mark.parametrize("backend", ["outlines"])
-def test_every_keyword_of_the_suite_validates(smol_llm: LLM, backend: str) -> None:
-    assert smol_llm.llm_engine.guided.name == backend
+@pytest.fixture(scope="module")
+def xgrammar_llm() -> LLM:
+    return LLM(kv_cache_memory="64MiB", max_model_len=512, show_progress=False,
+               guided_decoding_backend="xgrammar")
+
+
+@pytest.mark.parametrize("backend", ["outlines", "xgrammar"])
+def test_every_keyword_of_the_suite_validates(request: pytest.FixtureRequest,
+                                              backend: str) -> None:
+    llm = request.getfixturevalue("smol_llm" if backend == "outlines" else "xgrammar_llm")
+    assert llm.llm_engine.guided.name == backend
     names = list(SUITE)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80,
                              structured_outputs=SO(json=SUITE[n])) for i, n in enumerate(names)]
-    outs = smol_llm.generate(["Answer with JSON:"] * len(names), params)
+    outs = llm.generate(["Answer with JSON:"] * len(names), params)
     failures = {}
     for name, out in zip(names, outs):
         try:

@@ -175,3 +175,23 @@ def test_grammar_and_mask_caches_are_bounded_in_entries_and_bytes(tiny_llama_dir
     start = first.index.get_initial_state()
     assert torch.equal(first.mask(start), first.mask(start))
     assert first.uid != last.uid
+
+
+def test_a_constraint_can_start_after_a_thinking_block(smol_llm: LLM):
+    """With a reasoning parser, the grammar waits for "</think>": before it every token is
+    allowed (no mask), after it the grammar's own masks apply from its start."""
+    from pkv.core.structured_outputs import DelayedGuidedState
+
+    engine = smol_llm.llm_engine
+    grammar = engine.guided.compile(SO(choice=["yes", "no"]))
+    marker = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    state = DelayedGuidedState(grammar.new_state(), marker)
+    for token in engine.tokenizer.encode("I think so", add_special_tokens=False) + marker[:-1]:
+        assert state.allowed_mask() is None
+        state.advance(token)
+    state.advance(marker[-1])
+    allowed = state.allowed_mask()
+    assert allowed is not None and torch.equal(allowed, grammar.new_state().allowed_mask())
+    params = SamplingParams(max_tokens=3, structured_outputs=SO(choice=["yes", "no"],
+                                                                starts_after="</think>"))
+    assert params.structured_outputs.key == SO(choice=["yes", "no"]).key  # one compiled grammar
