@@ -72,9 +72,8 @@ KEYWORD_SUITE: dict[str, dict[str, Any]] = {
                                                         "maxLength": 8}}, "required": ["x"]},
     "additionalProperties-false": {"type": "object", "properties": {"a": _SHORT},
                                    "required": ["a"], "additionalProperties": False},
-    "additionalProperties-schema": {"type": "object", "maxProperties": 3,
-                                    "additionalProperties": {"type": "integer", "minimum": 0,
-                                                             "maximum": 9}},
+    "additionalProperties-schema": {"type": "object", "additionalProperties": {
+        "type": "integer", "minimum": 0, "maximum": 9}},
     "prefixItems": {"type": "array", "prefixItems": [_SHORT, {"type": "integer", "minimum": 1,
                                                          "maximum": 5}], "items": False},
     "minItems-maxItems": {"type": "array", "items": {"type": "integer", "minimum": 0,

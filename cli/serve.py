@@ -55,7 +55,7 @@ def serve(
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto (int8 with 4-bit weights on CPU), none, int8.")] = "auto",
-    guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend.")] = "outlines",
+    guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend: auto (per constraint kind), outlines, xgrammar.")] = "auto",
     structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,

@@ -68,7 +68,8 @@ class EngineConfig:
     lm_head_quantization: str = _opt(
         "auto", "LM head storage: auto (int8 on CPU when the decoder is 4-bit, else the "
         "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
-    guided_decoding_backend: str = _opt("outlines", "Guided decoding backend (see `pkv plugins`).")
+    guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
+                                        "kind), outlines, xgrammar (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
 
     def __post_init__(self) -> None:

@@ -111,7 +111,9 @@ def smol_prompt_ids(smol_gguf: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def smol_llm(smol_gguf: Path):  # noqa: ANN201 - pkv.LLM
-    """The bundled model through pkv's own GGUF loader, shared by behaviour tests."""
+    """The bundled model through pkv's own GGUF loader, shared by behaviour tests (guided
+    decoding by outlines: its tests reach into that backend)."""
     from pkv import LLM
 
-    return LLM(kv_cache_memory="128MiB", max_model_len=512, show_progress=False)
+    return LLM(kv_cache_memory="128MiB", max_model_len=512, show_progress=False,
+               guided_decoding_backend="outlines")

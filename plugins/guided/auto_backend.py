@@ -9,9 +9,12 @@ from typing import Any
 from pkv.core.structured_outputs import StructuredOutputsParams
 from pkv.plugins.guided.outlines_backend import OutlinesBackend
 
-# Constraint kind -> backend. Measured on the bundled model (2 vCPU Xeon): see the README.
-ROUTES = {"json": "xgrammar", "json_object": "xgrammar", "regex": "outlines",
-          "choice": "outlines"}
+# Constraint kind -> backend, measured on the bundled model (README: Structured outputs):
+# for JSON schemas outlines decodes faster once compiled (masks cached per state: batch 32
+# at 0.90 of unguided throughput against 0.79); xgrammar compiles any JSON object in 10 ms
+# where outlines takes 7 s, and regexes and choices 10-20x faster with masks as cheap.
+ROUTES = {"json": "outlines", "json_object": "xgrammar", "regex": "xgrammar",
+          "choice": "xgrammar"}
 
 
 class AutoBackend:
@@ -26,6 +29,15 @@ class AutoBackend:
             from pkv.plugins.guided.xgrammar_backend import XGrammarBackend
 
             self.backends["xgrammar"] = XGrammarBackend(tokenizer, vocab_size, timeout_s)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.backends["outlines"].timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        for backend in self.backends.values():
+            backend.timeout_s = seconds
 
     def backend_for(self, params: StructuredOutputsParams) -> Any:
         return self.backends.get(ROUTES[params.kind], self.backends["outlines"])

@@ -44,8 +44,9 @@ class XGrammarBackend(CompilingBackend):
                 schema = SchemaRewriter(params.json or {}, ranges=False).schema
                 compiled = self._compiler.compile_json_schema(json.dumps(schema),
                                                               any_whitespace=False)
-            elif params.kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
+            elif params.kind == "json_object":  # an object; the builtin grammar is any value
+                compiled = self._compiler.compile_json_schema('{"type": "object"}',
+                                                              any_whitespace=False)
             elif params.kind == "regex":
                 compiled = self._compiler.compile_regex(params.regex or "")
             else:

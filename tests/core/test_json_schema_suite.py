@@ -78,3 +78,27 @@ def test_number_ranges_are_exact(lo: float | None, hi: float | None) -> None:
         if text.startswith("-") and value == 0:
             continue  # "-0" is zero written oddly: the regex need not produce it
         assert bool(regex.fullmatch(text)) == inside, text
+
+
+def test_xgrammar_regex_choice_and_object(xgrammar_llm: LLM) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=150, structured_outputs=so)
+              for so in (SO(regex="[A-Z]{3}-[0-9]{4}"), SO(choice=["yes", "no", "maybe"]),
+                         SO(json_object=True))]
+    prompts = ["Code:", "Mood:", 'A JSON object with a "name": ']
+    code, mood, obj = (o.outputs[0].text for o in xgrammar_llm.generate(prompts, params))
+    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", code) and mood in ("yes", "no", "maybe")
+    assert isinstance(json.loads(obj), dict)
+
+
+def test_auto_routes_each_kind_to_its_backend(xgrammar_llm: LLM) -> None:
+    from pkv.plugins.guided.auto_backend import ROUTES, AutoBackend
+
+    engine = xgrammar_llm.llm_engine
+    auto = AutoBackend(engine.tokenizer, engine.model_config.vocab_size)
+    for kind, so in {"json": SO(json={"type": "integer"}), "json_object": SO(json_object=True),
+                     "regex": SO(regex="[0-9]+"), "choice": SO(choice=["a", "b"])}.items():
+        assert auto.backend_for(so).name == ROUTES[kind]
+        state = auto.compile(so).new_state()
+        assert state.allowed_mask().any()
+    auto.timeout_s = 5.0
+    assert all(b.timeout_s == 5.0 for b in auto.backends.values())
