@@ -61,13 +61,14 @@ class ChoiceShaper:
         return bool(self.calls and self.calls.call_ids)
 
     def _final_calls(self, text: str) -> list[ToolCall]:
-        """The calls of the finished text, only if every one is whole and its arguments a
-        JSON object (a call cut off by max_tokens leaves the text as content)."""
+        """The whole calls of the finished text (one cut off by max_tokens is left out), if
+        each has a name and a JSON object for arguments; else none, and the text stays
+        content."""
         if self.extract is None:
             return []
-        calls = self.extract(text, True).calls
+        calls = [c for c in self.extract(text, True).calls if c.complete]
         try:
-            whole = all(c.name and isinstance(json.loads(c.arguments), dict) for c in calls)
+            valid = all(c.name and isinstance(json.loads(c.arguments), dict) for c in calls)
         except ValueError:
-            whole = False
-        return calls if whole else []
+            valid = False
+        return calls if valid else []

@@ -142,3 +142,33 @@ def test_bad_tool_input_is_a_400_naming_the_field(server: RunningServer, change:
                                                   param: str) -> None:
     body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4, **change}
     _assert_error(_post(server, "/v1/chat/completions", body), 400, param)
+
+
+def test_a_pydantic_model_extracted_as_instructor_does(client: openai.OpenAI) -> None:
+    """instructor's TOOLS mode (instructor itself cannot install beside this project's
+    pinned openai and rich): the model's JSON schema as the one tool, that tool forced, the
+    call's arguments validated back into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: str = Field(max_length=20)
+        country: Literal["FR", "DE", "IT"]
+
+    class Person(BaseModel):
+        """A person mentioned in the text."""
+
+        name: str = Field(max_length=20)
+        age: int = Field(ge=0, le=120)
+        address: Address
+
+    tool = {"type": "function", "function": {"name": "Person", "description": Person.__doc__,
+                                             "parameters": Person.model_json_schema()}}
+    out = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=80, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "Person"}},
+        messages=[{"role": "user", "content": "Marie, 34, lives in Lyon, France."}])
+    call = out.choices[0].message.tool_calls[0]
+    person = Person.model_validate_json(call.function.arguments)
+    assert call.function.name == "Person" and 0 <= person.age <= 120
