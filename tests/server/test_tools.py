@@ -172,3 +172,42 @@ def test_a_pydantic_model_extracted_as_instructor_does(client: openai.OpenAI) ->
     call = out.choices[0].message.tool_calls[0]
     person = Person.model_validate_json(call.function.arguments)
     assert call.function.name == "Person" and 0 <= person.age <= 120
+
+
+QWEN_LIKE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_templates_that_know_tools_get_them_and_others_a_system_block() -> None:
+    from pkv.core.model_loader import bundled_model_path, open_model
+    from pkv.core.server.protocol import ChatMessage
+    from pkv.core.server.tools import template_messages
+
+    tokenizer = open_model(str(bundled_model_path())).tokenizer
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [ChatMessage(role="user", content="Weather?"),
+               ChatMessage(role="assistant", content=None, tool_calls=[call]),
+               ChatMessage(role="tool", content="sunny", tool_call_id="c1")]
+    messages = [m.as_template_dict() for m in history]
+    # A template that renders tools: they and the calls go in as they are, arguments as an
+    # object (`tojson` of the JSON text would quote it twice).
+    assert template_messages(messages, TOOLS, QWEN_LIKE) is messages
+    tokenizer.chat_template, tokenizer._template = QWEN_LIKE, None
+    text = tokenizer.apply_chat_template(messages, True, tools=TOOLS)
+    assert '"name": "get_time"' in text and '"arguments": {"city": "Paris"}' in text
+    # The bundled template ignores tools: a system block asks for hermes calls, and past
+    # calls and results are written in that format.
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    fallback = template_messages(messages, TOOLS, plain)
+    assert fallback[0]["role"] == "system" and "<tool_call>" in fallback[0]["content"]
+    assert '"get_weather"' in fallback[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in \
+        fallback[2]["content"]
+    assert fallback[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>",
+                           "tool_call_id": "c1"}
