@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pkv.core.async_engine import AsyncLLM, RequestStream
 from pkv.core.llm_engine import ContextLengthError, PreparedRequest
 from pkv.core.outputs import CompletionOutput, RequestOutput
-from pkv.core.sampling_params import SamplingParams
-from pkv.core.server import logprobs_format as lpf
-from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.reasoning import END as REASONING_END
 from pkv.core.reasoning import ReasoningParser
+from pkv.core.sampling_params import SamplingParams
+from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.chat_choice import ChoiceShaper
+from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       _SamplingFields)
