@@ -64,7 +64,8 @@ async def forced_calls(base: str, headers: dict[str, str], model: str, count: in
                     jsonschema.validate(json.loads(call["function"]["arguments"]),
                                         schemas[call["function"]["name"]],
                                         format_checker=jsonschema.FormatChecker())
-                assert calls, "no tool call"
+                if not calls:
+                    raise ValueError("no tool call")
                 run.valid += 1
                 run.calls += len(calls)
             except Exception as exc:  # a failed request is counted and described, not raised

@@ -75,7 +75,8 @@ class OpenAIServing:
 
     # ---- validation --------------------------------------------------------------------
 
-    async def _render_chat(self, body: ChatCompletionRequest, tools: list[dict]) -> str:
+    async def _render_chat(self, body: ChatCompletionRequest,
+                           tools: list[dict] | None = None) -> str:
         """The server's own template, sandboxed by jinja, off the event loop, with a time
         and a size limit; requests may pass only allow-listed template variables."""
         if body.chat_template is not None:
@@ -89,6 +90,7 @@ class OpenAIServing:
                                   f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
                                   f"scalar values; got {key!r}", "chat_template_kwargs")
         check_messages(body.messages)
+        tools = tools or []
         messages = template_messages([m.as_template_dict() for m in body.messages], tools,
                                      self.tokenizer.chat_template or "")
         if tools and "tools" in (self.tokenizer.chat_template or ""):
