@@ -144,12 +144,12 @@ def test_bad_tool_input_is_a_400_naming_the_field(server: RunningServer, change:
     _assert_error(_post(server, "/v1/chat/completions", body), 400, param)
 
 
-def test_a_pydantic_model_extracted_as_instructor_does(client: openai.OpenAI) -> None:
-    """instructor's TOOLS mode (instructor itself cannot install beside this project's
-    pinned openai and rich): the model's JSON schema as the one tool, that tool forced, the
-    call's arguments validated back into the model."""
+def test_instructor_extracts_a_pydantic_model_through_tool_calls(server: RunningServer) -> None:
+    """A real third-party client: instructor in TOOLS mode sends the model's JSON schema as
+    the one tool, forces it, and validates the call's arguments back into the model."""
     from typing import Literal
 
+    import instructor
     from pydantic import BaseModel, Field
 
     class Address(BaseModel):
@@ -163,15 +163,14 @@ def test_a_pydantic_model_extracted_as_instructor_does(client: openai.OpenAI) ->
         age: int = Field(ge=0, le=120)
         address: Address
 
-    tool = {"type": "function", "function": {"name": "Person", "description": Person.__doc__,
-                                             "parameters": Person.model_json_schema()}}
-    out = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=80, tools=[tool],
-        tool_choice={"type": "function", "function": {"name": "Person"}},
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0),
+        mode=instructor.Mode.TOOLS)
+    person = client.chat.completions.create(
+        model=MODEL, response_model=Person, max_retries=0, temperature=0, max_tokens=80,
         messages=[{"role": "user", "content": "Marie, 34, lives in Lyon, France."}])
-    call = out.choices[0].message.tool_calls[0]
-    person = Person.model_validate_json(call.function.arguments)
-    assert call.function.name == "Person" and 0 <= person.age <= 120
+    assert isinstance(person, Person) and isinstance(person.address, Address)
+    assert 0 <= person.age <= 120
 
 
 QWEN_LIKE = (
