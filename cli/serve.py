@@ -125,10 +125,12 @@ def _check(options: dict[str, Any]) -> None:
     if not 0 <= options["port"] <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {options['port']}")
     from pkv.core.reasoning import reasoning_parser
-    from pkv.plugins.registry import discover
+    from pkv.plugins.registry import discover, select_guided_backend
 
     reasoning_parser(options["reasoning_parser"])
-    parsers = discover().tool_parsers
+    registry = discover()
+    select_guided_backend(config.guided_decoding_backend, registry)
+    parsers = registry.tool_parsers
     if options["tool_call_parser"] != "auto" and options["tool_call_parser"] not in parsers:
         raise ValueError(f"unknown tool call parser {options['tool_call_parser']!r}; choose "
                          f"auto or one of {', '.join(sorted(parsers))}")

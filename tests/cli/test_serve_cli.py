@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 from pkv.cli.main import app
@@ -54,3 +56,13 @@ def test_check_rejects_bad_configs_without_loading(tmp_path: Path, tiny_llama_di
     result = _serve("--config", str(bad), "--check")
     assert result.exit_code == 2 and "block_size must be an integer in [1, 1024]" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--guided-decoding-backend", "nope", "unknown guided decoding backend 'nope'"),
+    ("--tool-call-parser", "nope", "unknown tool call parser 'nope'"),
+    ("--reasoning-parser", "nope", "unknown reasoning parser 'nope'"),
+])
+def test_check_rejects_unknown_parsers_and_backends(flag: str, value: str, says: str) -> None:
+    result = _serve(flag, value, "--check")
+    assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output
