@@ -56,7 +56,7 @@ def json_value_end(text: str, start: int) -> int | None:
     if i == len(text):
         return None
     if text[i] not in "{[\"":  # a number, true, false, null: ends at a delimiter
-        m = re.compile(r"[^,}\]\s]*").match(text, i)
+        m = _SCALAR.match(text, i)
         end = m.end() if m else i
         return end if end < len(text) else None
     depth, in_string, escaped = 0, False, False
@@ -90,16 +90,27 @@ def partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-_NAME_THEN_ARGS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:{keys})"\s*:\s*'
+def content_before(text: str, marker: str, final: bool) -> Extraction | None:
+    """All content while `marker` (where calls begin) has not appeared, less what may be
+    its start; None once it has."""
+    if marker in text:
+        return None
+    return Extraction(text[:len(text) - (0 if final else partial_marker(text, marker))])
 
 
-def json_call(text: str, start: int, arg_keys: tuple[str, ...] = ("arguments", "parameters")
-              ) -> tuple[ToolCall, int] | None:
+# Patterns of the scanners below, compiled once: they run on every streamed chunk.
+_SCALAR = re.compile(r"[^,}\]\s]*")
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
+                        r'\s*:\s*')
+_OBJECT_END = re.compile(r"\s*\}")
+_SEPARATOR = re.compile(r"\s*,?\s*")
+
+
+def json_call(text: str, start: int) -> tuple[ToolCall, int] | None:
     """A `{"name": ..., "arguments": {...}}` object at `start`: the call (arguments as raw
     text, as far as they have arrived) and the index past the object (len(text) while
     unfinished); None if the text there is not such an object (yet)."""
-    pattern = re.compile(_NAME_THEN_ARGS.replace("{keys}", "|".join(arg_keys)))
-    m = pattern.match(text, start)
+    m = _CALL_HEAD.match(text, start)
     if m is None:
         return None
     name = json.loads(f'"{m.group(1)}"')
@@ -107,7 +118,7 @@ def json_call(text: str, start: int, arg_keys: tuple[str, ...] = ("arguments", "
     if args_end is None:
         return ToolCall(name, text[m.end():].lstrip()), len(text)
     arguments = text[m.end():args_end].strip()
-    close = re.compile(r"\s*\}").match(text, args_end)
+    close = _OBJECT_END.match(text, args_end)
     if close is None:
         return ToolCall(name, arguments), len(text)
     return ToolCall(name, arguments, complete=True), close.end()
@@ -118,8 +129,7 @@ def json_call_list(text: str, start: int) -> tuple[list[ToolCall], int]:
     calls: list[ToolCall] = []
     i = start + 1  # past "["
     while True:
-        m = re.compile(r"\s*,?\s*").match(text, i)
-        i = m.end() if m else i
+        i = _SEPARATOR.match(text, i).end()  # type: ignore[union-attr]
         if i >= len(text) or text[i] == "]":
             return calls, min(i + 1, len(text))
         found = json_call(text, i)

@@ -116,8 +116,10 @@ class _SamplingFields(BaseModel):
         name, spec = found[0]
         return StructuredOutputsParams(**spec), name
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Build SamplingParams; OpenAI's defaults where a field is absent."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None) -> SamplingParams:
+        """Build SamplingParams; OpenAI's defaults where a field is absent. `structured` is
+        this body's `structured()`, built once by the caller (it validates the schema)."""
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -130,7 +132,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-            structured_outputs=self.structured()[0])
+            structured_outputs=structured)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

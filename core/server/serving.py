@@ -31,7 +31,8 @@ from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       _SamplingFields)
-from pkv.core.server.tools import ToolPlan, check_tool_messages, plan_tools, template_messages
+from pkv.core.server.tools import (ToolPlan, check_tool_messages, plan_tools,
+                                   template_knows_tools, template_messages)
 from pkv.core.structured_outputs import StructuredOutputsParams
 from pkv.core.tool_calls import ToolParser
 
@@ -90,10 +91,10 @@ class OpenAIServing:
                                   f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
                                   f"scalar values; got {key!r}", "chat_template_kwargs")
         check_messages(body.messages)
-        tools = tools or []
+        tools, template = tools or [], self.tokenizer.chat_template or ""
         messages = template_messages([m.as_template_dict() for m in body.messages], tools,
-                                     self.tokenizer.chat_template or "")
-        if tools and "tools" in (self.tokenizer.chat_template or ""):
+                                     template)
+        if tools and template_knows_tools(template):
             kwargs = {**kwargs, "tools": tools}
         try:
             text = await asyncio.wait_for(asyncio.to_thread(
@@ -139,12 +140,12 @@ class OpenAIServing:
         maps SamplingParams' names to the request's where they differ)."""
         fields = body.constraint_fields()
         try:
-            _, field = body.structured()
+            structured, field = body.structured()
         except ValueError as exc:
             param = fields[0] if len(fields) == 1 else "response_format"
             raise OpenAIError(400, str(exc), param) from None
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, structured)
         except ValueError as exc:
             # SamplingParams messages start with the field's name.
             name = str(exc).split(" ", 1)[0]

@@ -112,12 +112,17 @@ def _calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
             "items": call[0] if len(call) == 1 else {"anyOf": call}}
 
 
+def template_knows_tools(template: str) -> bool:
+    """Whether a chat template renders `tools` itself (HF templates name the variable)."""
+    return "tools" in template
+
+
 def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                       template: str) -> list[dict[str, Any]]:
     """Messages for a chat template. A template that knows tools gets them as they are
     (with `tools=`); for one that does not, the tools go into the system message and past
     calls and results are written in the hermes format they are asked to use."""
-    if not tools or "tools" in template:
+    if not tools or template_knows_tools(template):
         return messages
     out = [dict(m) for m in messages]
     for m in out:

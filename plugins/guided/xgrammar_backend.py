@@ -73,7 +73,7 @@ class XGrammar:
     def __init__(self, compiled: Any, vocab_size: int) -> None:
         self.compiled = compiled
         self.vocab_size = vocab_size
-        self._bits = torch.arange(32, dtype=torch.int32)
+        self.bit_index = torch.arange(32, dtype=torch.int32)
 
     def new_state(self) -> XGrammarState:
         import xgrammar as xgr
@@ -85,15 +85,16 @@ class XGrammarState:
     """One sequence's matcher."""
 
     def __init__(self, grammar: XGrammar, matcher: Any) -> None:
-        self.grammar = grammar
-        self.matcher = matcher
-
-    def allowed_mask(self) -> torch.Tensor:
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(1, self.grammar.vocab_size)
-        self.matcher.fill_next_token_bitmask(bitmask)
-        bits = (bitmask[0].unsqueeze(-1) >> self.grammar._bits) & 1
+        self.grammar = grammar
+        self.matcher = matcher
+        # Filled anew every step (the mask returned is a fresh tensor): one per sequence.
+        self.bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)
+
+    def allowed_mask(self) -> torch.Tensor:
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        bits = (self.bitmask[0].unsqueeze(-1) >> self.grammar.bit_index) & 1
         return bits.flatten()[: self.grammar.vocab_size].bool()
 
     def advance(self, token_id: int) -> None:

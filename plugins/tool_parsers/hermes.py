@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pkv.core.tool_calls import Extraction, ToolCall, json_call, partial_marker
+from pkv.core.tool_calls import Extraction, ToolCall, content_before, json_call
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -14,10 +14,10 @@ class HermesToolParser:
     needs_special_tokens = False
 
     def extract(self, text: str, final: bool) -> Extraction:
+        plain = content_before(text, START, final)
+        if plain is not None:
+            return plain
         first = text.find(START)
-        if first < 0:
-            held = 0 if final else partial_marker(text, START)
-            return Extraction(text[:len(text) - held])
         calls: list[ToolCall] = []
         at = first
         while at >= 0:

@@ -3,7 +3,7 @@ special token: text is decoded with special tokens kept)."""
 
 from __future__ import annotations
 
-from pkv.core.tool_calls import Extraction, json_call_list, partial_marker
+from pkv.core.tool_calls import Extraction, content_before, json_call_list
 
 MARKER = "[TOOL_CALLS]"
 
@@ -13,10 +13,10 @@ class MistralToolParser:
     needs_special_tokens = True
 
     def extract(self, text: str, final: bool) -> Extraction:
+        plain = content_before(text, MARKER, final)
+        if plain is not None:
+            return plain
         at = text.find(MARKER)
-        if at < 0:
-            held = 0 if final else partial_marker(text, MARKER)
-            return Extraction(text[:len(text) - held])
         bracket = text.find("[", at + len(MARKER))
         calls = json_call_list(text, bracket)[0] if bracket >= 0 else []
         if final and not calls:
