@@ -6,8 +6,10 @@ Field docstrings (the `help` metadata) double as CLI help text in `pkv serve`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from pkv.core.speculative_config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
@@ -71,6 +73,10 @@ class EngineConfig:
     guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
                                         "kind), outlines, xgrammar (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
+    speculative_config: dict[str, Any] | str | None = _opt(
+        None, "Speculative decoding as JSON, vLLM's keys: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}; "
+        "also prompt_lookup_min/max, disable_by_batch_size.")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -108,6 +114,19 @@ class EngineConfig:
                              f"{self.structured_outputs_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.speculative_config is not None:
+            # Parsed once here (one-line errors before anything loads), kept as a plain dict
+            # so the config still travels as one (tensor-parallel workers, YAML).
+            self.speculative_config = asdict(SpeculativeConfig.parse(self.speculative_config))
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with tensor parallelism yet")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config`, or None when off."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> EngineConfig:

@@ -19,9 +19,10 @@ from pkv.core.kv_cache_manager import KVCacheManager
 from pkv.core.model_runner import ModelRunner, ModelSetup
 from pkv.core.output_processor import OutputProcessor
 from pkv.core.outputs import RequestOutput
-from pkv.core.request import Request, RequestStatus
+from pkv.core.request import Request, RequestStatus, record_failure
 from pkv.core.sampling_params import SamplingParams
-from pkv.core.scheduler import Scheduler
+from pkv.core.scheduler import Scheduler, SchedulerOutput
+from pkv.core.spec_decode import Proposer, SpecDecodeStats, build_proposer
 from pkv.core.structured_outputs import DelayedGuidedState
 from pkv.core.step_timer import StepTimer
 from pkv.core.workers import WorkerGroup
@@ -83,16 +84,25 @@ class LLMEngine:
         self.quantization = setup.loader.name if setup.loader else None
         # Fail on a bad guided backend before the weights load.
         guided_cls = select_guided_backend(config.guided_decoding_backend, setup.registry)
+        spec = config.speculative
+        # A draft model loads (and fails) before the target; its KV shares the pool budget.
+        self.proposer: Proposer | None = (
+            build_proposer(config, spec, setup.max_model_len, source.config.vocab_size,
+                           show_progress) if spec else None)
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size > 1:
             self.workers = WorkerGroup.start(asdict(config), setup.device.type)
             weakref.finalize(self, self.workers.shutdown)  # also when the LLM is dropped
         try:
-            self.runner = ModelRunner(config, setup, show_progress,
-                                      self.workers.tp if self.workers else None)
+            self.runner = ModelRunner(
+                config, setup, show_progress, self.workers.tp if self.workers else None,
+                extra_block_bytes=self.proposer.kv_bytes_per_block if self.proposer else 0)
         except BaseException:
             self.shutdown()
             raise
+        if self.proposer is not None:
+            self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
@@ -100,7 +110,7 @@ class LLMEngine:
                                        sliding_window=source.config.kv_window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
-                                   source.config.rope_spec().long_threshold)
+                                   source.config.rope_spec().long_threshold, spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -248,6 +258,9 @@ class LLMEngine:
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
         # What fails for one request alone (its grammar, its text) ends that request only.
         failures: dict[str, Exception] = {}
+        if sched.spec_lookahead:
+            self._propose(sched, tables, failures)
+            self.timer.lap("propose")
         try:
             sampled_reqs, result = self.runner.execute_model(
                 sched, tables, self.kv_cache.pool.high_watermark, failures)
@@ -257,8 +270,11 @@ class LLMEngine:
             raise RuntimeError(self.workers.explain(exc)) from exc
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
+        before = sum(r.num_output_tokens for r in sampled_reqs)
         self.scheduler.update_from_output(sched, sampled, failures)
-        self.num_generation_tokens += len(sampled)
+        self.num_generation_tokens += sum(r.num_output_tokens for r in sampled_reqs) - before
+        for tokens, num_drafts in zip(result.token_ids, result.num_drafts):
+            self.spec_stats.record(num_drafts, len(tokens) - 1)
         outputs, stopped = self.output_processor.process(sampled_reqs, logprobs, failures)
         for request in stopped:  # stop strings end a request in the same step
             if request.request_id not in failures:
@@ -268,6 +284,21 @@ class LLMEngine:
         self.num_steps += 1
         self.timer.end_step()
         return outputs
+
+    def _propose(self, sched: SchedulerOutput, tables: dict[str, list[int]],
+                 failures: dict[str, Exception]) -> None:
+        """Fill the speculating requests' lookahead with drafts. A proposer that fails (a
+        draft model's step) fails those requests only; the step goes on without drafts."""
+        assert self.proposer is not None
+        requests = [r for r in sched.scheduled if r.request_id in sched.spec_lookahead]
+        try:
+            drafts = self.proposer.propose(requests, sched.spec_lookahead, tables,
+                                           self.kv_cache.pool.high_watermark)
+        except Exception as exc:
+            for request in requests:
+                record_failure(failures, request.request_id, exc)
+            return
+        sched.set_drafts(drafts)
 
     def get_stats(self) -> EngineStats:
         pool = self.kv_cache.pool

@@ -25,7 +25,8 @@ from pkv.core.model_loader import ModelSource, build_model, open_model
 from pkv.core.parallel import ShardPlan, TPGroup, check_tp_size
 from pkv.core.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
 from pkv.core.request import Request, record_failure
-from pkv.core.sampler import Sampler, SamplerOutput, SamplingRow
+from pkv.core.rejection_sampler import RejectionSampler, VerifyOutput
+from pkv.core.sampler import Sampler, SamplingRow
 from pkv.core.sampling_params import SamplingParams
 from pkv.core.scheduler import SchedulerOutput
 from pkv.core.step_timer import StepTimer
@@ -96,7 +97,11 @@ class ModelRunner:
     parallelism every rank has one; the driver's broadcasts each step's inputs."""
 
     def __init__(self, config: EngineConfig, setup: ModelSetup, show_progress: bool = True,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, num_blocks: int | None = None,
+                 extra_block_bytes: int = 0) -> None:
+        """`num_blocks` fixes the KV pool's size (0: allocate later, `allocate_kv`);
+        otherwise it comes from the memory settings, each block also paying for
+        `extra_block_bytes` elsewhere (a draft model's KV of the same block)."""
         self.config = config
         self.tp = tp or TPGroup()
         source = setup.source
@@ -118,14 +123,16 @@ class ModelRunner:
             ops = cpp_build.kernels_or_none()
             self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
         release_free_memory()  # what loading and repacking the weights left behind
-        self.num_blocks = self._num_kv_blocks(setup.max_model_len)
+        self.extra_block_bytes = extra_block_bytes
+        if num_blocks is None:
+            num_blocks = self._num_kv_blocks(setup.max_model_len)
         if self.tp.enabled:  # every rank's pool has the driver's number of blocks
-            self.num_blocks = broadcast(self.num_blocks)
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self._num_zeroed_blocks = 0
+            num_blocks = broadcast(num_blocks)
+        self.allocate_kv(num_blocks)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.timer = StepTimer(sync_cuda=self.device.type == "cuda")
         self.rank_weight_bytes = [self.weight_bytes]
         if self.tp.enabled:
@@ -153,7 +160,7 @@ class ModelRunner:
         return self._num_zeroed_blocks * self.kv_bytes_per_block
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
-        per_block = self.kv_bytes_per_block
+        per_block = self.kv_bytes_per_block + self.extra_block_bytes
         blocks_per_seq = cdiv(max_model_len, self.block_size)
         if self.config.kv_cache_memory is not None:
             budget = int(self.config.kv_cache_memory)
@@ -180,14 +187,17 @@ class ModelRunner:
             used = psutil.Process().memory_info().rss
         return max(0, int(total * self.config.memory_utilization) - used) // per_block
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv(self, num_blocks: int) -> None:
+        """(Re)allocate the KV pool with `num_blocks` blocks."""
         cfg = self.model_config
         # One allocation for all layers; blocks are zeroed on first use (see _zero_new_blocks),
         # so a large pool costs no memory until it is used.
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size,
                  self.plan.kv_heads[1], cfg.head_dim)
+        self.num_blocks = num_blocks
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self._num_zeroed_blocks = 0
 
     def _zero_new_blocks(self, high_watermark: int) -> None:
         # Attention reads whole blocks and masks the unused slots; masked slots must still hold
@@ -199,11 +209,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[int]],
                       high_watermark: int, failures: dict[str, Exception] | None = None
-                      ) -> tuple[list[Request], SamplerOutput]:
-        """Run one step; return the requests that sampled and their sampler output. A request
-        whose sampling setup fails (e.g. its grammar) is recorded in `failures` and sampled
-        greedily, for the engine to end."""
-        input_ids, positions, meta, logits_idx, sampling = self._prepare_inputs(sched, block_tables)
+                      ) -> tuple[list[Request], VerifyOutput]:
+        """Run one step; return the requests that sampled and, per request, the tokens it
+        gains (one, or with drafts the accepted ones and one more). A request whose sampling
+        setup fails (e.g. its grammar) is recorded in `failures` and sampled greedily, for
+        the engine to end."""
+        chunks, sampling = self._chunks(sched, block_tables)
+        input_ids, positions, meta, logits_idx = flatten_batch(chunks, self.block_size,
+                                                               self.device)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
         self.timer.lap("prepare_inputs")
         if self.tp.enabled:
@@ -211,8 +224,16 @@ class ModelRunner:
         logits = self.run_step(step)
         self.timer.lap("forward")
         if logits is None:
-            return [], SamplerOutput([], [])
-        result = self.sampler(logits, self._sampling_rows(sampling, failures))
+            return [], VerifyOutput([], [], [])
+        drafts = [sched.spec_token_ids.get(r.request_id, []) for r in sampling]
+        rows = self._sampling_rows(sampling, drafts, failures)
+        if any(drafts):
+            result = self.rejection_sampler(logits, rows, drafts)
+        else:
+            plain = self.sampler(logits, rows)
+            result = VerifyOutput([[t] for t in plain.token_ids],
+                                  [None if e is None else [e] for e in plain.logprobs],
+                                  [0] * len(rows))
         self.timer.lap("sample")
         return sampling, result
 
@@ -225,77 +246,113 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[step.logits_idx])
 
-    def _prepare_inputs(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                                   list[Request]]:
-        """The flattened batch, plus the requests that sample (their logits rows in order)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
-        sampling: list[Request] = []
-        tables = [block_tables[r.request_id] for r in sched.scheduled]
-        width = max(len(t) for t in tables)
-        table_array = np.zeros((len(tables), width), dtype=np.int32)
-        num_decode_tokens = 0
-        for i, (request, table) in enumerate(zip(sched.scheduled, tables)):
-            n = sched.num_scheduled_tokens[request.request_id]
-            start = request.num_computed_tokens
-            input_ids.extend(request.all_token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            table_array[i, :len(table)] = table
-            positions.append(pos)
-            slots.append(table_array[i, pos // bs].astype(np.int64) * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            if n == 1 and num_decode_tokens == i:
-                num_decode_tokens += 1
-            if sched.samples(request):
-                logits_idx.append(query_start_loc[-1] - 1)
-                sampling.append(request)
-        dev = self.device
-        all_positions = np.concatenate(positions)
-        seq_ids = np.repeat(np.arange(len(tables), dtype=np.int32), np.diff(query_start_loc))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table_array).to(dev),
-            num_decode_tokens=num_decode_tokens,
-            seq_ids=torch.from_numpy(seq_ids).to(dev),
-            kv_lens=torch.from_numpy((all_positions + 1).astype(np.int32)).to(dev),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            total_lens=torch.tensor([r.num_tokens for r in sched.scheduled], dtype=torch.int32,
-                                    device=dev),
-        )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.from_numpy(all_positions).to(dev), meta,
-                torch.tensor(logits_idx, dtype=torch.long, device=dev), sampling)
+    @torch.inference_mode()
+    def forward_chunks(self, chunks: list[SeqChunk], high_watermark: int) -> torch.Tensor | None:
+        """Logits of the chunks' last `num_logits` rows each (a draft model's pass)."""
+        input_ids, positions, meta, logits_idx = flatten_batch(chunks, self.block_size,
+                                                               self.device)
+        return self.run_step(StepInputs(input_ids, positions, meta, logits_idx, high_watermark))
 
-    def _sampling_rows(self, sampling: list[Request],
+    @staticmethod
+    def _chunks(sched: SchedulerOutput, block_tables: dict[str, list[int]]
+                ) -> tuple[list[SeqChunk], list[Request]]:
+        """Each scheduled request's tokens this step (its drafts after them), and the
+        requests that sample, in order."""
+        chunks, sampling = [], []
+        for request in sched.scheduled:
+            drafts = sched.spec_token_ids.get(request.request_id, [])
+            n = sched.num_scheduled_tokens[request.request_id] - len(drafts)
+            start = request.num_computed_tokens
+            samples = sched.samples(request)
+            chunks.append(SeqChunk(request.all_token_ids[start:start + n] + drafts, start,
+                                   block_tables[request.request_id],
+                                   request.num_tokens + len(drafts),
+                                   len(drafts) + 1 if samples else 0))
+            if samples:
+                sampling.append(request)
+        return chunks, sampling
+
+    def _sampling_rows(self, sampling: list[Request], drafts: list[list[int]],
                        failures: dict[str, Exception] | None) -> list[SamplingRow]:
+        """One row per request, or len(drafts) + 1 rows for a request with drafts: row j
+        samples as if the first j drafts had been generated."""
         rows = []
-        for request in sampling:
-            try:
-                rows.append(self._sampling_row(request))
-            except Exception as exc:
-                record_failure(failures, request.request_id, exc)
-                rows.append(SamplingRow(_GREEDY, [], [], None, []))
+        for request, ds in zip(sampling, drafts):
+            for j in range(len(ds) + 1):
+                try:
+                    rows.append(self._sampling_row(request, ds[:j]))
+                except Exception as exc:
+                    record_failure(failures, request.request_id, exc)
+                    rows.append(SamplingRow(_GREEDY, [], [], None, []))
         return rows
 
     @staticmethod
-    def _sampling_row(request: Request) -> SamplingRow:
+    def _sampling_row(request: Request, drafts: list[int]) -> SamplingRow:
         params = request.sampling_params
         banned: list[int] = []
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens + len(drafts) < params.min_tokens:
             banned = [*params.stop_token_ids, *request.eos_token_ids]
         allowed = request.guided.allowed_mask() if request.guided is not None else None
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids,
-                           request.generator, banned, allowed)
+        outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
+        return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
+                           banned, allowed)
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One sequence's share of a step: `token_ids` at positions `start`.. over its blocks."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    total_len: int  # the whole sequence's length, computed or not (LongRoPE picks by it)
+    num_logits: int  # how many of its last rows need logits
+
+
+def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """One step's flattened batch: input ids, positions, attention metadata and the rows
+    whose logits are computed. Single-token chunks that come first count as decodes."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    logits_idx: list[int] = []
+    width = max(len(c.block_table) for c in chunks)
+    table_array = np.zeros((len(chunks), width), dtype=np.int32)
+    num_decode_tokens = 0
+    for i, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        input_ids.extend(chunk.token_ids)
+        pos = np.arange(chunk.start, chunk.start + n)
+        table_array[i, :len(chunk.block_table)] = chunk.block_table
+        positions.append(pos)
+        slots.append(table_array[i, pos // bs].astype(np.int64) * bs + pos % bs)
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(chunk.start + n)
+        if n == 1 and num_decode_tokens == i:
+            num_decode_tokens += 1
+        logits_idx.extend(range(query_start_loc[-1] - chunk.num_logits, query_start_loc[-1]))
+    all_positions = np.concatenate(positions)
+    seq_ids = np.repeat(np.arange(len(chunks), dtype=np.int32), np.diff(query_start_loc))
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(table_array).to(device),
+        num_decode_tokens=num_decode_tokens,
+        seq_ids=torch.from_numpy(seq_ids).to(device),
+        kv_lens=torch.from_numpy((all_positions + 1).astype(np.int32)).to(device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        total_lens=torch.tensor([c.total_len for c in chunks], dtype=torch.int32,
+                                device=device),
+    )
+    return (torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.from_numpy(all_positions).to(device), meta,
+            torch.tensor(logits_idx, dtype=torch.long, device=device))
 
 
 def build_runner(config: EngineConfig, tp: TPGroup) -> ModelRunner:

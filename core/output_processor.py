@@ -62,7 +62,7 @@ class OutputProcessor:
         return [s.request for s in state.samples] if state else []
 
     def process(self, updated: list[Request],
-                logprobs: dict[str, tuple[list[int], list[float], float, int] | None],
+                logprobs: dict[str, list[tuple[list[int], list[float], float, int]] | None],
                 failures: dict[str, Exception] | None = None
                 ) -> tuple[list[RequestOutput], list[Request]]:
         """Take the step's updated requests; return outputs and requests a stop string ended.
@@ -87,18 +87,19 @@ class OutputProcessor:
         return outputs, stopped
 
     def _advance(self, sample: _Sample, params: SamplingParams,
-                 logprobs: tuple[list[int], list[float], float, int] | None) -> bool:
-        """Detokenize the sample's new tokens; True if a stop string ended it."""
+                 logprobs: list[tuple[list[int], list[float], float, int]] | None) -> bool:
+        """Detokenize the sample's new tokens (several where drafts were accepted); True if
+        a stop string ended it: tokens after the one that completed it are dropped."""
         request = sample.request
         new_tokens = request.output_token_ids[sample.num_seen_tokens:]
-        sample.num_seen_tokens = request.num_output_tokens
         stopped_by_string = False
-        for token in new_tokens:
+        for i, token in enumerate(new_tokens):
             if sample.finish_reason is not None:
                 break
+            sample.num_seen_tokens += 1
             sample.detokenizer.add_token(token)
-            if logprobs is not None and sample.logprobs is not None:
-                sample.logprobs.append(self._logprob_dict(token, logprobs))
+            if logprobs is not None and sample.logprobs is not None and i < len(logprobs):
+                sample.logprobs.append(self._logprob_dict(token, logprobs[i]))
             stop = self._find_stop(sample.detokenizer.output_text, params)
             if stop is not None:
                 sample.text = sample.detokenizer.output_text[:stop[0]]

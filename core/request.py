@@ -60,6 +60,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0  # tokens whose K/V a draft model holds (speculation)
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)

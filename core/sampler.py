@@ -41,6 +41,14 @@ class Sampler:
         self.generator = generator  # for rows without their own seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits, raw_logprobs = self.process(logits, rows)
+        token_ids = self._sample(logits, rows)
+        return SamplerOutput(token_ids.tolist(), self.logprobs(raw_logprobs, token_ids, rows))
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's logits after penalties, bias, bans and the guided mask; and the raw
+        log-probabilities where any row asked for logprobs."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
@@ -49,8 +57,7 @@ class Sampler:
         self._apply_bias(logits, rows)
         self._apply_bans(logits, rows)
         self._apply_allowed(logits, rows)
-        token_ids = self._sample(logits, rows)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(raw_logprobs, token_ids, rows))
+        return logits, raw_logprobs
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -103,7 +110,7 @@ class Sampler:
         if not random_idx:
             return greedy
         sub_rows = [rows[i] for i in random_idx]
-        probs = self._filtered_probs(logits[random_idx], [r.params for r in sub_rows])
+        probs = self.filtered_probs(logits[random_idx], [r.params for r in sub_rows])
         q = torch.empty_like(probs)
         for j, row in enumerate(sub_rows):
             q[j].exponential_(generator=row.generator or self.generator)
@@ -111,7 +118,9 @@ class Sampler:
         return greedy
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Probabilities after temperature, top-k, top-p and min-p (rows not normalized
+        again after min-p: sampling by `argmax(p / q)` does not need it)."""
         device = logits.device
         temp = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         logits = logits / temp
@@ -126,8 +135,10 @@ class Sampler:
         return probs
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
-                  rows: list[SamplingRow]) -> list[tuple[list[int], list[float], float, int] | None]:
+    def logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
+                 rows: list[SamplingRow]) -> list[tuple[list[int], list[float], float, int] | None]:
+        """Per row: its top logprobs and the chosen token's logprob and rank (None where the
+        row did not ask)."""
         if raw is None:
             return [None] * len(rows)
         k = max(r.params.logprobs or 0 for r in rows)

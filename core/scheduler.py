@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pkv.core.kv_cache_manager import KVCacheManager
 from pkv.core.request import Request, RequestStatus, record_failure
+from pkv.core.speculative_config import SpeculativeConfig
 
 # Salt of the blocks of sequences past LongRoPE's threshold (computed with the long table).
 LONG_ROPE_SALT = b"\0longrope"
@@ -24,16 +25,31 @@ LONG_ROPE_SALT = b"\0longrope"
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The requests of one step, decodes (one new token) first, and their token counts."""
+    """The requests of one step, decodes (one new token) first, and their token counts.
+
+    A decode may speculate: it has KV slots for up to `spec_lookahead` more tokens, which the
+    engine fills with drafts (`set_drafts`) for the model to verify in the same step."""
 
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_lookahead: dict[str, int] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def samples(self, request: Request) -> bool:
-        """Whether this step reaches the end of the request's tokens (and so samples one)."""
+        """Whether this step reaches the end of the request's tokens (and so samples)."""
         n = self.num_scheduled_tokens[request.request_id]
-        return request.num_computed_tokens + n == request.num_tokens
+        drafts = len(self.spec_token_ids.get(request.request_id, ()))
+        return request.num_computed_tokens + n == request.num_tokens + drafts
+
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Schedule each request's drafts (at most its lookahead) after its token."""
+        for request_id, tokens in drafts.items():
+            tokens = tokens[:self.spec_lookahead.get(request_id, 0)]
+            if tokens:
+                self.spec_token_ids[request_id] = tokens
+                self.num_scheduled_tokens[request_id] += len(tokens)
+        self.scheduled.sort(key=lambda r: self.num_scheduled_tokens[r.request_id] != 1)
 
 
 class Scheduler:
@@ -41,8 +57,10 @@ class Scheduler:
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 long_rope_threshold: int | None = None) -> None:
+                 long_rope_threshold: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.kv_cache = kv_cache
+        self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -71,11 +89,14 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        speculate = (self.speculative is not None
+                     and self.speculative.speculates_with(len(self.running)))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, n):
+            lookahead = self._lookahead(request, budget - n) if speculate and n == 1 else 0
+            while not self.kv_cache.allocate_slots(request, n + lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -83,9 +104,24 @@ class Scheduler:
                     return budget
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = n
-            budget -= n
+            if lookahead:
+                out.spec_lookahead[request.request_id] = lookahead
+            budget -= n + lookahead
             i += 1
         return budget
+
+    def _lookahead(self, request: Request, budget: int) -> int:
+        """How many drafts a decoding request may verify this step: the configured number,
+        within the token budget, its max_tokens and max_model_len; none under a grammar (its
+        mask is known for the next token only)."""
+        if request.guided is not None or self.speculative is None:
+            return 0
+        room = min(self.speculative.num_speculative_tokens, budget,
+                   self.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, room)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -113,36 +149,57 @@ class Scheduler:
         """Free a running request's blocks; it is prefilled again first (prompt + outputs)."""
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                            failures: dict[str, Exception] | None = None) -> list[Request]:
-        """Advance the scheduled requests by the step's results; return those that finished.
-        A request whose own state fails to advance (its grammar) goes into `failures`."""
+        """Advance the scheduled requests by the step's tokens (one each, or a speculating
+        request's accepted drafts and one more); return those that finished. A request whose
+        own state fails to advance (its grammar) goes into `failures`."""
         finished = []
         for request in out.scheduled:
+            tokens = sampled.get(request.request_id)
             n = out.num_scheduled_tokens[request.request_id]
+            drafts = len(out.spec_token_ids.get(request.request_id, ()))
+            if tokens is not None:
+                n -= drafts - (len(tokens) - 1)  # rejected drafts: their K/V are recomputed
             done = request.num_computed_tokens
             self.num_prefill_tokens += max(0, min(done + n, request.num_prompt_tokens) - done)
             request.num_computed_tokens += n
-            token = sampled.get(request.request_id)
-            if token is None:
+            if tokens is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            try:
-                request.append_output_token(token)
-            except Exception as exc:
-                record_failure(failures, request.request_id, exc)
-                continue
-            status = self._check_stop(request, token)
+            status = self._append(request, tokens, failures)
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
-            elif request.num_tokens - 1 == self.long_rope_threshold:
+            elif self._crossed_long_rope(request, len(tokens)):
                 self.running.remove(request)  # recomputed with the long table
                 self._restart(request)
                 request.resalt(LONG_ROPE_SALT)
         return finished
+
+    def _append(self, request: Request, tokens: list[int],
+                failures: dict[str, Exception] | None) -> RequestStatus | None:
+        """Append tokens until one stops the request (the rest are dropped)."""
+        for token in tokens:
+            try:
+                request.append_output_token(token)
+            except Exception as exc:
+                record_failure(failures, request.request_id, exc)
+                return None
+            status = self._check_stop(request, token)
+            if status is not None:
+                return status
+        return None
+
+    def _crossed_long_rope(self, request: Request, num_new: int) -> bool:
+        threshold = self.long_rope_threshold
+        if threshold is None:
+            return False
+        last = request.num_tokens - 1
+        return last - num_new < threshold <= last
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

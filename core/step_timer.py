@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 # The phases of one step, in order; everything but `forward` is engine overhead.
-PHASES = ("schedule", "prepare_inputs", "forward", "sample", "outputs")
+# `propose` is a speculating step's drafting (a draft model's passes, or prompt lookup).
+PHASES = ("schedule", "propose", "prepare_inputs", "forward", "sample", "outputs")
 
 
 @dataclass
