@@ -74,6 +74,8 @@ def run(
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto, none, int8.")] = "auto",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
+    speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = None,
+    workload: Annotated[str, typer.Option(help="synthetic (random-token prompts) or repeat (copy a ~300-token passage: where prompt lookup shines).")] = "synthetic",
     profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
     roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
@@ -90,6 +92,8 @@ def run(
             raise ValueError("--input-len and --output-len must be >= 1")
         if shared_prefix_len < 0 or long_prompt_len < 0:
             raise ValueError("--shared-prefix-len and --long-prompt-len must be >= 0")
+        if workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
         _run_offline(locals() | {"batches": batches})
 
 
@@ -114,7 +118,8 @@ def _run_offline(o: dict[str, Any]) -> None:
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
         attention_backend=o["attention_backend"], quantization=o["quantization"],
         lm_head_quantization=o["lm_head_quantization"],
-        tensor_parallel_size=o["tensor_parallel_size"]))
+        tensor_parallel_size=o["tensor_parallel_size"],
+        speculative_config=o["speculative_config"]))
     tok = engine.tokenizer
     vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
     for prompt in off.make_prompts(vocab_ids, o["warmup"], 8, o["seed"] + 1, None, tok.encode):
@@ -139,8 +144,7 @@ def _run_offline(o: dict[str, Any]) -> None:
     console.print(f"[bold]CPU[/]: {cpu_summary()}")
     runs = []
     for b in o["batches"]:
-        prompts = off.make_prompts(vocab_ids, o["num_prompts"] or 2 * b, o["input_len"],
-                                   o["seed"], o["dataset"], tok.encode, o["shared_prefix_len"])
+        prompts = workload_prompts(engine, o["workload"], o["num_prompts"] or 2 * b, o)
         long_prompt = (off.make_prompts(vocab_ids, 1, o["long_prompt_len"], o["seed"] + 2, None,
                                         tok.encode)[0] if o["long_prompt_len"] else None)
         console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
@@ -162,6 +166,9 @@ def _run_offline(o: dict[str, Any]) -> None:
             other = off.run_openai(url, remote_model, headers, prompts, o["output_len"], b)
         runs.append((result, other))
         console.print(report.offline_table([result] + ([other] if other else [])))
+        if result.spec_acceptance_rate is not None:
+            console.print(f"speculation: {result.spec_acceptance_rate:.1%} of drafts accepted, "
+                          f"{result.spec_mean_accepted_len:.2f} tokens per verify")
         if other is not None:
             console.print(f"[bold]pkv / {other.name}: {result.output_tps / other.output_tps:.2f}x"
                           "[/] output tokens/s")
@@ -187,6 +194,22 @@ def _run_offline(o: dict[str, Any]) -> None:
             series[runs[0][1].name] = [other.output_tps for _, other in runs]
         report.plot_sweep(o["plot"], o["batches"], series, "mean step time (ms)", latency,
                           "batch (concurrent sequences)", console)
+
+
+WORKLOADS = ("synthetic", "repeat")
+
+
+def workload_prompts(engine: Any, workload: str, num_prompts: int, o: dict[str, Any]
+                     ) -> list[list[int]]:
+    """The prompts of one `--workload`: random tokens (or `--dataset`), or copy-a-passage."""
+    from pkv.cli import bench_offline as off
+
+    tok = engine.tokenizer
+    if workload == "repeat":
+        return off.repeat_prompts(tok, num_prompts)
+    vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
+    return off.make_prompts(vocab_ids, num_prompts, o["input_len"], o["seed"], o["dataset"],
+                            tok.encode, o["shared_prefix_len"])
 
 
 @bench_app.command("attention")
@@ -239,6 +262,60 @@ def attention(
         for name, t in sorted(times.items(), key=lambda kv: kv[1]):
             table.add_row(name, f"{1000 * t:.1f}", f"{times.get('torch', t) / t:.2f}x faster")
         console.print(table)
+
+
+@bench_app.command("spec")
+def spec(
+    model: Annotated[Optional[str], typer.Argument(help="HF folder, .gguf or Hub id; default: bundled SmolLM2.")] = None,
+    speculative_config: Annotated[str, typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = '{"method": "ngram", "num_speculative_tokens": 4}',
+    workload: Annotated[str, typer.Option(help="Workloads, comma-separated: repeat, synthetic.")] = "repeat,synthetic",
+    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
+    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: 2 x batch, at least 4).")] = None,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens of synthetic prompts.")] = 32,
+    output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
+    kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
+    seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
+    profile: Annotated[bool, typer.Option(help="Time the speculating steps by phase (propose / forward / sample).")] = False,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """With and without speculative decoding, back to back: tok/s, speed-up, acceptance,
+    and whether the greedy outputs are identical."""
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_spec import print_runs, run_pair
+    from pkv.cli.cpu_info import cpu_summary
+    from pkv.core.config import EngineConfig
+    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.sampling_params import SamplingParams
+
+    with user_errors(console):
+        batches = _int_list(batch, "--batch")
+        workloads = [w.strip() for w in workload.split(",") if w.strip()]
+        unknown = [w for w in workloads if w not in WORKLOADS]
+        if unknown or not workloads:
+            raise ValueError(f"--workload takes {', '.join(WORKLOADS)}, got {workload!r}")
+        options = dict(model=model, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batches),
+                       seed=seed)
+        EngineConfig(**options, speculative_config=speculative_config)  # errors before loading
+        engines = [LLMEngine(EngineConfig(**options)),
+                   LLMEngine(EngineConfig(**options, speculative_config=speculative_config))]
+        for engine in engines:  # warm-up: kernels built, first-call costs paid
+            engine.add_request(None, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8))
+            engine.generate_until_done()
+        console.print(f"[bold]CPU[/]: {cpu_summary()}")
+        opts = dict(input_len=input_len, seed=seed, dataset=None, shared_prefix_len=0)
+        runs = []
+        for w in workloads:
+            for b in batches:
+                prompts = workload_prompts(engines[0], w, num_prompts or max(4, 2 * b), opts)
+                console.print(f"[bold]{w}, batch {b}[/]: {len(prompts)} prompts of "
+                              f"~{sum(map(len, prompts)) // len(prompts)} tokens, "
+                              f"{output_len} out (ignore_eos), greedy")
+                runs.append(run_pair(*engines, w, prompts, output_len, b, profile))
+        print_runs(console, runs, speculative_config, profile)
+        if json_path:
+            report.write_json(json_path, {"speculative_config": speculative_config,
+                                          "cpu": cpu_summary(),
+                                          "runs": [r.as_json() for r in runs]}, console)
 
 
 @bench_app.command("moe")

@@ -7,7 +7,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +41,9 @@ class BenchResult:
     roofline_tps: float | None = None  # the GEMM roofline at this batch (--roofline)
     prefill_s: float = 0.0  # time of the steps that prefilled something
     prefill_roofline_tps: float | None = None  # of this workload's prefill (--roofline)
+    spec_acceptance_rate: float | None = None  # drafts accepted / proposed (speculation)
+    spec_mean_accepted_len: float | None = None  # tokens per verify: accepted drafts + 1
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # per prompt
 
     @property
     def decode_tps(self) -> float:
@@ -88,7 +91,9 @@ class BenchResult:
                 "profile_ms_per_step": self.profile_ms, "roofline_tokens_per_s": self.roofline_tps,
                 "roofline_pct": self.roofline_pct, "prefill_throughput": self.prefill_tps,
                 "prefill_roofline_tokens_per_s": self.prefill_roofline_tps,
-                "prefill_roofline_pct": self.prefill_roofline_pct}
+                "prefill_roofline_pct": self.prefill_roofline_pct,
+                "spec_acceptance_rate": self.spec_acceptance_rate,
+                "spec_mean_accepted_length": self.spec_mean_accepted_len}
 
 
 def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: int,
@@ -113,6 +118,26 @@ def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: i
             for _ in range(num_prompts)]
 
 
+REPEAT_INSTRUCTION = "Repeat the following text exactly, word for word.\n\n"
+
+
+def repeat_prompts(tokenizer: Any, num_prompts: int, passage_len: int = 300) -> list[list[int]]:
+    """Chat prompts asking to copy a `passage_len`-token passage (the start of one of pkv's
+    own source files each, code and docstrings): output that prompt lookup can guess."""
+    root = Path(__file__).resolve().parent.parent / "core"
+    passages = []
+    for path in sorted(root.glob("*.py")):
+        ids = tokenizer.encode(path.read_text(), add_special_tokens=False)[:passage_len]
+        if len(ids) == passage_len:
+            passages.append(tokenizer.decode(ids, skip_special_tokens=True))
+    prompts = []
+    for i in range(num_prompts):
+        messages = [{"role": "user", "content": REPEAT_INSTRUCTION + passages[i % len(passages)]}]
+        text = tokenizer.apply_chat_template(messages, True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
 def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             long_prompt: list[int] | None = None, profile: bool = False) -> BenchResult:
     """Run the prompts; with `long_prompt`, it arrives once the batch is decoding. With
@@ -130,14 +155,16 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
     prefill_before = engine.scheduler.num_prefill_tokens
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
+    finals: dict[str, list[int]] = {}
+    spec = engine.spec_stats
+    spec_before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
     total = (len(prompts) + (long_prompt is not None)) * output_len
     engine.timer.reset()
     engine.timer.enabled = profile
     with make_progress() as progress:
         task = progress.add_task(f"pkv batch {batch}", total=total, info="")
         start = time.perf_counter()
-        for prompt in prompts:
-            engine.add_request(None, prompt, params)
+        ids = [engine.add_request(None, prompt, params) for prompt in prompts]
         while engine.has_unfinished_requests():
             if long_prompt is not None and result.num_steps == 4:
                 engine.add_request("long-prompt", long_prompt, params)
@@ -146,13 +173,18 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             prefilled = engine.scheduler.num_prefill_tokens
             outputs = engine.step()
             now = time.perf_counter()
+            # A speculating request gains several tokens in one step.
+            new_tokens = sum(len(o.outputs[0].token_ids) - len(finals.get(o.request_id, ()))
+                             for o in outputs)
             if engine.scheduler.num_prefill_tokens == prefilled:
-                result.decode_tokens += len(outputs)
+                result.decode_tokens += new_tokens
                 result.decode_s += now - step_start
             else:
                 result.prefill_s += now - step_start
+            result.output_tokens += new_tokens
             for output in outputs:
                 rid = output.request_id
+                finals[rid] = output.outputs[0].token_ids
                 if rid in last_token:
                     result.max_itl_s = max(result.max_itl_s, now - last_token[rid])
                 first_token.setdefault(rid, now)
@@ -164,7 +196,6 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
                 result.peak_blocks = used
                 result.kv_allocated_bytes = used * block_bytes
                 result.kv_filled_bytes = held * token_bytes
-            result.output_tokens += len(outputs)
             progress.update(task, completed=result.output_tokens)
             if result.num_steps % 16 == 0:
                 result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
@@ -175,6 +206,13 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
         result.profile_ms = {k: 1000 * v / steps for k, v in engine.timer.totals.items()}
     result.peak_rss_bytes = max(result.peak_rss_bytes, process.memory_info().rss)
     result.prefill_tokens = engine.scheduler.num_prefill_tokens - prefill_before
+    result.token_ids = [finals.get(i, []) for i in ids]
+    verifies = spec.num_drafts - spec_before[0]
+    if verifies:
+        drafted = spec.num_draft_tokens - spec_before[1]
+        accepted = spec.num_accepted_tokens - spec_before[2]
+        result.spec_acceptance_rate = accepted / drafted
+        result.spec_mean_accepted_len = 1 + accepted / verifies
     result.mean_ttft_s = sum(first_token.values()) / max(len(first_token), 1) - start
     return result
 

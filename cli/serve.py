@@ -57,6 +57,7 @@ def serve(
     lm_head_quantization: Annotated[str, typer.Option(help="auto (int8 with 4-bit weights on CPU), none, int8.")] = "auto",
     guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend: auto (per constraint kind), outlines, xgrammar.")] = "auto",
     structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
+    speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": 4}.')] = None,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
@@ -141,6 +142,12 @@ def _check(options: dict[str, Any]) -> None:
         source = open_model(config.model)
         check_tp_size(source.config, config.tensor_parallel_size)
         model = f"{source.name} ({source.config.architecture}, read without weights)"
+        spec = config.speculative
+        if spec is not None and spec.model and Path(spec.model).expanduser().exists():
+            from pkv.core.draft_proposer import check_draft_vocab
+
+            check_draft_vocab(spec, open_model(spec.model).config.vocab_size,
+                              source.config.vocab_size)
     else:
         model = f"{config.model} (not on this machine; checked again when serving)"
     console.print(f"[bold green]config OK[/]: model {model}, tensor_parallel_size "

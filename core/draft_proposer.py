@@ -27,6 +27,14 @@ from pkv.core.request import Request
 from pkv.core.speculative_config import SpeculativeConfig
 
 
+def check_draft_vocab(spec: SpeculativeConfig, draft_vocab: int, target_vocab: int) -> None:
+    """A draft proposes token ids of the target's vocabulary, so the two must share it."""
+    if draft_vocab != target_vocab:
+        raise ValueError(f"speculative_config model {spec.model!r}: its vocabulary has "
+                         f"{draft_vocab} tokens, the target's {target_vocab}; a draft must "
+                         "share the target's tokenizer")
+
+
 class DraftModelProposer:
     """Runs the draft model over the target's block tables."""
 
@@ -43,13 +51,13 @@ class DraftModelProposer:
                                speculative_config=None)
         try:
             setup = ModelSetup.prepare(draft_config)
-            draft_vocab = setup.source.config.vocab_size
-            if draft_vocab != vocab_size:
-                raise ValueError(f"its vocabulary has {draft_vocab} tokens, the target's "
-                                 f"{vocab_size}: a draft must share the target's tokenizer")
+            check_draft_vocab(spec, setup.source.config.vocab_size, vocab_size)
             runner = ModelRunner(draft_config, setup, show_progress, num_blocks=0)
         except Exception as exc:
-            raise ValueError(f"speculative_config model {spec.model!r}: {exc}") from None
+            message = str(exc)
+            if not message.startswith("speculative_config"):
+                message = f"speculative_config model {spec.model!r}: {message}"
+            raise ValueError(message) from None
         return cls(runner)
 
     @property

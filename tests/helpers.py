@@ -70,11 +70,12 @@ def kv_block_bytes(model_dir: Path, block_size: int) -> tuple[int, int | None]:
 
 def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
                                prompts: list[list[int]] | None = None,
-                               eos_token_id: int | None = 2) -> None:
+                               eos_token_id: int | None = 2,
+                               speculative_config: dict[str, Any] | None = None) -> None:
     """Greedy pkv output equals transformers' (eager attention, float32) on `model_dir`,
     under batching, chunked prefill with small blocks (on the torch attention backend and the
     Python layer loop), a pool small enough to preempt, and prefix-cache hits on a repeated
-    prompt."""
+    prompt; with `speculative_config`, every run speculates (and must have drafted)."""
     from transformers import AutoModelForCausalLM
 
     from pkv import LLM, SamplingParams
@@ -98,11 +99,15 @@ def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
             dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len)]
     for options in runs:
         options.setdefault("kv_cache_memory", "16MiB")
+        if speculative_config is not None:
+            options["speculative_config"] = speculative_config
         llm = LLM(str(model_dir), show_progress=False, **options)
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == reference, options
         stats = llm.llm_engine.get_stats()
         assert stats.num_blocks_used == 0, options
+        if speculative_config is not None:
+            assert llm.llm_engine.spec_stats.num_draft_tokens > 0, options
         if options.get("kv_cache_memory") == small_pool:
             assert stats.num_preemptions > 0, options
         if not options:  # prefix cache: the same prompts again reuse their blocks

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pkv.core.async_engine import RequestTimings
 from pkv.core.llm_engine import LLMEngine
+from pkv.core.spec_decode import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -21,7 +23,7 @@ class _EngineCollector(Collector):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         s = self.engine.get_stats()
         gauges = {
             "pkv:num_requests_running": ("Requests in the running batch.", s.num_running),
@@ -45,6 +47,29 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if self.engine.proposer is not None:
+            yield from _spec_decode_metrics(self.engine.spec_stats)
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
+    """Speculative decoding: drafts proposed and accepted, and accepted drafts per verify."""
+    counters = {
+        "pkv:spec_decode_num_drafts": ("Verify steps of requests that had drafts.",
+                                       spec.num_drafts),
+        "pkv:spec_decode_num_draft_tokens": ("Draft tokens proposed.", spec.num_draft_tokens),
+        "pkv:spec_decode_num_accepted_tokens": ("Draft tokens accepted.",
+                                                spec.num_accepted_tokens),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
+    buckets, running = [], 0
+    for accepted, count in enumerate(spec.acceptance_lengths):
+        running += count
+        buckets.append((str(accepted), running))
+    buckets.append(("+Inf", running))
+    yield HistogramMetricFamily("pkv:spec_decode_acceptance_length",
+                                "Draft tokens accepted per verify step.", buckets=buckets,
+                                sum_value=spec.num_accepted_tokens)
 
 
 class ServerMetrics:
