@@ -24,7 +24,7 @@ def _add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4) -> Reques
 
 def _step(s: Scheduler, token: int = 7) -> SchedulerOutput:
     out = s.schedule()
-    sampled = {r.request_id: token for r in out.scheduled if out.samples(r)}
+    sampled = {r.request_id: [token] for r in out.scheduled if out.samples(r)}
     s.update_from_output(out, sampled)
     return out
 
@@ -108,3 +108,43 @@ def test_abort_waiting_and_running_requests_frees_blocks():
     s.finish_request(b, RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert s.kv_cache.pool.num_used_blocks == 0
+
+
+def test_speculation_allocates_lookahead_and_rolls_back_rejected_drafts():
+    from pkv.core.speculative_config import SpeculativeConfig
+
+    s = Scheduler(KVCacheManager(64, 4, True), 8, 64, max_model_len=256,
+                  speculative=SpeculativeConfig("ngram", 3))
+    request = _add(s, "a", 6, max_tokens=10)
+    _step(s)  # prefill: no lookahead
+    out = s.schedule()
+    assert out.spec_lookahead == {"a": 3}
+    assert len(s.kv_cache.req_blocks["a"]) == 3  # 7 tokens + 3 lookahead slots: 10 -> 3 blocks
+    out.set_drafts({"a": [40, 41, 42, 43]})  # more than the lookahead: cut to 3
+    assert out.spec_token_ids == {"a": [40, 41, 42]} and out.num_scheduled_tokens["a"] == 4
+    assert out.samples(request)
+    s.update_from_output(out, {"a": [40, 9]})  # first draft accepted, then the target's 9
+    assert request.output_token_ids == [7, 40, 9]
+    assert request.num_computed_tokens == request.num_tokens - 1  # drafts 41, 42 rolled back
+    # Blocks are hashed from verified tokens only: when the drafts (positions 7-9) were
+    # scheduled, one block was full of verified tokens; the next schedule adds the second.
+    assert s.kv_cache._num_cached_blocks["a"] == 1
+    out = s.schedule()
+    assert out.spec_lookahead["a"] == 3
+    assert s.kv_cache._num_cached_blocks["a"] == 2
+    s.update_from_output(out, {"a": [5]})  # no drafts set: one token, as without speculation
+    assert request.num_computed_tokens == request.num_tokens - 1 == 9
+
+
+def test_lookahead_stops_at_max_tokens_and_for_guided_requests():
+    from pkv.core.speculative_config import SpeculativeConfig
+
+    s = Scheduler(KVCacheManager(64, 4, False), 8, 64, max_model_len=256,
+                  speculative=SpeculativeConfig("ngram", 4))
+    short = _add(s, "short", 5, max_tokens=3)
+    guided = _add(s, "guided", 5, max_tokens=30)
+    _step(s)
+    guided.guided = object()  # a grammar state (never advanced in this test)
+    out = s.schedule()
+    assert out.spec_lookahead == {"short": 1}  # 1 output so far, 2 more at most: 1 draft
+    assert short.num_output_tokens == 1
