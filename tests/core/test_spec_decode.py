@@ -274,3 +274,40 @@ def test_metrics_count_drafts_and_acceptance(smol_ngram):
     assert after["pkv:spec_decode_acceptance_length_sum"] == accepted
     assert after['pkv:spec_decode_acceptance_length_bucket{le="0"}'] == spec.acceptance_lengths[0]
     assert after['pkv:spec_decode_acceptance_length_bucket{le="4"}'] == verifies
+
+
+# ---- a failing draft -------------------------------------------------------------------------
+
+def test_a_failing_draft_fails_the_speculating_requests_only(tiny_llama_dir: Path):
+    """The draft model's pass raises (fault injected into the real engine): the request it
+    drafted for ends with the error, a request prefilling in the same step goes on, and the
+    next requests speculate again; no block leaks."""
+    from pkv.core.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB",
+                                    speculative_config={"model": str(tiny_llama_dir),
+                                                        "num_speculative_tokens": 2}),
+                       show_progress=False)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request("solo", [9, 10, 11], greedy)
+    solo = engine.generate_until_done()[-1].outputs[0].token_ids
+    engine.add_request("victim", [5, 6, 7, 8], greedy)
+    engine.step()  # prefilled: it drafts from the next step on
+    runner = engine.proposer.runner
+
+    def explode(*args: object) -> None:
+        raise RuntimeError("injected draft fault")
+
+    runner.run_step = explode
+    engine.add_request("bystander", [9, 10, 11], greedy)
+    outputs = {o.request_id: o for o in engine.step()}
+    del runner.run_step  # the draft works again
+    assert "injected draft fault" in (outputs["victim"].error or "")
+    assert outputs["victim"].finished
+    finals = {o.request_id: o for o in engine.generate_until_done()}
+    assert finals["bystander"].outputs[0].token_ids == solo and not finals["bystander"].error
+    drafted = engine.spec_stats.num_draft_tokens
+    engine.add_request("after", [9, 10, 11], greedy)
+    assert engine.generate_until_done()[-1].outputs[0].token_ids == solo
+    assert engine.spec_stats.num_draft_tokens > drafted
+    assert engine.get_stats().num_blocks_used == 0
