@@ -17,12 +17,14 @@ _EXPORTS = {
     "SamplingParams": "pkv.core.sampling_params",
     "RequestOutput": "pkv.core.outputs",
     "CompletionOutput": "pkv.core.outputs",
+    "LoRARequest": "pkv.core.lora_adapter",
 }
 
 if TYPE_CHECKING:
     from pkv.core.config import EngineConfig
     from pkv.core.llm import LLM
     from pkv.core.llm_engine import LLMEngine
+    from pkv.core.lora_adapter import LoRARequest
     from pkv.core.outputs import CompletionOutput, RequestOutput
     from pkv.core.sampling_params import SamplingParams
 

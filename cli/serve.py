@@ -30,7 +30,8 @@ console = Console(stderr=True)
 SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
                   "shutdown_timeout", "allowed_origins", "max_waiting_requests", "step_timeout",
                   "body_timeout", "max_body_bytes", "max_n", "max_logprobs", "max_stop_strings",
-                  "max_stop_length", "tool_call_parser", "reasoning_parser")
+                  "max_stop_length", "tool_call_parser", "reasoning_parser", "lora_modules",
+                  "enable_runtime_lora", "lora_dir")
 
 
 def serve(
@@ -58,6 +59,12 @@ def serve(
     guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend: auto (per constraint kind), outlines, xgrammar.")] = "auto",
     structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
     speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": 4}.')] = None,
+    enable_lora: Annotated[bool, typer.Option(help="Serve LoRA adapters on the base model.")] = False,
+    max_loras: Annotated[int, typer.Option(help="Adapters resident at once (slots, LRU).")] = 4,
+    max_lora_rank: Annotated[int, typer.Option(help="Highest adapter rank.")] = 16,
+    lora_modules: Annotated[Optional[list[str]], typer.Option(help="NAME=PATH of a PEFT LoRA adapter; clients pick it with \"model\": NAME (repeat the flag for more).")] = None,
+    enable_runtime_lora: Annotated[bool, typer.Option(help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).")] = False,
+    lora_dir: Annotated[Optional[str], typer.Option(help="Load adapters only from under this folder.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
@@ -123,6 +130,7 @@ def _check(options: dict[str, Any]) -> None:
     from pkv.core.parallel import check_tp_size
 
     config = _engine_config(options)
+    _lora_modules(options)
     if not 0 <= options["port"] <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {options['port']}")
     from pkv.core.reasoning import reasoning_parser
@@ -155,6 +163,22 @@ def _check(options: dict[str, Any]) -> None:
                   highlight=False, soft_wrap=True)
 
 
+def _lora_modules(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH pairs, checked against --enable-lora and --lora-dir."""
+    from pkv.core.server.api_server import check_lora_dir
+
+    pairs = []
+    for item in options["lora_modules"] or []:
+        name, sep, path = str(item).partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        check_lora_dir(path, options["lora_dir"])
+        pairs.append((name, path))
+    if (pairs or options["enable_runtime_lora"]) and not options["enable_lora"]:
+        raise ValueError("--lora-modules and --enable-runtime-lora need --enable-lora")
+    return pairs
+
+
 def _run(options: dict[str, Any]) -> None:
     logging.basicConfig(level=options["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -168,7 +192,10 @@ def _run(options: dict[str, Any]) -> None:
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
         return
+    adapters = _lora_modules(options)
     engine = LLMEngine(config)
+    for name, path in adapters:
+        engine.add_lora(name, path)
     server_config = ServerConfig(
         served_model_name=options["served_model_name"] or engine.model_name,
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
@@ -177,7 +204,8 @@ def _run(options: dict[str, Any]) -> None:
         allowed_origins=list(options["allowed_origins"] or []),
         tool_call_parser=options["tool_call_parser"], reasoning_parser=options["reasoning_parser"],
         limits=ServerLimits(options["max_n"], options["max_logprobs"],
-                            options["max_stop_strings"], options["max_stop_length"]))
+                            options["max_stop_strings"], options["max_stop_length"]),
+        enable_runtime_lora=options["enable_runtime_lora"], lora_dir=options["lora_dir"])
     async_llm = AsyncLLM(engine, server_config.max_waiting_requests,
                          step_timeout=server_config.step_timeout)
     app = build_app(async_llm, server_config)
@@ -208,6 +236,8 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
                                 f"{runner.num_blocks / per_seq:.1f}x at max_model_len "
                                 f"{engine.max_model_len}"),
             ("auth", "Bearer key required" if server.api_key else "none (loopback default)"),
+            ("LoRA", ", ".join(engine.lora.adapters) or "enabled, no adapters yet"
+             if engine.lora is not None else "off"),
             ("url", f"http://{options['host']}:{options['port']}/v1")]
     for key, value in rows:
         table.add_row(f"[bold]{key}[/]", value)

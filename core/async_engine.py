@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pkv.core.llm_engine import LLMEngine, PreparedRequest
+from pkv.core.lora_adapter import LoRARequest
 from pkv.core.memory import release_free_memory
 from pkv.core.outputs import RequestOutput
 from pkv.core.sampling_params import SamplingParams
@@ -168,10 +169,11 @@ class AsyncLLM:
                                  f"{self.max_waiting_requests}); retry later")
 
     async def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                      cache_salt: str | None = None) -> PreparedRequest:
+                      cache_salt: str | None = None,
+                      lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate off the event loop; raises ValueError on bad input."""
         return await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
-                                       cache_salt)
+                                       cache_salt, lora_request)
 
     def submit(self, prepared: list[PreparedRequest]) -> list[RequestStream]:
         """Queue prepared requests for the engine: all of them or, raising EngineDeadError or

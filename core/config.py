@@ -73,6 +73,9 @@ class EngineConfig:
     guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
                                         "kind), outlines, xgrammar (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (per request) on the base model.")
+    max_loras: int = _opt(4, "Adapters resident at once (preallocated slots; LRU-evicted).")
+    max_lora_rank: int = _opt(16, "Highest adapter rank the slots hold.")
     speculative_config: dict[str, Any] | str | None = _opt(
         None, "Speculative decoding as JSON, vLLM's keys: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}; "
@@ -114,6 +117,13 @@ class EngineConfig:
                              f"{self.structured_outputs_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not isinstance(self.max_loras, int) or not 1 <= self.max_loras <= 256:
+            raise ValueError(f"max_loras must be an integer in [1, 256], got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("max_lora_rank must be an integer in [1, 512], got "
+                             f"{self.max_lora_rank!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with tensor parallelism yet")
         if self.speculative_config is not None:
             # Parsed once here (one-line errors before anything loads), kept as a plain dict
             # so the config still travels as one (tensor-parallel workers, YAML).

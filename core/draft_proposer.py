@@ -48,7 +48,7 @@ class DraftModelProposer:
         is a one-line ValueError naming the draft."""
         draft_config = replace(config, model=spec.model, quantization=spec.quantization,
                                revision=None, gguf_file=None, max_model_len=max_model_len,
-                               speculative_config=None)
+                               speculative_config=None, enable_lora=False)
         try:
             setup = ModelSetup.prepare(draft_config)
             check_draft_vocab(spec, setup.source.config.vocab_size, vocab_size)

@@ -16,13 +16,16 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from pkv.core.layers.lora import LoRASlots
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,12 @@ class Linear(nn.Module):
             self.layouts["bias"] = ParamLayout(output_dim=0)
         else:
             self.bias = None
+        self.lora: LoRASlots | None = None  # adapter slots, where LoRA serving is on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
+        if self.lora is not None and self.lora.batch.segments:
+            self.lora.add_delta(x, y)
         if self.split is not None and self.split.kind == "row":
             self.split.tp.all_reduce(y)  # each rank multiplied its slice of the inputs
         return y

@@ -7,6 +7,7 @@ from typing import Any
 
 from pkv.core.config import EngineConfig
 from pkv.core.llm_engine import LLMEngine
+from pkv.core.lora_adapter import LoRARequest
 from pkv.core.outputs import RequestOutput
 from pkv.core.progress import make_progress
 from pkv.core.sampling_params import SamplingParams
@@ -45,15 +46,19 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         prompts = self._as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._per_prompt(lora_request, len(prompts), "LoRA requests")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(engine.add_request(None, prompt, p, lora_request=lora))
         except Exception:
             engine.abort_request(ids)  # all or nothing: a bad prompt leaves the engine as it was
             raise
@@ -95,6 +100,14 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
+
+    @staticmethod
+    def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
+        if value is None or not isinstance(value, (list, tuple)):
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"got {len(value)} {what} for {n} prompts")
+        return list(value)
 
     def _run(self, ids: list[str], expected_tokens: int, show: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine

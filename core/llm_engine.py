@@ -16,6 +16,9 @@ import torch
 
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import KVCacheManager
+from pkv.core.lora_adapter import LoRAAdapter, LoRARequest
+from pkv.core.lora_manager import LoRAManager
+from pkv.core.lora_slots import LoRASlotTable
 from pkv.core.model_runner import ModelRunner, ModelSetup
 from pkv.core.output_processor import OutputProcessor
 from pkv.core.outputs import RequestOutput
@@ -108,9 +111,12 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching,
                                        sliding_window=source.config.kv_window)
+        self.lora = (LoRAManager(self.runner.lora_layers, config.max_lora_rank)
+                     if config.enable_lora else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
-                                   source.config.rope_spec().long_threshold, spec)
+                                   source.config.rope_spec().long_threshold, spec,
+                                   LoRASlotTable(config.max_loras) if self.lora else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -131,29 +137,56 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None) -> str:
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
-        return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt))
+        return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt,
+                                                      lora_request))
 
     def prepare_request(self, request_id: str | None, prompt: str | list[int],
                         params: SamplingParams | None = None,
-                        cache_salt: str | None = None) -> PreparedRequest:
+                        cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from another thread)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
+        adapter = self._adapter(lora_request)
         grammar = (self.guided.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         eos = frozenset(self.tokenizer.eos_token_ids)
         salt = cache_salt.encode() if cache_salt else b""
+        if adapter is not None:  # blocks computed under an adapter are its own
+            salt += b"\0lora:" + str(adapter.uid).encode()
         children = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
                     eos, self.config.block_size, salt, self._generator(params.seed, i),
-                    guided=self._guided_state(grammar, params))
+                    guided=self._guided_state(grammar, params), lora=adapter)
             for i in range(params.n)
         ]
         return PreparedRequest(request_id, prompt_text, children)
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with "
+                             "enable_lora=True (pkv serve --enable-lora)")
+        return self.lora.resolve(lora_request)
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load an adapter under `name` (requests then name it)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine")
+        return self.lora.load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter by name; requests already queued with it finish with it, and
+        its slot ages out (LRU) once they have."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine")
+        self.lora.unload(name)
 
     def _guided_state(self, grammar: Any, params: SamplingParams) -> Any:
         if grammar is None:
@@ -255,6 +288,8 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.timer.lap("schedule")
+        for slot, adapter in sched.lora_loads:
+            self.runner.load_lora(slot, adapter)
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
         # What fails for one request alone (its grammar, its text) ends that request only.
         failures: dict[str, Exception] = {}

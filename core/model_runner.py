@@ -18,7 +18,9 @@ from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
 from pkv.core.fused_decoder import build_fused_decoder
+from pkv.core.layers.lora import LoRABatch, attach_lora, lora_segments
 from pkv.core.linear import prepack_linears
+from pkv.core.lora_adapter import LoRAAdapter
 from pkv.core.memory import release_free_memory
 from pkv.core.model_config import ModelConfig
 from pkv.core.model_loader import ModelSource, build_model, open_model
@@ -119,9 +121,15 @@ class ModelRunner:
 
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
         prepack_linears(self.model)
+        self.lora_batch = LoRABatch()
+        self.lora_layers = (attach_lora(self.model, config.max_loras, config.max_lora_rank,
+                                        self.lora_batch, self.dtype, self.device)
+                            if config.enable_lora else {})
         if self.device.type == "cpu" and self.dtype == torch.float32:
             ops = cpp_build.kernels_or_none()
-            self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
+            # The C++ decoder stack has no place for adapters: with LoRA on, the layer loop.
+            fused = None if config.enable_lora else build_fused_decoder(self.model, ops)
+            self.model.use_kernels(ops, fused)
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:
@@ -217,6 +225,9 @@ class ModelRunner:
         chunks, sampling = self._chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(chunks, self.block_size,
                                                                self.device)
+        if self.lora_layers:
+            self.lora_batch.segments = lora_segments(
+                [(r.lora_slot, len(c.token_ids)) for r, c in zip(sched.scheduled, chunks)])
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
         self.timer.lap("prepare_inputs")
         if self.tp.enabled:
@@ -236,6 +247,11 @@ class ModelRunner:
                                   [0] * len(rows))
         self.timer.lap("sample")
         return sampling, result
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy an adapter's weights into `slot` of every LoRA linear."""
+        for path, layer in self.lora_layers.items():
+            layer.set(slot, adapter.weights.get(path, []))
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:

@@ -66,6 +66,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     guided: Any = None  # the grammar state of a structured-output request
+    lora: Any = None  # the LoRAAdapter it runs with (None: the base model)
+    lora_slot: int = -1  # the adapter's slot while running
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

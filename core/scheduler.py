@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pkv.core.kv_cache_manager import KVCacheManager
+from pkv.core.lora_slots import LoRASlotTable
 from pkv.core.request import Request, RequestStatus, record_failure
 from pkv.core.speculative_config import SpeculativeConfig
 
@@ -35,6 +37,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     spec_lookahead: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)  # (slot, LoRAAdapter)
 
     def samples(self, request: Request) -> bool:
         """Whether this step reaches the end of the request's tokens (and so samples)."""
@@ -49,7 +52,13 @@ class SchedulerOutput:
             if tokens:
                 self.spec_token_ids[request_id] = tokens
                 self.num_scheduled_tokens[request_id] += len(tokens)
-        self.scheduled.sort(key=lambda r: self.num_scheduled_tokens[r.request_id] != 1)
+        self.order()
+
+    def order(self) -> None:
+        """Decodes (one token) first, each group by LoRA slot, so a step's rows with one
+        adapter are contiguous runs."""
+        self.scheduled.sort(key=lambda r: (self.num_scheduled_tokens[r.request_id] != 1,
+                                           r.lora_slot))
 
 
 class Scheduler:
@@ -58,9 +67,11 @@ class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  long_rope_threshold: int | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 lora_slots: LoRASlotTable | None = None) -> None:
         self.kv_cache = kv_cache
         self.speculative = speculative
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -85,7 +96,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        out.scheduled.sort(key=lambda r: out.num_scheduled_tokens[r.request_id] != 1)
+        out.order()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -95,7 +106,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            lookahead = self._lookahead(request, budget - n) if speculate and n == 1 else 0
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            lookahead = self._lookahead(request, budget - n) if speculate and decoding else 0
             while not self.kv_cache.allocate_slots(request, n + lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -126,9 +138,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self._acquire_lora(request, out):
+                break  # every LoRA slot is pinned by running requests of other adapters
             computed, num_cached = self.kv_cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, n, computed):
+                self._release_lora(request)
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -140,6 +155,23 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
 
+    def _acquire_lora(self, request: Request, out: SchedulerOutput) -> bool:
+        if request.lora is None:
+            return True
+        assert self.lora_slots is not None, "a LoRA request reached an engine without LoRA"
+        got = self.lora_slots.acquire(request.lora.uid)
+        if got is None:
+            return False
+        request.lora_slot, newly = got
+        if newly:  # the runner copies its weights in before this step's forward
+            out.lora_loads.append((request.lora_slot, request.lora))
+        return True
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora is not None and self.lora_slots is not None:
+            self.lora_slots.release(request.lora.uid)
+        request.lora_slot = -1
+
     def _preempt(self, request: Request) -> None:
         self._restart(request)
         request.num_preemptions += 1
@@ -148,6 +180,7 @@ class Scheduler:
     def _restart(self, request: Request) -> None:
         """Free a running request's blocks; it is prefilled again first (prompt + outputs)."""
         self.kv_cache.free(request)
+        self._release_lora(request)
         request.num_computed_tokens = 0
         request.num_draft_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -221,6 +254,7 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_lora(request)
         else:
             self.waiting.remove(request)
         request.status = status

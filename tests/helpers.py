@@ -97,7 +97,7 @@ def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
     # and the torch reference backend with chunked prefill.
     runs = [dict(), dict(block_size=block, max_num_batched_tokens=16, attention_backend="torch"),
             dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len)]
-    for options in runs:
+    for i, options in enumerate(runs):
         options.setdefault("kv_cache_memory", "16MiB")
         if speculative_config is not None:
             options["speculative_config"] = speculative_config
@@ -110,7 +110,7 @@ def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
             assert llm.llm_engine.spec_stats.num_draft_tokens > 0, options
         if options.get("kv_cache_memory") == small_pool:
             assert stats.num_preemptions > 0, options
-        if not options:  # prefix cache: the same prompts again reuse their blocks
+        if i == 0:  # prefix cache: the same prompts again reuse their blocks
             again = llm.generate(prompts, params)
             assert [o.outputs[0].token_ids for o in again] == reference
             assert sum(o.num_cached_tokens for o in again) > 0
@@ -132,3 +132,25 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int,
             new = new[:new.index(eos_token_id) + 1]
         outs.append(new)
     return outs
+
+
+def make_lora_adapter(base_dir: Path, out: Path, rank: int, targets: list[str], seed: int,
+                      alpha: float | None = None, rslora: bool = False) -> Any:
+    """Save a random (non-zero) PEFT LoRA adapter for the model in `base_dir` into `out`;
+    return transformers' base model with that adapter merged (`W + scale * B @ A`), the
+    reference for greedy parity."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+                                                attn_implementation="eager")
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets,
+                        lora_dropout=0.0, init_lora_weights=False, use_rslora=rslora)
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # large enough to change what greedy decoding picks
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5 / rank ** 0.5)
+    model.save_pretrained(out)
+    return model.merge_and_unload().eval()

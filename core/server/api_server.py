@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pkv
 from pkv.core.async_engine import AsyncLLM
+from pkv.core.llm_engine import LLMEngine
 from pkv.core.reasoning import reasoning_parser
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, split_keys
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest)
+                                      DetokenizeRequest, LoadLoRAAdapterRequest,
+                                      TokenizeRequest, UnloadLoRAAdapterRequest)
 from pkv.core.server.serving import OpenAIServing, ServerLimits, check_messages
 from pkv.plugins.registry import select_tool_parser
 
@@ -34,6 +38,23 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # a registered parser, or auto (from the chat template)
     reasoning_parser: str | None = None  # deepseek_r1, qwen3
     limits: ServerLimits = field(default_factory=ServerLimits)
+    enable_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_dir: str | None = None  # adapters load only from under this folder (when set)
+
+
+def check_lora_dir(path: str, lora_dir: str | None) -> None:
+    """With `lora_dir` set, adapters load only from under it (links resolved first)."""
+    if lora_dir is None:
+        return
+    root = Path(lora_dir).expanduser().resolve()
+    if not Path(path).expanduser().resolve().is_relative_to(root):
+        raise ValueError(f"lora_path {path} is outside the allowed --lora-dir {root}")
+
+
+def _check_runtime_lora(config: ServerConfig, engine: LLMEngine) -> None:
+    if not config.enable_runtime_lora or engine.lora is None:
+        raise OpenAIError(400, "loading LoRA adapters at runtime is off: start pkv serve with "
+                          "--enable-lora --enable-runtime-lora", "lora_name")
 
 
 def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -59,9 +80,35 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": created,
-            "owned_by": "pkv", "max_model_len": engine.max_model_len}]}
+        base = {"id": config.served_model_name, "object": "model", "created": created,
+                "owned_by": "pkv", "max_model_len": engine.max_model_len}
+        adapters = [{**base, "id": name, "root": adapter.path,
+                     "parent": config.served_model_name}
+                    for name, adapter in (engine.lora.adapters if engine.lora else {}).items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        _check_runtime_lora(config, engine)
+        if body.lora_name == config.served_model_name:
+            raise OpenAIError(400, "lora_name must differ from the base model's name",
+                              "lora_name")
+        try:
+            check_lora_dir(body.lora_path, config.lora_dir)
+            await asyncio.to_thread(engine.add_lora, body.lora_name, body.lora_path)
+        except ValueError as exc:
+            param = "lora_name" if "already loaded" in str(exc) else "lora_path"
+            raise OpenAIError(400, str(exc), param) from None
+        return PlainTextResponse(f"loaded LoRA adapter {body.lora_name}")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        _check_runtime_lora(config, engine)
+        try:
+            engine.remove_lora(body.lora_name)
+        except ValueError as exc:
+            raise OpenAIError(404, str(exc), "lora_name", "model_not_found") from None
+        return PlainTextResponse(f"unloaded LoRA adapter {body.lora_name}")
 
     @app.get("/health")
     async def health() -> Response:

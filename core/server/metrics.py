@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -49,6 +50,22 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
         if self.engine.proposer is not None:
             yield from _spec_decode_metrics(self.engine.spec_stats)
+        if self.engine.lora is not None:
+            yield _lora_info(self.engine)
+
+
+def _lora_info(engine: LLMEngine) -> Metric:
+    """vLLM's shape: the adapters of running and waiting requests as comma-separated label
+    values, the value being the scrape time."""
+    # list() copies in one C call: the engine thread may be changing these right now.
+    running = sorted({r.lora.name for r in list(engine.scheduler.running) if r.lora})
+    waiting = sorted({r.lora.name for r in list(engine.scheduler.waiting) if r.lora})
+    info = GaugeMetricFamily("pkv:lora_requests_info", "LoRA adapters in use.",
+                             labels=["running_lora_adapters", "waiting_lora_adapters",
+                                     "max_lora"])
+    info.add_metric([",".join(running), ",".join(waiting), str(engine.config.max_loras)],
+                    time.time())
+    return info
 
 
 def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:

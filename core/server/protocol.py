@@ -241,3 +241,20 @@ class DetokenizeRequest(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = STRICT
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    model_config = STRICT
+
+    lora_name: str = Field(min_length=1, max_length=256)

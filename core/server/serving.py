@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pkv.core.async_engine import AsyncLLM, RequestStream
 from pkv.core.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.lora_adapter import LoRARequest
 from pkv.core.outputs import CompletionOutput, RequestOutput
 from pkv.core.reasoning import END as REASONING_END
 from pkv.core.reasoning import ReasoningParser
@@ -112,9 +113,7 @@ class OpenAIServing:
 
     def _check_common(self, body: _SamplingFields, logprobs: int | None,
                       logprobs_param: str = "logprobs") -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
-                              f"{self.model_name!r}", "model", "model_not_found")
+        self._lora_request(body)  # an unknown model name is a 404 before anything else
         if not 1 <= body.n <= self.limits.max_n:
             raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
         if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
@@ -159,7 +158,8 @@ class OpenAIServing:
         tenant = request_tenant(raw.scope)
         salt = body.cache_salt if tenant is None else f"{tenant}:{body.cache_salt or ''}"
         try:
-            return await self.llm.prepare(request_id, prompt, params, salt)
+            return await self.llm.prepare(request_id, prompt, params, salt,
+                                          self._lora_request(body))
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
@@ -169,6 +169,18 @@ class OpenAIServing:
             elif first in type(body).model_fields:  # engine messages start with the field
                 param = first
             raise OpenAIError(400, str(exc), param) from None
+
+    def _lora_request(self, body: _SamplingFields) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a name nobody serves."""
+        if body.model is None or body.model == self.model_name:
+            return None
+        lora = self.llm.engine.lora
+        adapter = lora.adapters.get(body.model) if lora is not None else None
+        if adapter is None:
+            names = [self.model_name, *(lora.adapters if lora is not None else ())]
+            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
+                              f"{', '.join(map(repr, names))}", "model", "model_not_found")
+        return LoRARequest(adapter.name, adapter.uid, adapter.path)
 
     # ---- chat --------------------------------------------------------------------------
 

@@ -148,3 +148,4 @@ def test_lookahead_stops_at_max_tokens_and_for_guided_requests():
     out = s.schedule()
     assert out.spec_lookahead == {"short": 1}  # 1 output so far, 2 more at most: 1 draft
     assert short.num_output_tokens == 1
+
