@@ -41,7 +41,7 @@ def check_mixed_batch(base: Path, root: Path, prompts: list[list[int]], eos: int
     params = SamplingParams(temperature=0, max_tokens=NEW)
     per_block, _ = kv_block_bytes(base, 4)
     longest = max(map(len, prompts)) + NEW
-    runs = [dict(max_num_batched_tokens=16),  # chunked prefill, prefix caching on
+    runs = [dict(max_num_batched_tokens=16, max_model_len=longest + 8),  # chunked, cached
             dict(kv_cache_memory=per_block * (2 * -(-longest // 4) + 1),
                  max_model_len=longest + 8)]  # preemption
     for options in runs:
@@ -53,7 +53,7 @@ def check_mixed_batch(base: Path, root: Path, prompts: list[list[int]], eos: int
             assert [o.outputs[0].token_ids for o in outs] == expected, options
         stats = llm.llm_engine.get_stats()
         assert stats.num_blocks_used == 0
-        if "max_model_len" in options:
+        if "max_num_batched_tokens" not in options:
             assert stats.num_preemptions > 0
         else:
             assert stats.prefix_cache_hits > 0
