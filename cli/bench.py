@@ -76,6 +76,8 @@ def run(
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
     speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = None,
     workload: Annotated[str, typer.Option(help="synthetic (random-token prompts) or repeat (copy a ~300-token passage: where prompt lookup shines).")] = "synthetic",
+    lora_modules: Annotated[Optional[list[str]], typer.Option(help="NAME=PATH of a LoRA adapter (repeat the flag); requests use the first, or all with --lora-mix.")] = None,
+    lora_mix: Annotated[bool, typer.Option(help="Spread requests evenly over the --lora-modules adapters.")] = False,
     profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
     roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
@@ -119,7 +121,10 @@ def _run_offline(o: dict[str, Any]) -> None:
         attention_backend=o["attention_backend"], quantization=o["quantization"],
         lm_head_quantization=o["lm_head_quantization"],
         tensor_parallel_size=o["tensor_parallel_size"],
-        speculative_config=o["speculative_config"]))
+        speculative_config=o["speculative_config"], **lora_options(o["lora_modules"])))
+    lora_requests = add_adapters(engine, o["lora_modules"])
+    if not o["lora_mix"]:
+        lora_requests = lora_requests[:1]
     tok = engine.tokenizer
     vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
     for prompt in off.make_prompts(vocab_ids, o["warmup"], 8, o["seed"] + 1, None, tok.encode):
@@ -153,7 +158,10 @@ def _run_offline(o: dict[str, Any]) -> None:
                       f"weights {engine.quantization or 'float'} "
                       f"{engine.runner.weight_bytes / 2**20:.0f} MiB, process RSS "
                       f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB")
-        result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"])
+        loras = ([lora_requests[i % len(lora_requests)] for i in range(len(prompts))]
+                 if lora_requests else None)
+        result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"],
+                             loras)
         if b in rooflines:
             result.roofline_tps = rooflines[b].tokens_per_s
             chunk = engine.max_num_batched_tokens
@@ -197,6 +205,34 @@ def _run_offline(o: dict[str, Any]) -> None:
 
 
 WORKLOADS = ("synthetic", "repeat")
+
+
+def lora_options(modules: list[str] | None) -> dict[str, Any]:
+    """Engine options that serve `modules` (NAME=PATH): LoRA on, a slot for each, and the
+    highest rank among them (read from each adapter_config.json)."""
+    if not modules:
+        return {}
+    import json
+
+    from pkv.cli.bench_lora import parse_modules
+
+    ranks = []
+    for _, path in parse_modules(modules):
+        config = Path(path).expanduser() / "adapter_config.json"
+        ranks.append(json.loads(config.read_text()).get("r", 16) if config.is_file() else 16)
+    return {"enable_lora": True, "max_loras": len(modules), "max_lora_rank": max(ranks)}
+
+
+def add_adapters(engine: Any, modules: list[str] | None) -> list[Any]:
+    """Load the adapters into `engine`; their LoRARequests, in order."""
+    from pkv.cli.bench_lora import parse_modules
+    from pkv.core.lora_adapter import LoRARequest
+
+    requests = []
+    for name, path in parse_modules(modules) if modules else []:
+        adapter = engine.add_lora(name, path)
+        requests.append(LoRARequest(name, adapter.uid, path))
+    return requests
 
 
 def workload_prompts(engine: Any, workload: str, num_prompts: int, o: dict[str, Any]
@@ -315,6 +351,55 @@ def spec(
         if json_path:
             report.write_json(json_path, {"speculative_config": speculative_config,
                                           "cpu": cpu_summary(),
+                                          "runs": [r.as_json() for r in runs]}, console)
+
+
+@bench_app.command("lora")
+def lora(
+    lora_modules: Annotated[list[str], typer.Option(help="NAME=PATH of a PEFT LoRA adapter (repeat the flag).")],
+    model: Annotated[Optional[str], typer.Argument(help="The adapters' base model; default: bundled SmolLM2.")] = None,
+    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated (batch 1 uses the first adapter; larger ones all, evenly).")] = "1,64",
+    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: 2 x batch, at least 4).")] = None,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
+    output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
+    kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
+    profile: Annotated[bool, typer.Option(help="Time the adapter runs' steps by phase.")] = False,
+    rounds: Annotated[int, typer.Option(help="Runs of each configuration, in turn; the fastest is kept.")] = 2,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """Multi-LoRA throughput against the base model, back to back, and memory per adapter."""
+    from pkv.cli import bench_report as report
+    from pkv.cli.bench_lora import lora_table, memory_table, run_batch
+    from pkv.cli.cpu_info import cpu_summary
+    from pkv.core.config import EngineConfig
+    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.sampling_params import SamplingParams
+
+    with user_errors(console):
+        batches = _int_list(batch, "--batch")
+        options = dict(model=model, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batches))
+        lora_engine = LLMEngine(EngineConfig(**options, **lora_options(lora_modules)))
+        requests = add_adapters(lora_engine, lora_modules)
+        base = LLMEngine(EngineConfig(**options))
+        for engine, lora_request in ((base, None), (lora_engine, requests[0])):
+            engine.add_request(None, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8),
+                               lora_request=lora_request)
+            engine.generate_until_done()
+        console.print(f"[bold]CPU[/]: {cpu_summary()}")
+        opts = dict(input_len=input_len, seed=0, dataset=None, shared_prefix_len=0)
+        runs = []
+        for b in batches:
+            prompts = workload_prompts(base, "synthetic", num_prompts or max(4, 2 * b), opts)
+            console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{input_len} tokens in, "
+                          f"{output_len} out")
+            runs.append(run_batch(base, lora_engine, requests, prompts, output_len, b, profile,
+                                  max(1, rounds)))
+        console.print(lora_table(runs))
+        console.print(memory_table(lora_engine))
+        if profile:
+            console.print(report.profile_table([r.adapters for r in runs]))
+        if json_path:
+            report.write_json(json_path, {"cpu": cpu_summary(),
                                           "runs": [r.as_json() for r in runs]}, console)
 
 

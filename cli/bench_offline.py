@@ -139,9 +139,11 @@ def repeat_prompts(tokenizer: Any, num_prompts: int, passage_len: int = 300) -> 
 
 
 def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
-            long_prompt: list[int] | None = None, profile: bool = False) -> BenchResult:
+            long_prompt: list[int] | None = None, profile: bool = False,
+            lora_requests: list[Any] | None = None) -> BenchResult:
     """Run the prompts; with `long_prompt`, it arrives once the batch is decoding. With
-    `profile`, time every phase of every step (engine.timer)."""
+    `profile`, time every phase of every step (engine.timer). `lora_requests`: an adapter
+    (or None) per prompt."""
     from pkv.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -164,7 +166,9 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
     with make_progress() as progress:
         task = progress.add_task(f"pkv batch {batch}", total=total, info="")
         start = time.perf_counter()
-        ids = [engine.add_request(None, prompt, params) for prompt in prompts]
+        loras = lora_requests or [None] * len(prompts)
+        ids = [engine.add_request(None, prompt, params, lora_request=lora)
+               for prompt, lora in zip(prompts, loras)]
         while engine.has_unfinished_requests():
             if long_prompt is not None and result.num_steps == 4:
                 engine.add_request("long-prompt", long_prompt, params)

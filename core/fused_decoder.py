@@ -83,6 +83,10 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
                           a.logits_soft_cap or 0.0, multiplier, layer.mlp.act.startswith("gelu"),
                           weights, [lin.bias for lin in group],
                           [lin.out_features for lin in group], [_group(lin) for lin in group])
+    for i, group in enumerate(linears):
+        if all(lin.lora is not None for lin in group):  # adapters served (LoRA on)
+            decoder.set_lora(i, [t for lin in group for t in (lin.lora.a, lin.lora.b)],
+                             [lin.out_sizes for lin in group], group[0].lora.max_rank)
     return decoder
 
 

@@ -127,9 +127,7 @@ class ModelRunner:
                             if config.enable_lora else {})
         if self.device.type == "cpu" and self.dtype == torch.float32:
             ops = cpp_build.kernels_or_none()
-            # The C++ decoder stack has no place for adapters: with LoRA on, the layer loop.
-            fused = None if config.enable_lora else build_fused_decoder(self.model, ops)
-            self.model.use_kernels(ops, fused)
+            self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:
@@ -226,8 +224,11 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = flatten_batch(chunks, self.block_size,
                                                                self.device)
         if self.lora_layers:
-            self.lora_batch.segments = lora_segments(
-                [(r.lora_slot, len(c.token_ids)) for r, c in zip(sched.scheduled, chunks)])
+            segments = lora_segments([(r.lora_slot, len(c.token_ids))
+                                      for r, c in zip(sched.scheduled, chunks)])
+            self.lora_batch.segments = segments
+            if self.model.model.fused is not None:
+                self.model.model.fused.set_lora_segments(segments)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
         self.timer.lap("prepare_inputs")
         if self.tp.enabled:

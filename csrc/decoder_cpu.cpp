@@ -18,18 +18,62 @@
 //              h = down(act(gate) * up); h = mlp_out_norm(h) * multiplier
 //   return final_norm(h + residual)
 // Built inside csrc/kernels_cpu.cpp, after the kernels it calls.
+#include <algorithm>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace {
 
 // AWQ: codes, scales, zs and the group size; float32: the oneDNN-packed weight alone.
+// With LoRA, the adapter slots (core/layers/lora.py): a [slots, in, W], b [slots, W, out].
 struct Linear {
   std::vector<torch::Tensor> weights;
   std::optional<torch::Tensor> bias;
   int64_t n, group;
+  torch::Tensor lora_a, lora_b;
+  std::vector<int64_t> shards;  // output sizes of the fused parts (q, k, v / gate, up)
+  int64_t lora_rank = 0;  // columns of a (rows of b) per part
 };
+
+// Rows this few add their adapter's delta by loops that read only the blocks an adapter
+// fills (per fused part: a's R columns, b's R x part block); more rows take two GEMMs.
+constexpr int64_t kLoRALoopRows = 4;
+
+// y[r] += (x[r] @ a[:, part]) @ b[part, part's outputs] for rows start..end, every part.
+void lora_rows(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a,
+               const torch::Tensor& b, int64_t start, int64_t end,
+               const std::vector<int64_t>& shards, int64_t rank) {
+  const int64_t in = x.size(1), width = a.size(1), out = b.size(1);
+  const float* A = a.data_ptr<float>();
+  const float* B = b.data_ptr<float>();
+  std::vector<float> t(rank);
+  for (int64_t r = start; r < end; ++r) {
+    const float* xr = x.data_ptr<float>() + r * x.stride(0);
+    float* yr = y.data_ptr<float>() + r * y.stride(0);
+    int64_t first = 0;
+    for (size_t s = 0; s < shards.size(); ++s) {
+      const int64_t col = static_cast<int64_t>(s) * rank;
+      std::fill(t.begin(), t.end(), 0.0f);
+      for (int64_t i = 0; i < in; ++i) {
+        const float xi = xr[i];
+        const float* ai = A + i * width + col;
+        for (int64_t k = 0; k < rank; ++k) t[k] += xi * ai[k];
+      }
+      for (int64_t k = 0; k < rank; ++k) {
+        const float tk = t[k];
+        const float* bk = B + (col + k) * out + first;
+        float* yk = yr + first;
+        for (int64_t j = 0; j < shards[s]; ++j) yk[j] += tk * bk[j];
+      }
+      first += shards[s];
+    }
+  }
+}
+
+// A run of a step's rows with one adapter slot: (slot, first row, end row).
+using LoRASegment = std::tuple<int64_t, int64_t, int64_t>;
 
 using OptTensor = std::optional<torch::Tensor>;
 
@@ -86,6 +130,30 @@ class CpuDecoder {
                        cos, sin, window, soft_cap, multiplier, gelu, linears[0], linears[1],
                        linears[2], linears[3]});
   }
+
+  // LoRA slots of layer `layer`'s four linears: (a, b) of qkv, o, gate_up, down, shared
+  // with the Python LoRASlots (loading an adapter writes into them in place).
+  // `shards`: each linear's fused output sizes; `rank`: the slots' columns per part.
+  void set_lora(int64_t layer, std::vector<torch::Tensor> stacks,
+                std::vector<std::vector<int64_t>> shards, int64_t rank) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) &&
+                    stacks.size() == 8 && shards.size() == 4,
+                "set_lora: a layer index, (a, b) and the part sizes of its four linears");
+    Linear* linears[4] = {&layers_[layer].qkv, &layers_[layer].o, &layers_[layer].gate_up,
+                          &layers_[layer].down};
+    for (size_t i = 0; i < 4; ++i) {
+      TORCH_CHECK(stacks[2 * i].is_contiguous() && stacks[2 * i + 1].is_contiguous() &&
+                      stacks[2 * i].scalar_type() == torch::kFloat,
+                  "set_lora: contiguous float32 slots");
+      linears[i]->lora_a = stacks[2 * i];
+      linears[i]->lora_b = stacks[2 * i + 1];
+      linears[i]->shards = shards[i];
+      linears[i]->lora_rank = rank;
+    }
+  }
+
+  // This step's runs of rows by adapter slot (empty: no adapter in the step).
+  void set_lora_segments(std::vector<LoRASegment> segments) { segments_ = std::move(segments); }
 
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions,
                         const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
@@ -158,9 +226,21 @@ class CpuDecoder {
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& w) const {
-    if (w.group == 0) return packed_linear(x, w.weights[0], w.bias);
-    return awq_linear(x, w.weights[0], w.weights[1], w.weights[2], w.bias, w.n, w.group,
-                      max_gemv_rows_);
+    torch::Tensor y = w.group == 0 ? packed_linear(x, w.weights[0], w.bias)
+                                   : awq_linear(x, w.weights[0], w.weights[1], w.weights[2],
+                                                w.bias, w.n, w.group, max_gemv_rows_);
+    if (w.lora_a.defined()) {
+      // Each run of rows with one adapter: y += (x @ a[slot]) @ b[slot].
+      for (const auto& [slot, start, end] : segments_) {
+        if (end - start <= kLoRALoopRows && x.stride(1) == 1 && y.stride(1) == 1) {
+          lora_rows(y, x, w.lora_a[slot], w.lora_b[slot], start, end, w.shards, w.lora_rank);
+        } else {
+          y.narrow(0, start, end - start)
+              .addmm_(x.narrow(0, start, end - start).mm(w.lora_a[slot]), w.lora_b[slot]);
+        }
+      }
+    }
+    return y;
   }
 
   int64_t heads_, kv_heads_, head_dim_;
@@ -168,4 +248,5 @@ class CpuDecoder {
   int64_t max_gemv_rows_;
   torch::Tensor norm_;
   std::vector<Layer> layers_;
+  std::vector<LoRASegment> segments_;
 };

@@ -36,5 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor>())
       .def("add_layer", &CpuDecoder::add_layer)
+      .def("set_lora", &CpuDecoder::set_lora)
+      .def("set_lora_segments", &CpuDecoder::set_lora_segments)
       .def("forward", &CpuDecoder::forward);
 }

@@ -12,6 +12,7 @@ import torch
 
 from pkv import LLM, LoRARequest, SamplingParams
 from pkv.core.lora_slots import LoRASlotTable
+from pkv.tests.conftest import KERNEL_FLAVOURS
 from pkv.tests.helpers import (build_tiny_model, hf_greedy, kv_block_bytes, make_lora_adapter,
                                parity_prompts)
 
@@ -41,7 +42,8 @@ def check_mixed_batch(base: Path, root: Path, prompts: list[list[int]], eos: int
     params = SamplingParams(temperature=0, max_tokens=NEW)
     per_block, _ = kv_block_bytes(base, 4)
     longest = max(map(len, prompts)) + NEW
-    runs = [dict(max_num_batched_tokens=16, max_model_len=longest + 8),  # chunked, cached
+    runs = [dict(max_num_batched_tokens=16, max_model_len=longest + 8,  # chunked, cached,
+                 attention_backend="torch"),  # the Python layer loop (else the C++ stack)
             dict(kv_cache_memory=per_block * (2 * -(-longest // 4) + 1),
                  max_model_len=longest + 8)]  # preemption
     for options in runs:
@@ -53,6 +55,8 @@ def check_mixed_batch(base: Path, root: Path, prompts: list[list[int]], eos: int
             assert [o.outputs[0].token_ids for o in outs] == expected, options
         stats = llm.llm_engine.get_stats()
         assert stats.num_blocks_used == 0
+        if "attention_backend" not in options:  # adapters inside the C++ decoder stack
+            assert (llm.llm_engine.runner.model.model.fused is not None) == bool(KERNEL_FLAVOURS)
         if "max_num_batched_tokens" not in options:
             assert stats.num_preemptions > 0
         else:
