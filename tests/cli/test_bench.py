@@ -129,3 +129,44 @@ def test_prefill_roofline_counts_linears_attention_and_head(tiny_llama_dir: Path
     expected = 65 * per_row + attention_flops(cfg, 40) + attention_flops(cfg, 25) + 2 * head
     assert roof.flops == pytest.approx(expected) and roof.tokens == 65
     assert roof.tokens_per_s > 0
+
+
+def test_bench_spec_compares_with_and_without_speculation(tmp_path: Path, tiny_llama_dir: Path):
+    out = tmp_path / "spec.json"
+    result = _bench("spec", str(tiny_llama_dir), "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+                    "--workload", "repeat,synthetic", "--batch", "1", "--num-prompts", "2",
+                    "--output-len", "12", "--kv-cache-memory", "16MiB", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["workload"] for r in runs] == ["repeat", "synthetic"]
+    for run in runs:
+        assert run["identical_outputs"] == run["num_requests"] == 2  # greedy: same texts
+        assert run["speedup"] > 0
+    assert any(r["speculative"]["spec_acceptance_rate"] is not None for r in runs)
+    bad = _bench("spec", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
+    assert bad.exit_code != 0 and "method must be one of" in bad.output
+    assert "Traceback" not in bad.output
+
+
+def test_bench_lora_measures_adapters_against_the_base(tmp_path: Path, tiny_llama_dir: Path):
+    from pkv.tests.helpers import make_lora_adapter
+
+    make_lora_adapter(tiny_llama_dir, tmp_path / "a", 4, ["q_proj", "down_proj"], seed=1)
+    make_lora_adapter(tiny_llama_dir, tmp_path / "b", 8, ["v_proj"], seed=2)
+    out = tmp_path / "lora.json"
+    result = _bench("lora", str(tiny_llama_dir), "--lora-modules", f"a={tmp_path / 'a'}",
+                    "--lora-modules", f"b={tmp_path / 'b'}", "--batch", "1,2",
+                    "--num-prompts", "4", "--output-len", "4", "--rounds", "1",
+                    "--kv-cache-memory", "16MiB", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["batch"], r["adapters_in_batch"]) for r in runs] == [(1, 1), (2, 2)]
+    assert all(r["ratio_vs_base"] > 0 and r["with_adapters"]["output_throughput"] > 0
+               for r in runs)
+    assert "memory per loaded adapter" in result.output
+    mixed = _bench(str(tiny_llama_dir), "--lora-modules", f"a={tmp_path / 'a'}",
+                   "--lora-modules", f"b={tmp_path / 'b'}", "--lora-mix", "--batch", "2",
+                   "--num-prompts", "4", "--input-len", "5", "--output-len", "3",
+                   "--warmup", "1", "--kv-cache-memory", "16MiB")
+    assert mixed.exit_code == 0, mixed.output
