@@ -214,10 +214,10 @@ def lora_options(modules: list[str] | None) -> dict[str, Any]:
         return {}
     import json
 
-    from pkv.cli.bench_lora import parse_modules
+    from pkv.core.lora_manager import parse_lora_modules
 
     ranks = []
-    for _, path in parse_modules(modules):
+    for _, path in parse_lora_modules(modules):
         config = Path(path).expanduser() / "adapter_config.json"
         ranks.append(json.loads(config.read_text()).get("r", 16) if config.is_file() else 16)
     return {"enable_lora": True, "max_loras": len(modules), "max_lora_rank": max(ranks)}
@@ -225,11 +225,11 @@ def lora_options(modules: list[str] | None) -> dict[str, Any]:
 
 def add_adapters(engine: Any, modules: list[str] | None) -> list[Any]:
     """Load the adapters into `engine`; their LoRARequests, in order."""
-    from pkv.cli.bench_lora import parse_modules
     from pkv.core.lora_adapter import LoRARequest
+    from pkv.core.lora_manager import parse_lora_modules
 
     requests = []
-    for name, path in parse_modules(modules) if modules else []:
+    for name, path in parse_lora_modules(modules or []):
         adapter = engine.add_lora(name, path)
         requests.append(LoRARequest(name, adapter.uid, path))
     return requests

@@ -12,19 +12,6 @@ from rich.table import Table
 from pkv.cli.bench_offline import BenchResult, run_pkv
 
 
-def parse_modules(items: list[str]) -> list[tuple[str, str]]:
-    """NAME=PATH pairs (as `pkv serve --lora-modules`)."""
-    pairs = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
-        pairs.append((name, path))
-    if not pairs:
-        raise ValueError("--lora-modules: give at least one NAME=PATH")
-    return pairs
-
-
 @dataclass
 class LoRARun:
     """One batch size: base engine, LoRA engine without and with adapters."""

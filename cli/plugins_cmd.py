@@ -52,8 +52,24 @@ def plugins(
     for name, spec in sorted(registry.tool_parsers.items()):
         parsers.add_row(name, escape(spec.description), escape(", ".join(spec.markers) or "-"))
     console.print(parsers)
+    console.print(_features())
     with user_errors():
         console.print(_kernel_flavours())
+
+
+def _features() -> Table:
+    """Engine features that are options rather than plugins, and where they run."""
+    table = Table(title="serving features (engine options)")
+    for column in ("feature", "turn on with", "runs"):
+        table.add_column(column)
+    table.add_row("speculative decoding", "--speculative-config '{\"method\": \"ngram\", ...}' "
+                  "or '{\"model\": DRAFT, ...}'",
+                  "drafts verified in the ordinary batch, on every backend; a draft model's KV "
+                  "shares the pool; not with tensor parallelism")
+    table.add_row("LoRA adapters", "--enable-lora --lora-modules NAME=PATH",
+                  "batched per adapter slot: inside the C++ decoder stack on CPU, the Python "
+                  "layer loop elsewhere; not with tensor parallelism")
+    return table
 
 
 def _kernel_flavours() -> Table:

@@ -165,15 +165,12 @@ def _check(options: dict[str, Any]) -> None:
 
 def _lora_modules(options: dict[str, Any]) -> list[tuple[str, str]]:
     """--lora-modules NAME=PATH pairs, checked against --enable-lora and --lora-dir."""
+    from pkv.core.lora_manager import parse_lora_modules
     from pkv.core.server.api_server import check_lora_dir
 
-    pairs = []
-    for item in options["lora_modules"] or []:
-        name, sep, path = str(item).partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+    pairs = parse_lora_modules(options["lora_modules"] or [])
+    for _, path in pairs:
         check_lora_dir(path, options["lora_dir"])
-        pairs.append((name, path))
     if (pairs or options["enable_runtime_lora"]) and not options["enable_lora"]:
         raise ValueError("--lora-modules and --enable-runtime-lora need --enable-lora")
     return pairs

@@ -15,6 +15,17 @@ from pkv.core.layers.lora import LoRASlots
 from pkv.core.lora_adapter import LoRAAdapter, LoRARequest, load_adapter
 
 
+def parse_lora_modules(items: list[str]) -> list[tuple[str, str]]:
+    """`--lora-modules NAME=PATH` items as (name, path) pairs."""
+    pairs = []
+    for item in items:
+        name, sep, path = str(item).partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        pairs.append((name, path))
+    return pairs
+
+
 class LoRAManager:
     """Named adapters for one model."""
 

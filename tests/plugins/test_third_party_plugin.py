@@ -38,6 +38,7 @@ def test_pkv_plugins_lists_third_party_and_broken(plugin_path: str):
     assert "pkv-sample-plugin" in out and "0.3.0" in out and "attention:sample" in out
     assert "broken" in out and "failed: ImportError" in out
     assert "attention:cpu" in out  # the built-ins still load
+    assert "speculative decoding" in out and "LoRA adapters" in out
 
 
 def test_selecting_the_third_party_backend(plugin_path: str, tiny_llama_dir: Path):
