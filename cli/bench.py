@@ -564,64 +564,82 @@ def window(
 def soak(
     model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled")] = None,
     duration: Annotated[float, typer.Option(help="Seconds of load.")] = 600,
+    interval: Annotated[float, typer.Option(help="Seconds between memory samples (the server idles for each).")] = 60,
     max_num_seqs: Annotated[int, typer.Option(help="The server's running batch.")] = 32,
     concurrency: Annotated[Optional[int], typer.Option(help="Clients (default 2 x max-num-seqs).")] = None,
-    warmup: Annotated[float, typer.Option(help="Seconds of the same load before the baseline.")] = 60,
+    warmup: Annotated[float, typer.Option(help="Seconds of load before the first sample.")] = 0,
     max_model_len: Annotated[int, typer.Option(help="The server's longest sequence.")] = 1024,
+    max_slope: Annotated[float, typer.Option(help="MiB per minute memory outside the KV pool may climb after its plateau.")] = 1.0,
+    max_peak_mib: Annotated[Optional[float], typer.Option(help="Most MiB memory outside the KV pool may reach (default: no bound).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG of memory over time.")] = None,
 ) -> None:
-    """A real server at capacity for `duration` with 10% aborts and 5% invalid requests;
-    fails on unexpected errors, held KV blocks, or memory that does not come back."""
+    """A real server at capacity for `duration` under a hostile mix; fails on unexpected
+    errors, held KV blocks, memory that climbs after its plateau, or growing open files."""
     import dataclasses
     import secrets
 
     from pkv.cli import bench_report as report
-    from pkv.cli.bench_soak import (Minute, drive, minutes_table, state_table, verdict,
-                                    wait_idle)
+    from pkv.cli.bench_soak import Minute, drive, minutes_table, state_table, verdict, wait_idle
     from pkv.cli.serve_process import start_pkv_serve
+    from pkv.cli.soak_memory import MemoryCurve, plot_curve
 
     with user_errors(console):
-        if duration <= 0 or warmup < 0 or max_num_seqs < 1 or (concurrency is not None
-                                                                and concurrency < 1):
-            raise ValueError("--duration, --max-num-seqs and --concurrency must be > 0, "
-                             "--warmup >= 0")
+        if duration <= 0 or interval <= 0 or warmup < 0 or max_num_seqs < 1 or (
+                concurrency is not None and concurrency < 1):
+            raise ValueError("--duration, --interval, --max-num-seqs and --concurrency must be "
+                             "> 0, --warmup >= 0")
         key = secrets.token_hex(16)
         headers = {"Authorization": f"Bearer {key}"}
         args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                 "--kv-cache-memory", "256MiB", *([model] if model else [])]
         clients = concurrency or 2 * max_num_seqs
+        curve, totals, minutes = MemoryCurve(interval / 60), [], []
         with start_pkv_serve(args, key) as (base, pid):
-            # The baseline is taken after the same load has run a while: caches (allocator
-            # arenas, oneDNN primitives per batch shape) fill once and must then hold still.
-            asyncio.run(drive(base, headers, clients, warmup, seed + 1, lambda *_: None))
+            if warmup:
+                asyncio.run(drive(base, headers, clients, warmup, seed + 10**6))
             start = wait_idle(base, headers, pid)
-
-            def show(index: int, m: Minute) -> None:
-                console.print(f"minute {index}: served {m.served}, aborted {m.aborted}, invalid "
+            for k in range(max(1, round(duration / interval))):
+                m: Minute = asyncio.run(drive(base, headers, clients, interval, seed + k))
+                snap = wait_idle(base, headers, pid)
+                minutes.append(m)
+                curve.samples_mib.append(snap.rss_without_kv / 2**20)
+                totals.append(snap.rss_bytes / 2**20)
+                console.print(f"sample {k + 1}: served {m.served}, aborted {m.aborted}, invalid "
                               f"{m.invalid}, unexpected {len(m.unexpected)}, p99 TTFT "
-                              f"{m.p99_ttft_ms:.0f} ms")
-
-            minutes = asyncio.run(drive(base, headers, clients, duration, seed, show))
-            end = wait_idle(base, headers, pid)
+                              f"{m.p99_ttft_ms:.0f} ms; idle RSS {totals[-1]:.0f} MiB, outside "
+                              f"the KV pool {curve.samples_mib[-1]:.0f} MiB")
+            end = snap
         console.print(minutes_table(minutes, f"pkv bench soak: {duration:g} s at {clients} "
-                                    f"clients, server batch {max_num_seqs}, after {warmup:g} s "
-                                    "of warm-up"))
+                                    f"clients, server batch {max_num_seqs}, sampled every "
+                                    f"{interval:g} s"))
         console.print(state_table(start, end))
-        problems = verdict(minutes, start, end)
+        problems = verdict(minutes, start, end, curve, max_slope, max_peak_mib)
+        plateau = curve.plateau_start()
+        slope = curve.slope(plateau) if plateau is not None else None
+        console.print(f"memory outside the KV pool: peak {curve.peak:.0f} MiB; plateau from "
+                      f"sample {plateau + 1 if plateau is not None else '-'}, slope after it "
+                      f"{slope if slope is not None else float('nan'):+.2f} MiB/min")
+        if plot:
+            plot_curve(plot, curve, totals)
+            console.print(f"wrote {plot}")
         if json_path:
             report.write_json(json_path, {
-                "duration_s": duration, "served": sum(m.served for m in minutes),
-                "minutes": [{**dataclasses.asdict(m), "p99_ttft_ms": m.p99_ttft_ms,
-                             "ttfts": len(m.ttfts)} for m in minutes],
+                "duration_s": duration, "interval_s": interval,
+                "served": sum(m.served for m in minutes),
+                "samples": [{**dataclasses.asdict(m), "p99_ttft_ms": m.p99_ttft_ms,
+                             "ttfts": len(m.ttfts), "rss_mib": t, "rss_without_kv_mib": r}
+                            for m, t, r in zip(minutes, totals, curve.samples_mib)],
+                "plateau_sample": plateau, "slope_mib_per_min": slope, "peak_mib": curve.peak,
                 "start": dataclasses.asdict(start), "end": dataclasses.asdict(end),
                 "problems": problems}, console)
         if problems:
             console.print("[bold red]soak failed[/]: " + "; ".join(problems))
             raise typer.Exit(1)
         console.print(f"[bold green]soak passed[/]: {sum(m.served for m in minutes)} served, "
-                      "0 unexpected errors, every KV block back, memory back near its start")
-
+                      "0 unexpected errors, every KV block back, memory flat after its "
+                      "warm-up")
 
 @bench_app.command("burst")
 def burst(

@@ -1,10 +1,11 @@
 """`pkv bench soak`: a real `pkv serve` held at capacity for minutes with hostile traffic.
 
-Clients keep the server saturated (twice its running batch) with streaming completions;
-10% of requests are abandoned by their client part way, 5% are invalid on purpose. Every
-minute reports requests served and p99 time to first token; at the end, after the server
-idles, its RSS, open files and free KV blocks are compared with the start. The run fails on
-any 5xx that was not asked for, a KV block still held, or memory that did not come back.
+Clients keep the server saturated (twice its running batch) with a mix: completions and
+chat, streamed and not, n=2, logprobs, stop strings, three JSON schemas; 10% of streams are
+abandoned part way, 5% of requests are invalid on purpose. After every interval (a minute)
+the clients pause until the server idles, and its memory is sampled: the curve's plateau,
+slope and peak decide (cli/soak_memory.py). The run fails on any error that was not asked
+for, a KV block still held, memory that keeps climbing, or open files that grew.
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ from rich.table import Table
 
 from pkv.cli.bench_serve import WORDS
 from pkv.cli.http import get_metrics
+from pkv.cli.soak_memory import MemoryCurve
 
 INVALID_BODIES: list[dict[str, Any]] = [
     {"max_tokens": -1}, {"temperature": "hot"}, {"prompt": []}, {"top_p": 7},
     {"logit_bias": {"999999999": 1}}, {"n": 10**6}, {"stop": [""]},
 ]
-# RSS outside the KV pool may end this much above its start (allocator slack), never more.
-# The pool itself grows as blocks are first used, up to its configured size: that is
-# reserved memory, reported apart.
-RSS_SLACK_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -78,66 +76,112 @@ def wait_idle(base: str, headers: dict[str, str], pid: int, timeout: float = 60)
         time.sleep(0.5)
 
 
-async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute: Minute) -> None:
+# Three fixed schemas: their compiled grammars are cached once, as a real tenant's would be.
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0,
+                                              "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "maxItems": 3,
+                                               "items": {"type": "string", "maxLength": 12}}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "level": {"enum": ["low", "mid", "high"]}},
+     "required": ["ok", "level"]},
+]
+
+
+def request_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """One request of the mix: chat or completions, streamed (70%) or not; 10% each with
+    n=2, logprobs, a stop string or (chat) one of three JSON schemas."""
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 48)))
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": rng.randint(16, 96),
-                            "temperature": rng.choice([0, 0.7]), "stream": True}
+    body: dict[str, Any] = {"max_tokens": rng.randint(16, 96),
+                            "temperature": rng.choice([0, 0.7]), "stream": rng.random() < 0.7}
+    extra = rng.random()
+    chat = rng.random() < 0.5 or extra >= 0.9
+    if extra < 0.1:
+        body["n"] = 2
+    elif extra < 0.2:
+        body.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
+    elif extra < 0.3:
+        body["stop"] = [rng.choice(WORDS)]
+    elif extra >= 0.9:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": rng.choice(SCHEMAS)}}
+    if chat:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user",
+                                                              "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute: Minute) -> None:
+    path, body = request_body(rng)
     kind = rng.random()
     if kind < 0.05:
-        body.update(rng.choice(INVALID_BODIES))
-        r = await client.post(f"{base}/v1/completions", json={**body, "stream": False})
+        body = {"prompt": "x", "max_tokens": 4, **rng.choice(INVALID_BODIES)}
+        r = await client.post(f"{base}/v1/completions", json=body)
         if r.status_code == 400 and r.json().get("error", {}).get("param"):
             minute.invalid += 1
         else:
             minute.unexpected.append(f"invalid request answered {r.status_code}: {r.text[:120]}")
         return
-    abandon_after = rng.uniform(0.05, 1.0) if kind < 0.15 else None
     start = time.monotonic()
-    first = None
     try:
-        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        if not body["stream"]:
+            r = await client.post(f"{base}{path}", json=body)
             if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                minute.unexpected.append(f"{r.status_code}: {text[:120]}")
+                minute.unexpected.append(f"{r.status_code}: {r.text[:120]}")
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if '"error"' in line:
-                    minute.unexpected.append(f"stream error: {line[:160]}")
-                    return
-                if first is None and line != "data: [DONE]":
-                    first = time.monotonic() - start
-                if abandon_after is not None and time.monotonic() - start > abandon_after:
-                    minute.aborted += 1  # leaving the stream drops the connection
-                    return
+            minute.ttfts.append(time.monotonic() - start)  # the whole answer, unstreamed
+            minute.served += 1
+            return
+        first = await _stream(client, f"{base}{path}", body, minute, start,
+                              rng.uniform(0.05, 1.0) if kind < 0.15 else None)
     except httpx.HTTPError as exc:
         minute.unexpected.append(f"{type(exc).__name__}: {exc}")
         return
     if first is not None:
         minute.ttfts.append(first)
-    minute.served += 1
+        minute.served += 1
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], minute: Minute,
+                  start: float, abandon_after: float | None) -> float | None:
+    """Read a stream to its end (or abandon it); the time to its first chunk."""
+    first = None
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            minute.unexpected.append(f"{r.status_code}: {text[:120]}")
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if '"error"' in line:
+                minute.unexpected.append(f"stream error: {line[:160]}")
+                return None
+            if first is None and line != "data: [DONE]":
+                first = time.monotonic() - start
+            if abandon_after is not None and time.monotonic() - start > abandon_after:
+                minute.aborted += 1  # leaving the stream drops the connection
+                return None
+    return first
 
 
 async def drive(base: str, headers: dict[str, str], concurrency: int, duration: float,
-                seed: int, on_minute: Any) -> list[Minute]:
-    """Keep `concurrency` requests in flight for `duration` seconds; one Minute per minute."""
-    minutes = [Minute()]
+                seed: int) -> Minute:
+    """Keep `concurrency` requests in flight for `duration` seconds."""
+    minute = Minute()
     rng = random.Random(seed)
     start = time.monotonic()
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(headers=headers, timeout=120, limits=limits) as client:
         async def worker() -> None:
-            while (elapsed := time.monotonic() - start) < duration:
-                index = int(elapsed // 60)
-                while len(minutes) <= index:
-                    on_minute(len(minutes), minutes[-1])
-                    minutes.append(Minute())
-                await _one(client, base, rng, minutes[index])
+            while time.monotonic() - start < duration:
+                await _one(client, base, rng, minute)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    on_minute(len(minutes), minutes[-1])
-    return minutes
+    return minute
 
 
 def minutes_table(minutes: list[Minute], title: str) -> Table:
@@ -163,7 +207,8 @@ def state_table(start: Snapshot, end: Snapshot) -> Table:
     return table
 
 
-def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot) -> list[str]:
+def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot, curve: MemoryCurve,
+            max_slope: float, max_peak: float | None) -> list[str]:
     """What went wrong (empty: the soak passed)."""
     problems = []
     unexpected = [e for m in minutes for e in m.unexpected]
@@ -171,9 +216,7 @@ def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot) -> list[str]:
         problems.append(f"{len(unexpected)} unexpected errors, e.g. {unexpected[0]}")
     if end.kv_blocks_free != end.kv_blocks_total or end.running:
         problems.append(f"KV blocks still held: {end.kv_blocks_total - end.kv_blocks_free:.0f}")
-    if end.rss_without_kv > start.rss_without_kv + RSS_SLACK_BYTES:
-        problems.append("RSS outside the KV pool grew "
-                        f"{(end.rss_without_kv - start.rss_without_kv) / 2**20:.0f} MiB")
+    problems.extend(curve.problems(max_slope, max_peak))
     if end.open_files > start.open_files + 8:
         problems.append(f"open files grew {start.open_files} -> {end.open_files}")
     timed = [m for m in minutes if m.ttfts]

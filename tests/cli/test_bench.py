@@ -74,30 +74,70 @@ def test_unreachable_server_for_bench_serve():
 
 
 def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
-    out = tmp_path / "soak.json"
-    result = _bench("soak", str(tiny_llama_dir), "--duration", "6", "--warmup", "2",
-                    "--max-num-seqs", "4", "--max-model-len", "256", "--json", str(out))
+    out, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    result = _bench("soak", str(tiny_llama_dir), "--duration", "20", "--interval", "4",
+                    "--max-num-seqs", "4", "--max-model-len", "256",
+                    "--max-slope", "60",  # MiB per minute: 4-second samples are noisy
+                    "--json", str(out), "--plot", str(png))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["served"] > 0 and data["problems"] == []
+    assert len(data["samples"]) == 5 and data["plateau_sample"] is not None
+    assert data["plateau_sample"] <= 2 and data["slope_mib_per_min"] <= 60
     assert data["end"]["kv_blocks_free"] == data["end"]["kv_blocks_total"]
+    assert sum(s["invalid"] for s in data["samples"]) >= 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "soak passed" in result.output
+
+
+def test_soak_traffic_mix_covers_every_kind():
+    import random
+
+    from pkv.cli.bench_soak import request_body
+
+    rng = random.Random(0)
+    bodies = [request_body(rng) for _ in range(400)]
+    paths = {path for path, _ in bodies}
+    assert paths == {"/v1/completions", "/v1/chat/completions"}
+    for key in ("n", "logprobs", "stop", "response_format"):
+        assert 20 < sum(key in b for _, b in bodies) < 80, key
+    assert 0.6 < sum(b["stream"] for _, b in bodies) / len(bodies) < 0.8
+    schemas = {json.dumps(b["response_format"]["json_schema"]["schema"]) for _, b in bodies
+               if "response_format" in b}
+    assert len(schemas) == 3
+
+
+def test_memory_curve_tells_a_warm_up_from_a_leak():
+    from pkv.cli.soak_memory import MemoryCurve
+
+    warm = MemoryCurve(1.0, [1100, 1173, 1205, 1252, 1298, 1288, 1291, 1288, 1289, 1290])
+    assert warm.plateau_start() == 4 and warm.slope(4) < 1 and warm.problems() == []
+    assert warm.problems(max_peak=1250) == [
+        "memory outside the KV pool peaked at 1298 MiB, above the bound of 1250 MiB"]
+    slow_leak = MemoryCurve(1.0, [1000 + 2 * i for i in range(20)])
+    assert "climbs 2.00 MiB/min" in " ".join(slow_leak.problems())
+    fast_leak = MemoryCurve(1.0, [1000 + 10 * i for i in range(20)])
+    assert "no plateau in the first half" in " ".join(fast_leak.problems())
+    assert abs(MemoryCurve(0.5, [1000, 1001, 1000]).slope(0)) < 1e-9
+    assert MemoryCurve(0.5, [1000, 1001, 1002]).slope(0) == pytest.approx(2.0)  # per minute
 
 
 def test_soak_verdict_names_each_problem():
     from pkv.cli.bench_soak import Minute, Snapshot, verdict
+    from pkv.cli.soak_memory import MemoryCurve
 
     start = Snapshot(1000 * 2**20, 10, 100, 100, 0, 50 * 2**20)
-    # The KV pool may grow (first use of blocks); the rest of the RSS may not.
     fine = Snapshot(1200 * 2**20, 10, 100, 100, 0, 250 * 2**20)
+    flat = MemoryCurve(1.0, [900, 950, 951, 950, 951, 950])
     minutes = [Minute(served=5, ttfts=[0.1]), Minute(served=5, ttfts=[0.1]),
                Minute(served=5, ttfts=[0.15])]
-    assert verdict(minutes, start, fine) == []
+    assert verdict(minutes, start, fine, flat, 1.0, None) == []
     bad = Snapshot(1300 * 2**20, 30, 90, 100, 1, 50 * 2**20)
     drift = minutes[:2] + [Minute(served=5, ttfts=[0.5], unexpected=["500: boom"])]
-    problems = " | ".join(verdict(drift, start, bad))
+    leak = MemoryCurve(1.0, [900 + 3 * i for i in range(10)])
+    problems = " | ".join(verdict(drift, start, bad, leak, 1.0, None))
     for words in ("1 unexpected errors, e.g. 500: boom", "KV blocks still held: 10",
-                  "RSS outside the KV pool grew 300 MiB", "open files grew 10 -> 30",
+                  "climbs 3.00 MiB/min after its plateau", "open files grew 10 -> 30",
                   "p99 TTFT drifted up"):
         assert words in problems
 

@@ -1,0 +1,104 @@
+"""The memory curve of a soak: where the warm-up ends, the slope after it, the peak.
+
+A server's memory outside the KV pool climbs while its caches fill (oneDNN primitives per
+batch shape, allocator arenas, grammar and tokenizer caches) and then holds; a leak keeps
+climbing. Comparing two points cannot tell these apart; the curve can:
+
+    MiB |       ______________________       plateau: from the first sample after which
+        |     _/                              every later one stays within `band` of it
+        |   _/                                slope: least squares over the plateau
+        |__/                                  peak: the highest sample of the run
+        +------------------------------ minutes
+
+The run fails when no plateau starts in its first half, when the plateau's slope is above
+`max_slope` MiB per minute, or when the peak is above `max_peak` (where given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# A plateau: later samples all within this many MiB of its first one.
+PLATEAU_BAND_MIB = 24.0
+# The slope a healthy server may show after its plateau begins (allocator noise).
+MAX_SLOPE_MIB_PER_MIN = 1.0
+MIN_PLATEAU_SAMPLES = 3
+
+
+@dataclass
+class MemoryCurve:
+    """Memory outside the KV pool (MiB) sampled at idle, every `interval_min` minutes."""
+
+    interval_min: float
+    samples_mib: list[float] = field(default_factory=list)
+
+    def plateau_start(self, band: float = PLATEAU_BAND_MIB) -> int | None:
+        """Index of the first sample after which every sample stays within `band` of it,
+        with at least MIN_PLATEAU_SAMPLES samples in the plateau; None if there is none."""
+        s = self.samples_mib
+        for i in range(len(s) - MIN_PLATEAU_SAMPLES + 1):
+            rest = s[i:]
+            if max(rest) - s[i] <= band and s[i] - min(rest) <= band:
+                return i
+        return None
+
+    def slope(self, start: int) -> float:
+        """Least-squares slope (MiB per minute) of the samples from `start` on."""
+        ys = np.asarray(self.samples_mib[start:], dtype=float)
+        if len(ys) < 2:
+            return 0.0
+        xs = np.arange(len(ys)) * self.interval_min
+        return float(np.polyfit(xs, ys, 1)[0])
+
+    @property
+    def peak(self) -> float:
+        return max(self.samples_mib, default=0.0)
+
+    def problems(self, max_slope: float = MAX_SLOPE_MIB_PER_MIN,
+                 max_peak: float | None = None) -> list[str]:
+        """What is wrong with the curve (empty: flat after a bounded warm-up)."""
+        start = self.plateau_start()
+        if start is None or start > len(self.samples_mib) // 2:
+            return [f"memory outside the KV pool found no plateau in the first half of the run "
+                    f"({self._describe()})"]
+        problems = []
+        slope = self.slope(start)
+        if slope > max_slope:
+            problems.append(f"memory outside the KV pool climbs {slope:.2f} MiB/min after its "
+                            f"plateau (bound {max_slope:g})")
+        if max_peak is not None and self.peak > max_peak:
+            problems.append(f"memory outside the KV pool peaked at {self.peak:.0f} MiB, above "
+                            f"the bound of {max_peak:.0f} MiB")
+        return problems
+
+    def _describe(self) -> str:
+        s = [f"{v:.0f}" for v in self.samples_mib]
+        return ", ".join(s if len(s) <= 12 else [*s[:6], "...", *s[-5:]]) + " MiB"
+
+
+def plot_curve(path: Path, curve: MemoryCurve, total_mib: list[float]) -> None:
+    """Memory over time: RSS and RSS outside the KV pool, the plateau's start marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [(i + 1) * curve.interval_min for i in range(len(curve.samples_mib))]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(xs, total_mib, marker=".", label="RSS")
+    ax.plot(xs, curve.samples_mib, marker=".", label="RSS outside the KV pool")
+    start = curve.plateau_start()
+    if start is not None:
+        ax.axvline(xs[start], color="grey", linestyle="--",
+                   label=f"plateau from minute {xs[start]:g}, "
+                         f"{curve.slope(start):+.2f} MiB/min")
+    ax.set(xlabel="minutes under load", ylabel="MiB (server idle at each sample)",
+           title="pkv bench soak: server memory")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
