@@ -324,8 +324,9 @@ class LLMEngine:
                  failures: dict[str, Exception]) -> None:
         """Fill the speculating requests' lookahead with drafts. A proposer that fails (a
         draft model's step) fails those requests only; the step goes on without drafts."""
-        assert self.proposer is not None
         requests = [r for r in sched.scheduled if r.request_id in sched.spec_lookahead]
+        if self.proposer is None:  # lookahead is only given with a speculative config
+            return
         try:
             drafts = self.proposer.propose(requests, sched.spec_lookahead, tables,
                                            self.kv_cache.pool.high_watermark)

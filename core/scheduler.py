@@ -158,7 +158,8 @@ class Scheduler:
     def _acquire_lora(self, request: Request, out: SchedulerOutput) -> bool:
         if request.lora is None:
             return True
-        assert self.lora_slots is not None, "a LoRA request reached an engine without LoRA"
+        if self.lora_slots is None:
+            raise ValueError("a LoRA request reached a scheduler without LoRA slots")
         got = self.lora_slots.acquire(request.lora.uid)
         if got is None:
             return False
