@@ -572,6 +572,7 @@ def soak(
     max_slope: Annotated[float, typer.Option(help="MiB per minute memory outside the KV pool may climb after its plateau.")] = 1.0,
     max_peak_mib: Annotated[Optional[float], typer.Option(help="Most MiB memory outside the KV pool may reach (default: no bound).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
+    trace: Annotated[bool, typer.Option(help="Trace the server's Python heap (tracemalloc; slower) and list where it grew.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of memory over time.")] = None,
 ) -> None:
@@ -581,7 +582,9 @@ def soak(
     import secrets
 
     from pkv.cli import bench_report as report
-    from pkv.cli.bench_soak import Minute, drive, minutes_table, state_table, verdict, wait_idle
+    from pkv.cli.bench_soak import (Minute, caches_table, drive, memory_report, minutes_table,
+                                    state_table, verdict, wait_idle)
+    from pkv.core.memory_report import TRACE_ENV
     from pkv.cli.serve_process import start_pkv_serve
     from pkv.cli.soak_memory import MemoryCurve, plot_curve
 
@@ -595,14 +598,17 @@ def soak(
         args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                 "--kv-cache-memory", "256MiB", *([model] if model else [])]
         clients = concurrency or 2 * max_num_seqs
-        curve, totals, minutes = MemoryCurve(interval / 60), [], []
-        with start_pkv_serve(args, key) as (base, pid):
+        curve, totals, minutes, reports = MemoryCurve(interval / 60), [], [], []
+        env = {TRACE_ENV: "1"} if trace else None
+        with start_pkv_serve(args, key, env=env) as (base, pid):
             if warmup:
                 asyncio.run(drive(base, headers, clients, warmup, seed + 10**6))
             start = wait_idle(base, headers, pid)
+            reports.append(memory_report(base, headers))  # the heap's baseline when traced
             for k in range(max(1, round(duration / interval))):
                 m: Minute = asyncio.run(drive(base, headers, clients, interval, seed + k))
                 snap = wait_idle(base, headers, pid)
+                reports.append(memory_report(base, headers))
                 minutes.append(m)
                 curve.samples_mib.append(snap.rss_without_kv / 2**20)
                 totals.append(snap.rss_bytes / 2**20)
@@ -615,6 +621,10 @@ def soak(
                                     f"clients, server batch {max_num_seqs}, sampled every "
                                     f"{interval:g} s"))
         console.print(state_table(start, end))
+        console.print(caches_table(reports[0], reports[-1]))
+        for grew in reports[-1]["top_growth"]:
+            console.print(f"python heap +{grew['bytes'] / 2**20:.2f} MiB "
+                          f"({grew['count']:+d} blocks) at {grew['where']}")
         problems = verdict(minutes, start, end, curve, max_slope, max_peak_mib)
         plateau = curve.plateau_start()
         slope = curve.slope(plateau) if plateau is not None else None
@@ -632,6 +642,7 @@ def soak(
                              "ttfts": len(m.ttfts), "rss_mib": t, "rss_without_kv_mib": r}
                             for m, t, r in zip(minutes, totals, curve.samples_mib)],
                 "plateau_sample": plateau, "slope_mib_per_min": slope, "peak_mib": curve.peak,
+                "memory_reports": reports,
                 "start": dataclasses.asdict(start), "end": dataclasses.asdict(end),
                 "problems": problems}, console)
         if problems:

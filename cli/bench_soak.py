@@ -132,8 +132,7 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
             if r.status_code != 200:
                 minute.unexpected.append(f"{r.status_code}: {r.text[:120]}")
                 return
-            minute.ttfts.append(time.monotonic() - start)  # the whole answer, unstreamed
-            minute.served += 1
+            minute.served += 1  # no first token to time: the answer comes whole
             return
         first = await _stream(client, f"{base}{path}", body, minute, start,
                               rng.uniform(0.05, 1.0) if kind < 0.15 else None)
@@ -182,6 +181,30 @@ async def drive(base: str, headers: dict[str, str], concurrency: int, duration: 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return minute
+
+
+def memory_report(base: str, headers: dict[str, str]) -> dict[str, Any]:
+    """The server's /admin/memory: caches with their bounds, Python heap growth if traced."""
+    return httpx.get(f"{base}/admin/memory", headers=headers, timeout=60).json()
+
+
+def caches_table(first: dict[str, Any], last: dict[str, Any]) -> Table:
+    """Each cache at the first and the last sample, and its bound."""
+    table = Table(title="caches (server idle): first sample, last sample, bound")
+    for column in ("cache", "first", "last", "bound", "unit"):
+        table.add_column(column, justify="left" if column == "cache" else "right")
+
+    def fmt(value: float | None, unit: str) -> str:
+        if value is None:
+            return "-"
+        return f"{value / 2**20:.1f} Mi" if unit == "bytes" else f"{value:.0f}"
+
+    for name, cache in last["caches"].items():
+        before = first["caches"].get(name, {}).get("size")
+        table.add_row(name, fmt(before, cache["unit"]), fmt(cache["size"], cache["unit"]),
+                      fmt(cache["bound"], cache["unit"]) if cache["bound"] is not None
+                      else "explicit loads", cache["unit"])
+    return table
 
 
 def minutes_table(minutes: list[Minute], title: str) -> Table:

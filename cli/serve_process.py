@@ -52,13 +52,13 @@ def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
 
 
 @contextmanager
-def start_pkv_serve(args: list[str], api_key: str,
-                    timeout: float = 300) -> Iterator[tuple[str, int]]:
+def start_pkv_serve(args: list[str], api_key: str, timeout: float = 300,
+                    env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """Yield (base URL, pid) of a healthy server; stop it on exit. Its log goes to a temp
-    file, quoted in the error if it never becomes healthy."""
+    file, quoted in the error if it never becomes healthy. `env` adds to its environment."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="pkv-serve-", suffix=".log", delete=False)
-    env = {**os.environ, "PKV_API_KEY": api_key, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PKV_API_KEY": api_key, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "pkv.cli.main", "serve", "--port", str(port),
                                 "--log-level", "warning", *args],
                                stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pkv
 from pkv.core.async_engine import AsyncLLM
 from pkv.core.llm_engine import LLMEngine
+from pkv.core.memory_report import HeapTracer, engine_caches
 from pkv.core.reasoning import reasoning_parser
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.metrics import ServerMetrics
@@ -68,6 +70,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                                                engine.tokenizer.chat_template),
                             reasoning_parser(config.reasoning_parser))
     created = int(time.time())
+    tracer = HeapTracer()
+    tracer.start()
     install_error_handlers(app)
 
     @app.post("/v1/chat/completions")
@@ -127,6 +131,16 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         from pkv.core.cache_inspector import take_snapshot
 
         return (await async_llm.call_in_engine(take_snapshot)).to_dict()
+
+    @app.get("/admin/memory")
+    async def admin_memory() -> dict:
+        """RSS, the KV pool's part of it, every cache's size and bound, and the Python heap's
+        growth by line when traced (PKV_TRACEMALLOC=1); behind the API key."""
+        caches = await async_llm.call_in_engine(engine_caches)
+        return {"rss_bytes": psutil.Process().memory_info().rss,
+                "kv_resident_bytes": engine.runner.kv_resident_bytes,
+                "caches": {name: c.as_dict() for name, c in caches.items()},
+                **await asyncio.to_thread(tracer.report)}
 
     @app.get("/version")
     async def version() -> dict:

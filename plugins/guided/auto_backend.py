@@ -45,5 +45,9 @@ class AutoBackend:
     def compile(self, params: StructuredOutputsParams) -> Any:
         return self.backend_for(params).compile(params)
 
+    def cache_sizes(self) -> dict[str, tuple[float, float | None, str]]:
+        return {k: v for backend in self.backends.values()
+                for k, v in backend.cache_sizes().items()}
+
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         return self.backend_for(params).is_cached(params)

@@ -80,5 +80,10 @@ class CompilingBackend:
                 self._cache.popitem(last=False)
         return grammar
 
+    def cache_sizes(self) -> dict[str, tuple[float, float | None, str]]:
+        """Each cache's (size, bound, unit), for memory reports."""
+        return {f"{self.name} compiled grammars": (len(self._cache), self.cache_size,
+                                                   "grammars")}
+
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         return params.key in self._cache

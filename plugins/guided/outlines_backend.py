@@ -175,6 +175,10 @@ class OutlinesBackend(CompilingBackend):
         self.masks = MaskCache(mask_cache_bytes)
         self._vocabulary: Any = None
 
+    def cache_sizes(self) -> dict[str, tuple[float, float | None, str]]:
+        return {**super().cache_sizes(),
+                "outlines token masks": (self.masks.nbytes, self.masks.max_bytes, "bytes")}
+
     def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
         from outlines_core import Index, Vocabulary
 
