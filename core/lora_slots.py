@@ -50,8 +50,3 @@ class LoRASlotTable:
         """Unpin once (a request with this adapter finished or was preempted)."""
         if self._pins.get(key):
             self._pins[key] -= 1
-
-    @property
-    def resident(self) -> dict[int, int]:
-        """Adapter uid -> slot, for every adapter in a slot."""
-        return dict(self._slots)

@@ -62,13 +62,3 @@ class SpecDecodeStats:
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.acceptance_lengths[num_accepted] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts over proposed drafts."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verify step yields on average: accepted drafts plus the target's one."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
