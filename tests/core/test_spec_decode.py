@@ -226,10 +226,10 @@ def test_engine_sampling_with_a_draft_follows_the_target(tiny_llama_dir: Path):
     prompt = [100 + 7 * i for i in range(12)]
     llm = LLM(str(tiny_llama_dir), show_progress=False, kv_cache_memory="32MiB",
               speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2})
-    params = SamplingParams(n=600, temperature=1.0, top_k=5, max_tokens=3, seed=11,
+    params = SamplingParams(n=400, temperature=1.0, top_k=5, max_tokens=3, seed=11,
                             ignore_eos=True)
     outs = llm.generate([prompt], params)[0].outputs
-    assert llm.llm_engine.spec_stats.num_drafts >= 600
+    assert llm.llm_engine.spec_stats.num_drafts >= 400
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     groups: dict[int, Counter] = {}
     for o in outs:
