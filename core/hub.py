@@ -108,6 +108,41 @@ def resolve_model(model: str, revision: str | None = None,
     return found
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def resolve_adapter(path: str) -> Path:
+    """A LoRA adapter's folder: `path` itself when it is one here (or not shaped like an
+    id), else the Hub snapshot of that id, cache first; only the adapter's config and
+    safetensors are ever fetched. Failures are one line naming the id."""
+    local = Path(path).expanduser()
+    if not is_hub_id(path) or local.exists():
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache_dir = hub_cache_dir()
+    try:
+        folder = Path(snapshot_download(path, cache_dir=cache_dir, local_files_only=True,
+                                        allow_patterns=list(ADAPTER_FILES)))
+        if all((folder / f).is_file() for f in ADAPTER_FILES):
+            return folder
+    except LocalEntryNotFoundError:  # also IncompleteSnapshotError
+        pass
+    if hub_offline():
+        raise FileNotFoundError(f"{path} is neither a local folder nor in the Hugging Face "
+                                f"cache ({cache_dir}) and HF_HUB_OFFLINE=1: fetch it with "
+                                f"`hf download {path} {' '.join(ADAPTER_FILES)}`")
+    logger.info("downloading LoRA adapter %s from the Hugging Face Hub into %s", path,
+                cache_dir)
+    try:
+        return Path(snapshot_download(path, cache_dir=cache_dir,
+                                      allow_patterns=list(ADAPTER_FILES)))
+    except Exception as exc:  # huggingface_hub's many network and repo errors
+        raise FileNotFoundError(f"cannot fetch {path} from the Hugging Face Hub "
+                                f"({type(exc).__name__})") from None
+
+
 def fetch_command(repo_id: str, revision: str | None = None,
                   gguf_file: str | None = None) -> str:
     """The `hf download` line that fetches what pkv reads from `repo_id`."""

@@ -1,5 +1,7 @@
 """LoRA adapters in PEFT's format, read and checked against the model they will run on.
 
+An adapter is a local folder or a Hugging Face id (`org/name`, cache first, as models are).
+
 A folder holds `adapter_config.json` (peft_type LORA, r, lora_alpha, use_rslora, target
 modules, optional per-module rank_pattern / alpha_pattern) and `adapter_model.safetensors`
 (`...layers.3.self_attn.q_proj.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]). Pickled
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pkv.core.hub import resolve_adapter
 from pkv.core.layers.lora import LoRASlots
 from pkv.core.models.base import STACKED
 
@@ -67,12 +70,12 @@ def load_adapter(name: str, path: str | Path, targets: dict[str, LoRASlots], max
     """Read and check the adapter in `path` against the model's LoRA-able linears
     (`targets`, by module path); every problem is a one-line ValueError naming the adapter.
     `uid` tells this load apart from any other."""
-    folder = Path(path).expanduser()
     try:
+        folder = resolve_adapter(str(path))
         config = _read_config(folder)
         tensors = _read_tensors(folder)
         weights, rank = _place(config, tensors, targets, max_rank)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         raise ValueError(f"LoRA adapter {name!r} ({path}): {exc}") from None
     return LoRAAdapter(name, str(path), rank, weights, uid)
 

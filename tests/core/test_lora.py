@@ -202,3 +202,32 @@ def test_lora_requests_need_enable_lora(tiny_llama_dir: Path, tmp_path: Path):
     llm = LLM(str(tiny_llama_dir), show_progress=False, kv_cache_memory="4MiB")
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate([[5, 6]], lora_request=LoRARequest("x", 1, str(tmp_path)))
+
+
+def test_an_adapter_by_hub_id_comes_from_the_cache(tiny_llama_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch):
+    """Offline, from a hub cache laid out as huggingface_hub writes it: the same output as
+    the folder; a missing id is a one-line error naming it."""
+    from pkv.tests.models.test_hub import add_snapshot, folder_files
+
+    make_lora_adapter(tiny_llama_dir, tmp_path / "local", 4, ALL, seed=7)
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(cache.parent))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_snapshot(cache, "someone/tiny-lora", "c" * 40, folder_files(tmp_path / "local"))
+    llm = LLM(str(tiny_llama_dir), show_progress=False, kv_cache_memory="8MiB",
+              enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompt = parity_prompts(1, 12, 12)[0]
+    local = llm.generate([prompt], params, lora_request=LoRARequest(
+        "local", 1, str(tmp_path / "local")))[0].outputs[0].token_ids
+    hub = llm.generate([prompt], params, lora_request=LoRARequest(
+        "hub", 2, "someone/tiny-lora"))[0].outputs[0].token_ids
+    assert hub == local
+    with pytest.raises(ValueError, match="someone/missing is neither a local folder nor in "
+                                         "the Hugging Face cache") as info:
+        llm.generate([prompt], params, lora_request=LoRARequest("x", 3, "someone/missing"))
+    assert "\n" not in str(info.value)
