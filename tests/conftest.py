@@ -117,3 +117,16 @@ def smol_llm(smol_gguf: Path):  # noqa: ANN201 - pkv.LLM
 
     return LLM(kv_cache_memory="128MiB", max_model_len=512, show_progress=False,
                guided_decoding_backend="outlines")
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face hub cache, offline; huggingface_hub's import-time constants
+    are bypassed."""
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(cache.parent))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache

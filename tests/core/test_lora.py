@@ -205,19 +205,13 @@ def test_lora_requests_need_enable_lora(tiny_llama_dir: Path, tmp_path: Path):
 
 
 def test_an_adapter_by_hub_id_comes_from_the_cache(tiny_llama_dir: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch):
+                                                   hub_cache: Path):
     """Offline, from a hub cache laid out as huggingface_hub writes it: the same output as
     the folder; a missing id is a one-line error naming it."""
     from pkv.tests.models.test_hub import add_snapshot, folder_files
 
     make_lora_adapter(tiny_llama_dir, tmp_path / "local", 4, ALL, seed=7)
-    cache = tmp_path / "hf-home" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HOME", str(cache.parent))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    add_snapshot(cache, "someone/tiny-lora", "c" * 40, folder_files(tmp_path / "local"))
+    add_snapshot(hub_cache, "someone/tiny-lora", "c" * 40, folder_files(tmp_path / "local"))
     llm = LLM(str(tiny_llama_dir), show_progress=False, kv_cache_memory="8MiB",
               enable_lora=True)
     params = SamplingParams(temperature=0, max_tokens=8)

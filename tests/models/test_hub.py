@@ -21,18 +21,6 @@ REV_A, REV_B = "a" * 40, "b" * 40
 PROMPTS = [[100 + i for i in range(n)] for n in (3, 17)]
 
 
-@pytest.fixture
-def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty hub cache, offline; huggingface_hub's import-time constants are bypassed."""
-    cache = tmp_path / "hf-home" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HOME", str(cache.parent))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
-
-
 def add_snapshot(cache: Path, repo_id: str, rev: str, files: dict[str, Path | bytes],
                  ref: str | None = "main") -> Path:
     """`models--org--name/{blobs,snapshots/<rev>,refs/<ref>}` as huggingface_hub writes it:
