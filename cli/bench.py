@@ -582,8 +582,8 @@ def soak(
     import secrets
 
     from pkv.cli import bench_report as report
-    from pkv.cli.bench_soak import (Minute, caches_table, drive, memory_report, minutes_table,
-                                    state_table, verdict, wait_idle)
+    from pkv.cli.bench_soak import (Minute, caches_table, drive, memory_report, memory_table,
+                                    minutes_table, state_table, verdict, wait_idle)
     from pkv.core.memory_report import TRACE_ENV
     from pkv.cli.serve_process import start_pkv_serve
     from pkv.cli.soak_memory import MemoryCurve, plot_curve
@@ -621,6 +621,7 @@ def soak(
                                     f"clients, server batch {max_num_seqs}, sampled every "
                                     f"{interval:g} s"))
         console.print(state_table(start, end))
+        console.print(memory_table(reports))
         console.print(caches_table(reports[0], reports[-1]))
         for grew in reports[-1]["top_growth"]:
             console.print(f"python heap +{grew['bytes'] / 2**20:.2f} MiB "

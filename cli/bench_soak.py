@@ -207,6 +207,31 @@ def caches_table(first: dict[str, Any], last: dict[str, Any]) -> Table:
     return table
 
 
+def memory_table(reports: list[dict[str, Any]]) -> Table:
+    """Where the memory outside the KV pool sits at each idle sample (the first: before any
+    load): anonymous and file-backed (library code paged in), glibc's heap in use and
+    freed-but-held, its mapped blocks, the Python heap when traced, and the OS threads (each
+    may own an arena)."""
+    table = Table(title="memory at idle, MiB: what the native heap holds")
+    for column in ("sample", "RSS - KV", "anon - KV", "file-backed", "malloc in use",
+                   "malloc free held", "malloc mmap", "python heap", "threads"):
+        table.add_column(column, justify="right")
+
+    def mib(value: float | None) -> str:
+        return "-" if value is None else f"{value / 2**20:.0f}"
+
+    for i, r in enumerate(reports):
+        heap, resident = r.get("native_heap") or {}, r.get("resident") or {}
+        anon = resident.get("anon_bytes")
+        table.add_row("before" if i == 0 else str(i),
+                      mib(r["rss_bytes"] - r["kv_resident_bytes"]),
+                      mib(None if anon is None else anon - r["kv_resident_bytes"]),
+                      mib(resident.get("file_bytes")), mib(heap.get("in_use_bytes")),
+                      mib(heap.get("free_bytes")), mib(heap.get("mmap_bytes")),
+                      mib(r.get("python_heap_bytes")), str(r.get("threads", "-")))
+    return table
+
+
 def minutes_table(minutes: list[Minute], title: str) -> Table:
     table = Table(title=title)
     for column in ("minute", "served", "aborted (10%)", "invalid (5%)", "unexpected errors",

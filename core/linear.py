@@ -195,6 +195,10 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+# Entries kept by each of oneDNN's and ideep's shape-keyed caches (see prepack_linears).
+ONEDNN_CACHE_ENTRIES = 64
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Reorder the float32 CPU weights of plain linear layers into oneDNN's blocked layout,
     in place; return how many were packed.
@@ -206,10 +210,13 @@ def prepack_linears(model: nn.Module) -> int:
     """
     if not torch.backends.mkldnn.is_available():
         return 0
-    # oneDNN keeps a primitive per (shape, rows); rows change every step, and its default of
-    # 1024 cached primitives grew a serving process by ~200 MiB over 10 minutes. 64 recent
-    # ones cost no measurable speed. Read once, at oneDNN's first use: this is before it.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    # oneDNN keeps a primitive per (shape, rows), and torch's ideep layer above it a
+    # computation per (weight, rows), each 0.3-1 MiB; rows change every step. At their
+    # defaults of 1024 entries each, a serving process grew by ~200 MiB in 10 minutes and
+    # kept climbing ~4 MiB a minute for as long as new row counts came. 64 recent ones cost
+    # no measurable speed. Both are read once, at first use: this is before it.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
     count = 0
     for module in model.modules():
         if not isinstance(module, Linear) or not isinstance(module.method, UnquantizedLinearMethod):

@@ -1,24 +1,74 @@
-"""Giving freed heap memory back to the operating system."""
+"""The native heap: giving freed memory back to the operating system, and what it holds."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc >= 2.33 `struct mallinfo2`: totals over every arena, in bytes
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
         return None
+    return libc if hasattr(libc, "malloc_trim") else None  # not glibc without it
 
 
 def release_free_memory() -> None:
     """Hand freed memory back to the OS: glibc keeps freed heap pages (a busy minute of
     serving left ~50 MiB of them; repacking weights after loading ~190 MiB). Cheap; run after
     loading and whenever the engine goes idle."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@dataclass(frozen=True)
+class NativeHeap:
+    """glibc's heap summed over its arenas: what C, C++ and torch allocations hold."""
+
+    heap_bytes: int  # taken from the OS by brk and arena heaps
+    mmap_bytes: int  # large blocks mapped one by one
+    in_use_bytes: int  # live small/medium allocations
+    free_bytes: int  # freed but still held (fragments malloc_trim could not return)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resident_by_kind() -> dict[str, int]:
+    """The process's resident bytes split as Linux counts them: anonymous (heaps, tensors,
+    stacks), file-backed (code and data of the libraries, paged in as paths first run) and
+    shared memory; empty where /proc is not Linux's."""
+    kinds = {"RssAnon": "anon_bytes", "RssFile": "file_bytes", "RssShmem": "shmem_bytes"}
+    found = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in kinds:
+                    found[kinds[key]] = int(value.split()[0]) * 1024  # kB
+    except OSError:
+        return {}
+    return found
+
+
+def native_heap() -> NativeHeap | None:
+    """The allocator's totals (None where the C library is not glibc >= 2.33)."""
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return NativeHeap(info.arena, info.hblkhd, info.uordblks, info.fordblks)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import pkv
 from pkv.core.async_engine import AsyncLLM
 from pkv.core.llm_engine import LLMEngine
+from pkv.core.memory import native_heap, resident_by_kind
 from pkv.core.memory_report import HeapTracer, engine_caches
 from pkv.core.reasoning import reasoning_parser
 from pkv.core.server.errors import OpenAIError, install_error_handlers
@@ -134,11 +135,18 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/admin/memory")
     async def admin_memory() -> dict:
-        """RSS, the KV pool's part of it, every cache's size and bound, and the Python heap's
-        growth by line when traced (PKV_TRACEMALLOC=1); behind the API key."""
+        """RSS (anonymous / file-backed), the KV pool's part of it, the native heap (glibc's
+        totals), OS threads, every
+        cache's size and bound, and the Python heap's growth by line when traced
+        (PKV_TRACEMALLOC=1); behind the API key."""
         caches = await async_llm.call_in_engine(engine_caches)
-        return {"rss_bytes": psutil.Process().memory_info().rss,
+        heap = native_heap()
+        process = psutil.Process()
+        return {"rss_bytes": process.memory_info().rss,
                 "kv_resident_bytes": engine.runner.kv_resident_bytes,
+                "resident": resident_by_kind(),
+                "native_heap": heap.as_dict() if heap else None,
+                "threads": process.num_threads(),
                 "caches": {name: c.as_dict() for name, c in caches.items()},
                 **await asyncio.to_thread(tracer.report)}
 

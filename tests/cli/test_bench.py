@@ -90,6 +90,8 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     assert "soak passed" in result.output
     last = data["memory_reports"][-1]
     assert last["python_heap_bytes"] > 0  # --trace: the server's heap is traced
+    assert last["native_heap"]["in_use_bytes"] > 0 and last["threads"] >= 2
+    assert "what the native heap holds" in result.output
     caches = last["caches"]
     for name in ("prefix-cache blocks", "outlines compiled grammars", "outlines token masks"):
         assert 0 <= caches[name]["size"] <= caches[name]["bound"], name
