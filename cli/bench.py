@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 from pkv.cli.errors import user_errors
 from pkv.cli.http import auth_headers, base_url
+from pkv.cli.soak_memory import MAX_WARMUP_MIB
 
 # Tables are wide: keep them readable when output goes to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -571,6 +572,7 @@ def soak(
     max_model_len: Annotated[int, typer.Option(help="The server's longest sequence.")] = 1024,
     max_slope: Annotated[float, typer.Option(help="MiB per minute memory outside the KV pool may climb after its plateau.")] = 1.0,
     max_peak_mib: Annotated[Optional[float], typer.Option(help="Most MiB memory outside the KV pool may reach (default: no bound).")] = None,
+    max_warmup_mib: Annotated[float, typer.Option(help="Most MiB memory outside the KV pool may rise above the idle server's before any load.")] = MAX_WARMUP_MIB,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     trace: Annotated[bool, typer.Option(help="Trace the server's Python heap (tracemalloc; slower) and list where it grew.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
@@ -601,6 +603,7 @@ def soak(
         curve, totals, minutes, reports = MemoryCurve(interval / 60), [], [], []
         env = {TRACE_ENV: "1"} if trace else None
         with start_pkv_serve(args, key, env=env) as (base, pid):
+            curve.before_mib = wait_idle(base, headers, pid).rss_without_kv / 2**20
             if warmup:
                 asyncio.run(drive(base, headers, clients, warmup, seed + 10**6))
             start = wait_idle(base, headers, pid)
@@ -626,10 +629,11 @@ def soak(
         for grew in reports[-1]["top_growth"]:
             console.print(f"python heap +{grew['bytes'] / 2**20:.2f} MiB "
                           f"({grew['count']:+d} blocks) at {grew['where']}")
-        problems = verdict(minutes, start, end, curve, max_slope, max_peak_mib)
+        problems = verdict(minutes, start, end, curve, max_slope, max_peak_mib, max_warmup_mib)
         plateau = curve.plateau_start()
         slope = curve.slope(plateau) if plateau is not None else None
-        console.print(f"memory outside the KV pool: peak {curve.peak:.0f} MiB; plateau from "
+        console.print(f"memory outside the KV pool: {curve.before_mib:.0f} MiB before load, "
+                      f"peak {curve.peak:.0f} MiB (+{curve.warmup:.0f}); plateau from "
                       f"sample {plateau + 1 if plateau is not None else '-'}, slope after it "
                       f"{slope if slope is not None else float('nan'):+.2f} MiB/min")
         if plot:
@@ -643,6 +647,7 @@ def soak(
                              "ttfts": len(m.ttfts), "rss_mib": t, "rss_without_kv_mib": r}
                             for m, t, r in zip(minutes, totals, curve.samples_mib)],
                 "plateau_sample": plateau, "slope_mib_per_min": slope, "peak_mib": curve.peak,
+                "before_load_mib": curve.before_mib, "warmup_mib": curve.warmup,
                 "memory_reports": reports,
                 "start": dataclasses.asdict(start), "end": dataclasses.asdict(end),
                 "problems": problems}, console)

@@ -256,7 +256,8 @@ def state_table(start: Snapshot, end: Snapshot) -> Table:
 
 
 def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot, curve: MemoryCurve,
-            max_slope: float, max_peak: float | None) -> list[str]:
+            max_slope: float, max_peak: float | None,
+            max_warmup: float | None = None) -> list[str]:
     """What went wrong (empty: the soak passed)."""
     problems = []
     unexpected = [e for m in minutes for e in m.unexpected]
@@ -264,7 +265,7 @@ def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot, curve: Memory
         problems.append(f"{len(unexpected)} unexpected errors, e.g. {unexpected[0]}")
     if end.kv_blocks_free != end.kv_blocks_total or end.running:
         problems.append(f"KV blocks still held: {end.kv_blocks_total - end.kv_blocks_free:.0f}")
-    problems.extend(curve.problems(max_slope, max_peak))
+    problems.extend(curve.problems(max_slope, max_peak, max_warmup))
     if end.open_files > start.open_files + 8:
         problems.append(f"open files grew {start.open_files} -> {end.open_files}")
     timed = [m for m in minutes if m.ttfts]

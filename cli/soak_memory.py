@@ -11,7 +11,8 @@ climbing. Comparing two points cannot tell these apart; the curve can:
         +------------------------------ minutes
 
 The run fails when no plateau starts in its first half, when the plateau's slope is above
-`max_slope` MiB per minute, or when the peak is above `max_peak` (where given).
+`max_slope` MiB per minute, when the peak is above `max_peak` (where given), or when it rose
+more than `max_warmup` MiB above the server's idle memory before any load.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 # A plateau: later samples all within this many MiB of its first one.
 PLATEAU_BAND_MIB = 24.0
 # The slope a healthy server may show after its plateau begins (allocator noise).
 MAX_SLOPE_MIB_PER_MIN = 1.0
 MIN_PLATEAU_SAMPLES = 3
+# How far above its idle memory before any load a server may settle: the caches' bounds
+# (README, Soak) plus allocator and library pages; SmolLM2's hour-long soak settled WARMUP.
+MAX_WARMUP_MIB = 320.0
 
 
 @dataclass
@@ -34,6 +36,7 @@ class MemoryCurve:
 
     interval_min: float
     samples_mib: list[float] = field(default_factory=list)
+    before_mib: float | None = None  # idle, before any load
 
     def plateau_start(self, band: float = PLATEAU_BAND_MIB) -> int | None:
         """Index of the first sample after which every sample stays within `band` of it,
@@ -47,6 +50,8 @@ class MemoryCurve:
 
     def slope(self, start: int) -> float:
         """Least-squares slope (MiB per minute) of the samples from `start` on."""
+        import numpy as np  # the CLI imports this module for its constants
+
         ys = np.asarray(self.samples_mib[start:], dtype=float)
         if len(ys) < 2:
             return 0.0
@@ -57,8 +62,13 @@ class MemoryCurve:
     def peak(self) -> float:
         return max(self.samples_mib, default=0.0)
 
-    def problems(self, max_slope: float = MAX_SLOPE_MIB_PER_MIN,
-                 max_peak: float | None = None) -> list[str]:
+    @property
+    def warmup(self) -> float | None:
+        """How far the peak rose above memory before any load (None: no such sample)."""
+        return None if self.before_mib is None else self.peak - self.before_mib
+
+    def problems(self, max_slope: float = MAX_SLOPE_MIB_PER_MIN, max_peak: float | None = None,
+                 max_warmup: float | None = None) -> list[str]:
         """What is wrong with the curve (empty: flat after a bounded warm-up)."""
         start = self.plateau_start()
         if start is None or start > len(self.samples_mib) // 2:
@@ -72,6 +82,10 @@ class MemoryCurve:
         if max_peak is not None and self.peak > max_peak:
             problems.append(f"memory outside the KV pool peaked at {self.peak:.0f} MiB, above "
                             f"the bound of {max_peak:.0f} MiB")
+        warmup = self.warmup
+        if max_warmup is not None and warmup is not None and warmup > max_warmup:
+            problems.append(f"memory outside the KV pool rose {warmup:.0f} MiB above its idle "
+                            f"{self.before_mib:.0f} MiB before load (bound {max_warmup:.0f})")
         return problems
 
     def _describe(self) -> str:

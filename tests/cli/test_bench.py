@@ -85,6 +85,7 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     assert data["served"] > 0 and data["problems"] == []
     assert len(data["samples"]) == 4 and data["plateau_sample"] is not None
     assert data["plateau_sample"] <= 2 and data["slope_mib_per_min"] <= 240
+    assert 0 < data["warmup_mib"] <= 320 and data["before_load_mib"] > 0
     assert data["end"]["kv_blocks_free"] == data["end"]["kv_blocks_total"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "soak passed" in result.output
@@ -129,6 +130,10 @@ def test_memory_curve_tells_a_warm_up_from_a_leak():
     assert "no plateau in the first half" in " ".join(fast_leak.problems())
     assert abs(MemoryCurve(0.5, [1000, 1001, 1000]).slope(0)) < 1e-9
     assert MemoryCurve(0.5, [1000, 1001, 1002]).slope(0) == pytest.approx(2.0)  # per minute
+    warm.before_mib = 1000
+    assert warm.warmup == 298 and warm.problems(max_warmup=320) == []
+    assert warm.problems(max_warmup=250) == [
+        "memory outside the KV pool rose 298 MiB above its idle 1000 MiB before load (bound 250)"]
 
 
 def test_soak_verdict_names_each_problem():
@@ -141,6 +146,8 @@ def test_soak_verdict_names_each_problem():
     minutes = [Minute(served=5, ttfts=[0.1]), Minute(served=5, ttfts=[0.1]),
                Minute(served=5, ttfts=[0.15])]
     assert verdict(minutes, start, fine, flat, 1.0, None) == []
+    flat.before_mib = 600
+    assert "rose 351 MiB above" in " ".join(verdict(minutes, start, fine, flat, 1.0, None, 320))
     bad = Snapshot(1300 * 2**20, 30, 90, 100, 1, 50 * 2**20)
     drift = minutes[:2] + [Minute(served=5, ttfts=[0.5], unexpected=["500: boom"])]
     leak = MemoryCurve(1.0, [900 + 3 * i for i in range(10)])
