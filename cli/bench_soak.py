@@ -11,6 +11,7 @@ for, a KV block still held, memory that keeps climbing, or open files that grew.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,13 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
         minute.served += 1
 
 
+def is_error_event(line: str) -> bool:
+    """Whether a server-sent `data: ` line is an error event: its own `error` key, not a
+    chunk whose text says "error" (a logprobs token can be exactly that)."""
+    payload = line.removeprefix("data: ")
+    return payload != "[DONE]" and "error" in json.loads(payload)
+
+
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], minute: Minute,
                   start: float, abandon_after: float | None) -> float | None:
     """Read a stream to its end (or abandon it); the time to its first chunk."""
@@ -156,7 +164,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], min
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            if '"error"' in line:
+            if is_error_event(line):
                 minute.unexpected.append(f"stream error: {line[:160]}")
                 return None
             if first is None and line != "data: [DONE]":

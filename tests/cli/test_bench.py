@@ -117,6 +117,17 @@ def test_soak_traffic_mix_covers_every_kind():
     assert len(schemas) == 3
 
 
+def test_soak_tells_an_error_event_from_text_that_says_error():
+    from pkv.cli.bench_soak import is_error_event
+
+    token = {"token": "error", "logprob": -0.1, "top_logprobs": [{"token": "error"}]}
+    chunk = {"choices": [{"index": 0, "delta": {"content": '{"error": 1}'},
+                          "logprobs": {"content": [token]}}]}
+    assert not is_error_event("data: " + json.dumps(chunk))
+    assert not is_error_event("data: [DONE]")
+    assert is_error_event("data: " + json.dumps({"error": {"message": "boom", "code": 500}}))
+
+
 def test_memory_curve_tells_a_warm_up_from_a_leak():
     from pkv.cli.soak_memory import MemoryCurve
 
