@@ -94,7 +94,8 @@ class MemoryCurve:
 
 
 def plot_curve(path: Path, curve: MemoryCurve, total_mib: list[float]) -> None:
-    """Memory over time: RSS and RSS outside the KV pool, the plateau's start marked."""
+    """Memory over time: RSS and RSS outside the KV pool, the plateau's start and the memory
+    before any load marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,6 +110,9 @@ def plot_curve(path: Path, curve: MemoryCurve, total_mib: list[float]) -> None:
         ax.axvline(xs[start], color="grey", linestyle="--",
                    label=f"plateau from minute {xs[start]:g}, "
                          f"{curve.slope(start):+.2f} MiB/min")
+    if curve.before_mib is not None:
+        ax.axhline(curve.before_mib, color="black", linewidth=0.8,
+                   label=f"outside the KV pool before any load ({curve.before_mib:.0f} MiB)")
     ax.set(xlabel="minutes under load", ylabel="MiB (server idle at each sample)",
            title="pkv bench soak: server memory")
     ax.grid(alpha=0.3)
