@@ -147,7 +147,7 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
 
 def is_error_event(line: str) -> bool:
     """Whether a server-sent `data: ` line is an error event: its own `error` key, not a
-    chunk whose text says "error" (a logprobs token can be exactly that)."""
+    chunk whose text or logprobs hold the token "error" (the hour-long soak met two)."""
     payload = line.removeprefix("data: ")
     return payload != "[DONE]" and "error" in json.loads(payload)
 
@@ -216,8 +216,8 @@ def caches_table(first: dict[str, Any], last: dict[str, Any]) -> Table:
 
 
 def memory_table(reports: list[dict[str, Any]]) -> Table:
-    """Where the memory outside the KV pool sits at each idle sample (the first: before any
-    load): anonymous and file-backed (library code paged in), glibc's heap in use and
+    """Where the memory outside the KV pool sits at each idle sample (the first: before the
+    sampled load): anonymous and file-backed (library code paged in), glibc's heap in use and
     freed-but-held, its mapped blocks, the Python heap when traced, and the OS threads (each
     may own an arena)."""
     table = Table(title="memory at idle, MiB: what the native heap holds")

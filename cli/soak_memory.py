@@ -26,7 +26,7 @@ PLATEAU_BAND_MIB = 24.0
 MAX_SLOPE_MIB_PER_MIN = 1.0
 MIN_PLATEAU_SAMPLES = 3
 # How far above its idle memory before any load a server may settle: the caches' bounds
-# (README, Soak) plus allocator and library pages; SmolLM2's hour-long soak settled WARMUP.
+# (README, Soak) plus allocator and library pages; SmolLM2's hour-long soak settled at +114.
 MAX_WARMUP_MIB = 320.0
 
 
