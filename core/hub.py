@@ -115,9 +115,8 @@ def resolve_adapter(path: str) -> Path:
     """A LoRA adapter's folder: `path` itself when it is one here (or not shaped like an
     id), else the Hub snapshot of that id, cache first; only the adapter's config and
     safetensors are ever fetched. Failures are one line naming the id."""
-    local = Path(path).expanduser()
-    if not is_hub_id(path) or local.exists():
-        return local
+    if not is_hub_id(path):  # which includes every path that exists here
+        return Path(path).expanduser()
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
