@@ -28,7 +28,7 @@
 // awq_linear takes the GEMV up to `max_gemv_rows` rows (Python passes 8, measured on AVX-512
 // and AVX2), awq_gemm above.
 // awq_dequantize writes W^T [K, N] in float32 (for tests and torch fallbacks).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -52,25 +52,25 @@ struct Shape {
   int64_t K, N, NT, G;  // N real columns, NT tiles of 32
 };
 
-Shape check(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zs,
+Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zs,
             int64_t n, int64_t group) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kInt && codes.is_contiguous() &&
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kInt && codes.is_contiguous() &&
                   codes.size(2) == kTile,
               "codes must be contiguous int32 [N' / 32, K / 8, 32]");
   const int64_t NT = codes.size(0), K = codes.size(1) * 8;
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0 && n > (NT - 1) * kTile &&
                   n <= NT * kTile,
               "group size must be a multiple of 8 dividing K, and N fit the tiles");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   zs.sizes() == scales.sizes() && zs.is_contiguous() &&
-                  zs.scalar_type() == torch::kFloat && scales.dim() == 3 &&
+                  zs.scalar_type() == at::kFloat && scales.dim() == 3 &&
                   scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kTile,
               "scales and zs must be contiguous float32 [N' / 32, K / group, 32]");
   return {K, n, NT, group};
 }
 
-void check_x(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   x.size(1) == K, "x must be contiguous float32 [M, K]");
 }
 
@@ -295,12 +295,12 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, con
 
 }  // namespace
 
-torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                       torch::Tensor zs, int64_t n, int64_t group) {
+at::Tensor awq_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                       at::Tensor zs, int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
   check_x(x, s.K);
   const int64_t M = x.size(0), NG = s.K / s.G;
-  auto y = torch::empty({M, s.N}, x.options());
+  auto y = at::empty({M, s.N}, x.options());
   const float* xp = x.data_ptr<float>();
   // Per row and group: sum x (the zero-point term) and sum base_k x_k (the bases).
   std::vector<float> xsum(2 * M * NG, 0.f);
@@ -319,12 +319,12 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
 }
 
 // The same product as awq_gemv for any number of rows, by decoded panels (see the top).
-torch::Tensor awq_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                       torch::Tensor zs, int64_t n, int64_t group) {
+at::Tensor awq_gemm(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                       at::Tensor zs, int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
   check_x(x, s.K);
   const int64_t M = x.size(0), NG = s.K / s.G;
-  auto y = torch::empty({M, s.N}, x.options());
+  auto y = at::empty({M, s.N}, x.options());
   if (M == 0) return y;
   const int32_t* cp = codes.data_ptr<int32_t>();
   const float* sp = scales.data_ptr<float>();
@@ -354,11 +354,11 @@ torch::Tensor awq_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
   return y;
 }
 
-torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor zs,
+at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
                              int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
   const int64_t Np = s.NT * kTile;
-  auto w = torch::empty({s.K, Np}, scales.options());  // W^T, as x @ w wants
+  auto w = at::empty({s.K, Np}, scales.options());  // W^T, as x @ w wants
   const int32_t* cp = codes.data_ptr<int32_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zs.data_ptr<float>();
@@ -387,13 +387,13 @@ torch::Tensor awq_dequantize(torch::Tensor codes, torch::Tensor scales, torch::T
 // The whole layer for x [..., K] of any float dtype: the fused GEMV up to `max_gemv_rows` rows,
 // else awq_gemm; plus the bias; in x's dtype. One call from Python per layer
 // (the reshapes and casts in C++ cost a fraction of what they cost as Python calls at batch 1).
-torch::Tensor awq_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                         torch::Tensor zs, c10::optional<torch::Tensor> bias, int64_t n,
+at::Tensor awq_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                         at::Tensor zs, c10::optional<at::Tensor> bias, int64_t n,
                          int64_t group, int64_t max_gemv_rows) {
-  const auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
+  const auto x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   auto y = x2.size(0) <= max_gemv_rows ? awq_gemv(x2, codes, scales, zs, n, group)
                                : awq_gemm(x2, codes, scales, zs, n, group);
-  if (bias.has_value()) y.add_(bias->to(torch::kFloat));
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
   auto shape = x.sizes().vec();
   shape.back() = n;
   return y.view(shape).to(x.scalar_type());

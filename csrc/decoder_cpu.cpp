@@ -18,6 +18,8 @@
 //              h = down(act(gate) * up); h = mlp_out_norm(h) * multiplier
 //   return final_norm(h + residual)
 // Built inside csrc/kernels_cpu.cpp, after the kernels it calls.
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -29,10 +31,10 @@ namespace {
 // AWQ: codes, scales, zs and the group size; float32: the oneDNN-packed weight alone.
 // With LoRA, the adapter slots (core/layers/lora.py): a [slots, in, W], b [slots, W, out].
 struct Linear {
-  std::vector<torch::Tensor> weights;
-  std::optional<torch::Tensor> bias;
+  std::vector<at::Tensor> weights;
+  std::optional<at::Tensor> bias;
   int64_t n, group;
-  torch::Tensor lora_a, lora_b;
+  at::Tensor lora_a, lora_b;
   std::vector<int64_t> shards;  // output sizes of the fused parts (q, k, v / gate, up)
   int64_t lora_rank = 0;  // columns of a (rows of b) per part
 };
@@ -42,8 +44,8 @@ struct Linear {
 constexpr int64_t kLoRALoopRows = 4;
 
 // y[r] += (x[r] @ a[:, part]) @ b[part, part's outputs] for rows start..end, every part.
-void lora_rows(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a,
-               const torch::Tensor& b, int64_t start, int64_t end,
+void lora_rows(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+               const at::Tensor& b, int64_t start, int64_t end,
                const std::vector<int64_t>& shards, int64_t rank) {
   const int64_t in = x.size(1), width = a.size(1), out = b.size(1);
   const float* A = a.data_ptr<float>();
@@ -75,7 +77,7 @@ void lora_rows(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a,
 // A run of a step's rows with one adapter slot: (slot, first row, end row).
 using LoRASegment = std::tuple<int64_t, int64_t, int64_t>;
 
-using OptTensor = std::optional<torch::Tensor>;
+using OptTensor = std::optional<at::Tensor>;
 
 struct Layer {
   OptTensor in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm;
@@ -88,12 +90,12 @@ struct Layer {
 };
 
 // What `torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")` runs.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const std::optional<torch::Tensor>& bias) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const std::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                             .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
-                                                  const std::optional<torch::Tensor>&,
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                  const std::optional<at::Tensor>&,
                                                   c10::string_view,
                                                   c10::List<std::optional<c10::Scalar>>,
                                                   std::optional<c10::string_view>)>();
@@ -105,7 +107,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 class CpuDecoder {
  public:
   CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
-             int64_t max_gemv_rows, torch::Tensor norm)
+             int64_t max_gemv_rows, at::Tensor norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
         max_gemv_rows_(max_gemv_rows), norm_(norm) {}
 
@@ -114,7 +116,7 @@ class CpuDecoder {
   // float32: the packed weight), bias, output size and AWQ group size (0: float32).
   void add_layer(std::vector<OptTensor> norms, bool qk_norm_full, OptTensor cos,
                  OptTensor sin, int64_t window, double soft_cap, double multiplier, bool gelu,
-                 std::vector<std::vector<torch::Tensor>> weights, std::vector<OptTensor> biases,
+                 std::vector<std::vector<at::Tensor>> weights, std::vector<OptTensor> biases,
                  std::vector<int64_t> sizes, std::vector<int64_t> groups) {
     TORCH_CHECK(norms.size() == 6, "add_layer: six norms (in, attn_out, mlp_in, mlp_out, q, k)");
     TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && sizes.size() == 4 &&
@@ -134,7 +136,7 @@ class CpuDecoder {
   // LoRA slots of layer `layer`'s four linears: (a, b) of qkv, o, gate_up, down, shared
   // with the Python LoRASlots (loading an adapter writes into them in place).
   // `shards`: each linear's fused output sizes; `rank`: the slots' columns per part.
-  void set_lora(int64_t layer, std::vector<torch::Tensor> stacks,
+  void set_lora(int64_t layer, std::vector<at::Tensor> stacks,
                 std::vector<std::vector<int64_t>> shards, int64_t rank) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) &&
                     stacks.size() == 8 && shards.size() == 4,
@@ -143,7 +145,7 @@ class CpuDecoder {
                           &layers_[layer].down};
     for (size_t i = 0; i < 4; ++i) {
       TORCH_CHECK(stacks[2 * i].is_contiguous() && stacks[2 * i + 1].is_contiguous() &&
-                      stacks[2 * i].scalar_type() == torch::kFloat,
+                      stacks[2 * i].scalar_type() == at::kFloat,
                   "set_lora: contiguous float32 slots");
       linears[i]->lora_a = stacks[2 * i];
       linears[i]->lora_b = stacks[2 * i + 1];
@@ -155,20 +157,20 @@ class CpuDecoder {
   // This step's runs of rows by adapter slot (empty: no adapter in the step).
   void set_lora_segments(std::vector<LoRASegment> segments) { segments_ = std::move(segments); }
 
-  torch::Tensor forward(torch::Tensor h, torch::Tensor positions,
-                        const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
-                        torch::Tensor slot_mapping, torch::Tensor block_tables,
-                        torch::Tensor seq_ids, torch::Tensor kv_lens) {
+  at::Tensor forward(at::Tensor h, at::Tensor positions,
+                        const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
+                        at::Tensor slot_mapping, at::Tensor block_tables,
+                        at::Tensor seq_ids, at::Tensor kv_lens) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
     const int64_t T = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    torch::Tensor residual;
+    at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       h = enter(h, residual, layer.in_norm);
-      const torch::Tensor qkv = linear(h, layer.qkv);
-      const torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
-      const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
-      const torch::Tensor v =
+      const at::Tensor qkv = linear(h, layer.qkv);
+      const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
+      const at::Tensor v =
           qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
       if (layer.q_norm) {
         const auto qn = layer.qk_norm_full ? q.view({T, 1, q_size}) : q;
@@ -177,13 +179,13 @@ class CpuDecoder {
         head_rms_norm(kn, kn, *layer.k_norm, eps_);
       }
       if (layer.cos) rotary(positions, q, k, *layer.cos, *layer.sin);
-      auto attn = torch::empty({T, heads_, head_dim_}, h.options());
+      auto attn = at::empty({T, heads_, head_dim_}, h.options());
       paged_attention(attn, q, k, v, kv_caches[i].first, kv_caches[i].second, slot_mapping,
                       block_tables, seq_ids, kv_lens, scale_, layer.window, layer.soft_cap);
       h = leave(linear(attn.view({T, q_size}), layer.o), layer.attn_out_norm, layer.multiplier);
       h = enter(h, residual, layer.mlp_in_norm);
-      const torch::Tensor gate_up = linear(h, layer.gate_up);
-      auto act = torch::empty({T, gate_up.size(1) / 2}, h.options());
+      const at::Tensor gate_up = linear(h, layer.gate_up);
+      auto act = at::empty({T, gate_up.size(1) / 2}, h.options());
       if (layer.gelu) {
         gelu_tanh_and_mul(act, gate_up);
       } else {
@@ -198,11 +200,11 @@ class CpuDecoder {
  private:
   // Into a sub-layer: residual += h (the first layer's residual is h), then its input is
   // norm(residual), written over h, or the residual itself without a norm.
-  torch::Tensor enter(torch::Tensor h, torch::Tensor& residual, const OptTensor& norm) const {
+  at::Tensor enter(at::Tensor h, at::Tensor& residual, const OptTensor& norm) const {
     if (!residual.defined()) {
       residual = h;
       if (!norm) return residual;
-      auto out = torch::empty_like(residual);
+      auto out = at::empty_like(residual);
       rms_norm(out, residual, *norm, eps_);
       return out;
     }
@@ -215,9 +217,9 @@ class CpuDecoder {
   }
 
   // Out of a sub-layer: its output normalized (post-norm families) and scaled.
-  torch::Tensor leave(torch::Tensor h, const OptTensor& norm, double multiplier) const {
+  at::Tensor leave(at::Tensor h, const OptTensor& norm, double multiplier) const {
     if (norm) {
-      auto out = torch::empty_like(h);
+      auto out = at::empty_like(h);
       rms_norm(out, h, *norm, eps_);
       h = out;
     }
@@ -225,8 +227,8 @@ class CpuDecoder {
     return h;
   }
 
-  torch::Tensor linear(const torch::Tensor& x, const Linear& w) const {
-    torch::Tensor y = w.group == 0 ? packed_linear(x, w.weights[0], w.bias)
+  at::Tensor linear(const at::Tensor& x, const Linear& w) const {
+    at::Tensor y = w.group == 0 ? packed_linear(x, w.weights[0], w.bias)
                                    : awq_linear(x, w.weights[0], w.weights[1], w.weights[2],
                                                 w.bias, w.n, w.group, max_gemv_rows_);
     if (w.lora_a.defined()) {
@@ -246,7 +248,7 @@ class CpuDecoder {
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
   int64_t max_gemv_rows_;
-  torch::Tensor norm_;
+  at::Tensor norm_;
   std::vector<Layer> layers_;
   std::vector<LoRASegment> segments_;
 };

@@ -13,7 +13,7 @@
 // one unit builds both files), so its cost grows with M at the rate of a float GEMM, not of
 // re-reading and re-widening the codes every 8 rows. int8_dequantize writes W^T [K, N] in
 // float32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -57,12 +57,12 @@ struct Shape {
   int64_t K, N;
 };
 
-Shape check(const torch::Tensor& codes, const torch::Tensor& scale) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kChar && codes.is_contiguous() &&
+Shape check(const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   codes.size(2) == kTile,
               "codes must be contiguous int8 [N / 32, K, 32]");
   const int64_t N = codes.size(0) * kTile;
-  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == torch::kFloat && scale.size(0) == N &&
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == N &&
                   scale.is_contiguous(),
               "scale must be contiguous float32 [N]");
   return {codes.size(1), N};
@@ -124,11 +124,11 @@ void gemv_chunk(const float* xp, const int8_t* cp, const float* sp, float* yp, i
 
 }  // namespace
 
-torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
+at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scale) {
   const Shape s = check(codes, scale);
   check_x(x, s.K);  // csrc/awq_cpu.cpp's
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, s.N}, x.options());
+  auto y = at::empty({M, s.N}, x.options());
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     gemv_chunk(x.data_ptr<float>() + m0 * s.K, codes.data_ptr<int8_t>(),
                scale.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N,
@@ -138,11 +138,11 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 }
 
 // The same product as int8_gemv for any number of rows, by widened panels (see the top).
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
+at::Tensor int8_gemm(at::Tensor x, at::Tensor codes, at::Tensor scale) {
   const Shape s = check(codes, scale);
   check_x(x, s.K);  // csrc/awq_cpu.cpp's
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, s.N}, x.options());
+  auto y = at::empty({M, s.N}, x.options());
   if (M == 0) return y;
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -158,9 +158,9 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   return y;
 }
 
-torch::Tensor int8_dequantize(torch::Tensor codes, torch::Tensor scale) {
+at::Tensor int8_dequantize(at::Tensor codes, at::Tensor scale) {
   const Shape s = check(codes, scale);
-  auto w = torch::empty({s.K, s.N}, scale.options());  // W^T, as x @ w wants
+  auto w = at::empty({s.K, s.N}, scale.options());  // W^T, as x @ w wants
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* wp = w.data_ptr<float>();

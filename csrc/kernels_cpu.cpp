@@ -1,7 +1,10 @@
 // Every CPU kernel in one extension module, built once per ISA flavour (plugins/cpp_build.py):
 // one compile of torch's headers instead of one per kernel file, which is what lets the tests
-// build and check every flavour the machine can run.
-#include <torch/extension.h>
+// build and check every flavour the machine can run. ATen and torch's pybind11 casters are all
+// the kernels need: torch/extension.h adds the C++ frontend (nn, optim, data), which took two
+// thirds of the compile.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "awq_cpu.cpp"
 #include "int8_cpu.cpp"
@@ -34,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
 
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("set_lora", &CpuDecoder::set_lora)
       .def("set_lora_segments", &CpuDecoder::set_lora_segments)

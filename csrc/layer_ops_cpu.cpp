@@ -15,7 +15,7 @@
 //
 // The arithmetic follows transformers' order (normalize, then scale; x1*c - x2*s), so results
 // match torch's to a rounding or two (the sum of squares is accumulated in another order).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -47,20 +47,20 @@ void normalize_row(float* out, const float* x, const float* w, int64_t n, float 
   for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() >= 1,
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1,
               "rms_norm: x must be contiguous float32");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.dim() == 1 &&
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 &&
                   w.size(0) == x.size(-1),
               "rms_norm: weight must be float32 [hidden]");
 }
 
 }  // namespace
 
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   check_norm(x, weight);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
-                  out.scalar_type() == torch::kFloat,
+                  out.scalar_type() == at::kFloat,
               "rms_norm: out must be like x");
   const int64_t n = x.size(-1), rows = x.numel() / n;
   const float* xp = x.data_ptr<float>();
@@ -72,10 +72,10 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
   });
 }
 
-void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_norm(x, weight);
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
-                  residual.scalar_type() == torch::kFloat,
+                  residual.scalar_type() == at::kFloat,
               "add_rms_norm: residual must be like x");
   const int64_t n = x.size(-1), rows = x.numel() / n;
   float* xp = x.data_ptr<float>();
@@ -91,13 +91,13 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
   });
 }
 
-void head_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 &&
+void head_rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
                   x.stride(1) == x.size(2) && out.sizes() == x.sizes() &&
-                  out.scalar_type() == torch::kFloat && out.stride(2) == 1 &&
+                  out.scalar_type() == at::kFloat && out.stride(2) == 1 &&
                   out.stride(1) == out.size(2),
               "head_rms_norm: x and out must be float32 [T, H, D] with dense rows");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous() &&
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.dim() == 1 && weight.size(0) == x.size(2),
               "head_rms_norm: weight must be float32 [D]");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
@@ -114,8 +114,8 @@ void head_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, dou
 
 namespace {
 
-void check_heads(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.stride(2) == 1 &&
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1 &&
                   t.stride(1) == t.size(2) && t.size(2) % 2 == 0,
               "rotary: ", name, " must be float32 [T, heads, D] with dense rows, D even");
 }
@@ -131,17 +131,17 @@ void rotate(float* x, const float* c, const float* s, int64_t half) {
 
 }  // namespace
 
-void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-            torch::Tensor sin) {
+void rotary(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+            at::Tensor sin) {
   check_heads(q, "q");
   check_heads(k, "k");
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.numel() == T &&
-                  positions.scalar_type() == torch::kLong && positions.is_contiguous(),
+                  positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "rotary: positions [T] int64 and k [T, KVH, D] must match q");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
                   cos.size(1) <= D && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes() &&
-                  sin.is_contiguous() && sin.scalar_type() == torch::kFloat,
+                  sin.is_contiguous() && sin.scalar_type() == at::kFloat,
               "rotary: cos/sin must be float32 [max_len, R], R even and <= D");
   const int64_t R = cos.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -168,12 +168,12 @@ namespace {
 // out = act(x[:, :I]) * x[:, I:] for x [T, 2I]; `Act` computes act(g) 16 lanes at a time
 // (vf16) and one at a time (float).
 template <typename Act>
-void act_and_mul(torch::Tensor out, torch::Tensor x, const char* name, Act act) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
+void act_and_mul(at::Tensor out, at::Tensor x, const char* name, Act act) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 &&
                   x.size(1) % 2 == 0,
               name, ": x must be contiguous float32 [T, 2I]");
   const int64_t T = x.size(0), I = x.size(1) / 2;
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.dim() == 2 &&
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == T && out.size(1) == I,
               name, ": out must be contiguous float32 [T, I]");
   const float* xp = x.data_ptr<float>();
@@ -210,10 +210,10 @@ struct GeluTanh {
 
 }  // namespace
 
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+void silu_and_mul(at::Tensor out, at::Tensor x) {
   act_and_mul(out, x, "silu_and_mul", Silu{});
 }
 
-void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
+void gelu_tanh_and_mul(at::Tensor out, at::Tensor x) {
   act_and_mul(out, x, "gelu_tanh_and_mul", GeluTanh{});
 }

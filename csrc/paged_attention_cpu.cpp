@@ -32,7 +32,7 @@
 // before the first row's window or after the last row's position are never read; tiles that
 // some row must not see (the causal diagonal, a window's edge) are masked inside the softmax.
 // Items are handed out dearest first from a shared counter (causal items differ in cost).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -342,15 +342,15 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
 }  // namespace prefill
 
 // Rows of a [T, heads, D] tensor whose last two dimensions are dense.
-static void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat32 && t.stride(2) == 1 &&
+static void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1 &&
                   t.stride(1) == t.size(2),
               "pkv cpu attention: ", name, " must be float32 [T, heads, D] with dense rows");
 }
 
 // Every token's K/V rows into its slot; slots are distinct, so tokens never collide.
-static void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-                     torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+static void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
@@ -365,9 +365,9 @@ static void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
   }
 }
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                     torch::Tensor block_tables, torch::Tensor seq_ids, torch::Tensor kv_lens,
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v,
+                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor seq_ids, at::Tensor kv_lens,
                      double scale, int64_t window, double soft_cap) {
   check_rows(q, "q");
   check_rows(k, "k");
@@ -376,11 +376,11 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
                   block_tables.is_contiguous() && seq_ids.is_contiguous() &&
                   kv_lens.is_contiguous() && slot_mapping.is_contiguous(),
               "pkv cpu attention: contiguous caches, output and metadata expected");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat &&
                   k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
                   k.size(2) == k_cache.size(3) && slot_mapping.size(0) == k.size(0) &&
-                  slot_mapping.scalar_type() == torch::kInt64,
+                  slot_mapping.scalar_type() == at::kLong,
               "pkv cpu attention: k/v, caches and slot_mapping disagree");
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), QS = q.stride(0);
