@@ -74,6 +74,7 @@ def run(
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto, none, int8.")] = "auto",
+    awq_activations: Annotated[str, typer.Option(help="AWQ decode activations: float32 or int16.")] = "float32",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
     speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = None,
     workload: Annotated[str, typer.Option(help="synthetic (random-token prompts) or repeat (copy a ~300-token passage: where prompt lookup shines).")] = "synthetic",
@@ -120,7 +121,7 @@ def _run_offline(o: dict[str, Any]) -> None:
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
         attention_backend=o["attention_backend"], quantization=o["quantization"],
-        lm_head_quantization=o["lm_head_quantization"],
+        lm_head_quantization=o["lm_head_quantization"], awq_activations=o["awq_activations"],
         tensor_parallel_size=o["tensor_parallel_size"],
         speculative_config=o["speculative_config"], **lora_options(o["lora_modules"])))
     lora_requests = add_adapters(engine, o["lora_modules"])

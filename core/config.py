@@ -13,6 +13,7 @@ from pkv.core.speculative_config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
+_AWQ_ACTIVATIONS = ("float32", "int16")
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
                "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
                "TIB": 1024**4}
@@ -70,6 +71,10 @@ class EngineConfig:
     lm_head_quantization: str = _opt(
         "auto", "LM head storage: auto (int8 on CPU when the decoder is 4-bit, else the "
         "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
+    awq_activations: str = _opt(
+        "float32", "Activations of 4-bit AWQ linears on CPU at up to 8 rows: float32 (exactly "
+        "the dequantized weights' product) or int16 (quantized per weight group, integer dot "
+        "products: a faster decode on AVX2; AVX2 and AVX-512 kernels).")
     guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
                                         "kind), outlines, xgrammar (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
@@ -112,6 +117,9 @@ class EngineConfig:
             raise ValueError("lm_head_quantization must be one of "
                              f"{', '.join(_LM_HEAD_QUANTIZATIONS)}, got "
                              f"{self.lm_head_quantization!r}")
+        if self.awq_activations not in _AWQ_ACTIVATIONS:
+            raise ValueError(f"awq_activations must be one of {', '.join(_AWQ_ACTIVATIONS)}, "
+                             f"got {self.awq_activations!r}")
         if self.structured_outputs_timeout <= 0:
             raise ValueError("structured_outputs_timeout must be > 0 seconds, got "
                              f"{self.structured_outputs_timeout}")

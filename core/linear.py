@@ -83,6 +83,13 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W^T (+ bias), in x's dtype."""
 
+    def set_activations(self, activations: str) -> None:
+        """Compute with activations of this precision (`EngineConfig.awq_activations`):
+        float32 everywhere; methods with integer kernels (AWQ on CPU) also take int16."""
+        if activations != "float32":
+            raise ValueError(f"awq_activations={activations} needs an AWQ checkpoint; this "
+                             f"model's linear layers are {self.name}")
+
     def load(self, layer: Linear, name: str, tensor: torch.Tensor, shard: int | None,
              full_name: str) -> None:
         """Copy one checkpoint tensor (a whole parameter or one fused shard) into place."""

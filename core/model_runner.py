@@ -19,7 +19,7 @@ from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
 from pkv.core.fused_decoder import build_fused_decoder
 from pkv.core.layers.lora import LoRABatch, attach_lora, lora_segments
-from pkv.core.linear import prepack_linears
+from pkv.core.linear import UnquantizedLinearMethod, prepack_linears
 from pkv.core.lora_adapter import LoRAAdapter
 from pkv.core.memory import release_free_memory
 from pkv.core.model_config import ModelConfig
@@ -113,6 +113,8 @@ class ModelRunner:
         self.device = setup.device
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
+        if config.awq_activations != "float32":
+            (method or UnquantizedLinearMethod()).set_activations(config.awq_activations)
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
                                  self.device, method, show_progress and self.tp.rank == 0,
                                  self.plan)

@@ -107,9 +107,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 class CpuDecoder {
  public:
   CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
-             int64_t max_gemv_rows, at::Tensor norm)
+             int64_t max_gemv_rows, bool int16_activations, at::Tensor norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
-        max_gemv_rows_(max_gemv_rows), norm_(norm) {}
+        max_gemv_rows_(max_gemv_rows), int16_activations_(int16_activations), norm_(norm) {}
 
   // One layer: its norms (in, attn_out, mlp_in, mlp_out, q, k; None where absent) and
   // options, then per linear (qkv, o, gate_up, down) its weights (AWQ: codes, scales, zs;
@@ -230,7 +230,8 @@ class CpuDecoder {
   at::Tensor linear(const at::Tensor& x, const Linear& w) const {
     at::Tensor y = w.group == 0 ? packed_linear(x, w.weights[0], w.bias)
                                    : awq_linear(x, w.weights[0], w.weights[1], w.weights[2],
-                                                w.bias, w.n, w.group, max_gemv_rows_);
+                                                w.bias, w.n, w.group, max_gemv_rows_,
+                                                int16_activations_);
     if (w.lora_a.defined()) {
       // Each run of rows with one adapter: y += (x @ a[slot]) @ b[slot].
       for (const auto& [slot, start, end] : segments_) {
@@ -248,6 +249,7 @@ class CpuDecoder {
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
   int64_t max_gemv_rows_;
+  bool int16_activations_;  // AWQ GEMVs with int16 activations (awq_activations=int16)
   at::Tensor norm_;
   std::vector<Layer> layers_;
   std::vector<LoRASegment> segments_;

@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kTile = 32;
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kPrefetchRows = 64;
 
 // 16 int8 codes to floats: sign-extend to int32 and convert, one native vector at a time.
 // GCC 12 scalarizes a direct int8 -> float conversion of vector extensions (byte extracts,
@@ -79,6 +80,7 @@ void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, co
       vf16 acc[S][M][2] = {};
       int64_t k = 0;
       for (; k + 2 <= s.K; k += 2) {
+        __builtin_prefetch(tile + (k + kPrefetchRows) * kTile);  // 2 KB on: see awq_cpu.cpp
         const vf16 w[2][2] = {{widen(tile + k * kTile), widen(tile + k * kTile + 16)},
                               {widen(tile + (k + 1) * kTile),
                                widen(tile + (k + 1) * kTile + 16)}};

@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "awq_cpu.cpp"
+#include "awq_int16_cpu.cpp"
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
@@ -21,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
   m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
+  m.def("awq_gemv_int16", &awq_gemv_int16, "4-bit AWQ GEMV with int16 activations (AVX2, AVX-512)");
+  m.def("awq_gemv_has_int16", &awq_gemv_has_int16, "whether this flavour has awq_gemv_int16");
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
@@ -37,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
 
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, bool, at::Tensor>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("set_lora", &CpuDecoder::set_lora)
       .def("set_lora_segments", &CpuDecoder::set_lora_segments)

@@ -31,6 +31,8 @@ KERNEL_TILE = 32  # output columns per tile of the CPU kernel
 # (awq_gemm), which decodes each weight once per call for all rows. The crossover, measured on
 # SmolLM2-135M's shapes, is 8 rows on AVX-512 and AVX2 builds alike.
 GEMV_MAX_ROWS = 8
+# Largest AWQ group the int16-activation GEMV takes (its int32 sums of a group cannot overflow).
+INT16_MAX_GROUP = 2048
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -81,6 +83,14 @@ class AWQLinearMethod(LinearMethod):
     def __init__(self, group_size: int, kernel: str = "cpu") -> None:
         self.group_size = group_size
         self.kernel = kernel
+        self.int16_activations = False
+
+    def set_activations(self, activations: str) -> None:
+        """float32, or int16: rows quantized per group for the integer-dot GEMV (up to
+        GEMV_MAX_ROWS rows; the many-row GEMM stays float32), on the avx2/avx512 kernels."""
+        if activations == "int16":
+            _check_int16_kernel(self.kernel, self.group_size)
+        self.int16_activations = activations == "int16"
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
         k, n, g = layer.in_features, layer.out_features, self.group_size
@@ -123,7 +133,8 @@ class AWQLinearMethod(LinearMethod):
             return y if layer.bias is None else y + layer.bias
         if layer.kernel is not None:
             return layer.kernel.awq_linear(x, layer.codes, layer.scales_f32, layer.zs, layer.bias,
-                                           layer.out_features, self.group_size, GEMV_MAX_ROWS)
+                                           layer.out_features, self.group_size, GEMV_MAX_ROWS,
+                                           self.int16_activations)
         y = x.float() @ layer.weight_t
         if layer.bias is not None:
             y = y + layer.bias
@@ -156,6 +167,18 @@ def _pad_columns(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def _check_int16_kernel(kernel: str, group: int) -> None:
+    ext = _cpu_kernel() if kernel == "cpu" else None
+    if ext is None or not ext.awq_gemv_has_int16():
+        runs = (f"the {ext.isa} kernels" if ext is not None else f"the {kernel} kernel"
+                if kernel != "cpu" else "torch (the CPU kernels did not build)")
+        raise ValueError(f"awq_activations=int16 needs the avx2 or avx512 CPU kernels; this "
+                         f"model runs {runs}")
+    if group % 8 or group > INT16_MAX_GROUP:
+        raise ValueError(f"awq_activations=int16 takes AWQ groups of a multiple of 8 inputs up "
+                         f"to {INT16_MAX_GROUP}; this checkpoint's are {group}")
 
 
 def _cpu_kernel() -> Any:
