@@ -12,6 +12,7 @@ import torch
 from pkv.core.config import EngineConfig
 from pkv.core.llm_engine import LLMEngine
 from pkv.core.sampling_params import SamplingParams
+from pkv.plugins import cpp_build
 from pkv.quantize.pipeline import QuantizeReport
 
 
@@ -32,10 +33,18 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-@pytest.fixture(scope="module", params=["awq", "float32"])
+# AWQ with int16 activations where the kernels have them (not on the generic flavour).
+_INT16 = ["awq-int16"] if cpp_build.selected_flavour() != "generic" else []
+
+
+@pytest.fixture(scope="module", params=["awq", *_INT16, "float32"])
 def engine(request: pytest.FixtureRequest, awq_tiny: tuple[Path, QuantizeReport],
                tiny_llama_dir: Path) -> LLMEngine:
-    engine = _engine(awq_tiny[0] if request.param == "awq" else tiny_llama_dir)
+    if request.param == "float32":
+        engine = _engine(tiny_llama_dir)
+    else:  # int16 activations: the decoder must pass the setting on to its AWQ GEMVs
+        activations = {"awq": "float32", "awq-int16": "int16"}[request.param]
+        engine = _engine(awq_tiny[0], awq_activations=activations)
     if engine.runner.model.model.fused is None:
         pytest.fail(f"a {request.param} model on CPU with every kernel built should run the "
                     "fused decoder")
@@ -61,22 +70,22 @@ def test_fused_hidden_states_are_bitwise_those_of_the_python_path(engine: LLMEng
     runner = engine.runner
     inner = runner.model.model
     cfg = runner.model_config
-    tokens = torch.arange(3, 12)
-    # Copies of the pool, so the engine's cached blocks stay as they were.
-    fused_caches, python_caches = ([(k.clone(), v.clone()) for k, v in runner.kv_caches]
-                                   for _ in range(2))
-    meta = _one_sequence_meta(len(tokens), runner.block_size)
-    with torch.inference_mode():
-        fused_hidden = inner(tokens, torch.arange(len(tokens)), fused_caches, meta)
-        fused, inner.fused = inner.fused, None
-        try:
-            python_hidden = inner(tokens, torch.arange(len(tokens)), python_caches, meta)
-        finally:
-            inner.fused = fused
-    assert fused_hidden.shape == (len(tokens), cfg.hidden_size)
-    assert torch.equal(fused_hidden, python_hidden)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-               for a, b in zip(fused_caches, python_caches))  # the same K/V written
+    for tokens in (torch.arange(3, 9), torch.arange(3, 12)):  # AWQ: GEMV rows, then GEMM
+        # Copies of the pool, so the engine's cached blocks stay as they were.
+        fused_caches, python_caches = ([(k.clone(), v.clone()) for k, v in runner.kv_caches]
+                                       for _ in range(2))
+        meta = _one_sequence_meta(len(tokens), runner.block_size)
+        with torch.inference_mode():
+            fused_hidden = inner(tokens, torch.arange(len(tokens)), fused_caches, meta)
+            fused, inner.fused = inner.fused, None
+            try:
+                python_hidden = inner(tokens, torch.arange(len(tokens)), python_caches, meta)
+            finally:
+                inner.fused = fused
+        assert fused_hidden.shape == (len(tokens), cfg.hidden_size)
+        assert torch.equal(fused_hidden, python_hidden)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                   for a, b in zip(fused_caches, python_caches))  # the same K/V written
 
 
 def _one_sequence_meta(n: int, block_size: int):  # noqa: ANN202 - AttentionMetadata
