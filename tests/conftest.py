@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,6 +30,34 @@ if "PKV_CACHE_DIR" not in os.environ:
 # Every ISA flavour of the C++ kernels this CPU executes (AVX2 code runs on AVX-512 CPUs), so
 # one machine checks what AVX2-only and baseline machines will run; none without a toolchain.
 KERNEL_FLAVOURS = [] if cpp_build.unusable_reasons() else cpp_build.runnable_flavours()
+
+
+_BUILDER = pytest.StashKey[subprocess.Popen]()
+_BUILD_IN_BACKGROUND = ("import sys\nfrom pkv.plugins import cpp_build\n"
+                        "for flavour in sys.argv[1:]: cpp_build.kernels(flavour)")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the kernel flavours in a background process from the start: the default one
+    is ready about when the first engine asks for it (the fixtures before it take as long),
+    and the others (~35 s each, one core) build beside the tests instead of inside them.
+    A test that needs a flavour still being built waits on torch's build lock."""
+    if not KERNEL_FLAVOURS:
+        return
+    default = cpp_build.selected_flavour()
+    order = [default, *(f for f in KERNEL_FLAVOURS if f != default)]
+    session.config.stash[_BUILDER] = subprocess.Popen(
+        [sys.executable, "-c", _BUILD_IN_BACKGROUND, *order],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    builder = session.config.stash.get(_BUILDER, None)
+    if builder is not None:
+        try:
+            builder.wait(timeout=300)  # a build cut short would leave its lock behind
+        except subprocess.TimeoutExpired:
+            builder.kill()
 
 
 @pytest.fixture(params=KERNEL_FLAVOURS or [None])
