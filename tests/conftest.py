@@ -21,7 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors only interpreted; set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test`: two workers) the workers share the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if "PKV_CACHE_DIR" not in os.environ:
     # Converted models go to a cache of this run only (workers inherit it), never ~/.cache.
     os.environ["PKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="pkv-test-cache-")
@@ -42,7 +44,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     is ready about when the first engine asks for it (the fixtures before it take as long),
     and the others (~35 s each, one core) build beside the tests instead of inside them.
     A test that needs a flavour still being built waits on torch's build lock."""
-    if not KERNEL_FLAVOURS:
+    if not KERNEL_FLAVOURS or "PYTEST_XDIST_WORKER" in os.environ:  # workers: the controller's
         return
     default = cpp_build.selected_flavour()
     order = [default, *(f for f in KERNEL_FLAVOURS if f != default)]

@@ -172,8 +172,12 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 def _check_int16_kernel(kernel: str, group: int) -> None:
     ext = _cpu_kernel() if kernel == "cpu" else None
     if ext is None or not ext.awq_gemv_has_int16():
-        runs = (f"the {ext.isa} kernels" if ext is not None else f"the {kernel} kernel"
-                if kernel != "cpu" else "torch (the CPU kernels did not build)")
+        if kernel != "cpu":
+            runs = f"the {kernel} kernel"
+        elif ext is None:
+            runs = "torch (the CPU kernels did not build)"
+        else:
+            runs = f"the {ext.isa} kernels"
         raise ValueError(f"awq_activations=int16 needs the avx2 or avx512 CPU kernels; this "
                          f"model runs {runs}")
     if group % 8 or group > INT16_MAX_GROUP:
