@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -57,10 +58,15 @@ Int16Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G) {
         amax = std::max(amax, std::fabs(x[k]));
         sum += x[k];
       }
+      int32_t* out = r.pairs.data() + (m * K + g * G) / 2;
+      if (!std::isfinite(sum)) {  // a NaN or infinity: the row's outputs are NaN, as in float
+        r.xs[m * NG + g] = r.xsum[m * NG + g] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(out, out + G / 2, 0);
+        continue;
+      }
       const float xs = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
       r.xs[m * NG + g] = xs;
       r.xsum[m * NG + g] = sum;
-      int32_t* out = r.pairs.data() + (m * K + g * G) / 2;
       for (int64_t b = 0; b < G / 8; ++b)
         for (int64_t i = 0; i < 4; ++i) {
           const auto lo = static_cast<int16_t>(std::nearbyint(x[8 * b + i] * inv));

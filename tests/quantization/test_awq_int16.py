@@ -54,6 +54,15 @@ def test_int16_gemv_is_within_its_quantization_error(ext, k: int, n: int, group:
         assert not torch.equal(y, ext.awq_gemv(x, *args))  # quantized, not the float path
 
 
+def test_a_non_finite_activation_makes_its_row_nan(ext) -> None:  # noqa: ANN001
+    layer, _ = _awq_layer(128, 40, 32, bias=False, seed=3)
+    x = torch.randn(3, 128)
+    x[1, 70] = float("nan")
+    x[2, 3] = float("inf")
+    y = ext.awq_gemv_int16(x, layer.codes, layer.scales_f32, layer.zs, 40, 32)
+    assert torch.isfinite(y[0]).all() and y[1:].isnan().all()
+
+
 def test_awq_linear_uses_int16_for_the_gemv_rows_only(ext) -> None:  # noqa: ANN001
     k, n, group = 320, 72, 64
     layer, _ = _awq_layer(k, n, group, bias=False, seed=7)
