@@ -178,20 +178,6 @@ void gemv_rows(const float* xp, const int32_t* cp, const float* sp, const float*
   });
 }
 
-void gemv_chunk(const float* xp, const int32_t* cp, const float* sp, const float* zp,
-                const float* xsum, float* yp, int64_t rows, const Shape& s) {
-  switch (rows) {
-    case 1: return gemv_rows<1>(xp, cp, sp, zp, xsum, yp, s);
-    case 2: return gemv_rows<2>(xp, cp, sp, zp, xsum, yp, s);
-    case 3: return gemv_rows<3>(xp, cp, sp, zp, xsum, yp, s);
-    case 4: return gemv_rows<4>(xp, cp, sp, zp, xsum, yp, s);
-    case 5: return gemv_rows<5>(xp, cp, sp, zp, xsum, yp, s);
-    case 6: return gemv_rows<6>(xp, cp, sp, zp, xsum, yp, s);
-    case 7: return gemv_rows<7>(xp, cp, sp, zp, xsum, yp, s);
-    default: return gemv_rows<8>(xp, cp, sp, zp, xsum, yp, s);
-  }
-}
-
 // ---- Panel GEMM: y[M, 32-column tile] (+)= x[M, kc] @ panel[kc, 32] ----
 // Shared with csrc/int8_cpu.cpp (csrc/kernels_cpu.cpp builds every kernel in one unit).
 // Micro-kernel of R rows x V vf16 column blocks: AVX-512 8 x 32 (16 zmm accumulators), AVX2
@@ -326,9 +312,11 @@ at::Tensor awq_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
       sums[1] += (k % 2 ? kLowBase : kHighBase) * xp[m * s.K + k];
     }
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    gemv_chunk(xp + m0 * s.K, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
-               zs.data_ptr<float>(), xsum.data() + 2 * m0 * NG, y.data_ptr<float>() + m0 * s.N,
-               std::min(kMaxRows, M - m0), s);
+    with_rows(std::min(kMaxRows, M - m0), [&]<int64_t R>() {
+      gemv_rows<R>(xp + m0 * s.K, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                   zs.data_ptr<float>(), xsum.data() + 2 * m0 * NG,
+                   y.data_ptr<float>() + m0 * s.N, s);
+    });
   }
   return y;
 }

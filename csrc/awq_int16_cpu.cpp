@@ -145,20 +145,6 @@ void int16_rows(const RowsView& xr, const int32_t* cp, const float* sp, const fl
       int16_columns<M>(xr, cp, sp, zp, yp, i / 4, i % 4, s);
   });
 }
-
-void int16_chunk(const RowsView& xr, const int32_t* cp, const float* sp, const float* zp,
-                 float* yp, int64_t rows, const Shape& s) {
-  switch (rows) {
-    case 1: return int16_rows<1>(xr, cp, sp, zp, yp, s);
-    case 2: return int16_rows<2>(xr, cp, sp, zp, yp, s);
-    case 3: return int16_rows<3>(xr, cp, sp, zp, yp, s);
-    case 4: return int16_rows<4>(xr, cp, sp, zp, yp, s);
-    case 5: return int16_rows<5>(xr, cp, sp, zp, yp, s);
-    case 6: return int16_rows<6>(xr, cp, sp, zp, yp, s);
-    case 7: return int16_rows<7>(xr, cp, sp, zp, yp, s);
-    default: return int16_rows<8>(xr, cp, sp, zp, yp, s);
-  }
-}
 #endif
 
 }  // namespace
@@ -189,8 +175,10 @@ at::Tensor awq_gemv_int16(at::Tensor x, at::Tensor codes, at::Tensor scales, at:
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const RowsView rows{xr.pairs.data() + m0 * s.K / 2, xr.xs.data() + m0 * NG,
                         xr.xsum.data() + m0 * NG};
-    int16_chunk(rows, codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(),
-                y.data_ptr<float>() + m0 * s.N, std::min(kRowsPerPass, M - m0), s);
+    with_rows(std::min(kRowsPerPass, M - m0), [&]<int64_t R>() {
+      int16_rows<R>(rows, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                    zs.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N, s);
+    });
   }
 #endif
   return y;

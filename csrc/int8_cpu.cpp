@@ -110,20 +110,6 @@ void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, co
   });
 }
 
-void gemv_chunk(const float* xp, const int8_t* cp, const float* sp, float* yp, int64_t rows,
-                const Shape& s) {
-  switch (rows) {
-    case 1: return gemv_rows<1>(xp, cp, sp, yp, s);
-    case 2: return gemv_rows<2>(xp, cp, sp, yp, s);
-    case 3: return gemv_rows<3>(xp, cp, sp, yp, s);
-    case 4: return gemv_rows<4>(xp, cp, sp, yp, s);
-    case 5: return gemv_rows<5>(xp, cp, sp, yp, s);
-    case 6: return gemv_rows<6>(xp, cp, sp, yp, s);
-    case 7: return gemv_rows<7>(xp, cp, sp, yp, s);
-    default: return gemv_rows<8>(xp, cp, sp, yp, s);
-  }
-}
-
 }  // namespace
 
 at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scale) {
@@ -132,9 +118,10 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scale) {
   const int64_t M = x.size(0);
   auto y = at::empty({M, s.N}, x.options());
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    gemv_chunk(x.data_ptr<float>() + m0 * s.K, codes.data_ptr<int8_t>(),
-               scale.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N,
-               std::min(kMaxRows, M - m0), s);
+    with_rows(std::min(kMaxRows, M - m0), [&]<int64_t R>() {
+      gemv_rows<R>(x.data_ptr<float>() + m0 * s.K, codes.data_ptr<int8_t>(),
+                   scale.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N, s);
+    });
   }
   return y;
 }

@@ -18,6 +18,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = kIsa;
   m.attr("lanes") = kLanes;
+  m.attr("awq_int16_max_group") = kMaxInt16Group;
 
   m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");

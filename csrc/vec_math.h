@@ -157,3 +157,19 @@ inline vf16 vexp(vf16 x) {
   for (int i = 0; i < kParts; ++i) x.p[i] = vexp(x.p[i]);
   return x;
 }
+
+// f.template operator()<M>() with M = rows, 1 to 8 (8 for more): the GEMVs take their row count
+// as a template parameter so that every row's accumulators stay in registers.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    case 7: return f.template operator()<7>();
+    default: return f.template operator()<8>();
+  }
+}

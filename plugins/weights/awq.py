@@ -31,8 +31,6 @@ KERNEL_TILE = 32  # output columns per tile of the CPU kernel
 # (awq_gemm), which decodes each weight once per call for all rows. The crossover, measured on
 # SmolLM2-135M's shapes, is 8 rows on AVX-512 and AVX2 builds alike.
 GEMV_MAX_ROWS = 8
-# Largest AWQ group the int16-activation GEMV takes (its int32 sums of a group cannot overflow).
-INT16_MAX_GROUP = 2048
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -180,9 +178,9 @@ def _check_int16_kernel(kernel: str, group: int) -> None:
             runs = f"the {ext.isa} kernels"
         raise ValueError(f"awq_activations=int16 needs the avx2 or avx512 CPU kernels; this "
                          f"model runs {runs}")
-    if group % 8 or group > INT16_MAX_GROUP:
+    if group % 8 or group > ext.awq_int16_max_group:  # its int32 sums of a group must not overflow
         raise ValueError(f"awq_activations=int16 takes AWQ groups of a multiple of 8 inputs up "
-                         f"to {INT16_MAX_GROUP}; this checkpoint's are {group}")
+                         f"to {ext.awq_int16_max_group}; this checkpoint's are {group}")
 
 
 def _cpu_kernel() -> Any:
