@@ -27,7 +27,8 @@
 // path instead, when D is a multiple of 16: work items are (run, KV head, tile of 32-64
 // tokens), and an item stacks its G query heads' rows (G * tokens of them, pre-scaled) and
 // walks key tiles of kTileK keys read through the block table, each with two register-blocked
-// matrix products (S = K Q^T, O += P V) and an online softmax per row. K and V rows are read
+// matrix products (S = K Q^T, O += P V) and an online softmax per row (the max taken from the
+// S product's registers, a cheaper exp for its terms: vexp_neg). K and V rows are read
 // in place from the cache (one pointer per key); only Q is transposed (once per item). Keys
 // before the first row's window or after the last row's position are never read; tiles that
 // some row must not see (the causal diagonal, a window's edge) are masked inside the softmax.
@@ -160,10 +161,11 @@ constexpr int kSR = 6, kSC = 2, kPR = 6, kPC = 2;
 constexpr int kSR = 2, kSC = 4, kPR = 2, kPC = 4;
 #endif
 
-// st[r * MP + kLanes * c ...] = sum_d key[r][d] * qt[d * MP + kLanes * c ...], r < MR, c < NC.
+// st[r * MP + kLanes * c ...] = sum_d key[r][d] * qt[d * MP + kLanes * c ...], r < MR, c < NC;
+// cmax[kLanes * c ...] takes the max of its column's new scores (the softmax's max, masks aside).
 template <int MR, int NC>
 static inline void s_tile(const float* const* key, const float* qt, int64_t MP, int64_t D,
-                          float* st) {
+                          float* st, float* cmax) {
   vfn acc[MR][NC] = {};
   const float* kr[MR];
   for (int r = 0; r < MR; ++r) kr[r] = key[r];
@@ -175,8 +177,14 @@ static inline void s_tile(const float* const* key, const float* qt, int64_t MP, 
       for (int c = 0; c < NC; ++c) acc[r][c] += kv * qv[c];
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) storev(st + r * MP + kLanes * c, acc[r][c]);
+  for (int c = 0; c < NC; ++c) {
+    vfn mx = loadv(cmax + kLanes * c);
+    for (int r = 0; r < MR; ++r) {
+      storev(st + r * MP + kLanes * c, acc[r][c]);
+      mx = mx > acc[r][c] ? mx : acc[r][c];
+    }
+    storev(cmax + kLanes * c, mx);
+  }
 }
 
 // o[r * D + kLanes * c ...] = o[...] * corr[r] + sum_{j < n} pt[j * MP + r] * val[j][kLanes * c ...].
@@ -198,13 +206,15 @@ static inline void pv_tile(const float* const* val, int64_t n, const float* pt, 
     for (int c = 0; c < NC; ++c) storev(o + r * D + kLanes * c, acc[r][c]);
 }
 
-// S^T [n keys x MP columns] = K Q^T (MP: a multiple of 32).
+// S^T [n keys x MP columns] = K Q^T (MP: a multiple of 32), and each column's max in cmax.
 static void scores(const float* const* key, int64_t n, const float* qt, int64_t MP, int64_t D,
-                   float* st) {
+                   float* st, float* cmax) {
+  std::fill(cmax, cmax + MP, -std::numeric_limits<float>::infinity());
   for (int64_t c = 0; c < MP; c += kSC * kLanes) {
     int64_t j = 0;
-    for (; j + kSR <= n; j += kSR) s_tile<kSR, kSC>(key + j, qt + c, MP, D, st + j * MP + c);
-    for (; j < n; ++j) s_tile<1, kSC>(key + j, qt + c, MP, D, st + j * MP + c);
+    for (; j + kSR <= n; j += kSR)
+      s_tile<kSR, kSC>(key + j, qt + c, MP, D, st + j * MP + c, cmax + c);
+    for (; j < n; ++j) s_tile<1, kSC>(key + j, qt + c, MP, D, st + j * MP + c, cmax + c);
   }
 }
 
@@ -232,22 +242,23 @@ struct Item {
 };
 
 struct Buffers {
-  std::vector<float> qt, st, o, m, l, corr;
+  std::vector<float> qt, st, o, m, l, corr, cmax;
   std::vector<float> lo, len;  // per row: its keys are [lo, len) (exact: below 2^24)
   std::vector<const float*> key, val;
 };
 
 // Online softmax over a tile's scores S^T [n x MP] (keys k0 ...), kLanes rows (columns) at a
 // time: running max m and sum l per row, corr = exp(m_old - m_new) for the accumulators, and
-// st overwritten with P^T. Masked: keys outside a row's [lo, len) get probability 0.
+// st overwritten with P^T. Masked: keys outside a row's [lo, len) get probability 0, and the
+// max is taken again over the keys a row sees (unmasked, scores() took it: b.cmax).
 template <bool kMasked>
 static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& b) {
   const vfn ninf = vfn{} - std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < MP; c += kLanes) {
     vfn lo{}, len{};
     if (kMasked) lo = loadv(b.lo.data() + c), len = loadv(b.len.data() + c);
-    vfn mx = ninf;
-    for (int64_t j = 0; j < n; ++j) {
+    vfn mx = kMasked ? ninf : loadv(b.cmax.data() + c);
+    for (int64_t j = 0; kMasked && j < n; ++j) {
       vfn x = loadv(st + j * MP + c);
       if (kMasked) {
         const vfn pos = vfn{} + static_cast<float>(k0 + j);
@@ -259,7 +270,7 @@ static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& 
     const vfn m_new = m_old > mx ? m_old : mx;  // finite: m starts at -1e30
     vfn sum{};
     for (int64_t j = 0; j < n; ++j) {
-      vfn p = vexp(loadv(st + j * MP + c) - m_new);
+      vfn p = vexp_neg(loadv(st + j * MP + c) - m_new);
       if (kMasked) {
         const vfn pos = vfn{} + static_cast<float>(k0 + j);
         p = (pos >= lo) & (pos < len) ? p : vfn{};
@@ -267,7 +278,7 @@ static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& 
       storev(st + j * MP + c, p);
       sum += p;
     }
-    const vfn corr = vexp(m_old - m_new);
+    const vfn corr = vexp_neg(m_old - m_new);
     storev(b.corr.data() + c, corr);
     storev(b.l.data() + c, loadv(b.l.data() + c) * corr + sum);
     storev(b.m.data() + c, m_new);
@@ -286,6 +297,7 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
   b.m.assign(MP, -1e30f);  // finite: exp(m_old - m_new) stays a number while rows see nothing
   b.l.assign(MP, 0.f);
   b.corr.resize(MP);
+  b.cmax.resize(MP);
   b.lo.resize(MP);
   b.len.resize(MP);
   b.key.resize(kTileK);
@@ -320,9 +332,9 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
       b.key[j] = kp + off;
       b.val[j] = vp + off;
     }
-    scores(b.key.data(), n, qt, MP, D, st);
-    if (cap > 0.f) soft_cap16(st, n * MP, cap);
-    if (k0 < full_lo || k0 + n > full_hi) {
+    scores(b.key.data(), n, qt, MP, D, st, b.cmax.data());
+    if (cap > 0.f) soft_cap16(st, n * MP, cap);  // then the max is taken again (masked)
+    if (cap > 0.f || k0 < full_lo || k0 + n > full_hi) {
       softmax_tile<true>(st, n, MP, k0, b);
     } else {
       softmax_tile<false>(st, n, MP, k0, b);

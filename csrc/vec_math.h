@@ -153,6 +153,30 @@ inline vfn vexp(vfn x) {
   return y * scale;
 }
 
+// exp(x) for softmax terms, x <= 0 (-inf included): within 3 ulp above -20 and 5 below, and
+// 0 below -87.3, where 2^n would leave the normal range. Cheaper than vexp: n = round(x / ln2)
+// is read off the mantissa of x / ln2 + 1.5 * 2^23 (no conversions), r = x - n ln2 takes one
+// FMA, and exp(r) on |r| <= ln2 / 2 is a degree-5 polynomial fitted for relative error.
+inline vfn vexp_neg(vfn x) {
+  const vfn t = x * 1.44269504f + 12582912.f;  // 1.5 * 2^23: the mantissa's low bits hold n
+  const vfn n = t - 12582912.f;
+  const vfn r = x - n * 0.693147181f;
+  vfn y = 8.31252523e-3f * r + 4.18901145e-2f;
+  y = y * r + 1.66671142e-1f;
+  y = y * r + 4.99992311e-1f;
+  y = y * r + 1.f;
+  y = y * r + 1.f;
+  vin bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  const vin pow2 = (bits << 23) + (127 << 23);  // (n + 127) << 23: the 1.5 * 2^23 shifts out
+  vfn scale;
+  std::memcpy(&scale, &pow2, sizeof(scale));
+  const vin kept = reinterpret_cast<vin>(y * scale) & (x > -87.3f);
+  vfn out;
+  std::memcpy(&out, &kept, sizeof(out));
+  return out;
+}
+
 inline vf16 vexp(vf16 x) {
   for (int i = 0; i < kParts; ++i) x.p[i] = vexp(x.p[i]);
   return x;
