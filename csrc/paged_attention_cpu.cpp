@@ -36,6 +36,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -60,6 +64,64 @@ static inline void soft_cap16(float* scores, int64_t n, float cap) {
   for (int64_t c = 0; c < n; c += 16) {
     const vf16 x = load16(scores + c);
     store16(scores + c, cap * (1.f - 2.f / (vexp(x * inv) + 1.f)));
+  }
+}
+
+#if defined(__AVX__)
+// sums[i] = the sum of a[i]'s lanes, i < 8: eight horizontal sums in ten shuffles and adds
+// (AVX-512 first folds each vector to 8 lanes), where one at a time takes six each.
+static inline void sum8(const vfn* a, float* sums) {
+  __m256 y[8];
+  for (int i = 0; i < 8; ++i) {
+#if defined(__AVX512F__)
+    y[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+#else
+    y[i] = a[i];
+#endif
+  }
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(y[4], y[5]), _mm256_hadd_ps(y[6], y[7]));
+  _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20),
+                                       _mm256_permute2f128_ps(q0, q1, 0x31)));
+}
+#endif
+
+// s[j] = q . K[j] for the keys j in [j0, n) of a block, K rows `row` floats apart: eight keys
+// at a time where the ISA has sum8, one at a time otherwise and for the rest.
+template <int64_t DC>
+static inline void key_scores(const vf16* q, const float* kb, int64_t row, int64_t j0,
+                              int64_t n, float* s) {
+  int64_t j = j0;
+#if defined(__AVX__)
+  const float* qf = reinterpret_cast<const float*>(q);  // read by memcpy (loadv)
+  for (; j + 8 <= n; j += 8) {
+    vfn acc[8] = {};
+    for (int64_t c = 0; c < 16 * DC; c += kLanes) {
+      const vfn qv = loadv(qf + c);
+      for (int i = 0; i < 8; ++i) acc[i] += qv * loadv(kb + (j + i) * row + c);
+    }
+    sum8(acc, s + j);
+  }
+#endif
+  for (; j < n; ++j) {
+    vf16 d = q[0] * load16(kb + j * row);
+    for (int64_t c = 1; c < DC; ++c) d += q[c] * load16(kb + j * row + 16 * c);
+    s[j] = hsum(d);
+  }
+}
+
+// acc += sum_j p[j] V[j] over the keys j in [j0, n) of a block, V rows `row` floats apart;
+// up to 64 floats of acc at a time stay in registers across the keys.
+template <int64_t DC>
+static inline void add_values(const float* p, const float* vb, int64_t row, int64_t j0,
+                              int64_t n, vf16* acc) {
+  constexpr int64_t kChunk = DC < 4 ? DC : 4;
+  for (int64_t c0 = 0; c0 < DC; c0 += kChunk) {
+    vf16 a[kChunk];
+    for (int64_t c = 0; c < kChunk; ++c) a[c] = acc[c0 + c];
+    for (int64_t j = j0; j < n; ++j)
+      for (int64_t c = 0; c < kChunk; ++c) a[c] += p[j] * load16(vb + j * row + 16 * (c0 + c));
+    for (int64_t c = 0; c < kChunk; ++c) acc[c0 + c] = a[c];
   }
 }
 
@@ -92,17 +154,17 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
     const int64_t n = std::min(BS, len - b * BS);
     const int64_t j0 = std::max<int64_t>(0, lo - b * BS);  // first key inside the window
     const int64_t base = static_cast<int64_t>(table[b]) * BS * row;
-    for (int64_t j = j0; j < n; ++j) {
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        vf16 k[DC];
-        for (int64_t c = 0; c < DC; ++c) k[c] = load16(kp + base + j * row + kh * D + 16 * c);
-        for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h) {
-          const vf16* qh = q + h * DC;
-          vf16 d = qh[0] * k[0];
-          for (int64_t c = 1; c < DC; ++c) d += qh[c] * k[c];
-          scores[h * padded + j] = hsum(d);
+    if ((b + 1) * BS < len) {  // the next block is elsewhere in memory: fetch it meanwhile
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * BS * row;
+      for (int64_t j = 0; j < std::min(BS, len - (b + 1) * BS); ++j)
+        for (int64_t f = kh0 * D; f < kh1 * D; f += 16) {
+          __builtin_prefetch(kp + next + j * row + f);
+          __builtin_prefetch(vp + next + j * row + f);
         }
-      }
+    }
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h)
+        key_scores<DC>(q + h * DC, kp + base + kh * D, row, j0, n, scores + h * padded);
     }
     for (int64_t h = 0; h < heads; ++h) {
       float* sc = scores + h * padded;
@@ -121,15 +183,9 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
       for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= correction;
       st.m[h] = m_new;
     }
-    for (int64_t j = j0; j < n; ++j) {
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        vf16 v[DC];
-        for (int64_t c = 0; c < DC; ++c) v[c] = load16(vp + base + j * row + kh * D + 16 * c);
-        for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h) {
-          const float p = scores[h * padded + j];
-          for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] += p * v[c];
-        }
-      }
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      for (int64_t h = (kh - kh0) * G; h < (kh - kh0 + 1) * G; ++h)
+        add_values<DC>(scores + h * padded, vp + base + kh * D, row, j0, n, acc + h * DC);
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
