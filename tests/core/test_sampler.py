@@ -29,6 +29,14 @@ def test_greedy_takes_argmax_per_row():
     assert out.token_ids == [1, 0]
 
 
+def test_greedy_breaks_ties_to_the_first_token_as_argmax_does():
+    logits = torch.randn(64, 1000).round()  # integers: many rows tie at their max
+    logits[:, 500] = logits.max(dim=-1).values
+    out = _sampler()(logits, [_row(SamplingParams(temperature=0))] * 64)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert all(logits[i, :t].max() < logits[i, t] for i, t in enumerate(out.token_ids) if t)
+
+
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     rows = lambda **kw: [_row(SamplingParams(temperature=0, **kw), prompt=[1], output=[0, 0, 2])]
