@@ -409,6 +409,19 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
 
 }  // namespace prefill
 
+// work(i, state) for i in [0, count) over the threads, each taking the next i from a shared
+// counter, so items of unequal cost (given dearest first) end together; `State` is each
+// thread's scratch.
+template <typename State, typename Work>
+static void parallel_dynamic(int64_t count, Work&& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    State state;
+    for (int64_t i = next++; i < count; i = next++) work(i, state);
+  });
+}
+
 // Rows of a [T, heads, D] tensor whose last two dimensions are dense.
 static void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1 &&
@@ -488,21 +501,15 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v,
       }
       t = e;
     }
-    if (!items.empty()) {
-      // Dearest items first, handed out one at a time: causal items differ in cost.
+    if (!items.empty()) {  // dearest first: causal items differ in cost
       std::stable_sort(items.begin(), items.end(),
                        [](const prefill::Item& a, const prefill::Item& b) {
                          return a.cost > b.cost;
                        });
-      std::atomic<int64_t> next{0};
-      const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
-      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-        prefill::Buffers buf;
-        for (int64_t w = next++; w < static_cast<int64_t>(items.size()); w = next++) {
-          const prefill::Item& it = items[w];
-          prefill::attend_item(it, qp, QS, kp, vp, bt + static_cast<int64_t>(sid[it.t0]) * MB,
-                               lens, window, H, D, BS, KVH, G, fscale, cap, op, buf);
-        }
+      parallel_dynamic<prefill::Buffers>(items.size(), [&](int64_t w, prefill::Buffers& buf) {
+        const prefill::Item& it = items[w];
+        prefill::attend_item(it, qp, QS, kp, vp, bt + static_cast<int64_t>(sid[it.t0]) * MB,
+                             lens, window, H, D, BS, KVH, G, fscale, cap, op, buf);
       });
     }
     if (tokens.empty()) return;
@@ -519,14 +526,18 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v,
     const int64_t split = NT >= 2 * at::get_num_threads() ? 1 : KVH;
     const auto run = DC == 1 ? attend_vec<1> : DC == 2 ? attend_vec<2>
                      : DC == 4 ? attend_vec<4> : attend_vec<8>;
-    at::parallel_for(0, NT * split, 1, [&](int64_t begin, int64_t end) {
-      VecState st;
-      for (int64_t w = begin; w < end; ++w) {
-        const int64_t t = tokens[w / split], part = w % split;
-        const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
-        run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
-            first_key(lens[t]), BS, KVH, kh0, kh1, G, fscale, cap, st, op + t * H * D);
-      }
+    // Longest first: a batch lists its oldest (longest) sequences together, and halves of it
+    // handed out statically left one core waiting on the other.
+    std::vector<int64_t> order(NT * split);
+    for (int64_t w = 0; w < NT * split; ++w) order[w] = w;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return lens[tokens[a / split]] > lens[tokens[b / split]];
+    });
+    parallel_dynamic<VecState>(order.size(), [&](int64_t i, VecState& st) {
+      const int64_t t = tokens[order[i] / split], part = order[i] % split;
+      const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
+      run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
+          first_key(lens[t]), BS, KVH, kh0, kh1, G, fscale, cap, st, op + t * H * D);
     });
     return;
   }
