@@ -279,17 +279,21 @@ def attention(
             raise ValueError("every size must be >= 1")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         registry = discover()
-        inputs = random_paged_layout([(context, 1)] * batch, block_size, heads, kv_heads,
-                                     head_dim, seed=0)
+        q, k, v, k_cache, v_cache, meta = random_paged_layout(
+            [(context, 1)] * batch, block_size, heads, kv_heads, head_dim, seed=0)
+        # One cache per layer, as in a model: at large batches a step's K/V then streams from
+        # memory, as it does in the engine, instead of sitting in the CPU's cache.
+        caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone())
+                                         for _ in range(layers - 1)]
         times = {}
         for name in registry.usable_attention_backends(device):
             backend = select_attention_backend(name, device, registry)
             best = float("inf")
             for _ in range(repeat + 1):  # the first run warms up
                 start = time.perf_counter()
-                for _ in range(layers):
-                    backend.forward(*inputs, head_dim**-0.5, sliding_window=sliding_window,
-                                    logits_soft_cap=soft_cap)
+                for kc, vc in caches:
+                    backend.forward(q, k, v, kc, vc, meta, head_dim**-0.5,
+                                    sliding_window=sliding_window, logits_soft_cap=soft_cap)
                 best = min(best, time.perf_counter() - start)
             times[name] = best
         table = Table(title=f"decode attention per step: batch {batch}, context {context}, "

@@ -16,11 +16,14 @@
 // With a window, blocks wholly before it are never read (they may already be back in the
 // pool, their table entries stale).
 //
-// Work is split over (token, kv head); the G = H / KVH query heads that share a KV head are
-// processed together so each K/V row is loaded once for all of them. Head sizes of 16..128
-// (multiples of 16) take a vectorized path: q and the accumulators live in 16-float vectors,
-// the block's scores are exponentiated 16 at a time (a polynomial exp, ~1 ulp), and each V
-// row is loaded once for all G heads. Other sizes take the scalar loop.
+// Decodes (and short chunks) are split over tokens, or (token, KV head) when there are few,
+// handed out longest first; the G = H / KVH query heads that share a KV head go through a
+// block's K/V rows one after another while the block sits in L1 (the next block is prefetched:
+// blocks lie anywhere in the pool). Head sizes of 16..128 (multiples of 16) take a vectorized
+// path: q and the accumulators live in 16-float vectors, eight keys' dot products end in one
+// transposed sum (AVX2, AVX-512), the block's scores are exponentiated 16 at a time (a
+// polynomial exp, ~1 ulp), and a head's accumulators stay in registers across the block's V
+// rows. Other sizes take the scalar loop.
 //
 // Prefill chunks (runs of at least kMinRun consecutive tokens of one sequence whose kv_lens
 // rise by one, the first possibly after a cached prefix) take a tiled, flash-attention style

@@ -237,3 +237,15 @@ def test_bench_lora_measures_adapters_against_the_base(tmp_path: Path, tiny_llam
                    "--num-prompts", "4", "--input-len", "5", "--output-len", "3",
                    "--warmup", "1", "--kv-cache-memory", "16MiB")
     assert mixed.exit_code == 0, mixed.output
+
+
+def test_attention_bench_times_every_usable_backend():
+    result = _bench("attention", "--batch", "3", "--context", "40", "--layers", "2",
+                    "--repeat", "1")
+    assert result.exit_code == 0, result.output
+    rows = {cells[0]: float(cells[1]) for line in result.output.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│").split("│")]) == 3
+            and cells[1].replace(".", "", 1).isdigit()}
+    assert {"cpu", "torch"} <= rows.keys() and all(ms > 0 for ms in rows.values())
+    bad = _bench("attention", "--layers", "0")
+    assert bad.exit_code != 0 and "every size must be >= 1" in bad.output
