@@ -153,8 +153,8 @@ inline vfn vexp(vfn x) {
   return y * scale;
 }
 
-// exp(x) for softmax terms, x <= 0 (-inf included): within 3 ulp above -20 and 5 below, and
-// 0 below -87.3, where 2^n would leave the normal range. Cheaper than vexp: n = round(x / ln2)
+// exp(x) for softmax terms, x <= 0 (-inf included): within 3 ulp above -20 and 5 below, 0
+// below -87.3, where 2^n would leave the normal range, and NaN for NaN. Cheaper than vexp: n = round(x / ln2)
 // is read off the mantissa of x / ln2 + 1.5 * 2^23 (no conversions), r = x - n ln2 takes one
 // FMA, and exp(r) on |r| <= ln2 / 2 is a degree-5 polynomial fitted for relative error.
 inline vfn vexp_neg(vfn x) {
@@ -171,7 +171,7 @@ inline vfn vexp_neg(vfn x) {
   const vin pow2 = (bits << 23) + (127 << 23);  // (n + 127) << 23: the 1.5 * 2^23 shifts out
   vfn scale;
   std::memcpy(&scale, &pow2, sizeof(scale));
-  const vin kept = reinterpret_cast<vin>(y * scale) & (x > -87.3f);
+  const vin kept = reinterpret_cast<vin>(y * scale) & ~(x < -87.3f);  // NaN stays NaN
   vfn out;
   std::memcpy(&out, &kept, sizeof(out));
   return out;

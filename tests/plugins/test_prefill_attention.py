@@ -125,3 +125,20 @@ def test_prefill_with_sharp_scores(flavour: str, sharpness: float, atol: float):
                             meta.seq_ids, meta.kv_lens, SCALE, 0, 0.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flavour", cpp_build.runnable_flavours())
+def test_a_nan_key_makes_exactly_the_rows_that_see_it_nan(flavour: str):
+    """A NaN must not vanish in the softmax: the rows whose keys include it come out NaN, the
+    rows before it stay the reference's."""
+    kernels = cpp_build.kernels(flavour)
+    q, k, v, k_cache, v_cache, meta = random_paged_layout([(0, 200)], 16, 6, 2, 64, seed=7)
+    k = k.clone()
+    k[150, 1] = float("nan")
+    expected = _reference(q, k, v, k_cache, v_cache, meta, 0, 0.0)
+    out = torch.empty(q.shape)
+    kernels.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                            meta.seq_ids, meta.kv_lens, SCALE, 0, 0.0)
+    assert out[150:, 3:6].isnan().all() and not out[150:, :3].isnan().any()
+    torch.testing.assert_close(out[:150], expected[:150], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[150:, :3], expected[150:, :3], atol=2e-5, rtol=1e-4)
