@@ -257,7 +257,7 @@ def attention(
     heads: Annotated[int, typer.Option(help="Query heads (SmolLM2: 9).")] = 9,
     kv_heads: Annotated[int, typer.Option(help="KV heads (SmolLM2: 3).")] = 3,
     head_dim: Annotated[int, typer.Option(help="Head size (SmolLM2: 64).")] = 64,
-    layers: Annotated[int, typer.Option(help="Layers per step (SmolLM2: 30).")] = 30,
+    layers: Annotated[int, typer.Option(help="Layers per step, each with its own K/V cache (SmolLM2: 30).")] = 30,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     repeat: Annotated[int, typer.Option(help="Timed repetitions (best is kept).")] = 5,
     sliding_window: Annotated[Optional[int], typer.Option(help="Attend within this many keys.")] = None,
@@ -282,9 +282,13 @@ def attention(
         q, k, v, k_cache, v_cache, meta = random_paged_layout(
             [(context, 1)] * batch, block_size, heads, kv_heads, head_dim, seed=0)
         # One cache per layer, as in a model: at large batches a step's K/V then streams from
-        # memory, as it does in the engine, instead of sitting in the CPU's cache.
-        caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone())
-                                         for _ in range(layers - 1)]
+        # memory, as it does in the engine, instead of sitting in the CPU's cache. Past 4 GiB
+        # of copies the layers take the distinct caches in turn (still far beyond any cache).
+        per_layer = 2 * k_cache.numel() * k_cache.element_size()
+        distinct = max(1, min(layers, (4 << 30) // per_layer))
+        copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone())
+                                         for _ in range(distinct - 1)]
+        caches = [copies[i % distinct] for i in range(layers)]
         times = {}
         for name in registry.usable_attention_backends(device):
             backend = select_attention_backend(name, device, registry)
