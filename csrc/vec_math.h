@@ -154,9 +154,10 @@ inline vfn vexp(vfn x) {
 }
 
 // exp(x) for softmax terms, x <= 0 (-inf included): within 3 ulp above -20 and 5 below, 0
-// below -87.3, where 2^n would leave the normal range, and NaN for NaN. Cheaper than vexp: n = round(x / ln2)
-// is read off the mantissa of x / ln2 + 1.5 * 2^23 (no conversions), r = x - n ln2 takes one
-// FMA, and exp(r) on |r| <= ln2 / 2 is a degree-5 polynomial fitted for relative error.
+// below -87.3, where 2^n would leave the normal range, and NaN for NaN. Cheaper than vexp:
+// n = round(x / ln2) is read off the mantissa of x / ln2 + 1.5 * 2^23 (no conversions),
+// r = x - n ln2 takes one FMA, and exp(r) on |r| <= ln2 / 2 is a degree-5 polynomial fitted
+// for relative error.
 inline vfn vexp_neg(vfn x) {
   const vfn t = x * 1.44269504f + 12582912.f;  // 1.5 * 2^23: the mantissa's low bits hold n
   const vfn n = t - 12582912.f;
@@ -166,9 +167,9 @@ inline vfn vexp_neg(vfn x) {
   y = y * r + 4.99992311e-1f;
   y = y * r + 1.f;
   y = y * r + 1.f;
-  vin bits;
+  vun bits;  // unsigned: the shift wraps n's sign bits out, defined
   std::memcpy(&bits, &t, sizeof(bits));
-  const vin pow2 = (bits << 23) + (127 << 23);  // (n + 127) << 23: the 1.5 * 2^23 shifts out
+  const vun pow2 = (bits << 23) + (127u << 23);  // (n + 127) << 23: the 1.5 * 2^23 shifts out
   vfn scale;
   std::memcpy(&scale, &pow2, sizeof(scale));
   const vin kept = reinterpret_cast<vin>(y * scale) & ~(x < -87.3f);  // NaN stays NaN
