@@ -316,24 +316,24 @@ static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& 
   for (int64_t c = 0; c < MP; c += kLanes) {
     vfn lo{}, len{};
     if (kMasked) lo = loadv(b.lo.data() + c), len = loadv(b.len.data() + c);
-    vfn mx = kMasked ? ninf : loadv(b.cmax.data() + c);
-    for (int64_t j = 0; kMasked && j < n; ++j) {
-      vfn x = loadv(st + j * MP + c);
-      if (kMasked) {
-        const vfn pos = vfn{} + static_cast<float>(k0 + j);
-        x = (pos >= lo) & (pos < len) ? x : ninf;
+    const auto seen = [&](int64_t j) {  // which of the kLanes rows see key k0 + j
+      const vfn pos = vfn{} + static_cast<float>(k0 + j);
+      return (pos >= lo) & (pos < len);
+    };
+    vfn mx = loadv(b.cmax.data() + c);
+    if (kMasked) {
+      mx = ninf;
+      for (int64_t j = 0; j < n; ++j) {
+        const vfn x = seen(j) ? loadv(st + j * MP + c) : ninf;
+        mx = mx > x ? mx : x;
       }
-      mx = mx > x ? mx : x;
     }
     const vfn m_old = loadv(b.m.data() + c);
     const vfn m_new = m_old > mx ? m_old : mx;  // finite: m starts at -1e30
     vfn sum{};
     for (int64_t j = 0; j < n; ++j) {
       vfn p = vexp_neg(loadv(st + j * MP + c) - m_new);
-      if (kMasked) {
-        const vfn pos = vfn{} + static_cast<float>(k0 + j);
-        p = (pos >= lo) & (pos < len) ? p : vfn{};
-      }
+      if (kMasked) p = seen(j) ? p : vfn{};
       storev(st + j * MP + c, p);
       sum += p;
     }
