@@ -127,6 +127,7 @@ class ModelRunner:
         self.lora_layers = (attach_lora(self.model, config.max_loras, config.max_lora_rank,
                                         self.lora_batch, self.dtype, self.device)
                             if config.enable_lora else {})
+        ops = None
         if self.device.type == "cpu" and self.dtype == torch.float32:
             ops = cpp_build.kernels_or_none()
             self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
@@ -139,7 +140,7 @@ class ModelRunner:
         self.allocate_kv(num_blocks)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, ops.first_argmax if ops is not None else None)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.timer = StepTimer(sync_cuda=self.device.type == "cuda")
         self.rank_weight_bytes = [self.weight_bytes]

@@ -47,7 +47,7 @@ class RejectionSampler:
                  drafts: list[list[int]]) -> VerifyOutput:
         """`rows` and the logits' rows: len(d) + 1 consecutive rows per request's drafts d."""
         processed, raw = self.sampler.process(logits, rows)
-        argmax = processed.argmax(dim=-1).tolist()
+        argmax = self.sampler.greedy(processed).tolist()
         probs = self._probs(processed, rows)
         chosen = list(argmax)
         tokens: list[list[int]] = []

@@ -11,6 +11,7 @@
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
+#include "sampling_cpu.cpp"
 #include "decoder_cpu.cpp"
 
 // module_local: each flavour's module registers its own CpuDecoder type, and a process may load
@@ -39,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up into out");
 
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
+
+  m.def("first_argmax", &first_argmax, "each row's first maximum (argmax, NaN first)");
 
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, bool, at::Tensor>())

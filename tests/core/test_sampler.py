@@ -37,6 +37,54 @@ def test_greedy_breaks_ties_to_the_first_token_as_argmax_does():
     assert all(logits[i, :t].max() < logits[i, t] for i, t in enumerate(out.token_ids) if t)
 
 
+def _awkward_logits(rows: int, n: int) -> torch.Tensor:
+    """Rows that tie at their max, hold NaNs, -inf or +inf, or peak in the tail."""
+    torch.manual_seed(rows * 7 + n)
+    logits = torch.randn(rows, n).mul(4).round()  # integers: rows tie at their max
+    logits[0, n // 2] = logits[0].max()  # a second maximum after the first
+    if rows > 1:
+        logits[1, [n // 3, n - 1]] = float("nan")  # the first NaN wins
+    if rows > 2:
+        logits[2] = float("-inf")
+    if rows > 3:
+        logits[3, n - 1] = float("inf")  # the very last element
+    if rows > 4:
+        logits[4, 0] = float("nan")
+    return logits
+
+
+@pytest.mark.parametrize("rows,n", [(1, 3), (5, 37), (9, 1000), (70, 49153), (2, 64)])
+def test_first_argmax_kernel_is_torch_argmax(rows: int, n: int, cpu_kernels):
+    logits = _awkward_logits(rows, n)
+    assert cpu_kernels.first_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert cpu_kernels.first_argmax(logits[:0]).tolist() == []
+
+
+def test_first_argmax_kernel_refuses_what_it_cannot_read(cpu_kernels):
+    for bad in (torch.zeros(4, 6)[:, ::2], torch.zeros(4, 6, dtype=torch.float64),
+                torch.zeros(6), torch.zeros(3, 0)):
+        with pytest.raises(RuntimeError, match="contiguous float32"):
+            cpu_kernels.first_argmax(bad)
+
+
+def test_sampler_with_the_kernel_samples_as_with_torch(cpu_kernels):
+    logits = _awkward_logits(6, 500)
+    logits[1:3] = torch.randn(2, 500)  # rows to sample (no NaN or -inf rows among them)
+    rows = [_row(SamplingParams(temperature=0))] * 6
+    rows[1] = _row(SamplingParams(temperature=0.8, top_k=50), seed=3)
+    rows[2] = _row(SamplingParams(temperature=1.0, top_p=0.9), seed=4)
+    fast = Sampler(torch.Generator().manual_seed(0), cpu_kernels.first_argmax)
+    want = _sampler()(logits.clone(), rows).token_ids
+    for row in rows:  # the seeded rows draw again from the start
+        if row.generator is not None:
+            row.generator.manual_seed(3 if row is rows[1] else 4)
+    assert fast(logits.clone(), rows).token_ids == want
+    # a view the kernel cannot read goes to torch's argmax
+    wide = torch.cat([logits, logits], dim=1)[:, :500]
+    assert not wide.is_contiguous()
+    assert fast.greedy(wide).tolist() == logits.argmax(dim=-1).tolist()
+
+
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     rows = lambda **kw: [_row(SamplingParams(temperature=0, **kw), prompt=[1], output=[0, 0, 2])]
