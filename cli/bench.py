@@ -141,11 +141,12 @@ def _run_offline(o: dict[str, Any]) -> None:
             path = (resolve_model(o["model"], o["revision"], o["gguf_file"]) if o["model"]
                     else bundled_model_path())
             hf_model = off.load_hf_model(path, engine.runner.dtype)
-    rooflines = {}
+    rooflines, peak = {}, None
     if o["roofline"]:
-        from pkv.cli.bench_roofline import measure, measure_prefill
+        from pkv.cli.bench_roofline import fma_peak_gflops, measure, measure_prefill
 
         rooflines = measure(engine.model_config, o["batches"])
+        peak = fma_peak_gflops()
     from pkv.cli.cpu_info import cpu_summary
 
     console.print(f"[bold]CPU[/]: {cpu_summary()}")
@@ -166,6 +167,8 @@ def _run_offline(o: dict[str, Any]) -> None:
                              loras)
         if b in rooflines:
             result.roofline_tps = rooflines[b].tokens_per_s
+            result.roofline_gflops = rooflines[b].gflops_per_s
+            result.fma_peak_gflops = peak
             chunk = engine.max_num_batched_tokens
             result.prefill_roofline_tps = measure_prefill(
                 engine.model_config, [len(p) for p in prompts], chunk).tokens_per_s

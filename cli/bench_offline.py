@@ -39,6 +39,8 @@ class BenchResult:
     decode_s: float = 0.0  # and those steps' time
     profile_ms: dict[str, float] | None = None  # mean ms per step by phase (--profile)
     roofline_tps: float | None = None  # the GEMM roofline at this batch (--roofline)
+    roofline_gflops: float | None = None  # the rate of that roofline's GEMMs
+    fma_peak_gflops: float | None = None  # this CPU's float32 multiply-add peak (--roofline)
     prefill_s: float = 0.0  # time of the steps that prefilled something
     prefill_roofline_tps: float | None = None  # of this workload's prefill (--roofline)
     spec_acceptance_rate: float | None = None  # drafts accepted / proposed (speculation)
@@ -53,6 +55,13 @@ class BenchResult:
     @property
     def roofline_pct(self) -> float | None:
         return 100 * self.decode_tps / self.roofline_tps if self.roofline_tps else None
+
+    @property
+    def gemm_peak_pct(self) -> float | None:
+        """The roofline's GEMMs as a share of the CPU's multiply-add peak."""
+        if not self.roofline_gflops or not self.fma_peak_gflops:
+            return None
+        return 100 * self.roofline_gflops / self.fma_peak_gflops
 
     @property
     def prefill_tps(self) -> float:
@@ -89,7 +98,9 @@ class BenchResult:
                 "mean_ttft_ms": 1000 * self.mean_ttft_s, "max_itl_ms": 1000 * self.max_itl_s,
                 "decode_throughput": self.decode_tps,
                 "profile_ms_per_step": self.profile_ms, "roofline_tokens_per_s": self.roofline_tps,
-                "roofline_pct": self.roofline_pct, "prefill_throughput": self.prefill_tps,
+                "roofline_pct": self.roofline_pct, "roofline_gflops": self.roofline_gflops,
+                "fma_peak_gflops": self.fma_peak_gflops, "gemm_peak_pct": self.gemm_peak_pct,
+                "prefill_throughput": self.prefill_tps,
                 "prefill_roofline_tokens_per_s": self.prefill_roofline_tps,
                 "prefill_roofline_pct": self.prefill_roofline_pct,
                 "spec_acceptance_rate": self.spec_acceptance_rate,

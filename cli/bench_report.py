@@ -55,13 +55,19 @@ def profile_table(results: list[BenchResult]) -> Table:
 
 
 def roofline_table(results: list[BenchResult]) -> Table:
-    table = Table(title="pkv bench --roofline: decode tokens/s vs the float32 GEMM roofline")
-    for column in ("batch", "pkv decode tok/s", "roofline tok/s", "% of roofline"):
+    """Decode against the GEMM roofline, and the roofline's GEMMs against the CPU's peak."""
+    table = Table(title="pkv bench --roofline: decode tokens/s vs the float32 GEMM roofline, "
+                        "and its GEMMs vs this CPU's float32 multiply-add peak")
+    for column in ("batch", "pkv decode tok/s", "roofline tok/s", "% of roofline",
+                   "GEMM GFLOP/s", "FMA peak GFLOP/s", "GEMM % of peak"):
         table.add_column(column, justify="right")
     for r in results:
         if r.roofline_tps:
+            peak = r.gemm_peak_pct
             table.add_row(str(r.batch), f"{r.decode_tps:.1f}", f"{r.roofline_tps:.1f}",
-                          f"{r.roofline_pct:.0f}%")
+                          f"{r.roofline_pct:.0f}%", f"{r.roofline_gflops or 0:.1f}",
+                          f"{r.fma_peak_gflops:.1f}" if r.fma_peak_gflops else "-",
+                          f"{peak:.0f}%" if peak is not None else "-")
     return table
 
 

@@ -8,6 +8,11 @@ has on CPU (MKL on plain weights, oneDNN on packed ones), and keeps the faster p
 B / that time is the throughput a step made of nothing but GEMMs would reach: attention,
 norms, sampling and the engine all come on top, so a real engine stays below it.
 
+That roofline's GEMMs are in turn judged against the CPU itself: `fma_peak_gflops` is the
+float32 multiply-add rate all threads reach on independent chains (csrc/peak_cpu.cpp, in the
+kernels' ISA flavour), the most any float32 GEMM could do here. GEMMs near it leave lower
+precision as the only way up.
+
 A prefill's roofline counts its FLOPs: the linears at the rows of each chunk the scheduler
 runs (`max_num_batched_tokens`), the LM head on each prompt's last token, and causal
 attention (QK^T and PV: 4 x head_dim x heads multiply-adds per query per key it sees), all at
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 from pkv.core.model_config import ModelConfig
 from pkv.core.progress import make_progress
+from pkv.plugins import cpp_build
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,20 @@ class Roofline:
     @property
     def gflops_per_s(self) -> float:
         return self.flops / self.step_s / 1e9
+
+
+# Rounds of twelve multiply-add chains a thread runs per peak measurement (~0.2 s).
+PEAK_ITERS = 100_000_000
+
+
+def fma_peak_gflops(repeat: int = 3) -> float | None:
+    """The float32 multiply-add peak of this CPU over torch's threads, as the CPU kernels'
+    flavour reaches it; best of `repeat`. None where the kernels did not build."""
+    ext = cpp_build.kernels_or_none()
+    if ext is None:
+        return None
+    ext.fma_peak_gflops(PEAK_ITERS // 100)  # threads started, clocks up
+    return max(ext.fma_peak_gflops(PEAK_ITERS) for _ in range(repeat))
 
 
 def gemm_shapes(cfg: ModelConfig) -> list[GemmShape]:

@@ -11,6 +11,7 @@
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
+#include "peak_cpu.cpp"
 #include "sampling_cpu.cpp"
 #include "decoder_cpu.cpp"
 
@@ -42,6 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
 
   m.def("first_argmax", &first_argmax, "each row's first maximum (argmax, NaN first)");
+
+  m.def("fma_peak_gflops", &fma_peak_gflops, "float32 multiply-add peak of all threads");
 
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, bool, at::Tensor>())

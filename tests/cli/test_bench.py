@@ -181,6 +181,41 @@ def test_roofline_covers_prefill(tmp_path: Path, tiny_llama_dir: Path):
     assert run["prefill_roofline_pct"] == pytest.approx(
         100 * run["prefill_throughput"] / run["prefill_roofline_tokens_per_s"])
     assert "prefill tokens/s vs the float32 GEMM roofline" in result.output
+    # the decode roofline's GEMMs against the CPU's own multiply-add peak
+    assert run["fma_peak_gflops"] > 0 and run["roofline_gflops"] > 0
+    assert run["gemm_peak_pct"] == pytest.approx(
+        100 * run["roofline_gflops"] / run["fma_peak_gflops"])
+    assert "multiply-add peak" in result.output
+
+
+def test_fma_peak_bounds_a_gemm_measured_beside_it():
+    import time
+
+    import torch
+
+    from pkv.plugins import cpp_build
+
+    def gemm_gflops() -> float:
+        a, b = torch.randn(256, 576), torch.randn(576, 1536)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        return 2 * 256 * 576 * 1536 / best / 1e9
+
+    ext = cpp_build.kernels()  # the best flavour this CPU runs, as torch's GEMMs use it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core each: a neighbour test cannot skew one side only
+    try:
+        peak = max(ext.fma_peak_gflops(2_000_000) for _ in range(3))
+        gemm = gemm_gflops()
+    finally:
+        torch.set_num_threads(threads)
+    assert gemm <= 1.25 * peak  # no float32 GEMM outruns the multiply-add peak
+    assert peak <= 10 * gemm  # and the peak is this core's, in the same unit
+    with pytest.raises(RuntimeError, match="iters must be positive"):
+        ext.fma_peak_gflops(0)
 
 
 def test_prefill_roofline_counts_linears_attention_and_head(tiny_llama_dir: Path):
