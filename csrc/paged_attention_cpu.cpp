@@ -320,9 +320,9 @@ static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& 
       const vfn pos = vfn{} + static_cast<float>(k0 + j);
       return (pos >= lo) & (pos < len);
     };
-    vfn mx = loadv(b.cmax.data() + c);
+    // Unmasked tiles took each row's max from the S product's registers (cmax).
+    vfn mx = kMasked ? ninf : loadv(b.cmax.data() + c);
     if (kMasked) {
-      mx = ninf;
       for (int64_t j = 0; j < n; ++j) {
         const vfn x = seen(j) ? loadv(st + j * MP + c) : ninf;
         mx = mx > x ? mx : x;

@@ -36,11 +36,10 @@ inline float row_max(const float* x, int64_t n) {
   }
   float best = kLow;
   bool has_nan = false;
-  for (int c = 0; c < 4; ++c)
-    for (int l = 0; l < kLanes; ++l) {
-      best = m[c][l] > best ? m[c][l] : best;
-      has_nan = has_nan || nan[l] != 0;
-    }
+  for (int l = 0; l < kLanes; ++l) {
+    for (int c = 0; c < 4; ++c) best = m[c][l] > best ? m[c][l] : best;
+    has_nan = has_nan || nan[l] != 0;
+  }
   for (; i < n; ++i) {
     best = x[i] > best ? x[i] : best;
     has_nan = has_nan || x[i] != x[i];
