@@ -3,8 +3,8 @@ parameters (intermediate = top_k x the experts' width), per forward, at a few ba
 
 Both run on random weights in one process, their forwards interleaved (a busy machine
 slows both alike); a time is the median of `repeats` forwards after a warm-up. The dense
-MLP's weights are packed for oneDNN as the engine packs them on CPU (`prepack_linears`),
-so the ratio is the one serving sees.
+MLP's float32 linears run on the CPU kernels' f32_linear as the engine runs them
+(csrc/gemv_cpu.cpp), so the ratio is the one serving sees.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 from pkv.cli.cpu_info import cpu_summary
 from pkv.core.layers.mlp import GatedMLP
 from pkv.core.layers.moe import SparseMoE
-from pkv.core.linear import prepack_linears
+from pkv.core.linear import Linear
 from pkv.core.parallel import ShardPlan, TPGroup
+from pkv.plugins import cpp_build
 
 
 class MoeRow(NamedTuple):
@@ -53,7 +54,10 @@ def moe_vs_dense(batch_sizes: Sequence[int] = (1, 64), hidden: int = 1024, num_e
             module.to(dtype)
             for p in module.parameters():
                 p.copy_(0.02 * torch.randn(p.shape))
-        prepack_linears(dense)
+        ops = cpp_build.kernels_or_none() if dtype == torch.float32 else None
+        for linear in dense.modules():
+            if isinstance(linear, Linear):
+                linear.kernel = ops
         for batch in batch_sizes:
             x = torch.randn(batch, hidden, dtype=dtype)
             moe_ms, dense_ms = _interleaved_ms([lambda: moe(x), lambda: dense(x)], repeats)

@@ -98,16 +98,17 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
 
 
 def _kernel_weights(linear: Linear) -> list[torch.Tensor] | None:
-    """What the C++ decoder multiplies with: AWQ (codes, scales, zs), or the oneDNN-packed
-    float32 weight; None for anything else."""
+    """What the C++ decoder multiplies with: AWQ (codes, scales, zs), or the float32 weight
+    (csrc/gemv_cpu.cpp's f32_linear); None for anything else."""
     method = linear.method
     if isinstance(method, AWQLinearMethod):
         if method.kernel == "cpu" and getattr(linear, "kernel", None) is not None:
             return [linear.codes, linear.scales_f32, linear.zs]
         return None
-    packed = linear._buffers.get("packed_weight")
-    if isinstance(method, UnquantizedLinearMethod) and packed is not None:
-        return [packed]
+    weight = linear.weight
+    if (isinstance(method, UnquantizedLinearMethod) and weight is not None
+            and weight.device.type == "cpu" and weight.dtype == torch.float32):
+        return [weight.contiguous()]
     return None
 
 

@@ -13,7 +13,6 @@ its own part of each tensor from disk.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -141,6 +140,7 @@ class Linear(nn.Module):
         if split is not None and split.kind == "row" and bias:
             raise ValueError("row-parallel layers with a bias are not supported")
         self.method = method or UnquantizedLinearMethod()
+        self.kernel: Any = None  # the CPU kernels module, where the method runs on it
         dtype = dtype or torch.get_default_dtype()
         self.layouts = self.method.create_weights(self, dtype)
         if bias:
@@ -180,11 +180,6 @@ class Linear(nn.Module):
                 f"method={self.method.name}")
 
 
-# oneDNN picks its blocked layout for this many rows; 16 was best or near it for every
-# SmolLM2 shape at 1, 64 and 256 rows (a hint of 256 cost 20% at batch 256 on qkv).
-PACK_HINT_ROWS = 16
-
-
 class UnquantizedLinearMethod(LinearMethod):
     """Float weights [out, in], as nn.Linear."""
 
@@ -196,43 +191,9 @@ class UnquantizedLinearMethod(LinearMethod):
         return {"weight": ParamLayout(output_dim=0, input_dim=1)}
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        packed = layer._buffers.get("packed_weight")
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        # On CPU in float32 the kernels' f32_linear (csrc/gemv_cpu.cpp): a GEMV that streams
+        # the weight at memory speed up to a few rows, MKL's GEMM above, on this same weight.
+        kernel = layer.kernel
+        if kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return kernel.f32_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
-
-
-# Entries kept by each of oneDNN's and ideep's shape-keyed caches (see prepack_linears).
-ONEDNN_CACHE_ENTRIES = 64
-
-
-def prepack_linears(model: nn.Module) -> int:
-    """Reorder the float32 CPU weights of plain linear layers into oneDNN's blocked layout,
-    in place; return how many were packed.
-
-    oneDNN's GEMM on packed weights runs 1.2-2x faster than MKL on the plain layout for every
-    SmolLM2 shape at 1-256 rows (FACTS: CPU GEMM). Packed layers drop their plain weight, so
-    this is for serving, after loading; code that edits weights (quantize/) never calls it. A
-    tied LM head gets its own packed copy; the embedding keeps the plain one.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    # oneDNN keeps a primitive per (shape, rows), and torch's ideep layer above it a
-    # computation per (weight, rows), each 0.3-1 MiB; rows change every step. At their
-    # defaults of 1024 entries each, a serving process grew by ~200 MiB in 10 minutes and
-    # kept climbing ~4 MiB a minute for as long as new row counts came. 64 recent ones cost
-    # no measurable speed. Both are read once, at first use: this is before it.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
-    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, Linear) or not isinstance(module.method, UnquantizedLinearMethod):
-            continue
-        weight = module.weight
-        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
-            continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=PACK_HINT_ROWS)
-        module.weight = None
-        module.register_buffer("packed_weight", packed, persistent=False)
-        count += 1
-    return count

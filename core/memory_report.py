@@ -6,8 +6,6 @@ The caches that fill during a server's first minutes, all bounded:
     compiled grammars      64 per guided backend (LRU)           plugins/guided/compiling.py
     token masks            64 MiB (outlines; LRU by bytes)       plugins/guided/outlines_backend.py
     prefix-cache blocks    the KV pool's blocks (they are the pool)  core/block_pool.py
-    oneDNN primitives      64 (ONEDNN_PRIMITIVE_CACHE_CAPACITY)  core/linear.py
-    ideep computations     64 (LRU_CACHE_CAPACITY; torch's layer over oneDNN)  core/linear.py
     LoRA adapters          what was loaded by name (explicit; slots preallocated)
     glibc free pages       handed back at every idle (malloc_trim)  core/memory.py
 
@@ -45,10 +43,6 @@ def engine_caches(engine: Any) -> dict[str, CacheSize]:
     sizes = getattr(engine.guided, "cache_sizes", None)  # third-party backends may not say
     for name, (size, bound, unit) in (sizes() if sizes else {}).items():
         caches[name] = CacheSize(size, bound, unit)
-    # Neither oneDNN nor ideep tells its cache's size; both default to 1024 entries.
-    for name, env, unit in (("oneDNN primitives", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "primitives"),
-                            ("ideep computations", "LRU_CACHE_CAPACITY", "computations")):
-        caches[name] = CacheSize(None, float(os.environ.get(env, 1024)), unit)
     if engine.lora is not None:
         caches["LoRA adapters (host)"] = CacheSize(
             sum(a.nbytes for a in engine.lora.adapters.values()), None, "bytes")

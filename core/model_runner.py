@@ -19,7 +19,7 @@ from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
 from pkv.core.fused_decoder import build_fused_decoder
 from pkv.core.layers.lora import LoRABatch, attach_lora, lora_segments
-from pkv.core.linear import UnquantizedLinearMethod, prepack_linears
+from pkv.core.linear import UnquantizedLinearMethod
 from pkv.core.lora_adapter import LoRAAdapter
 from pkv.core.memory import release_free_memory
 from pkv.core.model_config import ModelConfig
@@ -122,7 +122,6 @@ class ModelRunner:
             from pkv.plugins.weights.int8 import Int8LinearMethod
 
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
-        prepack_linears(self.model)
         self.lora_batch = LoRABatch()
         self.lora_layers = (attach_lora(self.model, config.max_loras, config.max_lora_rank,
                                         self.lora_batch, self.dtype, self.device)
@@ -151,9 +150,7 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold in memory (shared tensors counted once)."""
-        # Packed oneDNN weights are opaque (no data_ptr) and never shared.
-        tensors = {id(t) if t.is_mkldnn else t.data_ptr(): t
-                   for t in [*self.model.parameters(), *self.model.buffers()]}
+        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @property

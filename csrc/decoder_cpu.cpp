@@ -1,5 +1,5 @@
 // The decoder stack of a float32 model on CPU in one call per step, its linears either 4-bit
-// AWQ (csrc/awq_cpu.cpp) or float32 weights packed by oneDNN (mkldnn::_linear_pointwise).
+// AWQ (csrc/awq_cpu.cpp) or float32 weights (csrc/gemv_cpu.cpp's f32_linear).
 //
 // At batch 1 a 4-bit layer's kernels take ~150 us, and the Python between them (module calls,
 // splits, views, argument parsing: ~40 calls a layer) took another ~100 us. This runs the same
@@ -28,7 +28,7 @@
 
 namespace {
 
-// AWQ: codes, scales, zs and the group size; float32: the oneDNN-packed weight alone.
+// AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone.
 // With LoRA, the adapter slots (core/layers/lora.py): a [slots, in, W], b [slots, W, out].
 struct Linear {
   std::vector<at::Tensor> weights;
@@ -88,19 +88,6 @@ struct Layer {
   bool gelu;  // GeGLU (tanh) instead of SwiGLU
   Linear qkv, o, gate_up, down;
 };
-
-// What `torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")` runs.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
-                            const std::optional<at::Tensor>& bias) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                  const std::optional<at::Tensor>&,
-                                                  c10::string_view,
-                                                  c10::List<std::optional<c10::Scalar>>,
-                                                  std::optional<c10::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
-}
 
 }  // namespace
 
@@ -228,7 +215,7 @@ class CpuDecoder {
   }
 
   at::Tensor linear(const at::Tensor& x, const Linear& w) const {
-    at::Tensor y = w.group == 0 ? packed_linear(x, w.weights[0], w.bias)
+    at::Tensor y = w.group == 0 ? gemv::f32_linear(x, w.weights[0], w.bias)
                                    : awq_linear(x, w.weights[0], w.weights[1], w.weights[2],
                                                 w.bias, w.n, w.group, max_gemv_rows_,
                                                 int16_activations_);

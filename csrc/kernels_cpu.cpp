@@ -8,6 +8,7 @@
 
 #include "awq_cpu.cpp"
 #include "awq_int16_cpu.cpp"
+#include "gemv_cpu.cpp"
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
@@ -28,6 +29,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_gemv_int16", &awq_gemv_int16, "4-bit AWQ GEMV with int16 activations (AVX2, AVX-512)");
   m.def("awq_gemv_has_int16", &awq_gemv_has_int16, "whether this flavour has awq_gemv_int16");
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
+
+  m.def("f32_gemv", &gemv::f32_gemv, "float32 GEMV of few rows on the plain [N, K] weight");
+  m.def("f32_linear", &gemv::f32_linear, "float32 linear on CPU: the GEMV at few rows, MKL above");
+  m.attr("f32_gemv_max_rows") = gemv::kMaxRows;
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
   m.def("int8_gemm", &int8::int8_gemm, "weight-only int8 GEMM by widened panels, for many rows");

@@ -26,7 +26,8 @@ from pkv.core.layers.embedding import VocabEmbedding
 from pkv.core.layers.moe import SparseMoE
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.linear import Linear, LinearMethod, as_tensor, check_shape, take
+from pkv.core.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor, check_shape,
+                             take)
 from pkv.core.model_config import ModelConfig
 from pkv.core.parallel import ShardPlan, single_rank_plan
 
@@ -125,13 +126,15 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def use_kernels(self, ops: Any, fused: Any = None) -> None:
-        """Compute norms, RoPE and the MLP activation with `ops` (csrc/layer_ops_cpu.cpp,
-        float32 on CPU only), and the whole decoder stack with `fused` where given (see
-        core/fused_decoder.py); None goes back to torch."""
+        """Compute norms, RoPE, the MLP activation (csrc/layer_ops_cpu.cpp) and float32
+        linears (csrc/gemv_cpu.cpp) with `ops` (float32 on CPU only), and the whole decoder
+        stack with `fused` where given (see core/fused_decoder.py); None goes back to torch."""
         from pkv.core.layers.mlp import GatedMLP
 
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+                module.kernel = ops
+            elif isinstance(module, Linear) and isinstance(module.method, UnquantizedLinearMethod):
                 module.kernel = ops
         self.model.fused = fused
 

@@ -1,0 +1,150 @@
+// Float32 linear layers at few rows on CPU: y = x @ W^T (+ bias), W in nn.Linear's plain layout.
+//
+//   x     [M, K]   float32, contiguous
+//   w     [N, K]   float32, contiguous (the weight as loaded: no packed copy)
+//   bias  [N]      float32 or empty
+//   y     [M, N]
+//
+// At a few rows a linear layer reads its whole weight to do two FLOPs per float: it is a
+// stream from memory, and what matters is how close the stream runs to the memory's speed.
+// oneDNN on its packed layout and MKL both run SmolLM2's 30 layers of GEMVs well below it when
+// every layer's weight comes from DRAM, as in a decode step (two AVX2 threads: oneDNN ~12 GB/s,
+// MKL ~15.5, this kernel ~18-19; a plain read ~18). Here each thread walks groups of four
+// weight rows front to back, prefetching a kilobyte ahead in each, and takes every row of x
+// through the group while its 4 x K floats sit in L1: the weight is read from memory once
+// however many rows there are, and x (a few KB a row) stays in L2.
+//
+// The inner product of a row of x with a row of W is a sum over K in native vectors, ended by
+// one horizontal sum per (row of x, row of W). Rows of x go RB at a time (the accumulators,
+// RB x 4 vectors, and the 4 weight vectors must fit the register file); at one row, two sets
+// of accumulators alternate over K so that eight chains of FMAs hide the FMA latency.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "vec_math.h"
+
+namespace gemv {
+namespace {
+
+// Up to this many rows f32_linear takes the GEMV; above, MKL's GEMM (SmolLM2's 30 layers with
+// cold weights, two threads: the GEMV is 1.1-1.4x the faster of oneDNN and MKL at 1-8 rows,
+// level at 16, 0.9x at 32 and 0.75x at 64).
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kOuts = 4;          // weight rows (outputs) per group
+constexpr int64_t kAhead = 256;       // floats prefetched ahead in each weight row (1 KB)
+constexpr int64_t kGroupsPerTask = 8; // groups a thread takes at a time (32 outputs)
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kRowBlock = 4;  // 32 vector registers: 16 accumulators + 4 weights + 1 x
+#else
+constexpr int kRowBlock = 2;  // 16 vector registers: 8 accumulators + 4 weights + 1 x
+#endif
+
+inline vfn load_native(const float* p) {
+  vfn v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float lane_sum(vfn v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// y[r, o] for rows [0, R) of x and the O (<= kOuts) weight rows at w; K in whole vectors up to
+// K_vec, the rest one float at a time.
+template <int R, int O>
+void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy,
+                bool prefetch) {
+  constexpr int S = R == 1 ? 2 : 1;  // accumulator sets alternating over K
+  vfn acc[S][R][O];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int o = 0; o < O; ++o) acc[s][r][o] = vfn{};
+  const int64_t K_vec = K - K % (S * kLanes);
+  for (int64_t k = 0; k < K_vec; k += S * kLanes) {
+    if (prefetch && k % 16 == 0) {
+      for (int o = 0; o < O; ++o) __builtin_prefetch(w + o * K + k + kAhead);
+    }
+    for (int s = 0; s < S; ++s) {
+      vfn wv[O];
+      for (int o = 0; o < O; ++o) wv[o] = load_native(w + o * K + k + s * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const vfn xv = load_native(x + r * K + k + s * kLanes);
+        for (int o = 0; o < O; ++o) acc[s][r][o] += xv * wv[o];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < O; ++o) {
+      vfn total = acc[0][r][o];
+      for (int s = 1; s < S; ++s) total += acc[s][r][o];
+      float sum = lane_sum(total);
+      for (int64_t k = K_vec; k < K; ++k) sum += x[r * K + k] * w[o * K + k];
+      y[r * ldy + o] = sum;
+    }
+  }
+}
+
+// Every row of x through the O weight rows at w (one group).
+template <int O>
+void group(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  int64_t r = 0;
+  if (M == 1) {
+    group_rows<1, O>(x, K, w, y, ldy, true);
+    return;
+  }
+  for (; r + kRowBlock <= M; r += kRowBlock)
+    group_rows<kRowBlock, O>(x + r * K, K, w, y + r * ldy, ldy, r == 0);
+  for (; r < M; ++r) group_rows<1, O>(x + r * K, K, w, y + r * ldy, ldy, r == 0);
+}
+
+}  // namespace
+
+at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "f32_gemv: x must be contiguous float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                  w.size(1) == x.size(1),
+              "f32_gemv: w must be contiguous float32 [N, K] with x's K");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                            bias.numel() == N),
+              "f32_gemv: bias must be contiguous float32 [N]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (N + kOuts - 1) / kOuts;
+  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = g * kOuts;
+      const float* wg = wp + n * K;
+      switch (std::min(kOuts, N - n)) {
+        case 4: group<4>(xp, M, K, wg, yp + n, N); break;
+        case 3: group<3>(xp, M, K, wg, yp + n, N); break;
+        case 2: group<2>(xp, M, K, wg, yp + n, N); break;
+        default: group<1>(xp, M, K, wg, yp + n, N); break;
+      }
+    }
+  });
+  if (has_bias) y.add_(bias);
+  return y;
+}
+
+// The float32 linear layer of the CPU path: this GEMV up to kMaxRows rows, MKL's GEMM (torch's
+// own CPU linear) above, both on the same plain weight.
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  if (x.dim() == 2 && x.size(0) <= kMaxRows) return f32_gemv(x.contiguous(), w, b);
+  return at::linear(x, w, bias);
+}
+
+}  // namespace gemv

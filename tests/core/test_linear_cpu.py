@@ -1,0 +1,99 @@
+"""Float32 linears on CPU: csrc/gemv_cpu.cpp's GEMV and f32_linear against torch, under every
+ISA flavour, and the engine running its plain weights through them (no packed copies)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pkv.core.config import EngineConfig
+from pkv.core.linear import Linear
+from pkv.core.llm_engine import LLMEngine
+
+EMPTY = torch.empty(0)
+
+
+def _case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * 0.1,
+            torch.randn(n, generator=gen))
+
+
+# Rows 1 to 70 (one row, the row blocks of every flavour and their remainders, past the GEMV's
+# limit); K a whole number of vectors or not (a scalar tail); N a multiple of the 4-row
+# weight groups or 1-3 past it.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70])
+@pytest.mark.parametrize(("k", "n"), [(64, 32), (576, 193), (37, 6), (1537, 7)])
+def test_f32_gemv_matches_torch(cpu_kernels, rows: int, k: int, n: int):
+    x, w, bias = _case(rows, k, n, rows * 1000 + k + n)
+    torch.testing.assert_close(cpu_kernels.f32_gemv(x, w, EMPTY), x @ w.t(),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.f32_gemv(x, w, bias), F.linear(x, w, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_f32_gemv_takes_zero_rows_and_refuses_bad_operands(cpu_kernels):
+    x, w, bias = _case(3, 40, 12, 0)
+    assert cpu_kernels.f32_gemv(x[:0], w, EMPTY).shape == (0, 12)
+    for bad in ((x.t().contiguous().t(), w, EMPTY),  # strided x
+                (x, w[:, :20], EMPTY),  # K differs
+                (x, w.t().contiguous().t(), EMPTY),  # strided w
+                (x.double(), w.double(), EMPTY),
+                (x, w, bias[:5])):
+        with pytest.raises(RuntimeError, match="f32_gemv"):
+            cpu_kernels.f32_gemv(*bad)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_f32_linear_is_the_gemv_up_to_its_rows_and_torch_above(cpu_kernels, bias: bool):
+    limit = cpu_kernels.f32_gemv_max_rows
+    assert limit >= 8
+    for rows in (1, limit, limit + 1, 70):
+        x, w, b = _case(rows, 96, 40, rows)
+        b = b if bias else None
+        got = cpu_kernels.f32_linear(x, w, b)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        # Bit for bit the GEMV's up to `limit` rows, torch's own linear (MKL) above.
+        same = cpu_kernels.f32_gemv(x, w, b if bias else EMPTY) if rows <= limit else F.linear(x, w, b)
+        assert torch.equal(got, same)
+
+
+def test_strided_input_goes_through_f32_linear(cpu_kernels):
+    x, w, b = _case(5, 64, 24, 3)
+    strided = torch.cat([x, x], dim=1)[:, :64]
+    torch.testing.assert_close(cpu_kernels.f32_linear(strided, w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 70])
+def test_linear_layer_with_kernels_matches_plain(cpu_kernels, rows: int):
+    torch.manual_seed(rows)
+    layer = Linear(48, [40, 24], True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        plain = layer(x)
+        layer.kernel = cpu_kernels
+        fast = layer(x)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_runs_plain_float_weights(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4MiB"),
+                       show_progress=False)
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is not None and m.kernel is not None for m in linears)
+    assert all(not m._buffers for m in linears)  # no packed copies beside the weights
+
+
+def test_tied_head_is_the_embedding_counted_once(smol_llm):
+    runner = smol_llm.llm_engine.runner
+    model = runner.model
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    # The head and the embedding are one tensor, counted once.
+    every = [p for _, p in model.named_parameters(remove_duplicate=False)] + [*model.buffers()]
+    head = model.lm_head.weight.numel() * 4
+    assert runner.weight_bytes == sum(t.numel() * t.element_size() for t in every) - head
