@@ -4,7 +4,8 @@ measured here.
 For a batch of B sequences a decode step multiplies B rows through every linear layer of the
 model and its LM head. This times exactly those GEMMs (the model's own shapes, one weight
 copy per layer so the weights stream from memory as in a real step), with both GEMMs torch
-has on CPU (MKL on plain weights, oneDNN on packed ones), and keeps the faster per shape.
+has on CPU (MKL on plain weights, oneDNN on packed ones) and, at the few rows it takes, the
+kernels' float32 GEMV (csrc/gemv_cpu.cpp), and keeps the fastest per shape.
 B / that time is the throughput a step made of nothing but GEMMs would reach: attention,
 norms, sampling and the engine all come on top, so a real engine stays below it.
 
@@ -96,14 +97,18 @@ def _shape_time(shape: GemmShape, batch: int, repeat: int) -> float:
     """Seconds for `count` GEMMs of this shape at `batch` rows, each on its own weight."""
     weights = [torch.randn(shape.out_features, shape.in_features) for _ in range(shape.count)]
     x = torch.randn(batch, shape.in_features)
-    mkl = _best_time(lambda: [F.linear(x, w) for w in weights], repeat)
+    best = _best_time(lambda: [F.linear(x, w) for w in weights], repeat)
+    ext = cpp_build.kernels_or_none()
+    if ext is not None and batch <= ext.f32_gemv_max_rows:
+        none = torch.empty(0)
+        best = min(best, _best_time(lambda: [ext.f32_gemv(x, w, none) for w in weights], repeat))
     if not torch.backends.mkldnn.is_available():
-        return mkl
+        return best
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, batch_size=16) for w in weights]
     del weights
     onednn = _best_time(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                  for w in packed], repeat)
-    return min(mkl, onednn)
+    return min(best, onednn)
 
 
 @torch.inference_mode()

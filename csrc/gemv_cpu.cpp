@@ -66,10 +66,13 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
       for (int o = 0; o < O; ++o) acc[s][r][o] = vfn{};
-  const int64_t K_vec = K - K % (S * kLanes);
-  for (int64_t k = 0; k < K_vec; k += S * kLanes) {
-    if (prefetch && k % 16 == 0) {
-      for (int o = 0; o < O; ++o) __builtin_prefetch(w + o * K + k + kAhead);
+  constexpr int64_t kStep = S * kLanes;  // floats of a weight row per iteration
+  const int64_t K_vec = K - K % kStep;
+  for (int64_t k = 0; k < K_vec; k += kStep) {
+    if (prefetch && k % 16 == 0) {  // every 64-byte line once
+      for (int o = 0; o < O; ++o)
+        for (int64_t line = 0; line < kStep; line += 16)
+          __builtin_prefetch(w + o * K + k + kAhead + line);
     }
     for (int s = 0; s < S; ++s) {
       vfn wv[O];
@@ -95,13 +98,18 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
 template <int O>
 void group(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
   int64_t r = 0;
-  if (M == 1) {
-    group_rows<1, O>(x, K, w, y, ldy, true);
-    return;
-  }
   for (; r + kRowBlock <= M; r += kRowBlock)
     group_rows<kRowBlock, O>(x + r * K, K, w, y + r * ldy, ldy, r == 0);
-  for (; r < M; ++r) group_rows<1, O>(x + r * K, K, w, y + r * ldy, ldy, r == 0);
+  const int64_t rest = M - r;  // fewer rows than a block, in one pass
+  x += r * K;
+  y += r * ldy;
+  if (rest == 1) group_rows<1, O>(x, K, w, y, ldy, r == 0);
+  if constexpr (kRowBlock > 2) {
+    if (rest == 2) group_rows<2, O>(x, K, w, y, ldy, r == 0);
+  }
+  if constexpr (kRowBlock > 3) {
+    if (rest == 3) group_rows<3, O>(x, K, w, y, ldy, r == 0);
+  }
 }
 
 }  // namespace
@@ -141,9 +149,12 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 // The float32 linear layer of the CPU path: this GEMV up to kMaxRows rows, MKL's GEMM (torch's
 // own CPU linear) above, both on the same plain weight.
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
+                      const std::optional<at::Tensor>& bias) {
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
-  if (x.dim() == 2 && x.size(0) <= kMaxRows) return f32_gemv(x.contiguous(), w, b);
+  if (x.dim() == 2 && x.size(0) <= kMaxRows && w.is_contiguous() &&
+      (!b.defined() || b.is_contiguous()))
+    return f32_gemv(x.contiguous(), w, b);
   return at::linear(x, w, bias);
 }
 

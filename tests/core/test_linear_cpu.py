@@ -55,15 +55,19 @@ def test_f32_linear_is_the_gemv_up_to_its_rows_and_torch_above(cpu_kernels, bias
         got = cpu_kernels.f32_linear(x, w, b)
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         # Bit for bit the GEMV's up to `limit` rows, torch's own linear (MKL) above.
-        same = cpu_kernels.f32_gemv(x, w, b if bias else EMPTY) if rows <= limit else F.linear(x, w, b)
-        assert torch.equal(got, same)
+        if rows <= limit:
+            assert torch.equal(got, cpu_kernels.f32_gemv(x, w, b if bias else EMPTY))
+        else:
+            assert torch.equal(got, F.linear(x, w, b))
 
 
-def test_strided_input_goes_through_f32_linear(cpu_kernels):
+def test_strided_operands_go_through_f32_linear(cpu_kernels):
     x, w, b = _case(5, 64, 24, 3)
-    strided = torch.cat([x, x], dim=1)[:, :64]
-    torch.testing.assert_close(cpu_kernels.f32_linear(strided, w, b), F.linear(x, w, b),
-                               rtol=1e-5, atol=1e-4)
+    strided_x = torch.cat([x, x], dim=1)[:, :64]
+    strided_w = torch.cat([w, w], dim=1)[:, :64]
+    for args in ((strided_x, w, b), (x, strided_w, b), (x, w, torch.stack([b, b], 1)[:, 0])):
+        torch.testing.assert_close(cpu_kernels.f32_linear(*args), F.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 70])
