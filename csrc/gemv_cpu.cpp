@@ -15,15 +15,14 @@
 // however many rows there are, and x (a few KB a row) stays in L2.
 //
 // The inner product of a row of x with a row of W is a sum over K in native vectors, ended by
-// one horizontal sum per (row of x, row of W). Rows of x go RB at a time (the accumulators,
-// RB x 4 vectors, and the 4 weight vectors must fit the register file); at one row, two sets
-// of accumulators alternate over K so that eight chains of FMAs hide the FMA latency.
+// one horizontal sum per (row of x, row of W). Rows of x go kRowBlock at a time (its
+// kRowBlock x 4 accumulators and the 4 weight vectors must fit the register file); at one row,
+// two sets of accumulators alternate over K so that eight chains of FMAs hide the FMA latency.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 
 #include "vec_math.h"
@@ -32,8 +31,9 @@ namespace gemv {
 namespace {
 
 // Up to this many rows f32_linear takes the GEMV; above, MKL's GEMM (SmolLM2's 30 layers with
-// cold weights, two threads: the GEMV is 1.1-1.4x the faster of oneDNN and MKL at 1-8 rows,
-// level at 16, 0.9x at 32 and 0.75x at 64).
+// cold weights, two threads, AVX2 and AVX-512: the GEMV is 1.05-1.35x the faster of oneDNN and
+// MKL at 1-8 rows, level at 16, 0.8-0.9x at 24-32 and 0.7-0.8x at 64; MKL is 0.7-0.9x of
+// oneDNN at 2-32 rows and level from 64).
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kOuts = 4;          // weight rows (outputs) per group
 constexpr int64_t kAhead = 256;       // floats prefetched ahead in each weight row (1 KB)
@@ -43,12 +43,6 @@ constexpr int kRowBlock = 4;  // 32 vector registers: 16 accumulators + 4 weight
 #else
 constexpr int kRowBlock = 2;  // 16 vector registers: 8 accumulators + 4 weights + 1 x
 #endif
-
-inline vfn load_native(const float* p) {
-  vfn v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 inline float lane_sum(vfn v) {
   float s = 0.f;
@@ -76,9 +70,9 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
     }
     for (int s = 0; s < S; ++s) {
       vfn wv[O];
-      for (int o = 0; o < O; ++o) wv[o] = load_native(w + o * K + k + s * kLanes);
+      for (int o = 0; o < O; ++o) wv[o] = loadv(w + o * K + k + s * kLanes);
       for (int r = 0; r < R; ++r) {
-        const vfn xv = load_native(x + r * K + k + s * kLanes);
+        const vfn xv = loadv(x + r * K + k + s * kLanes);
         for (int o = 0; o < O; ++o) acc[s][r][o] += xv * wv[o];
       }
     }
