@@ -10,9 +10,11 @@
 // oneDNN on its packed layout and MKL both run SmolLM2's 30 layers of GEMVs well below it when
 // every layer's weight comes from DRAM, as in a decode step (two AVX2 threads: oneDNN ~12 GB/s,
 // MKL ~15.5, this kernel ~18-19; a plain read ~18). Here each thread walks groups of four
-// weight rows front to back, prefetching a kilobyte ahead in each, and takes every row of x
-// through the group while its 4 x K floats sit in L1: the weight is read from memory once
-// however many rows there are, and x (a few KB a row) stays in L2.
+// weight rows front to back and takes every row of x through the group while its 4 x K floats
+// sit in L1: the weight is read from memory once however many rows there are, and x (a few KB
+// a row) stays in L2. Software prefetches keep the stream going: a kilobyte ahead in each row
+// at one row of x, else the next group spread over the passes of kRowBlock rows (prefetching
+// only in the first pass left memory idle through the others: 4-8 rows 1.1-1.2x, 16 ~1.07x).
 //
 // The inner product of a row of x with a row of W is a sum over K in native vectors, ended by
 // one horizontal sum per (row of x, row of W). Rows of x go kRowBlock at a time (its
@@ -31,18 +33,27 @@ namespace gemv {
 namespace {
 
 // Up to this many rows f32_linear takes the GEMV; above, MKL's GEMM (SmolLM2's 30 layers with
-// cold weights, two threads, AVX2 and AVX-512: the GEMV is 1.05-1.35x the faster of oneDNN and
-// MKL at 1-8 rows, level at 16, 0.8-0.9x at 24-32 and 0.7-0.8x at 64; MKL is 0.7-0.9x of
-// oneDNN at 2-32 rows and level from 64).
-constexpr int64_t kMaxRows = 16;
+// cold weights, two threads, AVX2 and AVX-512: the GEMV is 1.1-1.5x the faster of oneDNN and
+// MKL at 1-16 rows, 1.03-1.07x at 24, 0.95-0.98x at 32 (1.05-1.15x MKL there, but no faster
+// in the engine), 0.8-0.95x at 48; MKL is 0.7-0.9x of oneDNN at 2-32 rows, level from 64).
+constexpr int64_t kMaxRows = 24;
 constexpr int64_t kOuts = 4;          // weight rows (outputs) per group
-constexpr int64_t kAhead = 256;       // floats prefetched ahead in each weight row (1 KB)
+constexpr int64_t kAhead = 256;       // floats a single pass prefetches ahead in each row
 constexpr int64_t kGroupsPerTask = 8; // groups a thread takes at a time (32 outputs)
 #if defined(__AVX512F__) || defined(__aarch64__)
 constexpr int kRowBlock = 4;  // 32 vector registers: 16 accumulators + 4 weights + 1 x
 #else
 constexpr int kRowBlock = 2;  // 16 vector registers: 8 accumulators + 4 weights + 1 x
 #endif
+
+// What a pass prefetches while it computes: its own weight rows kAhead floats ahead (one
+// pass: the rows stream once), or lines of the next group spread over its K loop (several
+// passes: memory streams while every pass computes, not only the first).
+struct Prefetch {
+  bool rows_ahead;
+  const float* from;
+  int64_t lines;
+};
 
 inline float lane_sum(vfn v) {
   float s = 0.f;
@@ -54,7 +65,7 @@ inline float lane_sum(vfn v) {
 // K_vec, the rest one float at a time.
 template <int R, int O>
 void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy,
-                bool prefetch) {
+                Prefetch ahead) {
   constexpr int S = R == 1 ? 2 : 1;  // accumulator sets alternating over K
   vfn acc[S][R][O];
   for (int s = 0; s < S; ++s)
@@ -62,12 +73,15 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
       for (int o = 0; o < O; ++o) acc[s][r][o] = vfn{};
   constexpr int64_t kStep = S * kLanes;  // floats of a weight row per iteration
   const int64_t K_vec = K - K % kStep;
+  const int64_t per_step = (ahead.lines * kStep + K_vec - 1) / std::max<int64_t>(K_vec, 1);
+  int64_t line = 0;
   for (int64_t k = 0; k < K_vec; k += kStep) {
-    if (prefetch && k % 16 == 0) {  // every 64-byte line once
+    if (ahead.rows_ahead && k % 16 == 0) {  // every 64-byte line once
       for (int o = 0; o < O; ++o)
-        for (int64_t line = 0; line < kStep; line += 16)
-          __builtin_prefetch(w + o * K + k + kAhead + line);
+        for (int64_t l = 0; l < kStep; l += 16) __builtin_prefetch(w + o * K + k + kAhead + l);
     }
+    for (const int64_t end = std::min(ahead.lines, line + per_step); line < end; ++line)
+      __builtin_prefetch(ahead.from + line * 16);
     for (int s = 0; s < S; ++s) {
       vfn wv[O];
       for (int o = 0; o < O; ++o) wv[o] = loadv(w + o * K + k + s * kLanes);
@@ -88,21 +102,30 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
   }
 }
 
-// Every row of x through the O weight rows at w (one group).
+// Every row of x through the O weight rows at w (one group), in passes of kRowBlock rows and
+// one of the rest; with several passes, each prefetches its share of the next group (the next
+// 4 x K floats of W, contiguous).
 template <int O>
 void group(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= M; r += kRowBlock)
-    group_rows<kRowBlock, O>(x + r * K, K, w, y + r * ldy, ldy, r == 0);
-  const int64_t rest = M - r;  // fewer rows than a block, in one pass
+  const int64_t passes = M / kRowBlock + (M % kRowBlock != 0), lines = kOuts * K / 16;
+  const float* next = w + O * K;
+  auto share = [&](int64_t pass) {
+    if (passes == 1) return Prefetch{true, next, 0};
+    const int64_t first = lines * pass / passes;
+    return Prefetch{false, next + first * 16, lines * (pass + 1) / passes - first};
+  };
+  int64_t r = 0, pass = 0;
+  for (; r + kRowBlock <= M; r += kRowBlock, ++pass)
+    group_rows<kRowBlock, O>(x + r * K, K, w, y + r * ldy, ldy, share(pass));
+  const int64_t rest = M - r;
   x += r * K;
   y += r * ldy;
-  if (rest == 1) group_rows<1, O>(x, K, w, y, ldy, r == 0);
+  if (rest == 1) group_rows<1, O>(x, K, w, y, ldy, share(pass));
   if constexpr (kRowBlock > 2) {
-    if (rest == 2) group_rows<2, O>(x, K, w, y, ldy, r == 0);
+    if (rest == 2) group_rows<2, O>(x, K, w, y, ldy, share(pass));
   }
   if constexpr (kRowBlock > 3) {
-    if (rest == 3) group_rows<3, O>(x, K, w, y, ldy, r == 0);
+    if (rest == 3) group_rows<3, O>(x, K, w, y, ldy, share(pass));
   }
 }
 
