@@ -55,17 +55,11 @@ struct Prefetch {
   int64_t lines;
 };
 
-inline float lane_sum(vfn v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
-// y[r, o] for rows [0, R) of x and the O (<= kOuts) weight rows at w; K in whole vectors up to
-// K_vec, the rest one float at a time.
+// y[r, o] (+ bias[o]) for rows [0, R) of x and the O (<= kOuts) weight rows at w; K in whole
+// vectors up to K_vec, the rest one float at a time.
 template <int R, int O>
-void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy,
-                Prefetch ahead) {
+void group_rows(const float* x, int64_t K, const float* w, const float* bias, float* y,
+                int64_t ldy, Prefetch ahead) {
   constexpr int S = R == 1 ? 2 : 1;  // accumulator sets alternating over K
   vfn acc[S][R][O];
   for (int s = 0; s < S; ++s)
@@ -95,7 +89,7 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
     for (int o = 0; o < O; ++o) {
       vfn total = acc[0][r][o];
       for (int s = 1; s < S; ++s) total += acc[s][r][o];
-      float sum = lane_sum(total);
+      float sum = hsum(total) + (bias ? bias[o] : 0.f);
       for (int64_t k = K_vec; k < K; ++k) sum += x[r * K + k] * w[o * K + k];
       y[r * ldy + o] = sum;
     }
@@ -106,7 +100,8 @@ void group_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy
 // one of the rest; with several passes, each prefetches its share of the next group (the next
 // 4 x K floats of W, contiguous).
 template <int O>
-void group(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+void group(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
+           int64_t ldy) {
   const int64_t passes = M / kRowBlock + (M % kRowBlock != 0), lines = kOuts * K / 16;
   const float* next = w + O * K;
   auto share = [&](int64_t pass) {
@@ -116,16 +111,16 @@ void group(const float* x, int64_t M, int64_t K, const float* w, float* y, int64
   };
   int64_t r = 0, pass = 0;
   for (; r + kRowBlock <= M; r += kRowBlock, ++pass)
-    group_rows<kRowBlock, O>(x + r * K, K, w, y + r * ldy, ldy, share(pass));
+    group_rows<kRowBlock, O>(x + r * K, K, w, bias, y + r * ldy, ldy, share(pass));
   const int64_t rest = M - r;
   x += r * K;
   y += r * ldy;
-  if (rest == 1) group_rows<1, O>(x, K, w, y, ldy, share(pass));
+  if (rest == 1) group_rows<1, O>(x, K, w, bias, y, ldy, share(pass));
   if constexpr (kRowBlock > 2) {
-    if (rest == 2) group_rows<2, O>(x, K, w, y, ldy, share(pass));
+    if (rest == 2) group_rows<2, O>(x, K, w, bias, y, ldy, share(pass));
   }
   if constexpr (kRowBlock > 3) {
-    if (rest == 3) group_rows<3, O>(x, K, w, y, ldy, share(pass));
+    if (rest == 3) group_rows<3, O>(x, K, w, bias, y, ldy, share(pass));
   }
 }
 
@@ -146,21 +141,22 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t groups = (N + kOuts - 1) / kOuts;
   at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * kOuts;
       const float* wg = wp + n * K;
+      const float* bn = bp ? bp + n : nullptr;
       switch (std::min(kOuts, N - n)) {
-        case 4: group<4>(xp, M, K, wg, yp + n, N); break;
-        case 3: group<3>(xp, M, K, wg, yp + n, N); break;
-        case 2: group<2>(xp, M, K, wg, yp + n, N); break;
-        default: group<1>(xp, M, K, wg, yp + n, N); break;
+        case 4: group<4>(xp, M, K, wg, bn, yp + n, N); break;
+        case 3: group<3>(xp, M, K, wg, bn, yp + n, N); break;
+        case 2: group<2>(xp, M, K, wg, bn, yp + n, N); break;
+        default: group<1>(xp, M, K, wg, bn, yp + n, N); break;
       }
     }
   });
-  if (has_bias) y.add_(bias);
   return y;
 }
 

@@ -123,12 +123,16 @@ inline vu16 load16u(const void* p) {
   return v;
 }
 
+inline float hsum(vfn v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
 inline float hsum(vf16 v) {
   vfn a = v.p[0];
   for (int i = 1; i < kParts; ++i) a += v.p[i];
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += a[i];
-  return s;
+  return hsum(a);
 }
 
 // exp(x) as in Cephes' expf (~1 ulp): x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n
