@@ -74,7 +74,7 @@ def run(
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto, none, int8.")] = "auto",
-    awq_activations: Annotated[str, typer.Option(help="AWQ decode activations: float32 or int16.")] = "float32",
+    awq_activations: Annotated[str, typer.Option(help="AWQ decode activations: float32, int16 or int8.")] = "float32",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
     speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = None,
     workload: Annotated[str, typer.Option(help="synthetic (random-token prompts) or repeat (copy a ~300-token passage: where prompt lookup shines).")] = "synthetic",

@@ -13,7 +13,7 @@ from pkv.core.speculative_config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
-_AWQ_ACTIVATIONS = ("float32", "int16")
+_AWQ_ACTIVATIONS = ("float32", "int16", "int8")
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
                "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
                "TIB": 1024**4}
@@ -73,8 +73,9 @@ class EngineConfig:
         "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
     awq_activations: str = _opt(
         "float32", "Activations of 4-bit AWQ linears on CPU at up to 8 rows: float32 (exactly "
-        "the dequantized weights' product) or int16 (quantized per weight group, integer dot "
-        "products: a faster decode on AVX2; AVX2 and AVX-512 kernels).")
+        "the dequantized weights' product), int16 (quantized per weight group, integer dot "
+        "products) or int8 (quantized per 32 inputs, byte dot products: the fastest decode "
+        "on AVX2, llama.cpp's Q8 activations); int16 and int8 on the AVX2 and AVX-512 kernels).")
     guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
                                         "kind), outlines, xgrammar (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")

@@ -68,10 +68,10 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
     if ext is None:
         return None
     attn: Attention = layers[0].self_attn
-    int16 = any(isinstance(lin.method, AWQLinearMethod) and lin.method.int16_activations
-                for group in linears for lin in group)
+    bits = min((lin.method.activation_bits for group in linears for lin in group
+                if isinstance(lin.method, AWQLinearMethod)), default=32)
     decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             inner.norm.eps, GEMV_MAX_ROWS, int16, _weight(inner.norm))
+                             inner.norm.eps, GEMV_MAX_ROWS, bits, _weight(inner.norm))
     for layer, group, weights in zip(layers, linears, kernel_weights):
         norms, multiplier = layer.fused_norms()
         a: Attention = layer.self_attn

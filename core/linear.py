@@ -84,7 +84,7 @@ class LinearMethod(ABC):
 
     def set_activations(self, activations: str) -> None:
         """Compute with activations of this precision (`EngineConfig.awq_activations`):
-        float32 everywhere; methods with integer kernels (AWQ on CPU) also take int16."""
+        float32 everywhere; methods with integer kernels (AWQ on CPU) also take int16, int8."""
         if activations != "float32":
             raise ValueError(f"awq_activations={activations} needs an AWQ checkpoint; this "
                              f"model's linear layers are {self.name}")

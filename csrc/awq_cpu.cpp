@@ -388,21 +388,28 @@ at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
 }
 
 // The whole layer for x [..., K] of any float dtype: the fused GEMV up to `max_gemv_rows` rows
-// (with int16 activations if asked: csrc/awq_int16_cpu.cpp), else awq_gemm; plus the bias; in
+// (its activations of `activation_bits` 32, 16 or 8: float, or quantized for
+// csrc/awq_int16_cpu.cpp or csrc/awq_int8_cpu.cpp), else awq_gemm; plus the bias; in
 // x's dtype. One call from Python per layer (the reshapes and casts in C++ cost a fraction of
 // what they cost as Python calls at batch 1).
 at::Tensor awq_gemv_int16(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor zs,
                           int64_t n, int64_t group);
+at::Tensor awq_gemv_int8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor zs,
+                         int64_t n, int64_t group);
 
 at::Tensor awq_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
                          at::Tensor zs, c10::optional<at::Tensor> bias, int64_t n,
-                         int64_t group, int64_t max_gemv_rows, bool int16_activations) {
+                         int64_t group, int64_t max_gemv_rows, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 32 || activation_bits == 16 || activation_bits == 8,
+              "activation_bits must be 32, 16 or 8, got ", activation_bits);
   const auto x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   at::Tensor y;
   if (x2.size(0) > max_gemv_rows)
     y = awq_gemm(x2, codes, scales, zs, n, group);
-  else if (int16_activations)
+  else if (activation_bits == 16)
     y = awq_gemv_int16(x2, codes, scales, zs, n, group);
+  else if (activation_bits == 8)
+    y = awq_gemv_int8(x2, codes, scales, zs, n, group);
   else
     y = awq_gemv(x2, codes, scales, zs, n, group);
   if (bias.has_value()) y.add_(bias->to(at::kFloat));

@@ -94,9 +94,9 @@ struct Layer {
 class CpuDecoder {
  public:
   CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
-             int64_t max_gemv_rows, bool int16_activations, at::Tensor norm)
+             int64_t max_gemv_rows, int64_t activation_bits, at::Tensor norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
-        max_gemv_rows_(max_gemv_rows), int16_activations_(int16_activations), norm_(norm) {}
+        max_gemv_rows_(max_gemv_rows), activation_bits_(activation_bits), norm_(norm) {}
 
   // One layer: its norms (in, attn_out, mlp_in, mlp_out, q, k; None where absent) and
   // options, then per linear (qkv, o, gate_up, down) its weights (AWQ: codes, scales, zs;
@@ -218,7 +218,7 @@ class CpuDecoder {
     at::Tensor y = w.group == 0 ? gemv::f32_linear(x, w.weights[0], w.bias)
                                    : awq_linear(x, w.weights[0], w.weights[1], w.weights[2],
                                                 w.bias, w.n, w.group, max_gemv_rows_,
-                                                int16_activations_);
+                                                activation_bits_);
     if (w.lora_a.defined()) {
       // Each run of rows with one adapter: y += (x @ a[slot]) @ b[slot].
       for (const auto& [slot, start, end] : segments_) {
@@ -236,7 +236,7 @@ class CpuDecoder {
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
   int64_t max_gemv_rows_;
-  bool int16_activations_;  // AWQ GEMVs with int16 activations (awq_activations=int16)
+  int64_t activation_bits_;  // of the AWQ GEMVs: 32 (float), 16 or 8 (awq_activations)
   at::Tensor norm_;
   std::vector<Layer> layers_;
   std::vector<LoRASegment> segments_;

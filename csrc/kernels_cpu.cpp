@@ -8,6 +8,7 @@
 
 #include "awq_cpu.cpp"
 #include "awq_int16_cpu.cpp"
+#include "awq_int8_cpu.cpp"
 #include "gemv_cpu.cpp"
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
@@ -28,6 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
   m.def("awq_gemv_int16", &awq_gemv_int16, "4-bit AWQ GEMV with int16 activations (AVX2, AVX-512)");
   m.def("awq_gemv_has_int16", &awq_gemv_has_int16, "whether this flavour has awq_gemv_int16");
+  m.def("awq_gemv_int8", &awq_gemv_int8, "4-bit AWQ GEMV with int8 activations (AVX2, AVX-512)");
+  m.def("awq_gemv_has_int8", &awq_gemv_has_int8, "whether this flavour has awq_gemv_int8");
+  m.attr("awq_int8_block") = kInt8Block;
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 
   m.def("f32_gemv", &gemv::f32_gemv, "float32 GEMV of few rows on the plain [N, K] weight");
@@ -52,7 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_peak_gflops", &fma_peak_gflops, "float32 multiply-add peak of all threads");
 
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, bool, at::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, at::Tensor>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("set_lora", &CpuDecoder::set_lora)
       .def("set_lora_segments", &CpuDecoder::set_lora_segments)

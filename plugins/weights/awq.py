@@ -27,6 +27,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8
 KERNEL_TILE = 32  # output columns per tile of the CPU kernel
+ACTIVATION_BITS = {"float32": 32, "int16": 16, "int8": 8}  # awq_activations -> the kernel's
 # Up to this many rows the fused GEMV wins; above it the kernel's GEMM by decoded panels
 # (awq_gemm), which decodes each weight once per call for all rows. The crossover, measured on
 # SmolLM2-135M's shapes, is 8 rows on AVX-512 and AVX2 builds alike.
@@ -81,14 +82,15 @@ class AWQLinearMethod(LinearMethod):
     def __init__(self, group_size: int, kernel: str = "cpu") -> None:
         self.group_size = group_size
         self.kernel = kernel
-        self.int16_activations = False
+        self.activation_bits = 32  # of the GEMV's rows: 32 float, 16 or 8 quantized
 
     def set_activations(self, activations: str) -> None:
-        """float32, or int16: rows quantized per group for the integer-dot GEMV (up to
-        GEMV_MAX_ROWS rows; the many-row GEMM stays float32), on the avx2/avx512 kernels."""
-        if activations == "int16":
-            _check_int16_kernel(self.kernel, self.group_size)
-        self.int16_activations = activations == "int16"
+        """float32, or int16 / int8: rows quantized (per group / per 32 inputs) for the
+        integer-dot GEMVs (up to GEMV_MAX_ROWS rows; the many-row GEMM stays float32), on the
+        avx2/avx512 kernels."""
+        if activations != "float32":
+            _check_integer_kernel(activations, self.kernel, self.group_size)
+        self.activation_bits = ACTIVATION_BITS[activations]
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
         k, n, g = layer.in_features, layer.out_features, self.group_size
@@ -132,7 +134,7 @@ class AWQLinearMethod(LinearMethod):
         if layer.kernel is not None:
             return layer.kernel.awq_linear(x, layer.codes, layer.scales_f32, layer.zs, layer.bias,
                                            layer.out_features, self.group_size, GEMV_MAX_ROWS,
-                                           self.int16_activations)
+                                           self.activation_bits)
         y = x.float() @ layer.weight_t
         if layer.bias is not None:
             y = y + layer.bias
@@ -167,20 +169,24 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-def _check_int16_kernel(kernel: str, group: int) -> None:
+def _check_integer_kernel(activations: str, kernel: str, group: int) -> None:
     ext = _cpu_kernel() if kernel == "cpu" else None
-    if ext is None or not ext.awq_gemv_has_int16():
+    if ext is None or not getattr(ext, f"awq_gemv_has_{activations}")():
         if kernel != "cpu":
             runs = f"the {kernel} kernel"
         elif ext is None:
             runs = "torch (the CPU kernels did not build)"
         else:
             runs = f"the {ext.isa} kernels"
-        raise ValueError(f"awq_activations=int16 needs the avx2 or avx512 CPU kernels; this "
-                         f"model runs {runs}")
-    if group % 8 or group > ext.awq_int16_max_group:  # its int32 sums of a group must not overflow
+        raise ValueError(f"awq_activations={activations} needs the avx2 or avx512 CPU kernels; "
+                         f"this model runs {runs}")
+    if activations == "int16" and (group % 8 or group > ext.awq_int16_max_group):
+        # its int32 sums of a group must not overflow
         raise ValueError(f"awq_activations=int16 takes AWQ groups of a multiple of 8 inputs up "
                          f"to {ext.awq_int16_max_group}; this checkpoint's are {group}")
+    if activations == "int8" and group % ext.awq_int8_block:  # a group holds whole blocks
+        raise ValueError(f"awq_activations=int8 takes AWQ groups of a multiple of "
+                         f"{ext.awq_int8_block} inputs; this checkpoint's are {group}")
 
 
 def _cpu_kernel() -> Any:

@@ -56,8 +56,8 @@ def test_awq_entry_points_match_float64(ext, k: int, n: int, group: int) -> None
         args = (layer.codes, layer.scales_f32, layer.zs)
         for name, y in (("awq_gemv", ext.awq_gemv(x, *args, n, group)),
                         ("awq_gemm", ext.awq_gemm(x, *args, n, group)),
-                        ("awq_linear/gemv", ext.awq_linear(x, *args, None, n, group, 1 << 20, False)),
-                        ("awq_linear/gemm", ext.awq_linear(x, *args, None, n, group, 0, False))):
+                        ("awq_linear/gemv", ext.awq_linear(x, *args, None, n, group, 1 << 20, 32)),
+                        ("awq_linear/gemm", ext.awq_linear(x, *args, None, n, group, 0, 32))):
             assert y.shape == (rows, n), name
             torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"{name}, {rows} rows: {m}")  # noqa: B023

@@ -33,17 +33,17 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-# AWQ with int16 activations where the kernels have them (not on the generic flavour).
-_INT16 = ["awq-int16"] if cpp_build.selected_flavour() != "generic" else []
+# AWQ with integer activations where the kernels have them (not on the generic flavour).
+_INTEGER = ["awq-int16", "awq-int8"] if cpp_build.selected_flavour() != "generic" else []
 
 
-@pytest.fixture(scope="module", params=["awq", *_INT16, "float32"])
+@pytest.fixture(scope="module", params=["awq", *_INTEGER, "float32"])
 def engine(request: pytest.FixtureRequest, awq_tiny: tuple[Path, QuantizeReport],
                tiny_llama_dir: Path) -> LLMEngine:
     if request.param == "float32":
         engine = _engine(tiny_llama_dir)
-    else:  # int16 activations: the decoder must pass the setting on to its AWQ GEMVs
-        activations = {"awq": "float32", "awq-int16": "int16"}[request.param]
+    else:  # integer activations: the decoder must pass the setting on to its AWQ GEMVs
+        activations = {"awq": "float32", "awq-int16": "int16", "awq-int8": "int8"}[request.param]
         engine = _engine(awq_tiny[0], awq_activations=activations)
     if engine.runner.model.model.fused is None:
         pytest.fail(f"a {request.param} model on CPU with every kernel built should run the "

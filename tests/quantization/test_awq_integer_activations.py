@@ -1,0 +1,149 @@
+"""AWQ with integer activations (`awq_activations=int16 | int8`, csrc/awq_int16_cpu.cpp and
+csrc/awq_int8_cpu.cpp): each kernel against a float64 reference within the error its
+quantization of x allows, under every flavour that has it; where it runs (the GEMV's rows
+only); and the engine setting's checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pkv.core.config import EngineConfig
+from pkv.core.llm_engine import LLMEngine
+from pkv.plugins import cpp_build
+from pkv.plugins.weights import awq
+from pkv.plugins.weights.awq import AWQLinearMethod
+from pkv.quantize.pipeline import QuantizeReport
+from tests.quantization.test_batched_kernels import AWQ_SHAPES, _awq_layer
+
+FLAVOURS = cpp_build.runnable_flavours()
+# The flavours with vpmaddwd / vpmaddubsw; the generic one (SSE2 / NEON builds) has neither.
+INTEGER_FLAVOURS = [f for f in FLAVOURS if f != "generic"]
+# Per kind: the grid's largest code and the inputs sharing one scale (None: the AWQ group).
+GRIDS = {"int16": (32767, None), "int8": (127, 32)}
+
+
+@pytest.fixture(scope="module", params=[(f, a) for f in INTEGER_FLAVOURS for a in GRIDS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def kernel(request: pytest.FixtureRequest):  # noqa: ANN201 - (module, activations, GEMV)
+    flavour, activations = request.param
+    ext = cpp_build.kernels(flavour)
+    assert getattr(ext, f"awq_gemv_has_{activations}")()
+    return ext, activations, getattr(ext, f"awq_gemv_{activations}")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, group: int, activations: str) -> torch.Tensor:
+    """|error| allowed per output: each x_k is off by at most half a step of its block's
+    grid (max |x| over the block / the largest code), times |W[k, n]|; plus float32
+    rounding."""
+    top, block = GRIDS[activations]
+    block = block or group
+    rows, k = x.shape
+    step = x.abs().reshape(rows, k // block, block).amax(-1) / top
+    per_input = (step / 2).repeat_interleave(block, dim=1).double()
+    return per_input @ w.abs() + 1e-5 * (x.double().abs() @ w.abs())
+
+
+@pytest.mark.parametrize("k,n,group", AWQ_SHAPES)  # groups of whole 32-input blocks (int8)
+def test_gemv_is_within_its_quantization_error(kernel, k: int, n: int, group: int) -> None:  # noqa: ANN001
+    ext, activations, gemv = kernel
+    layer, w = _awq_layer(k, n, group, bias=False, seed=k * n)
+    args = (layer.codes, layer.scales_f32, layer.zs, n, group)
+    gen = torch.Generator().manual_seed(k)
+    for rows in range(1, awq.GEMV_MAX_ROWS + 3):
+        x = torch.randn(rows, k, generator=gen)
+        x[:, 5] *= 40  # an outlier coarsens its block's grid, and only its block's
+        ref = x.double() @ w
+        y = gemv(x, *args)
+        assert y.shape == (rows, n)
+        err = (y.double() - ref).abs()
+        assert (err <= _bound(x, w, group, activations)).all(), f"{rows} rows: worst {err.max():.3g}"
+        assert not torch.equal(y, ext.awq_gemv(x, *args))  # quantized, not the float path
+
+
+def test_a_non_finite_activation_makes_its_row_nan(kernel) -> None:  # noqa: ANN001
+    _, _, gemv = kernel
+    layer, _ = _awq_layer(128, 40, 32, bias=False, seed=3)
+    x = torch.randn(3, 128)
+    x[1, 70] = float("nan")
+    x[2, 3] = float("inf")
+    y = gemv(x, layer.codes, layer.scales_f32, layer.zs, 40, 32)
+    assert torch.isfinite(y[0]).all() and y[1:].isnan().all()
+
+
+def test_awq_linear_uses_the_integer_gemv_for_its_rows_only(kernel) -> None:  # noqa: ANN001
+    ext, activations, gemv = kernel
+    k, n, group = 320, 72, 64
+    layer, _ = _awq_layer(k, n, group, bias=False, seed=7)
+    args = (layer.codes, layer.scales_f32, layer.zs)
+    bits = awq.ACTIVATION_BITS[activations]
+    for rows in (1, awq.GEMV_MAX_ROWS, awq.GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, k)
+        y = ext.awq_linear(x, *args, None, n, group, awq.GEMV_MAX_ROWS, bits)
+        expected = (gemv(x, *args, n, group) if rows <= awq.GEMV_MAX_ROWS
+                    else ext.awq_gemm(x, *args, n, group))
+        assert torch.equal(y, expected), rows
+    with pytest.raises(RuntimeError, match="activation_bits must be 32, 16 or 8"):
+        ext.awq_linear(x, *args, None, n, group, awq.GEMV_MAX_ROWS, 4)
+
+
+def test_the_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="awq_activations must be one of float32, int16, int8"):
+        EngineConfig(awq_activations="int4")
+    for activations in ("int16", "int8"):
+        with pytest.raises(ValueError, match="needs the avx2 or avx512 CPU kernels"):
+            AWQLinearMethod(64, "triton").set_activations(activations)
+    with pytest.raises(ValueError, match="groups of a multiple of 8 inputs up to 2048"):
+        AWQLinearMethod(4096, "cpu").set_activations("int16")
+    with pytest.raises(ValueError, match="groups of a multiple of 32 inputs; this checkpoint's "
+                                         "are 48"):
+        AWQLinearMethod(48, "cpu").set_activations("int8")
+    method = AWQLinearMethod(128, "cpu")
+    method.set_activations("int8")
+    assert method.activation_bits == 8
+
+
+@pytest.mark.parametrize("activations", GRIDS)
+def test_the_generic_flavour_refuses_integer_activations(
+        activations: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    generic = cpp_build.kernels("generic")
+    assert not getattr(generic, f"awq_gemv_has_{activations}")()
+    layer, _ = _awq_layer(64, 40, 32, bias=False, seed=1)
+    with pytest.raises(RuntimeError, match=f"no {activations} AWQ GEMV"):
+        getattr(generic, f"awq_gemv_{activations}")(torch.randn(1, 64), layer.codes,
+                                                     layer.scales_f32, layer.zs, 40, 32)
+    monkeypatch.setenv("PKV_CPU_ISA", "generic")
+    with pytest.raises(ValueError, match="this model runs the generic"):
+        AWQLinearMethod(64, "cpu").set_activations(activations)
+
+
+def test_a_float_model_refuses_integer_activations(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB",
+                          awq_activations="int8")
+    with pytest.raises(ValueError, match="needs an AWQ checkpoint; this model's linear layers "
+                                         "are float"):
+        LLMEngine(config, show_progress=False)
+
+
+@pytest.mark.skipif("avx2" not in FLAVOURS, reason="no AVX2 on this CPU")
+def test_engine_hidden_states_stay_close_to_float32(awq_tiny: tuple[Path, QuantizeReport]):
+    from tests.quantization.test_fused_decoder import _one_sequence_meta
+
+    hidden = {}
+    for activations in ("float32", *GRIDS):
+        engine = LLMEngine(EngineConfig(model=str(awq_tiny[0]), kv_cache_memory="8MiB",
+                                        max_model_len=64, awq_activations=activations),
+                           show_progress=False)
+        runner = engine.runner
+        tokens = torch.arange(3, 9)  # 6 rows: the GEMV
+        meta = _one_sequence_meta(len(tokens), runner.block_size)
+        with torch.inference_mode():
+            hidden[activations] = runner.model.model(tokens, torch.arange(len(tokens)),
+                                                     runner.kv_caches, meta)
+    # int16 keeps ~2^-16 of a group's largest activation, int8 ~2^-8 of a 32-input block's:
+    # the hidden states' relative error (this random model: ~2e-4 and ~3e-2).
+    error = {a: ((hidden[a] - hidden["float32"]).norm() / hidden["float32"].norm()).item()
+             for a in GRIDS}
+    assert 0 < error["int16"] < 1e-3 and error["int16"] < error["int8"] < 6e-2, error
