@@ -21,7 +21,9 @@
 // kRowBlock x 4 accumulators and the 4 weight vectors must fit the register file); at one row,
 // two sets of accumulators alternate over K so that eight chains of FMAs hide the FMA latency.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,11 +34,17 @@
 namespace gemv {
 namespace {
 
-// Up to this many rows f32_linear takes the GEMV; above, MKL's GEMM (SmolLM2's 30 layers with
-// cold weights, two threads, AVX2 and AVX-512: the GEMV is 1.1-1.5x the faster of oneDNN and
-// MKL at 1-16 rows, 1.03-1.07x at 24, 0.95-0.98x at 32 (1.05-1.15x MKL there, but no faster
-// in the engine), 0.8-0.95x at 48; MKL is 0.7-0.9x of oneDNN at 2-32 rows, level from 64).
+// Up to this many rows f32_linear takes the GEMV; above, oneDNN's GEMM (`gemm` below).
+// SmolLM2's 30 layers with cold weights, two threads: on an Intel Xeon (AVX2 and AVX-512) the
+// GEMV was 1.1-1.5x the faster of oneDNN and MKL at 1-16 rows, 1.03-1.07x at 24, 0.95-0.98x at
+// 32; on an AMD Zen 5, AVX2 alike (1.15x oneDNN at 24, level at 32), but with AVX-512 the
+// GEMV is 1.12x oneDNN at 8 rows, level at 12 and 0.75x at 16 (oneDNN's AVX-512 GEMM runs
+// twice its AVX2 rate there; this GEMV is bound by its two loads per FMA).
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRows = 12;
+#else
 constexpr int64_t kMaxRows = 24;
+#endif
 constexpr int64_t kOuts = 4;          // weight rows (outputs) per group
 constexpr int64_t kAhead = 256;       // floats a single pass prefetches ahead in each row
 constexpr int64_t kGroupsPerTask = 8; // groups a thread takes at a time (32 outputs)
@@ -160,15 +168,35 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   return y;
 }
 
-// The float32 linear layer of the CPU path: this GEMV up to kMaxRows rows, MKL's GEMM (torch's
-// own CPU linear) above, both on the same plain weight.
+// Many rows: oneDNN's GEMM on the plain weight (it packs a copy of the weight per call, ~7% of
+// the product at 256 rows), where torch has oneDNN; else torch's own linear (MKL's sgemm).
+// MKL runs its generic code on AMD CPUs: SmolLM2's linears at 256 rows on a Zen 5, two
+// threads, reach 168 GFLOP/s in MKL on AVX2 and 164 on AVX-512, 215 and 378 in oneDNN (1.3-1.5x
+// and 2.0-2.4x from 25 rows up); on Intel the two were level at 64-256 rows, oneDNN ahead below.
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>);
+  static const auto onednn = []() -> std::optional<c10::TypedOperatorHandle<Linear>> {
+    const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    if (!at::hasMKLDNN() || !op.has_value()) return std::nullopt;
+    return op->typed<Linear>();
+  }();
+  if (!onednn.has_value()) return at::linear(x, w, bias);
+  // oneDNN reads a strided bias as if it were contiguous (torch 2.13): give it a dense one.
+  const std::optional<at::Tensor> b = bias.has_value() ? std::optional(bias->contiguous()) : bias;
+  return onednn->call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// The float32 linear layer of the CPU path: this GEMV up to kMaxRows rows, `gemm` above, both
+// on the same plain weight.
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias) {
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   if (x.dim() == 2 && x.size(0) <= kMaxRows && w.is_contiguous() &&
       (!b.defined() || b.is_contiguous()))
     return f32_gemv(x.contiguous(), w, b);
-  return at::linear(x, w, bias);
+  return gemm(x, w, bias);
 }
 
 }  // namespace gemv

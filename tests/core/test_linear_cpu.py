@@ -46,7 +46,7 @@ def test_f32_gemv_takes_zero_rows_and_refuses_bad_operands(cpu_kernels):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_f32_linear_is_the_gemv_up_to_its_rows_and_torch_above(cpu_kernels, bias: bool):
+def test_f32_linear_is_the_gemv_up_to_its_rows_and_onednn_above(cpu_kernels, bias: bool):
     limit = cpu_kernels.f32_gemv_max_rows
     assert limit >= 8
     for rows in (1, limit, limit + 1, 70):
@@ -54,9 +54,12 @@ def test_f32_linear_is_the_gemv_up_to_its_rows_and_torch_above(cpu_kernels, bias
         b = b if bias else None
         got = cpu_kernels.f32_linear(x, w, b)
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-        # Bit for bit the GEMV's up to `limit` rows, torch's own linear (MKL) above.
+        # Bit for bit the GEMV's up to `limit` rows, oneDNN's GEMM above (MKL's, torch's own
+        # linear, where torch has no oneDNN).
         if rows <= limit:
             assert torch.equal(got, cpu_kernels.f32_gemv(x, w, b if bias else EMPTY))
+        elif torch.backends.mkldnn.is_available():
+            assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
         else:
             assert torch.equal(got, F.linear(x, w, b))
 
