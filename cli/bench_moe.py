@@ -3,8 +3,8 @@ parameters (intermediate = top_k x the experts' width), per forward, at a few ba
 
 Both run on random weights in one process, their forwards interleaved (a busy machine
 slows both alike); a time is the median of `repeats` forwards after a warm-up. The dense
-MLP's float32 linears run on the CPU kernels' f32_linear as the engine runs them
-(csrc/gemv_cpu.cpp), so the ratio is the one serving sees.
+MLP's float32 linears and the experts' products run on the CPU kernels' f32_linear as the
+engine runs them (csrc/gemv_cpu.cpp), so the ratio is the one serving sees.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def moe_vs_dense(batch_sizes: Sequence[int] = (1, 64), hidden: int = 1024, num_e
             for p in module.parameters():
                 p.copy_(0.02 * torch.randn(p.shape))
         ops = cpp_build.kernels_or_none() if dtype == torch.float32 else None
+        moe.kernel = ops
         for linear in dense.modules():
             if isinstance(linear, Linear):
                 linear.kernel = ops

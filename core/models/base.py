@@ -130,9 +130,10 @@ class CausalLM(nn.Module):
         linears (csrc/gemv_cpu.cpp) with `ops` (float32 on CPU only), and the whole decoder
         stack with `fused` where given (see core/fused_decoder.py); None goes back to torch."""
         from pkv.core.layers.mlp import GatedMLP
+        from pkv.core.layers.moe import SparseMoE
 
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP, SparseMoE)):
                 module.kernel = ops
             elif isinstance(module, Linear) and isinstance(module.method, UnquantizedLinearMethod):
                 module.kernel = ops

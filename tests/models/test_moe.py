@@ -58,6 +58,22 @@ def test_routing_matches_per_token_reference(renormalize: bool, tokens: int) -> 
         assert len(moe.route(x)[1].unique()) == EXPERTS
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 33, 120])
+def test_the_kernels_path_matches_per_token_reference(cpu_kernels, tokens: int) -> None:  # noqa: ANN001
+    # Experts' rows through the kernels' f32_linear: the GEMV at few rows, oneDNN above (120
+    # tokens x top-2 over 4 experts: ~60 rows an expert).
+    moe = random_moe(renormalize=True, seed=tokens)
+    x = torch.randn(tokens, HIDDEN)
+    with torch.inference_mode():
+        want = per_token_reference(moe, x)
+        moe.kernel = cpu_kernels
+        got = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    counts = torch.bincount(moe.route(x)[1].flatten(), minlength=EXPERTS)
+    if tokens == 120:
+        assert counts.max() > cpu_kernels.f32_gemv_max_rows  # some expert took the GEMM
+
+
 def test_per_expert_and_stacked_checkpoints_load_alike() -> None:
     src = random_moe(False, seed=1)
     w13, w2 = src.w13.detach(), src.w2.detach()
