@@ -17,7 +17,7 @@
 //
 // AVX2 and AVX-512 builds (256-bit code: one vpmaddwd takes eight columns). It is for AVX2:
 // the AVX-512 float GEMV, with its rotate and ternary-logic instructions, is faster (SmolLM2
-// batch 1: 137 vs 103 tok/s). The generic flavour has no vpmaddwd; `awq_gemv_has_int16()`
+// batch 1: 137 vs 103 tok/s). The generic flavour has no vpmaddwd; `awq_gemv_has_integer()`
 // says so.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,7 +149,9 @@ void int16_rows(const RowsView& xr, const int32_t* cp, const float* sp, const fl
 
 }  // namespace
 
-bool awq_gemv_has_int16() {
+// Whether this flavour has the integer-activation GEMVs (int16 here, int8 in
+// csrc/awq_int8_cpu.cpp): the AVX2 and AVX-512 builds.
+bool awq_gemv_has_integer() {
 #if defined(__AVX2__)
   return true;
 #else
@@ -160,7 +162,7 @@ bool awq_gemv_has_int16() {
 // x [M, K] times the 4-bit weight with x quantized to int16 per row and group (see the top).
 at::Tensor awq_gemv_int16(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor zs,
                           int64_t n, int64_t group) {
-  TORCH_CHECK(awq_gemv_has_int16(), "this kernel flavour (", kIsa, ") has no int16 AWQ GEMV");
+  TORCH_CHECK(awq_gemv_has_integer(), "this kernel flavour (", kIsa, ") has no int16 AWQ GEMV");
   const Shape s = check(codes, scales, zs, n, group);
   check_x(x, s.K);
   TORCH_CHECK(s.G <= kMaxInt16Group, "int16 AWQ GEMV: group size ", s.G, " above ",

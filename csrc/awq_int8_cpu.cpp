@@ -20,7 +20,7 @@
 // 2j + 1 (high nibble).
 //
 // AVX2 and AVX-512 builds (256-bit code: one vpmaddubsw takes eight columns' words). The
-// generic flavour has no vpmaddubsw; `awq_gemv_has_int8()` says so.
+// generic flavour has no vpmaddubsw; `awq_gemv_has_integer()` says so.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -151,7 +151,9 @@ void int8_tile(const Int8View& xr, int64_t M, const int32_t* cp, const float* sp
     for (int64_t g = 0; g < NG; ++g) {
       prefetch_group_scales(sp, zp, t * NG + g);
       for (int64_t c = 0; c < kTile / 8; ++c)
-        with_rows(rows, [&]<int64_t R>() { int8_group<R>(pass, stream, sp, zp, t * NG + g, g, c, s, out); });
+        with_rows(rows, [&]<int64_t R>() {
+          int8_group<R>(pass, stream, sp, zp, t * NG + g, g, c, s, out);
+        });
     }
     for (int64_t m = 0; m < rows; ++m)
       std::memcpy(yp + (m0 + m) * s.N + n0, out + m * kTile, n * sizeof(float));
@@ -161,18 +163,10 @@ void int8_tile(const Int8View& xr, int64_t M, const int32_t* cp, const float* sp
 
 }  // namespace
 
-bool awq_gemv_has_int8() {
-#if defined(__AVX2__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // x [M, K] times the 4-bit weight with x quantized to int8 per row and block (see the top).
 at::Tensor awq_gemv_int8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor zs,
                          int64_t n, int64_t group) {
-  TORCH_CHECK(awq_gemv_has_int8(), "this kernel flavour (", kIsa, ") has no int8 AWQ GEMV");
+  TORCH_CHECK(awq_gemv_has_integer(), "this kernel flavour (", kIsa, ") has no int8 AWQ GEMV");
   const Shape s = check(codes, scales, zs, n, group);
   check_x(x, s.K);
   TORCH_CHECK(s.G % kInt8Block == 0, "int8 AWQ GEMV: group size ", s.G, " is not a multiple of ",

@@ -28,9 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
   m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
   m.def("awq_gemv_int16", &awq_gemv_int16, "4-bit AWQ GEMV with int16 activations (AVX2, AVX-512)");
-  m.def("awq_gemv_has_int16", &awq_gemv_has_int16, "whether this flavour has awq_gemv_int16");
   m.def("awq_gemv_int8", &awq_gemv_int8, "4-bit AWQ GEMV with int8 activations (AVX2, AVX-512)");
-  m.def("awq_gemv_has_int8", &awq_gemv_has_int8, "whether this flavour has awq_gemv_int8");
+  m.def("awq_gemv_has_integer", &awq_gemv_has_integer,
+        "whether this flavour has awq_gemv_int16 and awq_gemv_int8");
   m.attr("awq_int8_block") = kInt8Block;
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 

@@ -171,7 +171,7 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 def _check_integer_kernel(activations: str, kernel: str, group: int) -> None:
     ext = _cpu_kernel() if kernel == "cpu" else None
-    if ext is None or not getattr(ext, f"awq_gemv_has_{activations}")():
+    if ext is None or not ext.awq_gemv_has_integer():
         if kernel != "cpu":
             runs = f"the {kernel} kernel"
         elif ext is None:

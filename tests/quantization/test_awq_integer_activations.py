@@ -30,7 +30,7 @@ GRIDS = {"int16": (32767, None), "int8": (127, 32)}
 def kernel(request: pytest.FixtureRequest):  # noqa: ANN201 - (module, activations, GEMV)
     flavour, activations = request.param
     ext = cpp_build.kernels(flavour)
-    assert getattr(ext, f"awq_gemv_has_{activations}")()
+    assert ext.awq_gemv_has_integer()
     return ext, activations, getattr(ext, f"awq_gemv_{activations}")
 
 
@@ -109,7 +109,7 @@ def test_the_setting_is_checked() -> None:
 def test_the_generic_flavour_refuses_integer_activations(
         activations: str, monkeypatch: pytest.MonkeyPatch) -> None:
     generic = cpp_build.kernels("generic")
-    assert not getattr(generic, f"awq_gemv_has_{activations}")()
+    assert not generic.awq_gemv_has_integer()
     layer, _ = _awq_layer(64, 40, 32, bias=False, seed=1)
     with pytest.raises(RuntimeError, match=f"no {activations} AWQ GEMV"):
         getattr(generic, f"awq_gemv_{activations}")(torch.randn(1, 64), layer.codes,
