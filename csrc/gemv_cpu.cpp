@@ -182,10 +182,22 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at
     if (!at::hasMKLDNN() || !op.has_value()) return std::nullopt;
     return op->typed<Linear>();
   }();
-  if (!onednn.has_value()) return at::linear(x, w, bias);
+  if (!onednn.has_value() || x.dim() != 2) return at::linear(x, w, bias);
   // oneDNN reads a strided bias as if it were contiguous (torch 2.13): give it a dense one.
   const std::optional<at::Tensor> b = bias.has_value() ? std::optional(bias->contiguous()) : bias;
-  return onednn->call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), "");
+  // oneDNN builds (JIT-compiles) and caches a primitive per shape, up to 1024 of them: every
+  // prefill length a server sees would add ~0.2 MB (a short soak's memory never levelled).
+  // Rows are padded to a multiple of 8 (32 from 512 rows), so a model's linears need a few
+  // hundred primitives at most; the padding costs at most 7 rows in 32, 31 in 512.
+  const int64_t rows = x.size(0), step = rows < 512 ? 8 : 32;
+  const int64_t padded = (rows + step - 1) / step * step;
+  at::Tensor xp = x;
+  if (padded != rows) {
+    xp = at::zeros({padded, x.size(1)}, x.options());
+    xp.narrow(0, 0, rows).copy_(x);
+  }
+  const at::Tensor y = onednn->call(xp, w, b, "none", c10::List<std::optional<at::Scalar>>(), "");
+  return padded == rows ? y : y.narrow(0, 0, rows);
 }
 
 // The float32 linear layer of the CPU path: this GEMV up to kMaxRows rows, `gemm` above, both
