@@ -46,6 +46,21 @@ struct Int16Rows {
   std::vector<float> xs, xsum;  // [M, K / G]
 };
 
+// The largest |x| and the sum of x[0, n): a block's quantization grid and its zero-point term
+// (also csrc/awq_int8_cpu.cpp's, built after this file).
+struct Extent {
+  float amax, sum;
+};
+
+inline Extent extent(const float* x, int64_t n) {
+  Extent e{0.f, 0.f};
+  for (int64_t k = 0; k < n; ++k) {
+    e.amax = std::max(e.amax, std::fabs(x[k]));
+    e.sum += x[k];
+  }
+  return e;
+}
+
 Int16Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G) {
   const int64_t NG = K / G;
   Int16Rows r{std::vector<int32_t>(M * K / 2), std::vector<float>(M * NG),
@@ -53,11 +68,7 @@ Int16Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < NG; ++g) {
       const float* x = xp + m * K + g * G;
-      float amax = 0.f, sum = 0.f;
-      for (int64_t k = 0; k < G; ++k) {
-        amax = std::max(amax, std::fabs(x[k]));
-        sum += x[k];
-      }
+      const auto [amax, sum] = extent(x, G);
       int32_t* out = r.pairs.data() + (m * K + g * G) / 2;
       if (!std::isfinite(sum)) {  // a NaN or infinity: the row's outputs are NaN, as in float
         r.xs[m * NG + g] = r.xsum[m * NG + g] = std::numeric_limits<float>::quiet_NaN();

@@ -65,11 +65,7 @@ Int8Rows quantize_rows_int8(const float* xp, int64_t M, int64_t K, int64_t G) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t blk = 0; blk < NB; ++blk) {
       const float* x = xp + m * K + blk * kInt8Block;
-      float amax = 0.f, sum = 0.f;
-      for (int64_t k = 0; k < kInt8Block; ++k) {
-        amax = std::max(amax, std::fabs(x[k]));
-        sum += x[k];
-      }
+      const auto [amax, sum] = extent(x, kInt8Block);
       r.xsum[m * NG + blk * kInt8Block / G] += sum;
       int32_t* out = r.bytes.data() + (m * K + blk * kInt8Block) / 4;
       if (!std::isfinite(sum)) {  // a NaN or infinity: the row's outputs are NaN, as in float
