@@ -168,8 +168,10 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   return y;
 }
 
-// Many rows: oneDNN's GEMM on the plain weight (it packs a copy of the weight per call, ~7% of
-// the product at 256 rows), where torch has oneDNN; else torch's own linear (MKL's sgemm).
+// Many rows: on the AVX2 flavour up to f32gemm::kMaxRows rows (a decode batch), the
+// weight-broadcast GEMM of csrc/gemm_cpu.cpp; else oneDNN's GEMM on the plain weight (it packs a
+// copy of the weight per call, ~7% of the product at 256 rows), where torch has oneDNN; else
+// torch's own linear (MKL's sgemm).
 // MKL runs its generic code on AMD CPUs: SmolLM2's linears at 256 rows on a Zen 5, two
 // threads, reach 168 GFLOP/s in MKL on AVX2 and 164 on AVX-512, 215 and 378 in oneDNN (1.3-1.5x
 // and 2.0-2.4x from 25 rows up); on Intel the two were level at 64-256 rows, oneDNN ahead below.
@@ -182,6 +184,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at
     if (!at::hasMKLDNN() || !op.has_value()) return std::nullopt;
     return op->typed<Linear>();
   }();
+  if (x.dim() == 2 && x.size(0) <= f32gemm::kMaxRows && w.is_contiguous() &&
+      (!bias.has_value() || bias->is_contiguous()))
+    return f32gemm::f32_gemm(x.contiguous(), w, bias.has_value() ? *bias : at::Tensor());
   if (!onednn.has_value() || x.dim() != 2) return at::linear(x, w, bias);
   // oneDNN reads a strided bias as if it were contiguous (torch 2.13): give it a dense one.
   const std::optional<at::Tensor> b = bias.has_value() ? std::optional(bias->contiguous()) : bias;

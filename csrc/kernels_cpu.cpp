@@ -9,6 +9,7 @@
 #include "awq_cpu.cpp"
 #include "awq_int16_cpu.cpp"
 #include "awq_int8_cpu.cpp"
+#include "gemm_cpu.cpp"
 #include "gemv_cpu.cpp"
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
@@ -35,8 +36,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 
   m.def("f32_gemv", &gemv::f32_gemv, "float32 GEMV of few rows on the plain [N, K] weight");
-  m.def("f32_linear", &gemv::f32_linear, "float32 linear on CPU: the GEMV at few rows, MKL above");
+  m.def("f32_linear", &gemv::f32_linear, "float32 linear on CPU: the GEMV at few rows, a GEMM above");
   m.attr("f32_gemv_max_rows") = gemv::kMaxRows;
+  m.def("f32_gemm", &f32gemm::f32_gemm,
+        "float32 GEMM on the plain [N, K] weight, broadcast against x^T in blocks");
+  m.attr("f32_gemm_max_rows") = f32gemm::kMaxRows;
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
   m.def("int8_gemm", &int8::int8_gemm, "weight-only int8 GEMM by widened panels, for many rows");

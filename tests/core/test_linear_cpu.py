@@ -1,5 +1,5 @@
-"""Float32 linears on CPU: csrc/gemv_cpu.cpp's GEMV and f32_linear against torch, under every
-ISA flavour, and the engine running its plain weights through them (no packed copies)."""
+"""Float32 linears on CPU: csrc/gemv_cpu.cpp's GEMV, csrc/gemm_cpu.cpp's GEMM and f32_linear
+against torch, under every ISA flavour, and the engine running its plain weights through them (no packed copies)."""
 
 from __future__ import annotations
 
@@ -45,19 +45,50 @@ def test_f32_gemv_takes_zero_rows_and_refuses_bad_operands(cpu_kernels):
             cpu_kernels.f32_gemv(*bad)
 
 
+# Rows 1 to 300 (one x^T block and its remainder, several, and past a pass's 16 blocks); N
+# whole 6-row panels or 1-5 past them; K in one chunk, in chunks (above 768), or tiny.
+@pytest.mark.parametrize("rows", [1, 5, 16, 25, 70, 300])
+@pytest.mark.parametrize(("k", "n"), [(96, 42), (577, 193), (3, 7), (1601, 11)])
+def test_f32_gemm_matches_torch(cpu_kernels, rows: int, k: int, n: int):
+    x, w, bias = _case(rows, k, n, rows * 1000 + k + n)
+    torch.testing.assert_close(cpu_kernels.f32_gemm(x, w, EMPTY), x @ w.t(),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.f32_gemm(x, w, bias), F.linear(x, w, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_f32_gemm_takes_empty_operands_and_refuses_bad_ones(cpu_kernels):
+    x, w, bias = _case(3, 40, 12, 0)
+    assert cpu_kernels.f32_gemm(x[:0], w, EMPTY).shape == (0, 12)
+    assert cpu_kernels.f32_gemm(x, w[:0], EMPTY).shape == (3, 0)
+    assert torch.equal(cpu_kernels.f32_gemm(x[:, :0], w[:, :0], bias), bias.expand(3, 12))
+    assert torch.equal(cpu_kernels.f32_gemm(x[:, :0], w[:, :0], EMPTY), torch.zeros(3, 12))
+    for bad in ((x.t().contiguous().t(), w, EMPTY),  # strided x
+                (x, w[:, :20], EMPTY),  # K differs
+                (x, w.t().contiguous().t(), EMPTY),  # strided w
+                (x.double(), w.double(), EMPTY),
+                (x, w, bias[:5])):
+        with pytest.raises(RuntimeError, match="f32_gemm"):
+            cpu_kernels.f32_gemm(*bad)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_f32_linear_is_the_gemv_up_to_its_rows_and_onednn_above(cpu_kernels, bias: bool):
-    limit = cpu_kernels.f32_gemv_max_rows
+def test_f32_linear_is_the_gemv_then_the_gemm_then_onednn(cpu_kernels, bias: bool):
+    limit, gemm_limit = cpu_kernels.f32_gemv_max_rows, cpu_kernels.f32_gemm_max_rows
     assert limit >= 8
-    for rows in (1, limit, limit + 1, 70):
+    # The weight-broadcast GEMM takes a decode batch on the AVX2 flavour only (measured).
+    assert gemm_limit == (256 if cpu_kernels.isa == "avx2" else 0)
+    for rows in sorted({1, limit, limit + 1, 70, gemm_limit, gemm_limit + 1} - {0}):
         x, w, b = _case(rows, 96, 40, rows)
         b = b if bias else None
         got = cpu_kernels.f32_linear(x, w, b)
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-        # Bit for bit the GEMV's up to `limit` rows, oneDNN's GEMM above (MKL's, torch's own
-        # linear, where torch has no oneDNN).
+        # Bit for bit the GEMV's up to `limit` rows, f32_gemm's up to `gemm_limit`, oneDNN's
+        # GEMM above (torch's own linear, MKL's, where torch has no oneDNN).
         if rows <= limit:
             assert torch.equal(got, cpu_kernels.f32_gemv(x, w, b if bias else EMPTY))
+        elif rows <= gemm_limit:
+            assert torch.equal(got, cpu_kernels.f32_gemm(x, w, b if bias else EMPTY))
         elif torch.backends.mkldnn.is_available():
             assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
         else:
