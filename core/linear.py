@@ -192,7 +192,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         # On CPU in float32 the kernels' f32_linear (csrc/gemv_cpu.cpp): a GEMV that streams
-        # the weight at memory speed up to a few rows, oneDNN's GEMM above, on this same weight.
+        # the weight at memory speed up to a few rows, a GEMM above (csrc/gemm_cpu.cpp on AVX2
+        # up to 256 rows, oneDNN's beyond), on this same weight.
         kernel = layer.kernel
         if kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
             return kernel.f32_linear(x, layer.weight, layer.bias)

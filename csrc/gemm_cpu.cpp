@@ -17,17 +17,17 @@
 // thread owns a run of panels and sweeps every block of x through each: the weight is read
 // once per kChunkBlocks blocks of x. The accumulators hold y^T, stored transposed.
 //
-// On a Zen 5, two AVX2 threads, SmolLM2's linears at 256 rows: 225-240 GFLOP/s (down: 205),
-// oneDNN 177-233 (down 220); 1.1-1.35x oneDNN at 32-128 rows. From 512 rows oneDNN is level
-// or ahead (down 1.15x at 2048), and with AVX-512 it is level or ahead at every size, so
-// gemv::gemm takes this kernel on the AVX2 flavour up to kMaxRows rows only.
+// On a Zen 5, two AVX2 threads, SmolLM2's linears at 256 rows (each layer's own weight): qkv
+// 235 GFLOP/s, o 231, gate_up 239, down 231, where oneDNN ran 221, 218, 203, 226; at 32-128
+// rows 1.1-1.35x oneDNN. From 512 rows oneDNN is level or ahead (down: 243 against 209), and
+// with AVX-512 it is level or ahead at every size, so gemv::gemm takes this kernel on the AVX2
+// flavour up to kMaxRows rows only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "vec_math.h"
 
@@ -80,12 +80,13 @@ constexpr MicroFn kMicro[kPanel] = {&micro<1>, &micro<2>, &micro<3>,
                                     &micro<4>, &micro<5>, &micro<6>};
 
 // x^T in blocks: xt[b][k][j] = x[b * kBlockRows + j][k], zero past the last row.
-std::vector<float> pack_transposed(const float* x, int64_t M, int64_t K) {
+at::Tensor pack_transposed(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
-  std::vector<float> xt(blocks * K * kBlockRows);
+  at::Tensor xt = at::empty({blocks, K, kBlockRows}, at::kFloat);  // every float written below
+  float* xp = xt.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      float* block = xt.data() + b * K * kBlockRows;
+      float* block = xp + b * K * kBlockRows;
       const int64_t rows = std::min(kBlockRows, M - b * kBlockRows);
       if (rows < kBlockRows) std::fill(block, block + K * kBlockRows, 0.f);
       for (int64_t j = 0; j < rows; ++j) {
@@ -114,7 +115,8 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return has_bias ? y.copy_(bias.expand({M, N})) : y.zero_();
-  const std::vector<float> xt = pack_transposed(x.data_ptr<float>(), M, K);
+  const at::Tensor xt = pack_transposed(x.data_ptr<float>(), M, K);
+  const float* xtp = xt.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -129,7 +131,7 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * kPanel, r = std::min<int64_t>(kPanel, N - n0);
           for (int64_t b = b0; b < b1; ++b)
-            kMicro[r - 1](wp + n0 * K + k0, K, kc, xt.data() + (b * K + k0) * kBlockRows,
+            kMicro[r - 1](wp + n0 * K + k0, K, kc, xtp + (b * K + k0) * kBlockRows,
                           bp ? bp + n0 : nullptr, yp + b * kBlockRows * N + n0, N,
                           std::min(kBlockRows, M - b * kBlockRows), k0 == 0);
         }

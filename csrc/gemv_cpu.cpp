@@ -34,7 +34,7 @@
 namespace gemv {
 namespace {
 
-// Up to this many rows f32_linear takes the GEMV; above, oneDNN's GEMM (`gemm` below).
+// Up to this many rows f32_linear takes the GEMV; above, a GEMM (`gemm` below).
 // SmolLM2's 30 layers with cold weights, two threads: on an Intel Xeon (AVX2 and AVX-512) the
 // GEMV was 1.1-1.5x the faster of oneDNN and MKL at 1-16 rows, 1.03-1.07x at 24, 0.95-0.98x at
 // 32; on an AMD Zen 5, AVX2 alike (1.15x oneDNN at 24, level at 32), but with AVX-512 the

@@ -77,7 +77,7 @@ class SparseMoE(nn.Module):
         """Expert e's gated MLP of its rows x [n, hidden]."""
         if self.kernel is not None and x.dtype == torch.float32:
             # The CPU kernels' float32 linear: a GEMV for the few rows an expert mostly gets,
-            # oneDNN above (torch.mm is MKL's, which runs its generic code on AMD CPUs).
+            # a GEMM above (torch.mm is MKL's, which runs its generic code on AMD CPUs).
             h = self.kernel.f32_linear(x, self.w13[e], None)  # [n, 2 * size]
             return self.kernel.f32_linear(act(h[:, :self.size]) * h[:, self.size:], self.w2[e],
                                           None)
