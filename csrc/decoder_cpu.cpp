@@ -215,7 +215,7 @@ class CpuDecoder {
   }
 
   at::Tensor linear(const at::Tensor& x, const Linear& w) const {
-    at::Tensor y = w.group == 0 ? gemv::f32_linear(x, w.weights[0], w.bias)
+    at::Tensor y = w.group == 0 ? gemv::f32_linear(x, w.weights[0], w.bias, std::nullopt)
                                    : awq_linear(x, w.weights[0], w.weights[1], w.weights[2],
                                                 w.bias, w.n, w.group, max_gemv_rows_,
                                                 activation_bits_);

@@ -28,7 +28,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
+#include "f32_operands.h"
 #include "vec_math.h"
 
 namespace f32gemm {
@@ -100,19 +102,12 @@ at::Tensor pack_transposed(const float* x, int64_t M, int64_t K) {
 
 }  // namespace
 
-// y = x @ w^T (+ bias) by the weight-broadcast kernel above, any number of rows.
-at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "f32_gemm: x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() &&
-                  w.size(1) == x.size(1),
-              "f32_gemm: w must be contiguous float32 [N, K] with x's K");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
-                            bias.numel() == N),
-              "f32_gemm: bias must be contiguous float32 [N]");
-  at::Tensor y = at::empty({M, N}, x.options());
+// y = x @ w^T (+ bias) by the weight-broadcast kernel above, any number of rows; into `out`
+// when given.
+at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                    const std::optional<at::Tensor>& out) {
+  const auto [M, K, N, has_bias] = check_f32_operands("f32_gemm", x, w, bias);
+  at::Tensor y = f32_output("f32_gemm", out, x, M, N);
   if (M == 0 || N == 0) return y;
   if (K == 0) return has_bias ? y.copy_(bias.expand({M, N})) : y.zero_();
   const at::Tensor xt = pack_transposed(x.data_ptr<float>(), M, K);

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "f32_operands.h"
 #include "vec_math.h"
 
 namespace gemv {
@@ -134,18 +135,10 @@ void group(const float* x, int64_t M, int64_t K, const float* w, const float* bi
 
 }  // namespace
 
-at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "f32_gemv: x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() &&
-                  w.size(1) == x.size(1),
-              "f32_gemv: w must be contiguous float32 [N, K] with x's K");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
-                            bias.numel() == N),
-              "f32_gemv: bias must be contiguous float32 [N]");
-  at::Tensor y = at::empty({M, N}, x.options());
+at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                    const std::optional<at::Tensor>& out) {
+  const auto [M, K, N, has_bias] = check_f32_operands("f32_gemv", x, w, bias);
+  at::Tensor y = f32_output("f32_gemv", out, x, M, N);
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -168,10 +161,8 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   return y;
 }
 
-// Many rows: on the AVX2 flavour up to f32gemm::kMaxRows rows (a decode batch), the
-// weight-broadcast GEMM of csrc/gemm_cpu.cpp; else oneDNN's GEMM on the plain weight (it packs a
-// copy of the weight per call, ~7% of the product at 256 rows), where torch has oneDNN; else
-// torch's own linear (MKL's sgemm).
+// Many rows: oneDNN's GEMM on the plain weight (it packs a copy of the weight per call, ~7% of
+// the product at 256 rows), where torch has oneDNN; else torch's own linear (MKL's sgemm).
 // MKL runs its generic code on AMD CPUs: SmolLM2's linears at 256 rows on a Zen 5, two
 // threads, reach 168 GFLOP/s in MKL on AVX2 and 164 on AVX-512, 215 and 378 in oneDNN (1.3-1.5x
 // and 2.0-2.4x from 25 rows up); on Intel the two were level at 64-256 rows, oneDNN ahead below.
@@ -184,9 +175,6 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at
     if (!at::hasMKLDNN() || !op.has_value()) return std::nullopt;
     return op->typed<Linear>();
   }();
-  if (x.dim() == 2 && x.size(0) <= f32gemm::kMaxRows && w.is_contiguous() &&
-      (!bias.has_value() || bias->is_contiguous()))
-    return f32gemm::f32_gemm(x.contiguous(), w, bias.has_value() ? *bias : at::Tensor());
   if (!onednn.has_value() || x.dim() != 2) return at::linear(x, w, bias);
   // oneDNN reads a strided bias as if it were contiguous (torch 2.13): give it a dense one.
   const std::optional<at::Tensor> b = bias.has_value() ? std::optional(bias->contiguous()) : bias;
@@ -205,15 +193,20 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   return padded == rows ? y : y.narrow(0, 0, rows);
 }
 
-// The float32 linear layer of the CPU path: this GEMV up to kMaxRows rows, `gemm` above, both
-// on the same plain weight.
+// The float32 linear layer of the CPU path, all on the same plain weight: this GEMV up to
+// kMaxRows rows, csrc/gemm_cpu.cpp's GEMM up to f32gemm::kMaxRows (a decode batch, on the AVX2
+// flavour), `gemm` above; the result in `out` when given (x 2-D).
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w,
-                      const std::optional<at::Tensor>& bias) {
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& out) {
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
-  if (x.dim() == 2 && x.size(0) <= kMaxRows && w.is_contiguous() &&
-      (!b.defined() || b.is_contiguous()))
-    return f32_gemv(x.contiguous(), w, b);
-  return gemm(x, w, bias);
+  const bool plain = w.is_contiguous() && (!b.defined() || b.is_contiguous());
+  TORCH_CHECK(!out.has_value() || x.dim() == 2, "f32_linear: out needs a 2-D x");
+  if (x.dim() == 2 && plain && x.size(0) <= kMaxRows) return f32_gemv(x.contiguous(), w, b, out);
+  if (x.dim() == 2 && plain && x.size(0) <= f32gemm::kMaxRows)
+    return f32gemm::f32_gemm(x.contiguous(), w, b, out);
+  const at::Tensor y = gemm(x, w, bias);
+  return out.has_value() ? f32_output("f32_linear", out, x, x.size(0), w.size(0)).copy_(y) : y;
 }
 
 }  // namespace gemv

@@ -35,11 +35,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("awq_int8_block") = kInt8Block;
   m.def("awq_dequantize", &awq_dequantize, "4-bit codes to a float32 W^T [K, N]");
 
-  m.def("f32_gemv", &gemv::f32_gemv, "float32 GEMV of few rows on the plain [N, K] weight");
-  m.def("f32_linear", &gemv::f32_linear, "float32 linear on CPU: the GEMV at few rows, a GEMM above");
+  namespace py = pybind11;
+  m.def("f32_gemv", &gemv::f32_gemv, "float32 GEMV of few rows on the plain [N, K] weight",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
+  m.def("f32_linear", &gemv::f32_linear, "float32 linear on CPU: the GEMV at few rows, a GEMM above",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
   m.attr("f32_gemv_max_rows") = gemv::kMaxRows;
   m.def("f32_gemm", &f32gemm::f32_gemm,
-        "float32 GEMM on the plain [N, K] weight, broadcast against x^T in blocks");
+        "float32 GEMM on the plain [N, K] weight, broadcast against x^T in blocks",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
   m.attr("f32_gemm_max_rows") = f32gemm::kMaxRows;
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");

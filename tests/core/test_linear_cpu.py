@@ -95,6 +95,29 @@ def test_f32_linear_is_the_gemv_then_the_gemm_then_onednn(cpu_kernels, bias: boo
             assert torch.equal(got, F.linear(x, w, b))
 
 
+def test_f32_linear_writes_into_out_on_every_path(cpu_kernels):
+    limit, gemm_limit = cpu_kernels.f32_gemv_max_rows, cpu_kernels.f32_gemm_max_rows
+    for rows in sorted({1, limit + 1, 70, gemm_limit + 1}):  # GEMV, GEMM, oneDNN/torch
+        x, w, b = _case(rows, 96, 40, rows)
+        out = torch.full((rows, 40), float("nan"))
+        got = cpu_kernels.f32_linear(x, w, b, out)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(out, cpu_kernels.f32_linear(x, w, b))
+    x, w, b = _case(30, 96, 40, 1)
+    for kernel in (cpu_kernels.f32_gemv, cpu_kernels.f32_gemm):
+        out = torch.empty(30, 40)
+        assert kernel(x, w, b, out=out).data_ptr() == out.data_ptr()
+        assert torch.equal(out, kernel(x, w, b))
+    for bad in (torch.empty(30, 41), torch.empty(40, 30).t(), torch.empty(30, 40).double()):
+        for call in (lambda o: cpu_kernels.f32_linear(x, w, b, o),
+                     lambda o: cpu_kernels.f32_gemv(x, w, b, o),
+                     lambda o: cpu_kernels.f32_gemm(x, w, b, o)):
+            with pytest.raises(RuntimeError, match="out must be contiguous float32 .30, 40."):
+                call(bad)
+    with pytest.raises(RuntimeError, match="out needs a 2-D x"):
+        cpu_kernels.f32_linear(x[None], w, b, torch.empty(30, 40))
+
+
 def test_strided_operands_go_through_f32_linear(cpu_kernels):
     x, w, b = _case(5, 64, 24, 3)
     strided_x = torch.cat([x, x], dim=1)[:, :64]
@@ -124,6 +147,25 @@ def test_engine_runs_plain_float_weights(tiny_llama_dir):
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is not None and m.kernel is not None for m in linears)
     assert all(not m._buffers for m in linears)  # no packed copies beside the weights
+
+
+def test_lm_head_writes_every_step_into_one_logits_buffer(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4MiB"),
+                       show_progress=False)
+    model = engine.runner.model
+    head = model.lm_head
+    hidden = torch.randn(5, head.weight.shape[1])
+    with torch.inference_mode():
+        first = model.compute_logits(hidden)
+        torch.testing.assert_close(first, hidden @ head.weight.t(), rtol=1e-5, atol=1e-4)
+        second = model.compute_logits(hidden[:3] * 2)  # fewer rows: the same buffer
+        assert second.data_ptr() == first.data_ptr() == model._logits_buffer.data_ptr()
+        torch.testing.assert_close(second, (hidden[:3] * 2) @ head.weight.t(),
+                                   rtol=1e-5, atol=1e-4)
+        bigger = model.compute_logits(torch.randn(9, head.weight.shape[1]))  # grows it
+        assert model._logits_buffer.shape[0] == 9 and bigger.data_ptr() == \
+            model._logits_buffer.data_ptr()
+    engine.shutdown()
 
 
 def test_tied_head_is_the_embedding_counted_once(smol_llm):
