@@ -95,14 +95,21 @@ def test_f32_linear_is_the_gemv_then_the_gemm_then_onednn(cpu_kernels, bias: boo
             assert torch.equal(got, F.linear(x, w, b))
 
 
-def test_f32_linear_writes_into_out_on_every_path(cpu_kernels):
-    limit, gemm_limit = cpu_kernels.f32_gemv_max_rows, cpu_kernels.f32_gemm_max_rows
-    for rows in sorted({1, limit + 1, 70, gemm_limit + 1}):  # GEMV, GEMM, oneDNN/torch
+def test_f32_linear_writes_into_out_by_the_gemv_or_the_gemm(cpu_kernels):
+    # With `out`, every row count above the GEMV's takes f32_gemm (in place) on every flavour;
+    # a strided weight takes the copying path.
+    limit = cpu_kernels.f32_gemv_max_rows
+    for rows in (1, limit, limit + 1, 70, 300):
         x, w, b = _case(rows, 96, 40, rows)
         out = torch.full((rows, 40), float("nan"))
         got = cpu_kernels.f32_linear(x, w, b, out)
         assert got.data_ptr() == out.data_ptr()
-        assert torch.equal(out, cpu_kernels.f32_linear(x, w, b))
+        kernel = cpu_kernels.f32_gemv if rows <= limit else cpu_kernels.f32_gemm
+        assert torch.equal(out, kernel(x, w, b))
+        strided = torch.cat([w, w], dim=1)[:, :96]
+        out.fill_(float("nan"))
+        assert cpu_kernels.f32_linear(x, strided, b, out).data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     x, w, b = _case(30, 96, 40, 1)
     for kernel in (cpu_kernels.f32_gemv, cpu_kernels.f32_gemm):
         out = torch.empty(30, 40)
