@@ -3,11 +3,11 @@
 csrc/decoder_cpu.cpp runs the same kernels as the Python model does once `use_kernels` gave
 it them, in the same order; it only leaves out the ~40 Python calls per layer between them
 (a SmolLM2 4-bit batch-1 step: 9.2 -> 6.2 ms). It is built only where every piece it
-replaces is a kernel: linears that are 4-bit AWQ on the CPU kernel or float32 on the CPU
-kernel (f32_linear), the `cpu` attention backend, the layer ops, one rank, and layers it can express
-(Llama's, with the options of the dense families: q/k norms, per-layer RoPE tables or none,
-windows, soft-capping, post-sub-layer norms, multipliers, GeGLU). Anything else runs the
-Python model; `fused_decoder_gaps` says why.
+replaces is a kernel: linears that are 4-bit AWQ or float32 on the CPU kernels, the `cpu`
+attention backend, the layer ops, one rank, and layers it can express (Llama's, with the
+options of the dense families: q/k norms, per-layer RoPE tables or none, windows,
+soft-capping, post-sub-layer norms, multipliers, GeGLU). Anything else runs the Python model;
+`fused_decoder_gaps` says why.
 """
 
 from __future__ import annotations

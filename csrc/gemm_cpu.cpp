@@ -17,11 +17,12 @@
 // thread owns a run of panels and sweeps every block of x through each: the weight is read
 // once per kChunkBlocks blocks of x. The accumulators hold y^T, stored transposed.
 //
-// On a Zen 5, two AVX2 threads, SmolLM2's linears at 256 rows (each layer's own weight): qkv
-// 235 GFLOP/s, o 231, gate_up 239, down 231, where oneDNN ran 221, 218, 203, 226; at 32-128
-// rows 1.1-1.35x oneDNN. From 512 rows oneDNN is level or ahead (down: 243 against 209), and
-// with AVX-512 it is level or ahead at every size, so gemv::gemm takes this kernel on the AVX2
-// flavour up to kMaxRows rows only.
+// On a Zen 5, two AVX2 threads, SmolLM2's linears at 256 rows (each layer's own weight, run
+// interleaved with oneDNN): qkv 1.05-1.07x oneDNN, o 1.02-1.05x, gate_up level to 1.02x, down
+// 0.94-0.97x (~225-235 GFLOP/s of a 257-262 peak); at 32-128 rows 1.1-1.35x. From 512 rows
+// oneDNN is level or ahead (down: 243 against 209 GFLOP/s), and with AVX-512 it is level or
+// ahead at every size, so f32_linear takes this kernel on the AVX2 flavour up to kMaxRows rows
+// only, and on every flavour when it is given an output to write into (no copy).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +37,7 @@
 namespace f32gemm {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr int64_t kMaxRows = 256;  // gemv::gemm takes this kernel up to here, oneDNN above
+constexpr int64_t kMaxRows = 256;  // f32_linear takes this kernel up to here, oneDNN above
 #else
 constexpr int64_t kMaxRows = 0;  // oneDNN (AVX-512: level or ahead; others: not measured)
 #endif

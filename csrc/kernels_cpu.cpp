@@ -38,7 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("f32_gemv", &gemv::f32_gemv, "float32 GEMV of few rows on the plain [N, K] weight",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
-  m.def("f32_linear", &gemv::f32_linear, "float32 linear on CPU: the GEMV at few rows, a GEMM above",
+  m.def("f32_linear", &gemv::f32_linear,
+        "float32 linear on CPU: the GEMV at few rows, a GEMM above",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
   m.attr("f32_gemv_max_rows") = gemv::kMaxRows;
   m.def("f32_gemm", &f32gemm::f32_gemm,

@@ -146,13 +146,14 @@ class CausalLM(nn.Module):
         return self.process_logits(logits)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head; on the CPU kernels (float32) into one buffer that every step reuses.
-        The logits are the largest tensor a step makes (SmolLM2 at 256 rows: 50 MB), and a
-        fresh one of more than 32 MB is a new mmap whose first touch page-faults (~14 ms of
-        a ~400 ms step). A step's logits are sampled before the next step computes any."""
+        """The LM head; a float32 one on the CPU kernels writes into one buffer that every
+        step reuses. The logits are the largest tensor a step makes (SmolLM2 at 256 rows:
+        50 MB), and a fresh one of more than 32 MB is a new mmap whose first touch
+        page-faults (~14 ms of a ~400 ms step). A step's logits are sampled before the next
+        step computes any. Other heads (int8, quantized, LoRA) run as they are."""
         head = self.lm_head
-        if (head.kernel is None or hidden.dtype != torch.float32 or hidden.dim() != 2
-                or head.lora is not None):
+        if (head.kernel is None or not isinstance(head.method, UnquantizedLinearMethod)
+                or hidden.dtype != torch.float32 or hidden.dim() != 2 or head.lora is not None):
             return head(hidden)
         rows = hidden.shape[0]
         if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:

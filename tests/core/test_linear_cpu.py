@@ -1,7 +1,10 @@
 """Float32 linears on CPU: csrc/gemv_cpu.cpp's GEMV, csrc/gemm_cpu.cpp's GEMM and f32_linear
-against torch, under every ISA flavour, and the engine running its plain weights through them (no packed copies)."""
+against torch, under every ISA flavour; the engine running its plain weights through them (no
+packed copies), and its LM head writing into one reused logits buffer."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,29 +23,36 @@ def _case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Ten
             torch.randn(n, generator=gen))
 
 
+def _check_matches_torch(kernel: Callable, rows: int, k: int, n: int) -> None:
+    x, w, bias = _case(rows, k, n, rows * 1000 + k + n)
+    torch.testing.assert_close(kernel(x, w, EMPTY), x @ w.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernel(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def _check_refuses_bad_operands(kernel: Callable, name: str) -> None:
+    x, w, bias = _case(3, 40, 12, 0)
+    for bad in ((x.t().contiguous().t(), w, EMPTY),  # strided x
+                (x, w[:, :20], EMPTY),  # K differs
+                (x, w.t().contiguous().t(), EMPTY),  # strided w
+                (x.double(), w.double(), EMPTY),
+                (x, w, bias[:5])):
+        with pytest.raises(RuntimeError, match=name):
+            kernel(*bad)
+
+
 # Rows 1 to 70 (one row, the row blocks of every flavour and their remainders, past the GEMV's
 # limit); K a whole number of vectors or not (a scalar tail); N a multiple of the 4-row
 # weight groups or 1-3 past it.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70])
 @pytest.mark.parametrize(("k", "n"), [(64, 32), (576, 193), (37, 6), (1537, 7)])
 def test_f32_gemv_matches_torch(cpu_kernels, rows: int, k: int, n: int):
-    x, w, bias = _case(rows, k, n, rows * 1000 + k + n)
-    torch.testing.assert_close(cpu_kernels.f32_gemv(x, w, EMPTY), x @ w.t(),
-                               rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(cpu_kernels.f32_gemv(x, w, bias), F.linear(x, w, bias),
-                               rtol=1e-5, atol=1e-4)
+    _check_matches_torch(cpu_kernels.f32_gemv, rows, k, n)
 
 
 def test_f32_gemv_takes_zero_rows_and_refuses_bad_operands(cpu_kernels):
-    x, w, bias = _case(3, 40, 12, 0)
+    x, w, _ = _case(3, 40, 12, 0)
     assert cpu_kernels.f32_gemv(x[:0], w, EMPTY).shape == (0, 12)
-    for bad in ((x.t().contiguous().t(), w, EMPTY),  # strided x
-                (x, w[:, :20], EMPTY),  # K differs
-                (x, w.t().contiguous().t(), EMPTY),  # strided w
-                (x.double(), w.double(), EMPTY),
-                (x, w, bias[:5])):
-        with pytest.raises(RuntimeError, match="f32_gemv"):
-            cpu_kernels.f32_gemv(*bad)
+    _check_refuses_bad_operands(cpu_kernels.f32_gemv, "f32_gemv")
 
 
 # Rows 1 to 300 (one x^T block and its remainder, several, and past a pass's 16 blocks); N
@@ -50,11 +60,7 @@ def test_f32_gemv_takes_zero_rows_and_refuses_bad_operands(cpu_kernels):
 @pytest.mark.parametrize("rows", [1, 5, 16, 25, 70, 300])
 @pytest.mark.parametrize(("k", "n"), [(96, 42), (577, 193), (3, 7), (1601, 11)])
 def test_f32_gemm_matches_torch(cpu_kernels, rows: int, k: int, n: int):
-    x, w, bias = _case(rows, k, n, rows * 1000 + k + n)
-    torch.testing.assert_close(cpu_kernels.f32_gemm(x, w, EMPTY), x @ w.t(),
-                               rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(cpu_kernels.f32_gemm(x, w, bias), F.linear(x, w, bias),
-                               rtol=1e-5, atol=1e-4)
+    _check_matches_torch(cpu_kernels.f32_gemm, rows, k, n)
 
 
 def test_f32_gemm_takes_empty_operands_and_refuses_bad_ones(cpu_kernels):
@@ -63,13 +69,7 @@ def test_f32_gemm_takes_empty_operands_and_refuses_bad_ones(cpu_kernels):
     assert cpu_kernels.f32_gemm(x, w[:0], EMPTY).shape == (3, 0)
     assert torch.equal(cpu_kernels.f32_gemm(x[:, :0], w[:, :0], bias), bias.expand(3, 12))
     assert torch.equal(cpu_kernels.f32_gemm(x[:, :0], w[:, :0], EMPTY), torch.zeros(3, 12))
-    for bad in ((x.t().contiguous().t(), w, EMPTY),  # strided x
-                (x, w[:, :20], EMPTY),  # K differs
-                (x, w.t().contiguous().t(), EMPTY),  # strided w
-                (x.double(), w.double(), EMPTY),
-                (x, w, bias[:5])):
-        with pytest.raises(RuntimeError, match="f32_gemm"):
-            cpu_kernels.f32_gemm(*bad)
+    _check_refuses_bad_operands(cpu_kernels.f32_gemm, "f32_gemm")
 
 
 @pytest.mark.parametrize("bias", [False, True])
