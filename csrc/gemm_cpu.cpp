@@ -53,12 +53,12 @@ constexpr int64_t kChunkK = 512;
 
 // y[m, i] (= or +=) sum_k w[i][k] xt[k][m] for R weight rows (stride ldw) and the block's
 // `rows` rows of x; bias (first chunk only) may be null.
-template <int R>
+template <int64_t R>
 void micro(const float* w, int64_t ldw, int64_t kc, const float* xt, const float* bias,
            float* y, int64_t ldy, int64_t rows, bool first) {
   vfn acc[R][kVecs] = {};
   const float* wr[R];
-  for (int i = 0; i < R; ++i) wr[i] = w + i * ldw;
+  for (int64_t i = 0; i < R; ++i) wr[i] = w + i * ldw;
   for (int64_t k = 0; k < kc; ++k) {
     vfn xv[kVecs];
     for (int v = 0; v < kVecs; ++v) xv[v] = loadv(xt + k * kBlockRows + v * kLanes);
@@ -76,11 +76,6 @@ void micro(const float* w, int64_t ldw, int64_t kc, const float* xt, const float
       out[i] = first ? yt[i][m] + (bias ? bias[i] : 0.f) : out[i] + yt[i][m];
   }
 }
-
-using MicroFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*,
-                         int64_t, int64_t, bool);
-constexpr MicroFn kMicro[kPanel] = {&micro<1>, &micro<2>, &micro<3>,
-                                    &micro<4>, &micro<5>, &micro<6>};
 
 // x^T in blocks: xt[b][k][j] = x[b * kBlockRows + j][k], zero past the last row.
 at::Tensor pack_transposed(const float* x, int64_t M, int64_t K) {
@@ -126,10 +121,12 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         const int64_t kc = std::min(kc_max, K - k0);
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * kPanel, r = std::min<int64_t>(kPanel, N - n0);
-          for (int64_t b = b0; b < b1; ++b)
-            kMicro[r - 1](wp + n0 * K + k0, K, kc, xtp + (b * K + k0) * kBlockRows,
-                          bp ? bp + n0 : nullptr, yp + b * kBlockRows * N + n0, N,
-                          std::min(kBlockRows, M - b * kBlockRows), k0 == 0);
+          with_rows(r, [&]<int64_t R>() {  // R = r: at most kPanel
+            for (int64_t b = b0; b < b1; ++b)
+              micro<R>(wp + n0 * K + k0, K, kc, xtp + (b * K + k0) * kBlockRows,
+                       bp ? bp + n0 : nullptr, yp + b * kBlockRows * N + n0, N,
+                       std::min(kBlockRows, M - b * kBlockRows), k0 == 0);
+          });
         }
       }
     }
