@@ -81,15 +81,26 @@ void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, co
       int64_t k = 0;
       for (; k + 2 <= s.K; k += 2) {
         __builtin_prefetch(tile + (k + kPrefetchRows) * kTile);  // 2 KB on: see awq_cpu.cpp
-        const vf16 w[2][2] = {{widen(tile + k * kTile), widen(tile + k * kTile + 16)},
-                              {widen(tile + (k + 1) * kTile),
-                               widen(tile + (k + 1) * kTile + 16)}};
-        for (int64_t m = 0; m < M; ++m) {
-          const float x0 = xp[m * s.K + k], x1 = xp[m * s.K + k + 1];
-          acc[0][m][0] += x0 * w[0][0];
-          acc[0][m][1] += x0 * w[0][1];
-          acc[S - 1][m][0] += x1 * w[1][0];
-          acc[S - 1][m][1] += x1 * w[1][1];
+        if constexpr (S == 2) {
+          // One or two rows use each half row as soon as it is widened: widening all four
+          // first kept eight more registers live, and AVX2's sixteen then spilled an
+          // accumulator (its chain through memory cost ~25% of the batch-1 LM head).
+          for (int64_t i = 0; i < 2; ++i)
+            for (int64_t h = 0; h < 2; ++h) {
+              const vf16 w = widen(tile + (k + i) * kTile + 16 * h);
+              for (int64_t m = 0; m < M; ++m) acc[i][m][h] += xp[m * s.K + k + i] * w;
+            }
+        } else {  // more rows: widen both inputs' rows, then sweep the rows once
+          const vf16 w[2][2] = {{widen(tile + k * kTile), widen(tile + k * kTile + 16)},
+                                {widen(tile + (k + 1) * kTile),
+                                 widen(tile + (k + 1) * kTile + 16)}};
+          for (int64_t m = 0; m < M; ++m) {
+            const float x0 = xp[m * s.K + k], x1 = xp[m * s.K + k + 1];
+            for (int64_t h = 0; h < 2; ++h) {  // two statements: two FMAs
+              acc[0][m][h] += x0 * w[0][h];
+              acc[0][m][h] += x1 * w[1][h];
+            }
+          }
         }
       }
       if (k < s.K) {  // an odd last input
