@@ -148,10 +148,12 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
   constexpr int64_t S = M <= 2 ? 2 : 1;
   const int64_t NG = s.K / s.G;
   const int32_t* stream = cp + t * (s.K / 8) * kTile;
-  vf16 out[M][2] = {};
+  vf16 out[M][2];
+  zero(out);
   for (int64_t g = 0; g < NG; ++g) {
     prefetch_group_scales(sp, zp, t * NG + g);
-    vf16 acc[S][M][2] = {};
+    vf16 acc[S][M][2];
+    zero(acc);
     for (int64_t blk = g * s.G / 8; blk < (g + 1) * s.G / 8; ++blk) {
       const int32_t* words = stream + blk * kTile;
       __builtin_prefetch(words + kPrefetchWords);

@@ -77,7 +77,8 @@ void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, co
   at::parallel_for(0, s.N / kTile, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* tile = cp + t * s.K * kTile;
-      vf16 acc[S][M][2] = {};
+      vf16 acc[S][M][2];
+      zero(acc);
       int64_t k = 0;
       for (; k + 2 <= s.K; k += 2) {
         __builtin_prefetch(tile + (k + kPrefetchRows) * kTile);  // 2 KB on: see awq_cpu.cpp
