@@ -93,6 +93,9 @@ inline vu16 operator>>(vu16 a, int n) {
 // Each word with its 16-bit halves swapped (a rotation by 16): one byte shuffle per native
 // vector (vpshufb, vprold, rev32), where shifts and an or take three instructions on AVX2.
 inline vu16 swap_halves(vu16 a) {
+#if defined(__clang__)  // no __builtin_shuffle: the shifts, which clang may fold itself
+  return (a << 16) | (a >> 16);
+#else
   typedef uint16_t vhn __attribute__((vector_size(kLanes * 4)));
   typedef int16_t vhi __attribute__((vector_size(kLanes * 4)));
   vhi pairs;
@@ -100,6 +103,7 @@ inline vu16 swap_halves(vu16 a) {
   for (int i = 0; i < kParts; ++i)
     a.p[i] = reinterpret_cast<vun>(__builtin_shuffle(reinterpret_cast<vhn>(a.p[i]), pairs));
   return a;
+#endif
 }
 
 // `a` unchanged, opaque to the optimizer: a value derived from it is computed from it, not
