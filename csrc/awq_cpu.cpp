@@ -22,8 +22,8 @@
 //
 // awq_gemv is a fused dequantize-GEMV over chunks of up to 8 rows: each chunk reads every code
 // once, as one sequential stream per tile, and unpacks it once for all rows. At one or two
-// rows, codes at bits 15..18 and 19..22 feed separate accumulators: 4+ independent FMA
-// chains hide the FMA latency.
+// rows, the v and f terms feed separate accumulators: 4+ independent FMA chains hide the FMA
+// latency.
 // awq_gemm is the many-row path: the tiles are split over threads, and each thread decodes a
 // panel of one tile (up to kPanelK inputs x 32 columns, 32 KB of float32, in L1) once and
 // multiplies every row by it with a register-blocked micro-kernel (panel_rows below: rows x
@@ -387,8 +387,8 @@ at::Tensor awq_gemm(at::Tensor x, at::Tensor codes, at::Tensor scales,
         const vu16 r[4] = {fields<16>(word), fields<8>(word), word, fields<24>(word)};
         for (int64_t i = 0; i < 8; ++i) {  // input i: rotation (i + 1) / 2 % 4
           const vu16 ri = r[(i + 1) / 2 % 4];
-          const vf16 v = i % 2 ? sv * as_floats((ri & (0xFu << 15)) | kLowExp) - zlow
-                               : sv * as_floats((ri & (0xFu << 19)) | kHighExp) - zhigh;
+          const vf16 v = i % 2 ? sv * as_floats((ri & kLowField) | kLowExp) - zlow
+                               : sv * as_floats((ri & kHighField) | kHighExp) - zhigh;
           store16(rows + i * kTile + h * 16, v);
         }
       }
@@ -419,7 +419,7 @@ at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
         const vu16 r[4] = {fields<16>(word), fields<8>(word), word, fields<24>(word)};
         for (int64_t i = 0; i < 8; ++i) {
           const vu16 ri = r[(i + 1) / 2 % 4];
-          const vu16 bits = i % 2 ? (ri & (0xFu << 15)) | kLowExp : (ri & (0xFu << 19)) | kHighExp;
+          const vu16 bits = i % 2 ? (ri & kLowField) | kLowExp : (ri & kHighField) | kHighExp;
           store16(row + i * Np, sv * (as_floats(bits) - (i % 2 ? kLowBase : kHighBase)) - zv);
         }
       }
