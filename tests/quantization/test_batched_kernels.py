@@ -82,7 +82,7 @@ def test_awq_layer_across_the_gemv_switch(ext, group: int, bias: bool) -> None: 
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_awq_gemv_keeps_float32_precision_on_hard_activations(ext, rows: int) -> None:  # noqa: ANN001
+def test_awq_gemv_precision_on_hard_activations(ext, rows: int) -> None:  # noqa: ANN001
     """The GEMV reads codes as 16 + qH + qL/16 and cancels the bases out per group (see
     csrc/awq_cpu.cpp); with activations of one sign and a large offset, or rare outliers 300x
     the rest, the error must stay at float32 rounding of sum |x w| (measured <= 5e-6; the
