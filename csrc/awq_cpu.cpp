@@ -128,8 +128,8 @@ template <int L, int H, int64_t S, int64_t M>
 // (see the top) times the rewritten xt, into every row's accumulators; with two accumulator
 // sets (S = 2, few rows) v and f go to separate ones, for more independent FMA chains.
 // One or two rows multiply each half as soon as it is decoded, which keeps their eight
-// accumulators in registers (decoding both halves first spilled them: 10% slower); more rows
-// decode both halves, then sweep the rows once (12% faster at 8 rows than half by half).
+// accumulators in registers (decoding both halves first spilled them: ~15% slower); more
+// rows decode both halves, then sweep the rows once (half by half, 8 rows took ~1.3x as long).
 template <int R, int L, int H, int64_t S, int64_t M>
 inline void step(const vu16 (&w)[2], const float* xt, int64_t K, vf16 (&acc)[S][M][2]) {
   vf16 v[2], f[2];
