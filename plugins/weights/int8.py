@@ -59,7 +59,10 @@ class Int8LinearMethod(LinearMethod):
         layer.method = cls()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        # The LM head's x (2-D float32, every step) goes in as it is: each reshape, cast and
+        # slice is one more dispatch, run cold after the step's weights (see flatten_batch).
+        plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+        x2 = x if plain else x.reshape(-1, x.shape[-1]).float().contiguous()
         if layer.kernel is not None:
             # The GEMV (codes read once per 8 rows) up to GEMV_MAX_ROWS rows, then the GEMM by
             # widened panels (codes read and widened once for all rows).
@@ -68,10 +71,11 @@ class Int8LinearMethod(LinearMethod):
                                                                               layer.scale)
         else:
             y = x2 @ self.dequantize(layer)
-        y = y[:, :layer.out_features]
+        if y.shape[1] != layer.out_features:
+            y = y[:, :layer.out_features]
         if layer.bias is not None:
             y = y + layer.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y if plain else y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def dequantize(layer: Linear) -> torch.Tensor:
