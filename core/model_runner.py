@@ -337,7 +337,7 @@ def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device
     Built as Python lists and made into two tensors (int64, int32) that every field views:
     the step's weights have just streamed through the caches, so each numpy or torch call
     here runs cold (~4x its warm time), and at batch 1 the twenty-odd calls this took
-    before were ~5% of a 4-bit decode step."""
+    before were 3-5% of a 4-bit decode step (0.12-0.23 of ~4.3 ms)."""
     bs = block_size
     width = max(len(c.block_table) for c in chunks)
     input_ids: list[int] = []
