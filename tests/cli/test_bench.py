@@ -276,6 +276,38 @@ def test_bench_lora_measures_adapters_against_the_base(tmp_path: Path, tiny_llam
     assert mixed.exit_code == 0, mixed.output
 
 
+def test_bench_compare_takes_each_rounds_ratio_in_turn(tmp_path: Path, tiny_llama_dir: Path,
+                                                       tiny_qwen2_dir: Path):
+    out = tmp_path / "compare.json"
+    result = _bench("compare", str(tiny_qwen2_dir), "--baseline-model", str(tiny_llama_dir),
+                    "--batch", "1,2", "--num-prompts", "2", "--output-len", "4",
+                    "--rounds", "3", "--kv-cache-memory", "16MiB", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["cpu"] and report["baseline"] != report["candidate"]
+    assert [r["batch"] for r in report["runs"]] == [1, 2]
+    for run in report["runs"]:
+        a, b = run["baseline_output_throughput"], run["candidate_output_throughput"]
+        assert len(a) == len(b) == 3 and min(a + b) > 0
+        assert run["ratios"] == pytest.approx([y / x for x, y in zip(a, b)])
+        assert run["median_ratio"] == pytest.approx(sorted(run["ratios"])[1])
+    assert "B / A (median)" in result.output
+
+
+def test_bench_compare_bad_input_is_one_line(tmp_path: Path, tiny_llama_dir: Path,
+                                             smol_hf_dir: Path):
+    from pkv.tests.helpers import build_tiny_model
+
+    wider = build_tiny_model(tmp_path / "wider", smol_hf_dir, "llama", vocab_size=49280)
+    cases = [(["--rounds", "0"], "--rounds must be >= 1"),
+             (["--baseline-model", str(wider)], "must share a vocabulary"),
+             (["--awq-activations", "int4"], "awq_activations must be one of")]
+    for args, message in cases:
+        bad = _bench("compare", str(tiny_llama_dir), *args, "--kv-cache-memory", "16MiB")
+        assert bad.exit_code != 0 and message in bad.output, bad.output
+        assert "Traceback" not in bad.output
+
+
 def test_attention_bench_times_every_usable_backend():
     result = _bench("attention", "--batch", "3", "--context", "40", "--layers", "2",
                     "--repeat", "1")

@@ -1,0 +1,63 @@
+"""`pkv bench compare`: two models (a 4-bit one and the float model it came from, say) on the
+same prompts, in one process, in turn, round after round. A shared machine's fast and slow
+spells move single runs by tens of percent; runs of the two models next to each other see the
+same spell, so each round's ratio is sound where separate `pkv bench` runs are not."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+
+from pkv.cli.bench_offline import run_pkv
+
+
+@dataclass
+class CompareRun:
+    """One batch size: each round's output tok/s of the baseline and the candidate."""
+
+    batch: int
+    num_prompts: int
+    baseline_tps: list[float] = field(default_factory=list)
+    candidate_tps: list[float] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Candidate over baseline, round by round."""
+        return [c / b for b, c in zip(self.baseline_tps, self.candidate_tps)]
+
+    @property
+    def median_ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"batch": self.batch, "num_prompts": self.num_prompts,
+                "baseline_output_throughput": self.baseline_tps,
+                "candidate_output_throughput": self.candidate_tps,
+                "ratios": self.ratios, "median_ratio": self.median_ratio}
+
+
+def run_rounds(baseline: Any, candidate: Any, prompts: list[list[int]], output_len: int,
+               batch: int, rounds: int) -> CompareRun:
+    """`rounds` runs of each engine, alternating which goes first (A B, B A, ...), so that a
+    drift in the machine's speed does not favour one of them."""
+    run = CompareRun(batch, len(prompts))
+    for r in range(rounds):
+        order = ((baseline, run.baseline_tps), (candidate, run.candidate_tps))
+        for engine, tps in order if r % 2 == 0 else order[::-1]:
+            tps.append(run_pkv(engine, prompts, output_len, batch).output_tps)
+    return run
+
+
+def compare_table(runs: list[CompareRun], baseline: str, candidate: str) -> Table:
+    table = Table(title=f"pkv bench compare: output tok/s, median of rounds; "
+                        f"A = {baseline}, B = {candidate}")
+    for column in ("batch", "A", "B", "B / A (median)", "B / A per round"):
+        table.add_column(column, justify="right")
+    for r in runs:
+        table.add_row(str(r.batch), f"{statistics.median(r.baseline_tps):.1f}",
+                      f"{statistics.median(r.candidate_tps):.1f}", f"{r.median_ratio:.2f}x",
+                      ", ".join(f"{x:.2f}" for x in r.ratios))
+    return table
