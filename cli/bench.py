@@ -240,6 +240,16 @@ def add_adapters(engine: Any, modules: list[str] | None) -> list[Any]:
     return requests
 
 
+def warm_up(engine: Any, lora_request: Any = None) -> None:
+    """One short request through `engine` before timing: kernels built, first-call costs
+    paid."""
+    from pkv.core.sampling_params import SamplingParams
+
+    engine.add_request(None, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8),
+                       lora_request=lora_request)
+    engine.generate_until_done()
+
+
 def workload_prompts(engine: Any, workload: str, num_prompts: int, o: dict[str, Any]
                      ) -> list[list[int]]:
     """The prompts of one `--workload`: random tokens (or `--dataset`), or copy-a-passage."""
@@ -334,7 +344,6 @@ def spec(
     from pkv.cli.cpu_info import cpu_summary
     from pkv.core.config import EngineConfig
     from pkv.core.llm_engine import LLMEngine
-    from pkv.core.sampling_params import SamplingParams
 
     with user_errors(console):
         batches = _int_list(batch, "--batch")
@@ -347,9 +356,8 @@ def spec(
         EngineConfig(**options, speculative_config=speculative_config)  # errors before loading
         engines = [LLMEngine(EngineConfig(**options)),
                    LLMEngine(EngineConfig(**options, speculative_config=speculative_config))]
-        for engine in engines:  # warm-up: kernels built, first-call costs paid
-            engine.add_request(None, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8))
-            engine.generate_until_done()
+        for engine in engines:
+            warm_up(engine)
         console.print(f"[bold]CPU[/]: {cpu_summary()}")
         opts = dict(input_len=input_len, seed=seed, dataset=None, shared_prefix_len=0)
         runs = []
@@ -386,7 +394,6 @@ def lora(
     from pkv.cli.cpu_info import cpu_summary
     from pkv.core.config import EngineConfig
     from pkv.core.llm_engine import LLMEngine
-    from pkv.core.sampling_params import SamplingParams
 
     with user_errors(console):
         batches = _int_list(batch, "--batch")
@@ -394,10 +401,8 @@ def lora(
         lora_engine = LLMEngine(EngineConfig(**options, **lora_options(lora_modules)))
         requests = add_adapters(lora_engine, lora_modules)
         base = LLMEngine(EngineConfig(**options))
-        for engine, lora_request in ((base, None), (lora_engine, requests[0])):
-            engine.add_request(None, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8),
-                               lora_request=lora_request)
-            engine.generate_until_done()
+        warm_up(base)
+        warm_up(lora_engine, requests[0])
         console.print(f"[bold]CPU[/]: {cpu_summary()}")
         opts = dict(input_len=input_len, seed=0, dataset=None, shared_prefix_len=0)
         runs = []
@@ -436,7 +441,6 @@ def compare(
     from pkv.cli.cpu_info import cpu_summary
     from pkv.core.config import EngineConfig
     from pkv.core.llm_engine import LLMEngine
-    from pkv.core.sampling_params import SamplingParams
 
     with user_errors(console):
         batches = _int_list(batch, "--batch")
@@ -451,9 +455,8 @@ def compare(
         if vocabs[0] != vocabs[1]:
             raise ValueError(f"the two models must share a vocabulary to take the same prompts: "
                              f"{vocabs[0]} vs {vocabs[1]} tokens")
-        for engine in engines:  # warm-up: kernels built, first-call costs paid
-            engine.add_request(None, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8))
-            engine.generate_until_done()
+        for engine in engines:
+            warm_up(engine)
         console.print(f"[bold]CPU[/]: {cpu_summary()}")
         opts = dict(input_len=input_len, seed=0, dataset=None, shared_prefix_len=0)
         runs = []
