@@ -276,8 +276,8 @@ def test_bench_lora_measures_adapters_against_the_base(tmp_path: Path, tiny_llam
     assert mixed.exit_code == 0, mixed.output
 
 
-def test_bench_compare_takes_each_rounds_ratio_in_turn(tmp_path: Path, tiny_llama_dir: Path,
-                                                       tiny_qwen2_dir: Path):
+def test_bench_compare_reports_each_rounds_ratio(tmp_path: Path, tiny_llama_dir: Path,
+                                                 tiny_qwen2_dir: Path):
     out = tmp_path / "compare.json"
     result = _bench("compare", str(tiny_qwen2_dir), "--baseline-model", str(tiny_llama_dir),
                     "--batch", "1,2", "--num-prompts", "2", "--output-len", "4",
