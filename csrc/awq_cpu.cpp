@@ -130,8 +130,10 @@ template <int L, int H, int64_t S, int64_t M>
 // One or two rows multiply each half as soon as it is decoded, which keeps their eight
 // accumulators in registers (decoding both halves first spilled them: ~15% slower); more
 // rows decode both halves, then sweep the rows once (half by half, 8 rows took ~1.3x as long).
+// Forced inline: as an ordinary inline function GCC stopped inlining it once the unit grew (a
+// scratch copy with one more caller ran the batch-1 GEMV 1.6x slower).
 template <int R, int L, int H, int64_t S, int64_t M>
-inline void step(const vu16 (&w)[2], const float* xt, int64_t K, vf16 (&acc)[S][M][2]) {
+[[gnu::always_inline]] inline void step(const vu16 (&w)[2], const float* xt, int64_t K, vf16 (&acc)[S][M][2]) {
   vf16 v[2], f[2];
   for (int64_t p = 0; p < 2; ++p) {
     const vu16 both = opaque((fields<R>(w[p]) & (kLowField | kHighField)) | kHighExp);
@@ -190,32 +192,40 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
   }
 }
 
-// x as the GEMV multiplies it: 16 x_L at each odd input L, x_H - 16 x_L at the even input H
-// that shares L's word rotation (H = L + 1, and 0 with 7; see `step`'s calls).
-std::vector<float> rewrite_x(const float* x, int64_t M, int64_t K) {
-  std::vector<float> xt(M * K);
-  for (int64_t i = 0; i < M * K; i += 8)
-    for (int64_t h = 0; h < 8; h += 2) {
-      const float xl = x[i + (h + 7) % 8];
-      xt[i + (h + 7) % 8] = 16.f * xl;
-      xt[i + h] = x[i + h] - 16.f * xl;
-    }
-  return xt;
-}
+// x as the GEMV multiplies it, and per row and group the sums the GEMV subtracts (see the
+// top), in scratch kept by the calling thread: xt [M, K] (16 x_L at each odd input L, x_H - 16
+// x_L at the even input H that shares L's word rotation: H = L + 1, and 0 with 7; see `step`'s
+// calls), then sums [M, K / G, 2] (sum x, 16 sum x_H). At batch 1 the two passes and their
+// allocations took ~0.6 us of each ~20 us GEMV; one pass over 8-input blocks, which GCC
+// vectorizes, into memory that stays allocated takes a fraction of that.
+struct Prepared {
+  const float* xt;
+  const float* sums;
+};
 
-// Per row and group: sum x (the zero-point term) and 16 sum x_H (the constant of v and f).
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
-  std::vector<float> sums(2 * M * (K / G));
-  for (int64_t i = 0, j = 0; i < M * K; i += G, j += 2) {
-    float all = 0.f, even = 0.f;
-    for (int64_t k = 0; k < G; k += 2) {
-      all += x[i + k] + x[i + k + 1];
-      even += x[i + k];
+Prepared prepare_x(const float* x, int64_t M, int64_t K, int64_t G) {
+  thread_local std::vector<float> scratch;  // grows to the largest call, never shrinks
+  const int64_t NG = K / G;
+  scratch.resize(std::max<size_t>(scratch.size(), M * K + 2 * M * NG));
+  float* xt = scratch.data();
+  float* sums = xt + M * K;
+  for (int64_t r = 0; r < M * NG; ++r) {  // one group of one row
+    const float* xg = x + r * G;
+    float* tg = xt + r * G;
+    float lanes[8] = {};
+    for (int64_t b = 0; b < G; b += 8) {
+      for (int64_t i = 0; i < 8; ++i) lanes[i] += xg[b + i];
+      for (int64_t h = 0; h < 8; h += 2) {
+        const int64_t l = (h + 7) % 8;
+        tg[b + l] = 16.f * xg[b + l];
+        tg[b + h] = xg[b + h] - 16.f * xg[b + l];
+      }
     }
-    sums[j] = all;
-    sums[j + 1] = 16.f * even;
+    const float even = (lanes[0] + lanes[2]) + (lanes[4] + lanes[6]);
+    sums[2 * r] = even + ((lanes[1] + lanes[3]) + (lanes[5] + lanes[7]));
+    sums[2 * r + 1] = 16.f * even;
   }
-  return sums;
+  return {xt, sums};
 }
 
 // All tiles for M rows, split over threads.
@@ -345,27 +355,33 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, con
 
 }  // namespace
 
-at::Tensor awq_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                       at::Tensor zs, int64_t n, int64_t group) {
+// y [M, n] = x @ W, into y (the decoder's buffers) or a new tensor.
+void awq_gemv_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   const at::Tensor& zs, int64_t n, int64_t group, float* yp) {
   const Shape s = check(codes, scales, zs, n, group);
   check_x(x, s.K);
   const int64_t M = x.size(0), NG = s.K / s.G;
-  auto y = at::empty({M, s.N}, x.options());
-  const std::vector<float> xt = rewrite_x(x.data_ptr<float>(), M, s.K);
-  const std::vector<float> xsum = group_sums(x.data_ptr<float>(), M, s.K, s.G);
+  const Prepared prep = prepare_x(x.data_ptr<float>(), M, s.K, s.G);
+  const int32_t* cp = codes.data_ptr<int32_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zs.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     with_rows(std::min(kMaxRows, M - m0), [&]<int64_t R>() {
-      gemv_rows<R>(xt.data() + m0 * s.K, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                   zs.data_ptr<float>(), xsum.data() + 2 * m0 * NG,
-                   y.data_ptr<float>() + m0 * s.N, s);
+      gemv_rows<R>(prep.xt + m0 * s.K, cp, sp, zp, prep.sums + 2 * m0 * NG, yp + m0 * s.N, s);
     });
   }
+}
+
+at::Tensor awq_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& zs, int64_t n, int64_t group) {
+  auto y = at::empty({x.size(0), n}, x.options());
+  awq_gemv_into(x, codes, scales, zs, n, group, y.data_ptr<float>());
   return y;
 }
 
 // The same product as awq_gemv for any number of rows, by decoded panels (see the top).
-at::Tensor awq_gemm(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                       at::Tensor zs, int64_t n, int64_t group) {
+at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& zs, int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
   check_x(x, s.K);
   const int64_t M = x.size(0), NG = s.K / s.G;
@@ -439,9 +455,9 @@ at::Tensor awq_gemv_int16(at::Tensor x, at::Tensor codes, at::Tensor scales, at:
 at::Tensor awq_gemv_int8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor zs,
                          int64_t n, int64_t group);
 
-at::Tensor awq_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
-                         at::Tensor zs, c10::optional<at::Tensor> bias, int64_t n,
-                         int64_t group, int64_t max_gemv_rows, int64_t activation_bits) {
+at::Tensor awq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& zs, const c10::optional<at::Tensor>& bias, int64_t n,
+                      int64_t group, int64_t max_gemv_rows, int64_t activation_bits) {
   TORCH_CHECK(activation_bits == 32 || activation_bits == 16 || activation_bits == 8,
               "activation_bits must be 32, 16 or 8, got ", activation_bits);
   // A 2-D float32 x (the decoder's) is used as it is: at batch 1 the reshape, casts and view
@@ -462,4 +478,27 @@ at::Tensor awq_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
   auto shape = x.sizes().vec();
   shape.back() = n;
   return y.view(shape).to(x.scalar_type());
+}
+
+// awq_linear for the decoder's 2-D float32 x: the float GEMV writes into `out` [M, n] (a
+// buffer the decoder reuses across layers), other paths return a new tensor.
+at::Tensor awq_linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& zs, const c10::optional<at::Tensor>& bias,
+                          int64_t n, int64_t group, int64_t max_gemv_rows,
+                          int64_t activation_bits, const at::Tensor& out) {
+  if (activation_bits != 32 || x.size(0) > max_gemv_rows || x.scalar_type() != at::kFloat ||
+      !x.is_contiguous() || (bias.has_value() && bias->scalar_type() != at::kFloat))
+    return awq_linear(x, codes, scales, zs, bias, n, group, max_gemv_rows, activation_bits);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == n,
+              "awq_linear_out: out must be contiguous float32 [M, n]");
+  float* yp = out.data_ptr<float>();
+  awq_gemv_into(x, codes, scales, zs, n, group, yp);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "awq_linear_out: bias must be [n]");
+    const float* bp = bias->data_ptr<float>();
+    for (int64_t m = 0; m < x.size(0); ++m)
+      for (int64_t j = 0; j < n; ++j) yp[m * n + j] += bp[j];
+  }
+  return out;
 }

@@ -57,7 +57,7 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
                   out.scalar_type() == at::kFloat,
@@ -72,7 +72,8 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   });
 }
 
-void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                  double eps) {
   check_norm(x, weight);
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == at::kFloat,
@@ -91,7 +92,8 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double e
   });
 }
 
-void head_rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+void head_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                   double eps) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
                   x.stride(1) == x.size(2) && out.sizes() == x.sizes() &&
                   out.scalar_type() == at::kFloat && out.stride(2) == 1 &&
@@ -131,8 +133,8 @@ void rotate(float* x, const float* c, const float* s, int64_t half) {
 
 }  // namespace
 
-void rotary(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
-            at::Tensor sin) {
+void rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+            const at::Tensor& cos, const at::Tensor& sin) {
   check_heads(q, "q");
   check_heads(k, "k");
   const int64_t T = q.size(0), D = q.size(2);
@@ -168,7 +170,7 @@ namespace {
 // out = act(x[:, :I]) * x[:, I:] for x [T, 2I]; `Act` computes act(g) 16 lanes at a time
 // (vf16) and one at a time (float).
 template <typename Act>
-void act_and_mul(at::Tensor out, at::Tensor x, const char* name, Act act) {
+void act_and_mul(const at::Tensor& out, const at::Tensor& x, const char* name, Act act) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 &&
                   x.size(1) % 2 == 0,
               name, ": x must be contiguous float32 [T, 2I]");
@@ -210,10 +212,10 @@ struct GeluTanh {
 
 }  // namespace
 
-void silu_and_mul(at::Tensor out, at::Tensor x) {
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   act_and_mul(out, x, "silu_and_mul", Silu{});
 }
 
-void gelu_tanh_and_mul(at::Tensor out, at::Tensor x) {
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& x) {
   act_and_mul(out, x, "gelu_tanh_and_mul", GeluTanh{});
 }
