@@ -196,12 +196,49 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
 // top), in scratch kept by the calling thread: xt [M, K] (16 x_L at each odd input L, x_H - 16
 // x_L at the even input H that shares L's word rotation: H = L + 1, and 0 with 7; see `step`'s
 // calls), then sums [M, K / G, 2] (sum x, 16 sum x_H). At batch 1 the two passes and their
-// allocations took ~0.6 us of each ~20 us GEMV; one pass over 8-input blocks, which GCC
-// vectorizes, into memory that stays allocated takes a fraction of that.
+// allocations took ~0.6 us of each ~20 us GEMV; one pass into memory that stays allocated,
+// 8 inputs at a time where AVX is (a lane rotation and a blend), takes ~0.06 us at K = 576.
 struct Prepared {
   const float* xt;
   const float* sums;
 };
+
+#if defined(__AVX__)
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// One group of one row: its rewritten inputs into tg, its two sums into sums[0, 2).
+inline void prepare_group(const float* xg, int64_t G, float* tg, float* sums) {
+  const v8i prev_lane = {7, 0, 1, 2, 3, 4, 5, 6}, even_lane = {-1, 0, -1, 0, -1, 0, -1, 0};
+  v8f lanes = {};
+  for (int64_t b = 0; b < G; b += 8) {
+    v8f v;
+    std::memcpy(&v, xg + b, sizeof v);
+    lanes += v;
+    const v8f prev = __builtin_shuffle(v, prev_lane);  // lane i: input i - 1 (0: input 7)
+    const v8f t = even_lane ? v - 16.f * prev : 16.f * v;
+    std::memcpy(tg + b, &t, sizeof t);
+  }
+  const float even = (lanes[0] + lanes[2]) + (lanes[4] + lanes[6]);
+  sums[0] = even + ((lanes[1] + lanes[3]) + (lanes[5] + lanes[7]));
+  sums[1] = 16.f * even;
+}
+#else  // SSE2, NEON: GCC splits the 8-lane vectors above badly (3x slower than this loop)
+inline void prepare_group(const float* xg, int64_t G, float* tg, float* sums) {
+  float lanes[8] = {};
+  for (int64_t b = 0; b < G; b += 8) {
+    for (int64_t i = 0; i < 8; ++i) lanes[i] += xg[b + i];
+    for (int64_t h = 0; h < 8; h += 2) {
+      const int64_t l = (h + 7) % 8;
+      tg[b + l] = 16.f * xg[b + l];
+      tg[b + h] = xg[b + h] - 16.f * xg[b + l];
+    }
+  }
+  const float even = (lanes[0] + lanes[2]) + (lanes[4] + lanes[6]);
+  sums[0] = even + ((lanes[1] + lanes[3]) + (lanes[5] + lanes[7]));
+  sums[1] = 16.f * even;
+}
+#endif
 
 Prepared prepare_x(const float* x, int64_t M, int64_t K, int64_t G) {
   thread_local std::vector<float> scratch;  // grows to the largest call, never shrinks
@@ -209,22 +246,7 @@ Prepared prepare_x(const float* x, int64_t M, int64_t K, int64_t G) {
   scratch.resize(std::max<size_t>(scratch.size(), M * K + 2 * M * NG));
   float* xt = scratch.data();
   float* sums = xt + M * K;
-  for (int64_t r = 0; r < M * NG; ++r) {  // one group of one row
-    const float* xg = x + r * G;
-    float* tg = xt + r * G;
-    float lanes[8] = {};
-    for (int64_t b = 0; b < G; b += 8) {
-      for (int64_t i = 0; i < 8; ++i) lanes[i] += xg[b + i];
-      for (int64_t h = 0; h < 8; h += 2) {
-        const int64_t l = (h + 7) % 8;
-        tg[b + l] = 16.f * xg[b + l];
-        tg[b + h] = xg[b + h] - 16.f * xg[b + l];
-      }
-    }
-    const float even = (lanes[0] + lanes[2]) + (lanes[4] + lanes[6]);
-    sums[2 * r] = even + ((lanes[1] + lanes[3]) + (lanes[5] + lanes[7]));
-    sums[2 * r + 1] = 16.f * even;
-  }
+  for (int64_t r = 0; r < M * NG; ++r) prepare_group(x + r * G, G, xt + r * G, sums + 2 * r);
   return {xt, sums};
 }
 
@@ -353,29 +375,43 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, con
   });
 }
 
-}  // namespace
+// An AWQ layer's operands, checked once: the decoder keeps them for every step. Checked per
+// call, the tensors' metadata came from memory each time (after a step's ~90 MB of weights
+// has streamed through the caches), ~3% of a batch-1 step of 4-bit SmolLM2.
+struct AwqOperands {
+  const int32_t* codes;
+  const float* scales;
+  const float* zs;
+  Shape shape;
+};
 
-// y [M, n] = x @ W, into y (the decoder's buffers) or a new tensor.
-void awq_gemv_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   const at::Tensor& zs, int64_t n, int64_t group, float* yp) {
+AwqOperands awq_operands(const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& zs, int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
-  check_x(x, s.K);
-  const int64_t M = x.size(0), NG = s.K / s.G;
-  const Prepared prep = prepare_x(x.data_ptr<float>(), M, s.K, s.G);
-  const int32_t* cp = codes.data_ptr<int32_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zs.data_ptr<float>();
+  return {codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), s};
+}
+
+// y [M, N] = x [M, K] @ W, x and y contiguous float32.
+void awq_gemv_rows(const float* x, int64_t M, const AwqOperands& w, float* y) {
+  const Shape& s = w.shape;
+  const int64_t NG = s.K / s.G;
+  const Prepared prep = prepare_x(x, M, s.K, s.G);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     with_rows(std::min(kMaxRows, M - m0), [&]<int64_t R>() {
-      gemv_rows<R>(prep.xt + m0 * s.K, cp, sp, zp, prep.sums + 2 * m0 * NG, yp + m0 * s.N, s);
+      gemv_rows<R>(prep.xt + m0 * s.K, w.codes, w.scales, w.zs, prep.sums + 2 * m0 * NG,
+                   y + m0 * s.N, s);
     });
   }
 }
 
+}  // namespace
+
 at::Tensor awq_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& zs, int64_t n, int64_t group) {
+  const AwqOperands w = awq_operands(codes, scales, zs, n, group);
+  check_x(x, w.shape.K);
   auto y = at::empty({x.size(0), n}, x.options());
-  awq_gemv_into(x, codes, scales, zs, n, group, y.data_ptr<float>());
+  awq_gemv_rows(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>());
   return y;
 }
 
@@ -478,27 +514,4 @@ at::Tensor awq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   auto shape = x.sizes().vec();
   shape.back() = n;
   return y.view(shape).to(x.scalar_type());
-}
-
-// awq_linear for the decoder's 2-D float32 x: the float GEMV writes into `out` [M, n] (a
-// buffer the decoder reuses across layers), other paths return a new tensor.
-at::Tensor awq_linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& zs, const c10::optional<at::Tensor>& bias,
-                          int64_t n, int64_t group, int64_t max_gemv_rows,
-                          int64_t activation_bits, const at::Tensor& out) {
-  if (activation_bits != 32 || x.size(0) > max_gemv_rows || x.scalar_type() != at::kFloat ||
-      !x.is_contiguous() || (bias.has_value() && bias->scalar_type() != at::kFloat))
-    return awq_linear(x, codes, scales, zs, bias, n, group, max_gemv_rows, activation_bits);
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
-                  out.size(0) == x.size(0) && out.size(1) == n,
-              "awq_linear_out: out must be contiguous float32 [M, n]");
-  float* yp = out.data_ptr<float>();
-  awq_gemv_into(x, codes, scales, zs, n, group, yp);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "awq_linear_out: bias must be [n]");
-    const float* bp = bias->data_ptr<float>();
-    for (int64_t m = 0; m < x.size(0); ++m)
-      for (int64_t j = 0; j < n; ++j) yp[m * n + j] += bp[j];
-  }
-  return out;
 }

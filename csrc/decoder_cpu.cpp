@@ -30,10 +30,14 @@ namespace {
 
 // AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone.
 // With LoRA, the adapter slots (core/layers/lora.py): a [slots, in, W], b [slots, W, out].
+// AWQ layers keep their operands checked (`awq`), and a float32 bias its data, from
+// add_layer on: per call, the tensors' metadata is cold (see AwqOperands).
 struct Linear {
   std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
   int64_t n, group;
+  AwqOperands awq{};
+  const float* bias_data = nullptr;  // set for a contiguous float32 bias [n]
   at::Tensor lora_a, lora_b;
   std::vector<int64_t> shards;  // output sizes of the fused parts (q, k, v / gate, up)
   int64_t lora_rank = 0;  // columns of a (rows of b) per part
@@ -79,8 +83,24 @@ using LoRASegment = std::tuple<int64_t, int64_t, int64_t>;
 
 using OptTensor = std::optional<at::Tensor>;
 
+// A sub-layer norm's weight with its data checked once (none where the family has no such norm).
+struct NormWeight {
+  at::Tensor tensor;  // keeps the data alive
+  const float* data = nullptr;
+  int64_t size = 0;
+  explicit operator bool() const { return data != nullptr; }
+};
+
+NormWeight norm_weight(const OptTensor& w) {
+  if (!w) return {};
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->dim() == 1,
+              "add_layer: norm weights must be contiguous float32 [hidden]");
+  return {*w, w->data_ptr<float>(), w->size(0)};
+}
+
 struct Layer {
-  OptTensor in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, q_norm, k_norm;
+  NormWeight in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm;
+  OptTensor q_norm, k_norm;
   bool qk_norm_full;  // q/k norms over the whole projection (OLMo 2), else per head
   OptTensor cos, sin;  // none: no RoPE on this layer
   int64_t window;  // 0: global attention
@@ -112,7 +132,10 @@ class CpuDecoder {
   CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
              int64_t max_gemv_rows, int64_t activation_bits, at::Tensor norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
-        max_gemv_rows_(max_gemv_rows), activation_bits_(activation_bits), norm_(norm) {}
+        max_gemv_rows_(max_gemv_rows), activation_bits_(activation_bits),
+        norm_(norm_weight(norm)) {
+    TORCH_CHECK(norm_, "CpuDecoder: the final norm's weight is required");
+  }
 
   // One layer: its norms (in, attn_out, mlp_in, mlp_out, q, k; None where absent) and
   // options, then per linear (qkv, o, gate_up, down) its weights (AWQ: codes, scales, zs;
@@ -130,8 +153,15 @@ class CpuDecoder {
       TORCH_CHECK(weights[i].size() == (groups[i] > 0 ? 3u : 1u),
                   "add_layer: AWQ takes (codes, scales, zs), float32 the packed weight");
       linears[i] = {weights[i], biases[i], sizes[i], groups[i]};
+      if (groups[i] > 0)
+        linears[i].awq = awq_operands(weights[i][0], weights[i][1], weights[i][2], sizes[i],
+                                      groups[i]);
+      const OptTensor& b = biases[i];
+      if (b && b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == sizes[i])
+        linears[i].bias_data = b->data_ptr<float>();
     }
-    layers_.push_back({norms[0], norms[1], norms[2], norms[3], norms[4], norms[5], qk_norm_full,
+    layers_.push_back({norm_weight(norms[0]), norm_weight(norms[1]), norm_weight(norms[2]),
+                       norm_weight(norms[3]), norms[4], norms[5], qk_norm_full,
                        cos, sin, window, soft_cap, multiplier, gelu, linears[0], linears[1],
                        linears[2], linears[3]});
   }
@@ -205,23 +235,23 @@ class CpuDecoder {
       h = leave(linear(act, layer.down, ws.rows(ws.h, T, layer.down.n, h)), layer.mlp_out_norm,
                 layer.multiplier);
     }
-    add_rms_norm(h, residual, norm_, eps_);
+    add_norm(h, residual, norm_);
     return h;
   }
 
  private:
   // Into a sub-layer: residual += h (the first layer's residual is h), then its input is
   // norm(residual), written over h, or the residual itself without a norm.
-  at::Tensor enter(at::Tensor h, at::Tensor& residual, const OptTensor& norm) const {
+  at::Tensor enter(at::Tensor h, at::Tensor& residual, const NormWeight& norm) const {
     if (!residual.defined()) {
       residual = h;
       if (!norm) return residual;
       auto out = at::empty_like(residual);
-      rms_norm(out, residual, *norm, eps_);
+      this->norm(out, residual, norm);
       return out;
     }
     if (norm) {
-      add_rms_norm(h, residual, *norm, eps_);
+      add_norm(h, residual, norm);
       return h;
     }
     residual.add_(h);
@@ -229,23 +259,57 @@ class CpuDecoder {
   }
 
   // Out of a sub-layer: its output normalized (post-norm families) and scaled.
-  at::Tensor leave(at::Tensor h, const OptTensor& norm, double multiplier) const {
+  at::Tensor leave(at::Tensor h, const NormWeight& norm, double multiplier) const {
     if (norm) {
       auto out = at::empty_like(h);
-      rms_norm(out, h, *norm, eps_);
+      this->norm(out, h, norm);
       h = out;
     }
     if (multiplier != 1.0) h.mul_(multiplier);
     return h;
   }
 
+  // out = norm(x), rows of x and out contiguous float32 like the weight.
+  void norm(const at::Tensor& out, const at::Tensor& x, const NormWeight& w) const {
+    check_rows(x, w);
+    check_rows(out, w);
+    rms_norm_rows(out.data_ptr<float>(), x.data_ptr<float>(), w.data, x.numel() / w.size,
+                  w.size, static_cast<float>(eps_));
+  }
+
+  // residual += x, then x = norm(residual).
+  void add_norm(const at::Tensor& x, const at::Tensor& residual, const NormWeight& w) const {
+    check_rows(x, w);
+    check_rows(residual, w);
+    TORCH_CHECK(residual.numel() == x.numel(), "CpuDecoder: residual and hidden states differ");
+    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), w.data,
+                      x.numel() / w.size, w.size, static_cast<float>(eps_));
+  }
+
+  static void check_rows(const at::Tensor& t, const NormWeight& w) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(-1) == w.size,
+                "CpuDecoder: hidden states must be contiguous float32 rows of the norm's size");
+  }
+
   // x @ w (+ the step's adapters), into `out` [T, w.n] where the kernel writes in place (a
   // new tensor otherwise); x is never `out`.
   at::Tensor linear(const at::Tensor& x, const Linear& w, const at::Tensor& out) const {
-    at::Tensor y = w.group == 0 ? gemv::f32_linear(x, w.weights[0], w.bias, out)
-                                : awq_linear_out(x, w.weights[0], w.weights[1], w.weights[2],
-                                                 w.bias, w.n, w.group, max_gemv_rows_,
-                                                 activation_bits_, out);
+    at::Tensor y;
+    if (w.group == 0) {
+      y = gemv::f32_linear(x, w.weights[0], w.bias, out);
+    } else if (activation_bits_ == 32 && x.size(0) <= max_gemv_rows_ &&
+               (!w.bias || w.bias_data) && x.scalar_type() == at::kFloat &&
+               x.is_contiguous() && x.size(1) == w.awq.shape.K) {
+      // The float GEMV on the operands checked at add_layer, into the step's buffer.
+      float* yp = out.data_ptr<float>();
+      awq_gemv_rows(x.data_ptr<float>(), x.size(0), w.awq, yp);
+      for (int64_t m = 0; w.bias_data && m < x.size(0); ++m)
+        for (int64_t j = 0; j < w.n; ++j) yp[m * w.n + j] += w.bias_data[j];
+      y = out;
+    } else {
+      y = awq_linear(x, w.weights[0], w.weights[1], w.weights[2], w.bias, w.n, w.group,
+                     max_gemv_rows_, activation_bits_);
+    }
     if (w.lora_a.defined()) {
       // Each run of rows with one adapter: y += (x @ a[slot]) @ b[slot].
       for (const auto& [slot, start, end] : segments_) {
@@ -264,7 +328,7 @@ class CpuDecoder {
   double scale_, eps_;
   int64_t max_gemv_rows_;
   int64_t activation_bits_;  // of the AWQ GEMVs: 32 (float), 16 or 8 (awq_activations)
-  at::Tensor norm_;
+  NormWeight norm_;
   std::vector<Layer> layers_;
   std::vector<LoRASegment> segments_;
 };

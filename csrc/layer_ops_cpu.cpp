@@ -57,19 +57,35 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
+// rows x n floats: out = w * normalize(x); out may be x.
+void rms_norm_rows(float* out, const float* x, const float* w, int64_t rows, int64_t n,
+                   float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) normalize_row(out + r * n, x + r * n, w, n, eps);
+  });
+}
+
+// rows x n floats: residual += x, then x = w * normalize(residual).
+void add_rms_norm_rows(float* x, float* residual, const float* w, int64_t rows, int64_t n,
+                       float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * n;
+      float* rr = residual + r * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+      normalize_row(xr, rr, w, n, eps);
+    }
+  });
+}
+
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
                   out.scalar_type() == at::kFloat,
               "rms_norm: out must be like x");
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      normalize_row(op + r * n, xp + r * n, wp, n, static_cast<float>(eps));
-  });
+  const int64_t n = x.size(-1);
+  rms_norm_rows(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
+                x.numel() / n, n, static_cast<float>(eps));
 }
 
 void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
@@ -78,18 +94,9 @@ void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Ten
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == at::kFloat,
               "add_rms_norm: residual must be like x");
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * n;
-      float* rr = rp + r * n;
-      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
-      normalize_row(xr, rr, wp, n, static_cast<float>(eps));
-    }
-  });
+  const int64_t n = x.size(-1);
+  add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                    x.numel() / n, n, static_cast<float>(eps));
 }
 
 void head_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
