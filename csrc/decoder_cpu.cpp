@@ -296,7 +296,10 @@ class CpuDecoder {
   at::Tensor linear(const at::Tensor& x, const Linear& w, const at::Tensor& out) const {
     at::Tensor y;
     if (w.group == 0) {
-      y = gemv::f32_linear(x, w.weights[0], w.bias, out);
+      // The GEMV writes into `out`; more rows keep f32_linear's choice of GEMM (given an
+      // output, it would take its own GEMM where oneDNN is faster for long prefills).
+      y = gemv::f32_linear(x, w.weights[0], w.bias,
+                           x.size(0) <= gemv::kMaxRows ? std::optional(out) : std::nullopt);
     } else if (activation_bits_ == 32 && x.size(0) <= max_gemv_rows_ &&
                (!w.bias || w.bias_data) && x.scalar_type() == at::kFloat &&
                x.is_contiguous() && x.size(1) == w.awq.shape.K) {

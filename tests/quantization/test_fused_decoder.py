@@ -88,6 +88,21 @@ def test_fused_hidden_states_are_bitwise_those_of_the_python_path(engine: LLMEng
                    for a, b in zip(fused_caches, python_caches))  # the same K/V written
 
 
+def test_fused_hidden_states_outlive_the_next_step(engine: LLMEngine):
+    # The decoder reuses its buffers across the layers of one step, never across steps: a
+    # step's hidden states stay as they were returned while the next step runs.
+    runner = engine.runner
+    inner = runner.model.model
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    meta = _one_sequence_meta(1, runner.block_size)
+    with torch.inference_mode():
+        first = inner(torch.tensor([7]), torch.arange(1), caches, meta)
+        kept = first.clone()
+        second = inner(torch.tensor([11]), torch.arange(1), caches, meta)
+    assert torch.equal(first, kept)
+    assert not torch.equal(first, second)
+
+
 def _one_sequence_meta(n: int, block_size: int):  # noqa: ANN202 - AttentionMetadata
     from pkv.core.attention import AttentionMetadata
 
