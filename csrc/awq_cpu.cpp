@@ -133,7 +133,8 @@ template <int L, int H, int64_t S, int64_t M>
 // Forced inline: as an ordinary inline function GCC stopped inlining it once the unit grew (a
 // scratch copy with one more caller ran the batch-1 GEMV 1.6x slower).
 template <int R, int L, int H, int64_t S, int64_t M>
-[[gnu::always_inline]] inline void step(const vu16 (&w)[2], const float* xt, int64_t K, vf16 (&acc)[S][M][2]) {
+[[gnu::always_inline]] inline void step(const vu16 (&w)[2], const float* xt, int64_t K,
+                                        vf16 (&acc)[S][M][2]) {
   vf16 v[2], f[2];
   for (int64_t p = 0; p < 2; ++p) {
     const vu16 both = opaque((fields<R>(w[p]) & (kLowField | kHighField)) | kHighExp);

@@ -225,7 +225,8 @@ class CpuDecoder {
       h = leave(linear(attn, layer.o, ws.rows(ws.h, T, layer.o.n, h)), layer.attn_out_norm,
                 layer.multiplier);
       h = enter(h, residual, layer.mlp_in_norm);
-      const at::Tensor gate_up = linear(h, layer.gate_up, ws.rows(ws.gate_up, T, layer.gate_up.n, h));
+      const at::Tensor gate_up =
+          linear(h, layer.gate_up, ws.rows(ws.gate_up, T, layer.gate_up.n, h));
       const at::Tensor& act = ws.rows(ws.act, T, gate_up.size(1) / 2, h);
       if (layer.gelu) {
         gelu_tanh_and_mul(act, gate_up);
