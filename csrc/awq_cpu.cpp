@@ -383,16 +383,22 @@ struct AwqOperands {
   const int32_t* codes;
   const float* scales;
   const float* zs;
+  const float* bias;  // none: no bias
   Shape shape;
 };
 
 AwqOperands awq_operands(const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& zs, int64_t n, int64_t group) {
+                         const at::Tensor& zs, const c10::optional<at::Tensor>& bias,
+                         int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
-  return {codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), s};
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                        bias->numel() == n),
+              "the bias must be contiguous float32 [n]");
+  return {codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(),
+          bias ? bias->data_ptr<float>() : nullptr, s};
 }
 
-// y [M, N] = x [M, K] @ W, x and y contiguous float32.
+// y [M, N] = x [M, K] @ W (+ bias), x and y contiguous float32.
 void awq_gemv_rows(const float* x, int64_t M, const AwqOperands& w, float* y) {
   const Shape& s = w.shape;
   const int64_t NG = s.K / s.G;
@@ -403,13 +409,15 @@ void awq_gemv_rows(const float* x, int64_t M, const AwqOperands& w, float* y) {
                    y + m0 * s.N, s);
     });
   }
+  for (int64_t m = 0; w.bias && m < M; ++m)
+    for (int64_t j = 0; j < s.N; ++j) y[m * s.N + j] += w.bias[j];
 }
 
 }  // namespace
 
 at::Tensor awq_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const at::Tensor& zs, int64_t n, int64_t group) {
-  const AwqOperands w = awq_operands(codes, scales, zs, n, group);
+  const AwqOperands w = awq_operands(codes, scales, zs, c10::nullopt, n, group);
   check_x(x, w.shape.K);
   auto y = at::empty({x.size(0), n}, x.options());
   awq_gemv_rows(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>());

@@ -30,14 +30,13 @@ namespace {
 
 // AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone.
 // With LoRA, the adapter slots (core/layers/lora.py): a [slots, in, W], b [slots, W, out].
-// AWQ layers keep their operands checked (`awq`), and a float32 bias its data, from
-// add_layer on: per call, the tensors' metadata is cold (see AwqOperands).
+// AWQ layers keep their operands (bias included, as float32) checked from add_layer on
+// (`awq`): per call, the tensors' metadata is cold (see AwqOperands).
 struct Linear {
   std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
   int64_t n, group;
   AwqOperands awq{};
-  const float* bias_data = nullptr;  // set for a contiguous float32 bias [n]
   at::Tensor lora_a, lora_b;
   std::vector<int64_t> shards;  // output sizes of the fused parts (q, k, v / gate, up)
   int64_t lora_rank = 0;  // columns of a (rows of b) per part
@@ -152,13 +151,12 @@ class CpuDecoder {
     for (size_t i = 0; i < 4; ++i) {
       TORCH_CHECK(weights[i].size() == (groups[i] > 0 ? 3u : 1u),
                   "add_layer: AWQ takes (codes, scales, zs), float32 the packed weight");
-      linears[i] = {weights[i], biases[i], sizes[i], groups[i]};
+      OptTensor bias = biases[i];
+      if (bias && groups[i] > 0) bias = bias->to(at::kFloat).contiguous();
+      linears[i] = {weights[i], bias, sizes[i], groups[i]};
       if (groups[i] > 0)
-        linears[i].awq = awq_operands(weights[i][0], weights[i][1], weights[i][2], sizes[i],
-                                      groups[i]);
-      const OptTensor& b = biases[i];
-      if (b && b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == sizes[i])
-        linears[i].bias_data = b->data_ptr<float>();
+        linears[i].awq = awq_operands(weights[i][0], weights[i][1], weights[i][2], bias,
+                                      sizes[i], groups[i]);
     }
     layers_.push_back({norm_weight(norms[0]), norm_weight(norms[1]), norm_weight(norms[2]),
                        norm_weight(norms[3]), norms[4], norms[5], qk_norm_full,
@@ -302,13 +300,10 @@ class CpuDecoder {
       y = gemv::f32_linear(x, w.weights[0], w.bias,
                            x.size(0) <= gemv::kMaxRows ? std::optional(out) : std::nullopt);
     } else if (activation_bits_ == 32 && x.size(0) <= max_gemv_rows_ &&
-               (!w.bias || w.bias_data) && x.scalar_type() == at::kFloat &&
-               x.is_contiguous() && x.size(1) == w.awq.shape.K) {
+               x.scalar_type() == at::kFloat && x.is_contiguous() &&
+               x.size(1) == w.awq.shape.K) {
       // The float GEMV on the operands checked at add_layer, into the step's buffer.
-      float* yp = out.data_ptr<float>();
-      awq_gemv_rows(x.data_ptr<float>(), x.size(0), w.awq, yp);
-      for (int64_t m = 0; w.bias_data && m < x.size(0); ++m)
-        for (int64_t j = 0; j < w.n; ++j) yp[m * w.n + j] += w.bias_data[j];
+      awq_gemv_rows(x.data_ptr<float>(), x.size(0), w.awq, out.data_ptr<float>());
       y = out;
     } else {
       y = awq_linear(x, w.weights[0], w.weights[1], w.weights[2], w.bias, w.n, w.group,
