@@ -4,6 +4,7 @@ under every flavour this machine executes."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -68,6 +69,54 @@ def test_greedy_parity_with_transformers_under_each_flavour(tiny_llama_dir: Path
     engine.shutdown()
     long_prompt = [(7 * i) % 500 + 3 for i in range(150)]
     check_matches_transformers(tiny_llama_dir, prompts=parity_prompts() + [long_prompt])
+
+
+# What each x86 flavour's machine code may hold, read from the built library itself: AVX2 code
+# must run on CPUs without AVX-512 (the test machines have it, so running alone proves
+# nothing), and the kernels must really use the flavour's vector width.
+_LEGACY_PREFIXES = {0x26, 0x2E, 0x36, 0x3E, 0x64, 0x65, 0x67}  # the ones VEX/EVEX may follow
+_WIDEST = {"avx512": "zmm", "avx2": "ymm", "generic": "xmm"}
+
+
+def _disassembly(library: str) -> dict[str, list[tuple[int, str]]]:
+    """Per function (demangled name): each instruction's first opcode byte and its text."""
+    done = subprocess.run(["objdump", "-d", "-C", "--wide", library], capture_output=True,
+                          text=True, check=True)
+    functions: dict[str, list[tuple[int, str]]] = {}
+    current: list[tuple[int, str]] = []
+    for line in done.stdout.splitlines():
+        if header := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
+            current = functions.setdefault(header.group(1), [])
+            continue
+        fields = line.split("\t")
+        if len(fields) < 3 or not fields[0].strip().endswith(":"):
+            continue
+        codes = [int(b, 16) for b in fields[1].split()]
+        first = next((b for b in codes if b not in _LEGACY_PREFIXES), 0)
+        current.append((first, fields[2]))
+    return functions
+
+
+@pytest.mark.skipif(not cpp_build._is_x86(), reason="x86 flavours; other CPUs run generic only")
+def test_each_flavour_holds_only_its_instruction_set(cpu_kernels, isa: str):
+    functions = _disassembly(cpu_kernels.__file__)
+    code = [insn for body in functions.values() for insn in body]
+    evex = [text for first, text in code if first == 0x62]  # 0x62 is EVEX in 64-bit mode
+    vex = [text for first, text in code if first in (0xC4, 0xC5)]
+    if isa != "avx512":
+        assert not evex, f"{isa} build holds AVX-512 instructions: {evex[:5]}"
+        assert not any(re.search(r"%zmm|%k[0-7]\b", text) for _, text in code)
+    if isa == "generic":
+        assert not vex, f"generic build holds AVX instructions: {vex[:5]}"
+    # The batch-1 hot loops (AWQ GEMV, int8 LM head, decode attention) at the flavour's width.
+    for kernel in ("::tile_rows<1l>(", "int8::(anonymous namespace)::gemv_rows<1l>(",
+                   "paged_attention"):
+        bodies = [body for name, body in functions.items() if kernel in name]
+        assert bodies, f"no {kernel} in the {isa} build"
+        texts = [text for body in bodies for _, text in body]
+        assert any(f"%{_WIDEST[isa]}" in text for text in texts), f"{kernel} is not vectorized"
+        if isa == "generic":
+            assert not any("%ymm" in text for text in texts)
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
