@@ -9,14 +9,13 @@ engine runs them (csrc/gemv_cpu.cpp), so the ratio is the one serving sees.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from pkv.cli.cpu_info import cpu_summary
+from pkv.cli.timing import interleaved_ms
 from pkv.core.layers.mlp import GatedMLP
 from pkv.core.layers.moe import SparseMoE
 from pkv.core.linear import Linear
@@ -61,7 +60,7 @@ def moe_vs_dense(batch_sizes: Sequence[int] = (1, 64), hidden: int = 1024, num_e
                 linear.kernel = ops
         for batch in batch_sizes:
             x = torch.randn(batch, hidden, dtype=dtype)
-            moe_ms, dense_ms = _interleaved_ms([lambda: moe(x), lambda: dense(x)], repeats)
+            moe_ms, dense_ms = interleaved_ms([lambda: moe(x), lambda: dense(x)], repeats)
             rows.append(MoeRow(batch, moe_ms, dense_ms, moe_ms / dense_ms))
     return rows
 
@@ -83,18 +82,3 @@ def print_moe_vs_dense(console: Any, **options: Any) -> list[MoeRow]:
         table.add_row(str(r.batch), f"{r.moe_ms:.3f}", f"{r.dense_ms:.3f}", f"{r.ratio:.2f}x")
     console.print(table)
     return rows
-
-
-def _interleaved_ms(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
-    """Median ms of each of `fns`, called in turn every repeat so that a busy machine slows
-    them alike."""
-    for _ in range(max(2, repeats // 10)):  # warm-up: allocator, oneDNN primitives
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, record in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            record.append(time.perf_counter() - start)
-    return [1000 * statistics.median(t) for t in times]
