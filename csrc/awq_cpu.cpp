@@ -30,8 +30,8 @@
 // multiplies every row by it with a register-blocked micro-kernel (panel_rows below: rows x
 // 16 or 32 columns of accumulators, x broadcast, FMA), accumulating into y. The weight is
 // decoded once per call, as GEMV decodes it once per 8 rows, and never written out whole.
-// awq_linear takes the GEMV up to `max_gemv_rows` rows (Python passes 8, measured on AVX-512
-// and AVX2), awq_gemm above.
+// awq_linear takes the GEMV up to `max_gemv_rows` rows, awq_gemm above; callers pass
+// kGemvMaxRows (below; Python reads it as `awq_gemv_max_rows`).
 // awq_dequantize writes W^T [K, N] in float32 (for tests and torch fallbacks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,6 +49,15 @@ namespace {
 
 constexpr int64_t kTile = 32;  // output columns per tile: two 16-float vectors
 constexpr int64_t kMaxRows = 8;
+// Rows up to which the GEMV is faster than awq_gemm on SmolLM2-135M's layers streamed from
+// memory, as a decode step reads them (Zen 5, `pkv bench kernels`' setting): at 16 and 32 rows
+// the GEMV took 0.78-0.87x and 0.89-0.95x the GEMM's time (AVX-512, AVX2) and they met at
+// 48-64; the generic build's met at 12-16.
+#if defined(__AVX2__) || defined(__AVX512F__)
+constexpr int64_t kGemvMaxRows = 32;
+#else
+constexpr int64_t kGemvMaxRows = 12;
+#endif
 constexpr int64_t kPrefetchWords = 16 * kTile;  // 2 KB ahead in the code stream
 constexpr float kLowBase = 256.f, kHighBase = 16.f;
 constexpr uint32_t kLowExp = 0x43800000;   // 256.0f: mantissa bit 15 weighs 1

@@ -33,6 +33,16 @@ namespace {
 
 constexpr int64_t kTile = 32;
 constexpr int64_t kMaxRows = 8;
+// Rows up to which callers take int8_gemv rather than int8_gemm, whose fixed cost (widening
+// every code once, ~2.3 ms for SmolLM2's 49152 x 576 head) pays off only over long runs of
+// rows. On that head streamed from memory (Zen 5) the GEMV took 0.51-0.65x the GEMM's time at 16
+// rows, 0.89-0.93x at 128 and 0.92-0.99x at 256 (AVX-512, AVX2); the generic build's met at
+// 16-32 rows.
+#if defined(__AVX2__) || defined(__AVX512F__)
+constexpr int64_t kGemvMaxRows = 128;
+#else
+constexpr int64_t kGemvMaxRows = 16;
+#endif
 // 6 KB ahead: the LM head of SmolLM2 at batch 1 (28 MB, from memory) ran ~7% faster than at 2 KB
 // (0.92x, medians of 15 alternating calls, AVX2 and AVX-512; 4-12 KB were alike).
 constexpr int64_t kPrefetchRows = 192;

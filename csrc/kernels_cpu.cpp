@@ -28,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
   m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
+  m.attr("awq_gemv_max_rows") = kGemvMaxRows;
   m.def("awq_gemv_int16", &awq_gemv_int16, "4-bit AWQ GEMV with int16 activations (AVX2, AVX-512)");
   m.def("awq_gemv_int8", &awq_gemv_int8, "4-bit AWQ GEMV with int8 activations (AVX2, AVX-512)");
   m.def("awq_gemv_has_integer", &awq_gemv_has_integer,
@@ -48,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("f32_gemm_max_rows") = f32gemm::kMaxRows;
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
+  m.attr("int8_gemv_max_rows") = int8::kGemvMaxRows;
   m.def("int8_gemm", &int8::int8_gemm, "weight-only int8 GEMM by widened panels, for many rows");
   m.def("int8_dequantize", &int8::int8_dequantize, "int8 codes to a float32 W^T [K, N]");
 

@@ -28,10 +28,6 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8
 KERNEL_TILE = 32  # output columns per tile of the CPU kernel
 ACTIVATION_BITS = {"float32": 32, "int16": 16, "int8": 8}  # awq_activations -> the kernel's
-# Up to this many rows the fused GEMV wins; above it the kernel's GEMM by decoded panels
-# (awq_gemm), which decodes each weight once per call for all rows. The crossover, measured on
-# SmolLM2-135M's shapes, is 8 rows on AVX-512 and AVX2 builds alike.
-GEMV_MAX_ROWS = 8
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -86,8 +82,8 @@ class AWQLinearMethod(LinearMethod):
 
     def set_activations(self, activations: str) -> None:
         """float32, or int16 / int8: rows quantized (per group / per 32 inputs) for the
-        integer-dot GEMVs (up to GEMV_MAX_ROWS rows; the many-row GEMM stays float32), on the
-        avx2/avx512 kernels."""
+        integer-dot GEMVs (up to the kernels' `awq_gemv_max_rows` rows; the many-row GEMM stays
+        float32), on the avx2/avx512 kernels."""
         if activations != "float32":
             _check_integer_kernel(activations, self.kernel, self.group_size)
         self.activation_bits = ACTIVATION_BITS[activations]
@@ -133,7 +129,8 @@ class AWQLinearMethod(LinearMethod):
             return y if layer.bias is None else y + layer.bias
         if layer.kernel is not None:
             return layer.kernel.awq_linear(x, layer.codes, layer.scales_f32, layer.zs, layer.bias,
-                                           layer.out_features, self.group_size, GEMV_MAX_ROWS,
+                                           layer.out_features, self.group_size,
+                                           layer.kernel.awq_gemv_max_rows,
                                            self.activation_bits)
         y = x.float() @ layer.weight_t
         if layer.bias is not None:

@@ -16,8 +16,6 @@ from torch import nn
 from pkv.core.linear import Linear, LinearMethod, ParamLayout
 
 TILE = 32
-# Rows up to which int8_gemv beats int8_gemm (SmolLM2's head, 49152 x 576, AVX-512 and AVX2).
-GEMV_MAX_ROWS = 8
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +62,9 @@ class Int8LinearMethod(LinearMethod):
         plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
         x2 = x if plain else x.reshape(-1, x.shape[-1]).float().contiguous()
         if layer.kernel is not None:
-            # The GEMV (codes read once per 8 rows) up to GEMV_MAX_ROWS rows, then the GEMM by
-            # widened panels (codes read and widened once for all rows).
-            gemm = x2.shape[0] > GEMV_MAX_ROWS
+            # The GEMV (codes read once per 8 rows) up to the kernels' int8_gemv_max_rows, then
+            # the GEMM by widened panels (codes read and widened once for all rows).
+            gemm = x2.shape[0] > layer.kernel.int8_gemv_max_rows
             y = (layer.kernel.int8_gemm if gemm else layer.kernel.int8_gemv)(x2, layer.codes,
                                                                               layer.scale)
         else:

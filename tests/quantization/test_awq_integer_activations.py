@@ -52,7 +52,8 @@ def test_gemv_is_within_its_quantization_error(kernel, k: int, n: int, group: in
     layer, w = _awq_layer(k, n, group, bias=False, seed=k * n)
     args = (layer.codes, layer.scales_f32, layer.zs, n, group)
     gen = torch.Generator().manual_seed(k)
-    for rows in range(1, awq.GEMV_MAX_ROWS + 3):
+    # Every remainder of the kernel's 8-row chunks, and more rows than the engine gives it.
+    for rows in [*range(1, 11), ext.awq_gemv_max_rows + 1]:
         x = torch.randn(rows, k, generator=gen)
         x[:, 5] *= 40  # an outlier coarsens its block's grid, and only its block's
         ref = x.double() @ w
@@ -79,14 +80,15 @@ def test_awq_linear_uses_the_integer_gemv_for_its_rows_only(kernel) -> None:  # 
     layer, _ = _awq_layer(k, n, group, bias=False, seed=7)
     args = (layer.codes, layer.scales_f32, layer.zs)
     bits = awq.ACTIVATION_BITS[activations]
-    for rows in (1, awq.GEMV_MAX_ROWS, awq.GEMV_MAX_ROWS + 1):
+    limit = ext.awq_gemv_max_rows
+    for rows in (1, limit, limit + 1):
         x = torch.randn(rows, k)
-        y = ext.awq_linear(x, *args, None, n, group, awq.GEMV_MAX_ROWS, bits)
-        expected = (gemv(x, *args, n, group) if rows <= awq.GEMV_MAX_ROWS
+        y = ext.awq_linear(x, *args, None, n, group, limit, bits)
+        expected = (gemv(x, *args, n, group) if rows <= limit
                     else ext.awq_gemm(x, *args, n, group))
         assert torch.equal(y, expected), rows
     with pytest.raises(RuntimeError, match="activation_bits must be 32, 16 or 8"):
-        ext.awq_linear(x, *args, None, n, group, awq.GEMV_MAX_ROWS, 4)
+        ext.awq_linear(x, *args, None, n, group, limit, 4)
 
 
 def test_the_setting_is_checked() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from pkv.core.linear import Linear
 from pkv.plugins import cpp_build
-from pkv.plugins.weights import awq, int8
+from pkv.plugins.weights import int8
 from pkv.plugins.weights.awq import AWQLinearMethod, dequantize, pack_int4
 from pkv.plugins.weights.int8 import Int8LinearMethod, quantize_rows
 
@@ -70,7 +70,8 @@ def test_awq_layer_across_the_gemv_switch(ext, group: int, bias: bool) -> None: 
     layer, w = _awq_layer(k, n, group, bias, seed=group)
     layer.kernel = ext
     b = layer.bias.double() if bias else 0
-    for rows in sorted({1, awq.GEMV_MAX_ROWS, awq.GEMV_MAX_ROWS + 1, 13, 70}):
+    limit = ext.awq_gemv_max_rows
+    for rows in sorted({1, limit, limit + 1, 13, 70}):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():
             y = layer(x)

@@ -40,7 +40,8 @@ def test_tiles_pad_outputs_to_32():
     assert tiles[1, 2, 7] == codes[39, 2] and (tiles[1, :, 8:] == 0).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 70])
+# 17 and 129 rows: past the generic and the AVX kernels' GEMV limits (int8_gemv_max_rows).
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 70, 129])
 @pytest.mark.parametrize("k,n", [(64, 96), (96, 40), (33, 64)])  # 33: an odd last input
 def test_kernel_matches_float64_reference(rows: int, k: int, n: int):
     layer, weight = _int8_layer(k, n, rows)
@@ -54,6 +55,18 @@ def test_kernel_matches_float64_reference(rows: int, k: int, n: int):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
     layer.kernel = None  # the torch path (no compiler) computes the same
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_the_layer_takes_the_gemv_up_to_the_kernels_row_limit():
+    layer, _ = _int8_layer(576, 200)
+    limit = layer.kernel.int8_gemv_max_rows
+    for rows, kernel in ((limit, layer.kernel.int8_gemv), (limit + 1, layer.kernel.int8_gemm)):
+        x = torch.randn(rows, 576)
+        with torch.inference_mode():
+            y = layer(x)
+        assert torch.equal(y, kernel(x, layer.codes, layer.scale)[:, :200]), rows
+        other = layer.kernel.int8_gemm if kernel == layer.kernel.int8_gemv else layer.kernel.int8_gemv
+        assert not torch.equal(y, other(x, layer.codes, layer.scale)[:, :200]), rows
 
 
 def test_engine_choice():
