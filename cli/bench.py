@@ -499,7 +499,8 @@ def kernels(
                                           "generic); default: every one this CPU runs.")] = "",
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 576,
     intermediate: Annotated[int, typer.Option(help="MLP width.")] = 1536,
-    qkv: Annotated[int, typer.Option(help="qkv output width: (heads + 2 kv heads) x head size.")] = 960,
+    qkv: Annotated[int, typer.Option(help="qkv output width: (heads + 2 kv heads) x head "
+                                          "size.")] = 960,
     vocab: Annotated[int, typer.Option(help="LM head rows.")] = 49152,
     group: Annotated[int, typer.Option(help="AWQ group size.")] = 64,
     repeat: Annotated[int, typer.Option(help="Timed calls (the median is kept).")] = 20,

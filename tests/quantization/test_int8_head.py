@@ -60,12 +60,12 @@ def test_kernel_matches_float64_reference(rows: int, k: int, n: int):
 def test_the_layer_takes_the_gemv_up_to_the_kernels_row_limit():
     layer, _ = _int8_layer(576, 200)
     limit = layer.kernel.int8_gemv_max_rows
-    for rows, kernel in ((limit, layer.kernel.int8_gemv), (limit + 1, layer.kernel.int8_gemm)):
+    gemv, gemm = layer.kernel.int8_gemv, layer.kernel.int8_gemm
+    for rows, taken, other in ((limit, gemv, gemm), (limit + 1, gemm, gemv)):
         x = torch.randn(rows, 576)
         with torch.inference_mode():
             y = layer(x)
-        assert torch.equal(y, kernel(x, layer.codes, layer.scale)[:, :200]), rows
-        other = layer.kernel.int8_gemm if kernel == layer.kernel.int8_gemv else layer.kernel.int8_gemv
+        assert torch.equal(y, taken(x, layer.codes, layer.scale)[:, :200]), rows
         assert not torch.equal(y, other(x, layer.codes, layer.scale)[:, :200]), rows
 
 
