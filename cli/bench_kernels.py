@@ -145,8 +145,8 @@ def time_kernels(shape: KernelShape = KernelShape(), rows: Sequence[int] = (1, 1
                  advance: Callable[[], None] = lambda: None) -> list[KernelRow]:
     """Time the AWQ layer and the int8 head against float32 for every flavour (default: all
     this CPU runs) and row count; `advance` is called after each (flavour, kernel, rows)."""
-    if min(*rows, repeats) < 1 or footprint_mib < 0:
-        raise ValueError("rows and repeats must be >= 1, footprint_mib >= 0")
+    if not rows or min(rows) < 1 or repeats < 1 or footprint_mib < 0:
+        raise ValueError("rows (at least one) and repeats must be >= 1, footprint_mib >= 0")
     isas = _flavours(flavours)
     reasons = cpp_build.unusable_reasons()
     if reasons:

@@ -53,6 +53,8 @@ def test_bad_shapes_and_flavours_are_value_errors() -> None:
         KernelShape(hidden=64, intermediate=128, qkv=100, group=32)
     with pytest.raises(ValueError, match="cannot run the 'sse9' kernels"):
         time_kernels(TINY, flavours=["sse9"])
+    with pytest.raises(ValueError, match="rows .at least one. and repeats must be >= 1"):
+        time_kernels(TINY, rows=())
 
 
 @pytest.mark.skipif(bool(cpp_build.unusable_reasons()), reason="no C++ toolchain")
