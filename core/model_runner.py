@@ -17,6 +17,7 @@ from pkv.core.attention import AttentionBackend, AttentionMetadata
 from pkv.core.config import EngineConfig
 from pkv.core.kv_cache_manager import cdiv
 from pkv.core.fused_decoder import build_fused_decoder
+from pkv.core.huge_pages import move_weights_to_huge_pages
 from pkv.core.layers.lora import LoRABatch, attach_lora, lora_segments
 from pkv.core.linear import UnquantizedLinearMethod
 from pkv.core.lora_adapter import LoRAAdapter
@@ -121,6 +122,8 @@ class ModelRunner:
             from pkv.plugins.weights.int8 import Int8LinearMethod
 
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
+        if self.device.type == "cpu":
+            move_weights_to_huge_pages(self.model)  # before the C++ decoder takes pointers
         self.lora_batch = LoRABatch()
         self.lora_layers = (attach_lora(self.model, config.max_loras, config.max_lora_rank,
                                         self.lora_batch, self.dtype, self.device)
