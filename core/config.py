@@ -72,7 +72,7 @@ class EngineConfig:
         "auto", "LM head storage: auto (int8 on CPU when the decoder is 4-bit, else the "
         "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
     awq_activations: str = _opt(
-        "float32", "Activations of 4-bit AWQ linears on CPU in the GEMV (up to 32 rows): "
+        "float32", "Activations of 4-bit AWQ linears on CPU in the GEMV (up to 12-16 rows): "
         "float32 (exactly the dequantized weights' product), int16 (quantized per weight "
         "group, integer dot products) or int8 (quantized per 32 inputs, byte dot products: the "
         "fastest decode on AVX2, llama.cpp's Q8 activations); int16 and int8 on the AVX2 and "

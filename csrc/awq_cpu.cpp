@@ -49,12 +49,13 @@ namespace {
 
 constexpr int64_t kTile = 32;  // output columns per tile: two 16-float vectors
 constexpr int64_t kMaxRows = 8;
-// Rows up to which the GEMV is faster than awq_gemm on SmolLM2-135M's layers streamed from
-// memory, as a decode step reads them (Zen 5, `pkv bench kernels`' setting): at 16 and 32 rows
-// the GEMV took 0.78-0.87x and 0.89-0.95x the GEMM's time (AVX-512, AVX2) and they met at
-// 48-64; the generic build's met at 12-16.
-#if defined(__AVX2__) || defined(__AVX512F__)
-constexpr int64_t kGemvMaxRows = 32;
+// Rows up to which callers take the GEMV rather than awq_gemm, as measured in the engine: one
+// request's prefill on 4-bit SmolLM2-135M (Zen 5), the two limits' engines alternating, took
+// 0.90x as long through the GEMV at 12 rows on AVX2 (1.03x at 16-20, 1.13x at 32) and 0.90x
+// at 16 rows on AVX-512 (1.05x at 32). The kernels alone, weights streamed, had the GEMV ahead
+// up to 32 rows; the engine's figure decides. The generic build's kernels met at 12-16 rows.
+#if defined(__AVX512F__)
+constexpr int64_t kGemvMaxRows = 16;
 #else
 constexpr int64_t kGemvMaxRows = 12;
 #endif
