@@ -1,7 +1,8 @@
 """`pkv bench kernels`: the CPU linear kernels of one model shape, per ISA flavour and row
 count: a decoder layer's four 4-bit AWQ linears (qkv, o, gate_up, down) and the int8 LM head,
 each beside the float32 linears of the same shape, run as the engine runs them
-(`Linear.forward` on the flavour's kernels: the GEMV up to a few dozen rows, the GEMM above).
+(`Linear.forward` on the flavour's kernels: the GEMV up to the kernels' row limits, the GEMM
+above).
 
 The weights are random, in the real layouts: AWQ codes repacked by the loader's own
 `process_weights_after_loading`, the head quantized by `Int8LinearMethod.convert`. A decode
