@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pkv.core.layers.embedding import VocabEmbedding
+from pkv.core.memory import glibc
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
@@ -39,11 +40,11 @@ def thp_mode() -> str:
 
 @functools.cache
 def _madvise() -> Any:
-    """libc's madvise, or None (not glibc, not Linux)."""
-    try:
-        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
+    """glibc's madvise, or None (another C library, not Linux)."""
+    libc = glibc()
+    if libc is None:
         return None
+    madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise
 

@@ -16,7 +16,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
+    """glibc, or None where the C library is another (or absent)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -28,7 +29,7 @@ def release_free_memory() -> None:
     """Hand freed memory back to the OS: glibc keeps freed heap pages (a busy minute of
     serving left ~50 MiB of them; repacking weights after loading ~190 MiB). Cheap; run after
     loading and whenever the engine goes idle."""
-    libc = _libc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 
@@ -65,7 +66,7 @@ def resident_by_kind() -> dict[str, int]:
 
 def native_heap() -> NativeHeap | None:
     """The allocator's totals (None where the C library is not glibc >= 2.33)."""
-    libc = _libc()
+    libc = glibc()
     fn = getattr(libc, "mallinfo2", None) if libc is not None else None
     if fn is None:
         return None
