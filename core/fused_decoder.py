@@ -71,7 +71,7 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
     bits = min((lin.method.activation_bits for group in linears for lin in group
                 if isinstance(lin.method, AWQLinearMethod)), default=32)
     decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             inner.norm.eps, bits, _weight(inner.norm))
+                             inner.norm.eps, ext.awq_gemv_max_rows, bits, _weight(inner.norm))
     for layer, group, weights in zip(layers, linears, kernel_weights):
         norms, multiplier = layer.fused_norms()
         a: Attention = layer.self_attn

@@ -31,7 +31,7 @@
 // 16 or 32 columns of accumulators, x broadcast, FMA), accumulating into y. The weight is
 // decoded once per call, as GEMV decodes it once per 8 rows, and never written out whole.
 // awq_linear takes the GEMV up to `max_gemv_rows` rows, awq_gemm above; callers pass
-// kGemvMaxRows (below; the C++ decoder directly, Python as `awq_gemv_max_rows`).
+// kGemvMaxRows (below; Python reads it as `awq_gemv_max_rows`).
 // awq_dequantize writes W^T [K, N] in float32 (for tests and torch fallbacks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

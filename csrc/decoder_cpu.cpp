@@ -129,9 +129,9 @@ struct Workspace {
 class CpuDecoder {
  public:
   CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
-             int64_t activation_bits, at::Tensor norm)
+             int64_t max_gemv_rows, int64_t activation_bits, at::Tensor norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
-        activation_bits_(activation_bits),
+        max_gemv_rows_(max_gemv_rows), activation_bits_(activation_bits),
         norm_(norm_weight(norm)) {
     TORCH_CHECK(norm_, "CpuDecoder: the final norm's weight is required");
   }
@@ -299,7 +299,7 @@ class CpuDecoder {
       // output, it would take its own GEMM where oneDNN is faster for long prefills).
       y = gemv::f32_linear(x, w.weights[0], w.bias,
                            x.size(0) <= gemv::kMaxRows ? std::optional(out) : std::nullopt);
-    } else if (activation_bits_ == 32 && x.size(0) <= kGemvMaxRows &&
+    } else if (activation_bits_ == 32 && x.size(0) <= max_gemv_rows_ &&
                x.scalar_type() == at::kFloat && x.is_contiguous() &&
                x.size(1) == w.awq.shape.K) {
       // The float GEMV on the operands checked at add_layer, into the step's buffer.
@@ -307,7 +307,7 @@ class CpuDecoder {
       y = out;
     } else {
       y = awq_linear(x, w.weights[0], w.weights[1], w.weights[2], w.bias, w.n, w.group,
-                     kGemvMaxRows, activation_bits_);
+                     max_gemv_rows_, activation_bits_);
     }
     if (w.lora_a.defined()) {
       // Each run of rows with one adapter: y += (x @ a[slot]) @ b[slot].
@@ -325,6 +325,7 @@ class CpuDecoder {
 
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
+  int64_t max_gemv_rows_;
   int64_t activation_bits_;  // of the AWQ GEMVs: 32 (float), 16 or 8 (awq_activations)
   NormWeight norm_;
   std::vector<Layer> layers_;
