@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "team.h"
 #include "vec_math.h"
 
 namespace {
@@ -265,7 +266,7 @@ Prepared prepare_x(const float* x, int64_t M, int64_t K, int64_t G) {
 template <int64_t M>
 void gemv_rows(const float* xp, const int32_t* cp, const float* sp, const float* zp,
                const float* xsum, float* yp, const Shape& s) {
-  at::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) tile_rows<M>(xp, cp, sp, zp, xsum, yp, t, s);
   });
 }
@@ -362,7 +363,7 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int6
 template <typename Fill>
 void panel_gemm(const float* xp, int64_t M, int64_t K, int64_t N, float* yp, const Fill& fill) {
   const int64_t NT = (N + kTile - 1) / kTile;
-  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float panel[kPanelK * kTile];  // 32 KB: L1
     std::vector<float> scratch;
     for (int64_t t = begin; t < end; ++t) {
@@ -479,7 +480,7 @@ at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
   const float* sp = scales.data_ptr<float>();
   const float* zp = zs.data_ptr<float>();
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, s.K / 8, 2, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, s.K / 8, 2, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t g = blk * 8 / s.G;
       for (int64_t t = 0; t < s.NT * 2; ++t) {  // t: 16 columns, half a tile

@@ -33,6 +33,8 @@
 #include <immintrin.h>
 #endif
 
+#include "team.h"
+
 namespace {
 
 constexpr int64_t kMaxInt16Group = 2048;  // keeps a group's int32 sums from overflowing
@@ -151,7 +153,7 @@ void int16_rows(const RowsView& xr, const int32_t* cp, const float* sp, const fl
                 float* yp, const Shape& s) {
   // Work items of 8 columns; the padding-only ones at the end of the last tile are skipped.
   const int64_t items = (s.N + 7) / 8;
-  at::parallel_for(0, items, 4, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, items, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       int16_columns<M>(xr, cp, sp, zp, yp, i / 4, i % 4, s);
   });

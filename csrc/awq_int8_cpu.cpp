@@ -35,6 +35,8 @@
 #include <immintrin.h>
 #endif
 
+#include "team.h"
+
 namespace {
 
 constexpr int64_t kInt8Block = 32;  // inputs per activation scale
@@ -172,7 +174,7 @@ at::Tensor awq_gemv_int8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::
 #if defined(__AVX2__)
   const Int8Rows xr = quantize_rows_int8(x.data_ptr<float>(), M, s.K, s.G);
   const Int8View rows{xr.bytes.data(), xr.xb.data(), xr.xsum.data()};
-  at::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       int8_tile(rows, M, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
                 zs.data_ptr<float>(), y.data_ptr<float>(), t, s);

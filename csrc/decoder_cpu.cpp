@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "team.h"
+
 namespace {
 
 // AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone.
@@ -188,11 +190,31 @@ class CpuDecoder {
   // This step's runs of rows by adapter slot (empty: no adapter in the step).
   void set_lora_segments(std::vector<LoRASegment> segments) { segments_ = std::move(segments); }
 
+  // The decoder stack over h [T, hidden]. At decode sizes (every linear a GEMV) the whole
+  // forward runs in one team of threads (csrc/team.h): ~150 parallel loops a step cost a
+  // cache line each way instead of an OpenMP region each. Longer steps keep one region per
+  // loop: there torch's GEMMs (oneDNN), which a team would run on one thread, take over.
   at::Tensor forward(at::Tensor h, const at::Tensor& positions,
                      const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_ids, const at::Tensor& kv_lens) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
+    const int threads = at::get_num_threads();
+    if (threads < 2 || at::in_parallel_region() ||
+        h.size(0) > std::min(max_gemv_rows_, gemv::kMaxRows))
+      return layers(h, positions, kv_caches, slot_mapping, block_tables, seq_ids, kv_lens);
+    at::Tensor out;
+    team::with_team(threads, [&] {
+      out = layers(h, positions, kv_caches, slot_mapping, block_tables, seq_ids, kv_lens);
+    });
+    return out;
+  }
+
+ private:
+  at::Tensor layers(at::Tensor h, const at::Tensor& positions,
+                    const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_ids, const at::Tensor& kv_lens) const {
     const int64_t T = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     Workspace ws;
     at::Tensor residual;
@@ -238,7 +260,6 @@ class CpuDecoder {
     return h;
   }
 
- private:
   // Into a sub-layer: residual += h (the first layer's residual is h), then its input is
   // norm(residual), written over h, or the residual itself without a norm.
   at::Tensor enter(at::Tensor h, at::Tensor& residual, const NormWeight& norm) const {

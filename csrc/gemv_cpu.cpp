@@ -30,6 +30,7 @@
 #include <optional>
 
 #include "f32_operands.h"
+#include "team.h"
 #include "vec_math.h"
 
 namespace gemv {
@@ -145,7 +146,7 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t groups = (N + kOuts - 1) / kOuts;
-  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
+  team::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * kOuts;
       const float* wg = wp + n * K;

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "team.h"
 #include "vec_math.h"
 
 // Its own namespace: csrc/kernels_cpu.cpp builds every kernel in one unit, and the AWQ
@@ -86,7 +87,7 @@ Shape check(const at::Tensor& codes, const at::Tensor& scale) {
 template <int64_t M>
 void gemv_rows(const float* xp, const int8_t* cp, const float* sp, float* yp, const Shape& s) {
   constexpr int64_t S = M <= 2 ? 2 : 1;
-  at::parallel_for(0, s.N / kTile, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, s.N / kTile, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* tile = cp + t * s.K * kTile;
       vf16 acc[S][M][2];
@@ -177,7 +178,7 @@ at::Tensor int8_dequantize(at::Tensor codes, at::Tensor scale) {
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, s.K, 16, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, s.K, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       for (int64_t t = 0; t < s.N / kTile; ++t) {
         const int8_t* c = cp + (t * s.K + k) * kTile;

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "team.h"
 #include "vec_math.h"
 
 namespace {
@@ -60,7 +61,7 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
 // rows x n floats: out = w * normalize(x); out may be x.
 void rms_norm_rows(float* out, const float* x, const float* w, int64_t rows, int64_t n,
                    float eps) {
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) normalize_row(out + r * n, x + r * n, w, n, eps);
   });
 }
@@ -68,7 +69,7 @@ void rms_norm_rows(float* out, const float* x, const float* w, int64_t rows, int
 // rows x n floats: residual += x, then x = w * normalize(residual).
 void add_rms_norm_rows(float* x, float* residual, const float* w, int64_t rows, int64_t n,
                        float eps) {
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = x + r * n;
       float* rr = residual + r * n;
@@ -114,7 +115,7 @@ void head_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < H; ++h)
         normalize_row(op + t * os + h * D, xp + t * xs + h * D, wp, D, static_cast<float>(eps));
@@ -162,7 +163,7 @@ void rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& 
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t H = q.size(1), KVH = k.size(1);
-  at::parallel_for(0, T, grain((H + KVH) * D), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, T, grain((H + KVH) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pos[t] * R;
       const float* s = sp + pos[t] * R;
@@ -187,7 +188,7 @@ void act_and_mul(const at::Tensor& out, const at::Tensor& x, const char* name, A
               name, ": out must be contiguous float32 [T, I]");
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * 2 * I;
       const float* u = g + I;

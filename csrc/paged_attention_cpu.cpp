@@ -50,6 +50,7 @@
 #include <limits>
 #include <vector>
 
+#include "team.h"
 #include "vec_math.h"
 
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -430,7 +431,7 @@ template <typename State, typename Work>
 static void parallel_dynamic(int64_t count, Work&& work) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  team::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local State state;
     for (int64_t i = next++; i < count; i = next++) work(i, state);
   });
@@ -556,7 +557,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     });
     return;
   }
-  at::parallel_for(0, NT * KVH, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, NT * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * BS), acc(G * D), m(G), l(G);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = tokens[w / KVH], kh = w % KVH;

@@ -109,6 +109,52 @@ def test_fused_hidden_states_outlive_the_next_step(engine: LLMEngine):
     assert not torch.equal(first, second)
 
 
+@pytest.fixture
+def two_threads():  # noqa: ANN201 - a context for the test
+    # The suite runs one torch thread per xdist worker; the decoder's team (csrc/team.h)
+    # needs two.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_team_of_two_threads_computes_what_one_thread_does(engine: LLMEngine, two_threads):
+    # At decode sizes the forward runs in one team of threads; its loops split the work as
+    # at::parallel_for does, so two threads give one thread's values bit for bit.
+    runner = engine.runner
+    inner = runner.model.model
+    for n in (1, 5):
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            with torch.inference_mode():
+                hidden = inner(torch.arange(3, 3 + n), torch.arange(n), caches,
+                               _one_sequence_meta(n, runner.block_size))
+            results.append((hidden, caches))
+        (one, one_caches), (two, two_caches) = results
+        assert torch.equal(one, two)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                   for a, b in zip(one_caches, two_caches))
+
+
+def test_a_check_failing_inside_the_team_raises_and_the_next_call_runs(engine: LLMEngine,
+                                                                        two_threads):
+    runner = engine.runner
+    inner = runner.model.model
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    meta = _one_sequence_meta(1, runner.block_size)
+    meta.slot_mapping = torch.tensor([10**9])  # past the pool: write_kv's check fails
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="slot out of range"):
+            inner(torch.tensor([7]), torch.arange(1), caches, meta)
+        hidden = inner(torch.tensor([7]), torch.arange(1), caches,
+                       _one_sequence_meta(1, runner.block_size))
+    assert hidden.shape == (1, runner.model_config.hidden_size)
+    assert bool(torch.isfinite(hidden).all())
+
+
 def _one_sequence_meta(n: int, block_size: int):  # noqa: ANN202 - AttentionMetadata
     from pkv.core.attention import AttentionMetadata
 
