@@ -193,14 +193,15 @@ class CpuDecoder {
   // The decoder stack over h [T, hidden]. At decode sizes (every linear a GEMV) the whole
   // forward runs in one team of threads (csrc/team.h): ~150 parallel loops a step cost a
   // cache line each way instead of an OpenMP region each. Longer steps keep one region per
-  // loop: there torch's GEMMs (oneDNN), which a team would run on one thread, take over.
+  // loop: there torch's GEMMs (oneDNN), which a team would run on one thread, take over; so
+  // do processes with more threads than CPUs (see team::usable_cpus).
   at::Tensor forward(at::Tensor h, const at::Tensor& positions,
                      const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_ids, const at::Tensor& kv_lens) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
     const int threads = at::get_num_threads();
-    if (threads < 2 || at::in_parallel_region() ||
+    if (threads < 2 || threads > team::usable_cpus() || at::in_parallel_region() ||
         h.size(0) > std::min(max_gemv_rows_, gemv::kMaxRows))
       return layers(h, positions, kv_caches, slot_mapping, block_tables, seq_ids, kv_lens);
     at::Tensor out;

@@ -18,10 +18,15 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <thread>
 #include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -36,6 +41,20 @@ inline void relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// Spins until done() holds; after a few thousand spins (tens of microseconds) it yields the
+// core at each try, so threads sharing one core (more threads than CPUs, a CPU quota) still
+// let the one they wait for run.
+template <typename Done>
+inline void wait_until(const Done& done) {
+  for (int spins = 0; !done(); ++spins) {
+    if (spins < 4096) {
+      relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 class Team {
@@ -68,7 +87,7 @@ class Team {
     } catch (...) {
       own = std::current_exception();
     }
-    while (pending_.load(std::memory_order_acquire) != 0) relax();
+    wait_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
     if (failed_.exchange(false, std::memory_order_relaxed) && !own) own = std::exchange(error_, nullptr);
     if (own) std::rethrow_exception(own);
   }
@@ -77,8 +96,8 @@ class Team {
   void serve(int tid) {
     uint64_t seen = 0;  // the team is new: no loop has been posted before this
     while (true) {
-      uint64_t now;
-      while ((now = generation_.load(std::memory_order_acquire)) == seen) relax();
+      uint64_t now = seen;
+      wait_until([&] { return (now = generation_.load(std::memory_order_acquire)) != seen; });
       seen = now;
       if (stopping_) return;
       const int64_t b = begin_ + tid * chunk_;
@@ -114,6 +133,17 @@ class Team {
 // The team the calling thread leads, if any. Thread-local rather than an argument: the loops
 // sit deep in kernels that Python also calls directly (paged_attention, the norms).
 inline thread_local Team* t_current = nullptr;
+
+// CPUs this process may run on. A team spins while it waits: with more threads than CPUs
+// (taskset, a narrow affinity) its threads would wait out each other's time slices (a 4-bit
+// batch-1 step: 40 ms against 5 ms on one thread), where libgomp throttles its spinning.
+inline int usable_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
 
 // body() on thread 0 of one OpenMP region of `threads` threads, the others serving its loops;
 // body's exception, if any, is rethrown after the region (none may cross it).
