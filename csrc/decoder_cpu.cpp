@@ -134,7 +134,7 @@ class CpuDecoder {
              int64_t max_gemv_rows, int64_t activation_bits, at::Tensor norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
         max_gemv_rows_(max_gemv_rows), activation_bits_(activation_bits),
-        norm_(norm_weight(norm)) {
+        norm_(norm_weight(norm)), cpus_(team::usable_cpus()) {
     TORCH_CHECK(norm_, "CpuDecoder: the final norm's weight is required");
   }
 
@@ -201,7 +201,7 @@ class CpuDecoder {
                      const at::Tensor& seq_ids, const at::Tensor& kv_lens) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
     const int threads = at::get_num_threads();
-    if (threads < 2 || threads > team::usable_cpus() || at::in_parallel_region() ||
+    if (threads < 2 || threads > cpus_ || at::in_parallel_region() ||
         h.size(0) > std::min(max_gemv_rows_, gemv::kMaxRows))
       return layers(h, positions, kv_caches, slot_mapping, block_tables, seq_ids, kv_lens);
     at::Tensor out;
@@ -350,6 +350,7 @@ class CpuDecoder {
   int64_t max_gemv_rows_;
   int64_t activation_bits_;  // of the AWQ GEMVs: 32 (float), 16 or 8 (awq_activations)
   NormWeight norm_;
+  int cpus_;  // team::usable_cpus() when built: read once, not a system call per step
   std::vector<Layer> layers_;
   std::vector<LoRASegment> segments_;
 };

@@ -117,9 +117,11 @@ class Team {
     generation_.fetch_add(1, std::memory_order_release);
   }
 
-  int size_ = 1;
+  // Threads in the region, thread 0 included; set by thread 0 before it posts any loop.
+  void set_size(int size) { size_ = size; }
 
  private:
+  int size_ = 1;
   alignas(64) std::atomic<uint64_t> generation_{0};
   alignas(64) std::atomic<int64_t> pending_{0};
   const void* job_ = nullptr;
@@ -154,7 +156,7 @@ void with_team(int threads, const Body& body) {
 #pragma omp parallel num_threads(threads)
   {
     if (omp_get_thread_num() == 0) {
-      crew.size_ = omp_get_num_threads();  // read by the others only after a loop is posted
+      crew.set_size(omp_get_num_threads());
       t_current = &crew;
       try {
         body();
