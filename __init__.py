@@ -6,27 +6,28 @@ until one of these names is used, so `pkv --help` stays fast.
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = metadata.version("pkv")
 
 _EXPORTS = {
-    "LLM": "pkv.core.llm",
-    "LLMEngine": "pkv.core.llm_engine",
-    "EngineConfig": "pkv.core.config",
-    "SamplingParams": "pkv.core.sampling_params",
-    "RequestOutput": "pkv.core.outputs",
-    "CompletionOutput": "pkv.core.outputs",
-    "LoRARequest": "pkv.core.lora_adapter",
+    "LLM": "pkv.core.engine.llm",
+    "LLMEngine": "pkv.core.engine.llm_engine",
+    "EngineConfig": "pkv.core.config.engine",
+    "SamplingParams": "pkv.core.sample.sampling_params",
+    "RequestOutput": "pkv.core.engine.outputs",
+    "CompletionOutput": "pkv.core.engine.outputs",
+    "LoRARequest": "pkv.core.lora.adapter",
 }
 
 if TYPE_CHECKING:
-    from pkv.core.config import EngineConfig
-    from pkv.core.llm import LLM
-    from pkv.core.llm_engine import LLMEngine
-    from pkv.core.lora_adapter import LoRARequest
-    from pkv.core.outputs import CompletionOutput, RequestOutput
-    from pkv.core.sampling_params import SamplingParams
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm import LLM
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.core.engine.outputs import CompletionOutput, RequestOutput
+    from pkv.core.lora.adapter import LoRARequest
+    from pkv.core.sample.sampling_params import SamplingParams
 
 __all__ = [*_EXPORTS, "__version__"]
 

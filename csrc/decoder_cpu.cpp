@@ -31,7 +31,7 @@
 namespace {
 
 // AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone.
-// With LoRA, the adapter slots (core/layers/lora.py): a [slots, in, W], b [slots, W, out].
+// With LoRA, the adapter slots (core/lora/layers.py): a [slots, in, W], b [slots, W, out].
 // AWQ layers keep their operands (bias included, as float32) checked from add_layer on
 // (`awq`): per call, the tensors' metadata is cold (see AwqOperands).
 struct Linear {

@@ -1,4 +1,4 @@
-// Every CPU kernel in one extension module, built once per ISA flavour (plugins/cpp_build.py):
+// Every CPU kernel in one extension module, built once per ISA flavour (csrc/cpp_build.py):
 // one compile of torch's headers instead of one per kernel file, which is what lets the tests
 // build and check every flavour the machine can run. ATen and torch's pybind11 casters are all
 // the kernels need: torch/extension.h adds the C++ frontend (nn, optim, data), which took two

@@ -3,9 +3,9 @@ point like any third-party plugin."""
 
 from __future__ import annotations
 
-from pkv.plugins.hookspecs import hookimpl
-from pkv.plugins.registry import (AttentionBackendSpec, GuidedDecodingSpec, ToolParserSpec,
-                                  WeightLoaderSpec)
+from pkv.core.hookspecs import hookimpl
+from pkv.core.registry import (AttentionBackendSpec, GuidedDecodingSpec, ToolParserSpec,
+                               WeightLoaderSpec)
 
 
 def _cpu_reasons(device: str) -> list[str]:

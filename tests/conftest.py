@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkv.core.model_loader import bundled_model_path
-from pkv.plugins import cpp_build
+from pkv.core.model_loader.loader import bundled_model_path
+from pkv.csrc import cpp_build
 from pkv.tests.helpers import build_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,7 +35,7 @@ KERNEL_FLAVOURS = [] if cpp_build.unusable_reasons() else cpp_build.runnable_fla
 
 
 _BUILDER = pytest.StashKey[subprocess.Popen]()
-_BUILD_IN_BACKGROUND = ("import sys\nfrom pkv.plugins import cpp_build\n"
+_BUILD_IN_BACKGROUND = ("import sys\nfrom pkv.csrc import cpp_build\n"
                         "for flavour in sys.argv[1:]: cpp_build.kernels(flavour)")
 
 
@@ -135,7 +135,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smol_hf_dir: Path) 
 
 @pytest.fixture(scope="session")
 def smol_prompt_ids(smol_gguf: Path) -> list[list[int]]:
-    from pkv.core.model_loader import open_model
+    from pkv.core.model_loader.loader import open_model
 
     tokenizer = open_model(str(smol_gguf)).tokenizer
     return [tokenizer.encode(p) for p in PROMPTS]

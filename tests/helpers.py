@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pkv.core.models.registry import MODEL_TYPES
-from pkv.tests.gguf_writer import write_gguf  # noqa: F401  (re-exported for older tests)
+from pkv.tests.gguf_writer import write_gguf  # noqa: F401  (re-exported for older tests
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -61,7 +61,7 @@ def parity_prompts(count: int = 6, shortest: int = 9, longest: int = 70) -> list
 
 def kv_block_bytes(model_dir: Path, block_size: int) -> tuple[int, int | None]:
     """(bytes of one float32 KV block, the all-layer window or None) of `model_dir`'s model."""
-    from pkv.core.model_loader import open_model
+    from pkv.core.model_loader.loader import open_model
 
     cfg = open_model(str(model_dir)).config
     per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.layers.linear import Linear, LinearMethod, LinearSplit
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.linear import Linear, LinearMethod, LinearSplit
-from pkv.core.parallel import ShardPlan
 
 
 def tp_split(plan: ShardPlan, kind: str, *slices: tuple[int, int]) -> LinearSplit | None:

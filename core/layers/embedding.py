@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkv.core.linear import as_tensor, check_shape, take
-from pkv.core.parallel import ShardPlan
+from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.layers.linear import as_tensor, check_shape, take
 
 
 class VocabEmbedding(nn.Module):

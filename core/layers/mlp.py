@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pkv.core.distributed.parallel import ShardPlan
 from pkv.core.layers.attention import tp_split
-from pkv.core.linear import Linear, LinearMethod
-from pkv.core.parallel import ShardPlan
+from pkv.core.layers.linear import Linear, LinearMethod
 
 ACTIVATIONS = {
     "silu": F.silu,

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.layers.linear import as_tensor, check_shape, take
 from pkv.core.layers.mlp import ACTIVATIONS, check_activation
-from pkv.core.linear import as_tensor, check_shape, take
-from pkv.core.parallel import ShardPlan
 
 # per-expert checkpoint names -> our part
 _PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",

@@ -20,16 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.distributed.parallel import ShardPlan, single_rank_plan
 from pkv.core.layers.attention import tp_split
+from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.embedding import VocabEmbedding
+from pkv.core.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor,
+                                    check_shape, take)
 from pkv.core.layers.moe import SparseMoE
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor, check_shape,
-                             take)
-from pkv.core.model_config import ModelConfig
-from pkv.core.parallel import ShardPlan, single_rank_plan
+from pkv.core.models.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,7 +54,7 @@ class BuildContext:
 class DecoderModel(nn.Module):
     """embed -> N layers -> final norm. `rotary_emb` is the RoPE most layers use."""
 
-    fused: Any = None  # the whole stack in C++ (core/fused_decoder.py), set by `use_kernels`
+    fused: Any = None  # the whole stack in C++ (core/worker/fused_decoder.py), set by `use_kernels`
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: RMSNorm,
                  rotary_emb: RotaryEmbedding | None, plan: ShardPlan,
@@ -129,7 +129,8 @@ class CausalLM(nn.Module):
     def use_kernels(self, ops: Any, fused: Any = None) -> None:
         """Compute norms, RoPE, the MLP activation (csrc/layer_ops_cpu.cpp) and float32
         linears (csrc/gemv_cpu.cpp) with `ops` (float32 on CPU only), and the whole decoder
-        stack with `fused` where given (see core/fused_decoder.py); None goes back to torch."""
+        stack with `fused` where given (see core/worker/fused_decoder.py); None goes back to
+        torch."""
         from pkv.core.layers.mlp import GatedMLP
         from pkv.core.layers.moe import SparseMoE
 

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkv.core.attention import AttentionMetadata
 from pkv.core.layers.attention import Attention, AttentionOptions
+from pkv.core.layers.attention_backend import AttentionMetadata
 from pkv.core.layers.mlp import check_activation
 from pkv.core.layers.norm import GemmaRMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext, DecoderModel, KVCache, add_norm
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import LlamaForCausalLM
 from pkv.core.models.registry import windows_from_layer_types
 

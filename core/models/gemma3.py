@@ -17,8 +17,8 @@ from typing import Any
 from pkv.core.layers.attention import AttentionOptions
 from pkv.core.layers.norm import GemmaRMSNorm
 from pkv.core.layers.rotary import ROPE_TYPES, RotaryEmbedding
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.gemma2 import Gemma2ForCausalLM
 
 

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkv.core.attention import AttentionMetadata
 from pkv.core.layers.attention import AttentionOptions
+from pkv.core.layers.attention_backend import AttentionMetadata
 from pkv.core.layers.norm import RMSNorm
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext, DecoderModel, KVCache, add_norm
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import DecoderLayer, LlamaForCausalLM
 
 

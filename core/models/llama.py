@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkv.core.attention import AttentionMetadata
 from pkv.core.layers.attention import Attention, AttentionOptions
+from pkv.core.layers.attention_backend import AttentionMetadata
 from pkv.core.layers.embedding import VocabEmbedding
 from pkv.core.layers.mlp import GatedMLP
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import (BuildContext, CausalLM, DecoderModel, KVCache, add_norm,
                                   checkpoint_name)
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.registry import windows_from_layer_types
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding",

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.layers.moe import SparseMoE
-from pkv.core.linear import UnquantizedLinearMethod
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import MistralForCausalLM
 
 

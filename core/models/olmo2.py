@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkv.core.attention import AttentionMetadata
 from pkv.core.layers.attention import Attention, AttentionOptions
+from pkv.core.layers.attention_backend import AttentionMetadata
 from pkv.core.layers.norm import RMSNorm
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext, DecoderModel, KVCache
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import LlamaForCausalLM
 
 _RMS_NORM_EPS = 1e-5  # transformers' Olmo2Config default

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from pkv.core.linear import Linear, ParamLayout
-from pkv.core.model_config import ModelConfig
+from pkv.core.layers.linear import Linear, ParamLayout
 from pkv.core.models.base import split_fused
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import LlamaForCausalLM
 
 # transformers' Phi3Config defaults for fields a config.json may leave out

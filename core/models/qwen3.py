@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from pkv.core.layers.attention import AttentionOptions
-from pkv.core.model_config import ModelConfig
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import LlamaForCausalLM, qwen_layer_windows
 
 

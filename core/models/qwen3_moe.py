@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.mixtral import sparse_moe
 from pkv.core.models.qwen3 import Qwen3ForCausalLM
 

@@ -14,8 +14,8 @@ from typing import Any
 from torch import nn
 
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.model_config import ModelConfig
 from pkv.core.models.base import BuildContext
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import LlamaForCausalLM
 from pkv.core.models.registry import windows_from_layer_types
 

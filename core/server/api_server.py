@@ -5,26 +5,28 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import psutil
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-import pkv
-from pkv.core.async_engine import AsyncLLM
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.memory import native_heap, resident_by_kind
-from pkv.core.memory_report import HeapTracer, engine_caches
-from pkv.core.reasoning import reasoning_parser
+from pkv.core.engine.async_engine import AsyncLLM
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.registry import select_tool_parser
 from pkv.core.server.errors import OpenAIError, install_error_handlers
+from pkv.core.server.memory_report import HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, split_keys
-from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, LoadLoRAAdapterRequest,
-                                      TokenizeRequest, UnloadLoRAAdapterRequest)
+from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      LoadLoRAAdapterRequest, TokenizeRequest,
+                                      UnloadLoRAAdapterRequest)
 from pkv.core.server.serving import OpenAIServing, ServerLimits, check_messages
-from pkv.plugins.registry import select_tool_parser
+from pkv.core.structured_output.reasoning import reasoning_parser
+from pkv.core.worker.memory import native_heap, resident_by_kind
+
+PKV_VERSION = metadata.version("pkv")
 
 
 @dataclass
@@ -62,7 +64,7 @@ def _check_runtime_lora(config: ServerConfig, engine: LLMEngine) -> None:
 
 def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     """An app serving `async_llm`; the caller starts and stops the engine loop."""
-    app = FastAPI(title="pkv", version=pkv.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="pkv", version=PKV_VERSION, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(async_llm.engine)
     async_llm.on_request_finished = metrics.observe
     engine = async_llm.engine
@@ -129,7 +131,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.get("/admin/cache")
     async def admin_cache() -> dict:
         """The KV cache as `pkv inspect-cache` shows it (behind the API key when one is set)."""
-        from pkv.core.cache_inspector import take_snapshot
+        from pkv.core.sched.cache_inspector import take_snapshot
 
         return (await async_llm.call_in_engine(take_snapshot)).to_dict()
 
@@ -152,7 +154,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pkv.__version__}
+        return {"version": PKV_VERSION}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

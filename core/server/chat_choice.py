@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pkv.core.reasoning import ReasoningParser
-from pkv.core.tool_calls import Extractor, ToolCall, ToolCallDeltas, openai_calls
+from pkv.core.structured_output.reasoning import ReasoningParser
+from pkv.core.structured_output.tool_calls import Extractor, ToolCall, ToolCallDeltas, openai_calls
 
 
 class ChoiceShaper:

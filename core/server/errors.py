@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pkv.core.async_engine import EngineDeadError, EngineStepError, QueueFullError
-from pkv.core.structured_outputs import ConstraintCompilerBusyError
+from pkv.core.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from pkv.core.structured_output.params import ConstraintCompilerBusyError
 
 logger = logging.getLogger("pkv.server")
 

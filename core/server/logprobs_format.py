@@ -6,7 +6,7 @@ alternatives (the chosen one may rank below them).
 
 from __future__ import annotations
 
-from pkv.core.outputs import Logprob
+from pkv.core.engine.outputs import Logprob
 
 _Entry = dict[int, Logprob]
 

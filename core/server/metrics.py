@@ -10,9 +10,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from pkv.core.async_engine import RequestTimings
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.spec_decode import SpecDecodeStats
+from pkv.core.engine.async_engine import RequestTimings
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.spec_decode.proposer import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pkv.core.sampling_params import SamplingParams
-from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.structured_output.params import StructuredOutputsParams
 
 
 # Strict types, finite floats: see the module docstring. Unknown fields are accepted and

@@ -19,23 +19,23 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pkv.core.async_engine import AsyncLLM, RequestStream
-from pkv.core.llm_engine import ContextLengthError, PreparedRequest
-from pkv.core.lora_adapter import LoRARequest
-from pkv.core.outputs import CompletionOutput, RequestOutput
-from pkv.core.reasoning import END as REASONING_END
-from pkv.core.reasoning import ReasoningParser
-from pkv.core.sampling_params import SamplingParams
+from pkv.core.engine.async_engine import AsyncLLM, RequestStream
+from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.engine.outputs import CompletionOutput, RequestOutput
+from pkv.core.lora.adapter import LoRARequest
+from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       _SamplingFields)
-from pkv.core.server.tools import (ToolPlan, check_tool_messages, plan_tools,
-                                   template_knows_tools, template_messages)
-from pkv.core.structured_outputs import StructuredOutputsParams
-from pkv.core.tool_calls import ToolParser
+from pkv.core.server.tools import (ToolPlan, check_tool_messages, plan_tools, template_knows_tools,
+                                   template_messages)
+from pkv.core.structured_output.params import StructuredOutputsParams
+from pkv.core.structured_output.reasoning import END as REASONING_END
+from pkv.core.structured_output.reasoning import ReasoningParser
+from pkv.core.structured_output.tool_calls import ToolParser
 
 logger = logging.getLogger("pkv.server")
 

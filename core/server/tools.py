@@ -15,8 +15,9 @@ from typing import Any
 
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.protocol import ChatCompletionRequest, ChatMessage, Tool
-from pkv.core.structured_outputs import check_json_schema
-from pkv.core.tool_calls import Extractor, ToolParser, forced_named, forced_required
+from pkv.core.structured_output.params import check_json_schema
+from pkv.core.structured_output.tool_calls import (Extractor, ToolParser, forced_named,
+                                                   forced_required)
 
 MAX_TOOLS = 128  # OpenAI's own bound
 

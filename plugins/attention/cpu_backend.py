@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from pkv.core.attention import AttentionMetadata
-from pkv.plugins import cpp_build
+from pkv.core.layers.attention_backend import AttentionMetadata
+from pkv.csrc import cpp_build
 from pkv.plugins.attention.torch_backend import TorchAttentionBackend
 
 def unusable_reasons(device: str) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pkv.core.attention import AttentionMetadata
+from pkv.core.layers.attention_backend import AttentionMetadata
 
 
 def random_paged_layout(seqs: list[tuple[int, int]], block_size: int, heads: int,

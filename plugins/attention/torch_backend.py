@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

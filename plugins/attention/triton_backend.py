@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pkv.core.attention import AttentionBackend, AttentionMetadata
+from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 
 
 @triton.jit

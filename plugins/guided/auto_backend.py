@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.structured_output.params import StructuredOutputsParams
 from pkv.plugins.guided.outlines_backend import OutlinesBackend
 
 # Constraint kind -> backend, measured on the bundled model (README: Structured outputs):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from pkv.core.structured_outputs import ConstraintCompilerBusyError, StructuredOutputsParams
+from pkv.core.structured_output.params import ConstraintCompilerBusyError, StructuredOutputsParams
 
 # Past this many runaway compiles (each holding a thread and a core), new ones are refused.
 MAX_ABANDONED_COMPILES = 2

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.structured_output.params import StructuredOutputsParams
 from pkv.plugins.guided.compiling import CompilingBackend
 from pkv.plugins.guided.schema_rewrite import SchemaRewriter
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.structured_output.params import StructuredOutputsParams
 from pkv.plugins.guided.compiling import CompilingBackend
 from pkv.plugins.guided.outlines_backend import choice_regex, token_bytes_map
 from pkv.plugins.guided.schema_rewrite import SchemaRewriter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pkv.core.tool_calls import Extraction, ToolCall, content_before, json_call
+from pkv.core.structured_output.tool_calls import Extraction, ToolCall, content_before, json_call
 
 START, END = "<tool_call>", "</tool_call>"
 

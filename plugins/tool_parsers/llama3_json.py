@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from pkv.core.tool_calls import Extraction, ToolCall, json_call
+from pkv.core.structured_output.tool_calls import Extraction, ToolCall, json_call
 
 TAG = "<|python_tag|>"
 

@@ -3,7 +3,7 @@ special token: text is decoded with special tokens kept)."""
 
 from __future__ import annotations
 
-from pkv.core.tool_calls import Extraction, content_before, json_call_list
+from pkv.core.structured_output.tool_calls import Extraction, content_before, json_call_list
 
 MARKER = "[TOOL_CALLS]"
 

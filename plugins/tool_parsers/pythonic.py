@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import json
 
-from pkv.core.tool_calls import Extraction, ToolCall
+from pkv.core.structured_output.tool_calls import Extraction, ToolCall
 
 
 class PythonicToolParser:

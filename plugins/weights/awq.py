@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkv.core.linear import Linear, LinearMethod, ParamLayout
-from pkv.core.model_loader import ModelSource
-from pkv.core.quantization import WeightLoader
+from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout
+from pkv.core.model_loader.loader import ModelSource
+from pkv.core.model_loader.quantization import WeightLoader
 
 # Nibble i of a packed int32 holds output column 8c + AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -137,6 +137,12 @@ class AWQLinearMethod(LinearMethod):
             y = y + layer.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        if self.kernel != "cpu" or layer.kernel is None:
+            return None  # Triton, or torch's GEMM over a dequantized weight
+        return FusedOperands([layer.codes, layer.scales_f32, layer.zs], self.group_size,
+                             self.activation_bits)
+
 
 def repack_words(codes: torch.Tensor) -> torch.Tensor:
     """[K, N] codes -> the CPU kernel's int32 [N'/32, K/8, 32]: 32 output columns per tile,
@@ -188,7 +194,7 @@ def _check_integer_kernel(activations: str, kernel: str, group: int) -> None:
 
 def _cpu_kernel() -> Any:
     """The compiled kernel, or None (with a warning) where nothing can build it."""
-    from pkv.plugins import cpp_build
+    from pkv.csrc import cpp_build
 
     return cpp_build.kernels_or_none()
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkv.core.linear import Linear, LinearMethod, ParamLayout, as_tensor, check_shape
-from pkv.core.model_loader import ModelSource
-from pkv.core.quantization import WeightLoader
+from pkv.core.layers.linear import Linear, LinearMethod, ParamLayout, as_tensor, check_shape
+from pkv.core.model_loader.loader import ModelSource
+from pkv.core.model_loader.quantization import WeightLoader
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

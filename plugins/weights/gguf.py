@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pkv.core.model_config import ModelConfig
-from pkv.core.model_loader import ModelSource, open_folder, write_tokenizer
-from pkv.core.quantization import WeightLoader
-from pkv.core.tokenizer import Tokenizer
-from pkv.core.weight_cache import convert_while_loading, converted_folder
+from pkv.core.model_loader.loader import ModelSource, open_folder, write_tokenizer
+from pkv.core.model_loader.quantization import WeightLoader
+from pkv.core.model_loader.weight_cache import convert_while_loading, converted_folder
+from pkv.core.models.config import ModelConfig
+from pkv.core.tokenizer.tokenizer import Tokenizer
 from pkv.plugins.weights.gguf_archs import (ARCHS, CONFIG_TENSORS, EXPERT_PARTS, GLOBAL_NAMES,
                                             LAYER_NAMES, decimal)
 from pkv.plugins.weights.gguf_tokenizer import gguf_tokenizer
@@ -220,8 +220,8 @@ class GGUFLoader(WeightLoader):
     name = "gguf"
 
     def open(self, path: Path) -> ModelSource:
-        """The converted copy from the cache (core/weight_cache.py) if there is one; else the
-        GGUF itself, converted into the cache as its weights load."""
+        """The converted copy from the cache (core/model_loader/weight_cache.py) if there is one;
+        else the GGUF itself, converted into the cache as its weights load."""
         folder = converted_folder(path)
         if folder.is_dir():
             try:

@@ -13,12 +13,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pkv.plugins.weights.gguf import GGUFFile
+
+class GGUFFile(Protocol):
+    """What an architecture's field reader needs of an open file (gguf.py's GGUFFile, which
+    reads this module's tables and so is not imported here)."""
+
+    def key(self, name: str, default: Any = None) -> Any:
+        """The architecture's field `{arch}.{name}`."""
 
 
 def decimal(value: Any) -> Any:

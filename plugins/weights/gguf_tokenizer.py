@@ -32,7 +32,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from pkv.core.tokenizer import Tokenizer
+from pkv.core.tokenizer.tokenizer import Tokenizer
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 _SPACE = "\u2581"

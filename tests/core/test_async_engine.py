@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pkv.core.async_engine import AsyncLLM, EngineStepError
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.sampling_params import SamplingParams
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.async_engine import AsyncLLM, EngineStepError
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.sample.sampling_params import SamplingParams
 
 
 @pytest.fixture()
@@ -88,7 +88,7 @@ def test_failing_step_fails_in_flight_requests_and_serving_goes_on(async_llm: As
 
 
 def test_broken_engine_state_turns_unhealthy_and_refuses(async_llm: AsyncLLM):
-    from pkv.core.async_engine import EngineDeadError
+    from pkv.core.engine.async_engine import EngineDeadError
 
     engine = async_llm.engine
 

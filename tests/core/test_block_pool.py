@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pkv.core.block_pool import BlockPool
-from pkv.core.kv_cache_manager import KVCacheManager
-from pkv.core.request import Request, hash_block
-from pkv.core.sampling_params import SamplingParams
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.sched.block_pool import BlockPool
+from pkv.core.sched.kv_cache_manager import KVCacheManager
+from pkv.core.sched.request import Request, hash_block
 
 
 def _request(rid: str, tokens: list[int], block_size: int = 4, salt: bytes = b"") -> Request:

@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 
 from pkv import LLM, SamplingParams
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

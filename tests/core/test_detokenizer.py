@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pkv.core.detokenizer import IncrementalDetokenizer
+from pkv.core.tokenizer.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! This is plain ASCII text.",

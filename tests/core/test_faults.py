@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pkv.core.async_engine import (MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, EngineDeadError,
-                                   EngineStepError)
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.sampling_params import SamplingParams
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.async_engine import (MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, EngineDeadError,
+                                          EngineStepError)
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.sample.sampling_params import SamplingParams
 
 PROMPTS = {"a": [5, 6, 7, 8], "victim": [9, 10, 11], "c": [300, 301, 302, 303, 304]}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""core/huge_pages.py: which weights move onto 2 MB pages, that they keep their values,
+"""core/worker/huge_pages.py: which weights move onto 2 MB pages, that they keep their values,
 identity and ties, and that an engine's C++ decoder runs on the moved weights."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from pkv.core import huge_pages
-from pkv.core.config import EngineConfig
-from pkv.core.huge_pages import HUGE_PAGE, move_weights_to_huge_pages, movable_weights, thp_mode
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.sampling_params import SamplingParams
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.worker import huge_pages
+from pkv.core.worker.huge_pages import (HUGE_PAGE, move_weights_to_huge_pages, movable_weights,
+                                        thp_mode)
 
 THP_IN_KERNEL = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
 

@@ -1,4 +1,4 @@
-"""The ISA flavours of the C++ kernels (plugins/cpp_build.py): which a CPU runs, how
+"""The ISA flavours of the C++ kernels (csrc/cpp_build.py): which a CPU runs, how
 PKV_CPU_ISA picks one, and greedy parity with transformers through the fused C++ decoder stack
 under every flavour this machine executes."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pkv.cli.cpu_info import cpu_summary
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
-from pkv.plugins import cpp_build
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.csrc import cpp_build
 from pkv.tests.helpers import check_matches_transformers, parity_prompts
 
 AVX512_CPU = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c",

@@ -13,8 +13,8 @@ import pytest
 
 from pkv import LLM, SamplingParams
 from pkv.cli.bench_guided import KEYWORD_SUITE as SUITE
-from pkv.core.number_ranges import integer_range, number_range
-from pkv.core.structured_outputs import StructuredOutputsParams as SO
+from pkv.core.structured_output.number_ranges import integer_range, number_range
+from pkv.core.structured_output.params import StructuredOutputsParams as SO
 
 CHECK = jsonschema.Draft202012Validator.FORMAT_CHECKER
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.model_config import ModelConfig
+from pkv.core.config.engine import EngineConfig
+from pkv.core.distributed.parallel import single_rank_plan
+from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.layers.mlp import GatedMLP as MLP
 from pkv.core.layers.norm import RMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
-from pkv.core.parallel import single_rank_plan
-from pkv.plugins import cpp_build
+from pkv.core.models.config import ModelConfig
+from pkv.csrc import cpp_build
 
 
 

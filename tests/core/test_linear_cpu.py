@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pkv.core.config import EngineConfig
-from pkv.core.linear import Linear
-from pkv.core.llm_engine import LLMEngine
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.layers.linear import Linear
 
 EMPTY = torch.empty(0)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pkv import LLM, LoRARequest, SamplingParams
-from pkv.core.lora_slots import LoRASlotTable
+from pkv.core.lora.slots import LoRASlotTable
 from pkv.tests.conftest import KERNEL_FLAVOURS
 from pkv.tests.helpers import (build_tiny_model, hf_greedy, kv_block_bytes, make_lora_adapter,
                                parity_prompts)

@@ -4,7 +4,7 @@ import ctypes
 
 import pytest
 
-from pkv.core.memory import native_heap, release_free_memory
+from pkv.core.worker.memory import native_heap, release_free_memory
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_native_heap_sees_mapped_and_small_blocks(heap_or_skip):
 def test_resident_memory_splits_into_anonymous_and_file_backed():
     import numpy as np
 
-    from pkv.core.memory import resident_by_kind
+    from pkv.core.worker.memory import resident_by_kind
 
     before = resident_by_kind()
     if not before:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pkv import LLM, SamplingParams
-from pkv.core import request as request_module
+from pkv.core.sched import request as request_module
 from pkv.tests.helpers import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

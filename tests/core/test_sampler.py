@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pkv.core.sampler import Sampler, SamplingRow
-from pkv.core.sampling_params import SamplingParams
+from pkv.core.sample.sampler import Sampler, SamplingRow
+from pkv.core.sample.sampling_params import SamplingParams
 
 
 def _row(params: SamplingParams, prompt=(), output=(), seed: int | None = None,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pkv.core.kv_cache_manager import KVCacheManager
-from pkv.core.request import Request, RequestStatus
-from pkv.core.sampling_params import SamplingParams
-from pkv.core.scheduler import Scheduler, SchedulerOutput
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.sched.kv_cache_manager import KVCacheManager
+from pkv.core.sched.request import Request, RequestStatus
+from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 
 
 def _scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
@@ -111,7 +111,7 @@ def test_abort_waiting_and_running_requests_frees_blocks():
 
 
 def test_speculation_allocates_lookahead_and_rolls_back_rejected_drafts():
-    from pkv.core.speculative_config import SpeculativeConfig
+    from pkv.core.config.speculative import SpeculativeConfig
 
     s = Scheduler(KVCacheManager(64, 4, True), 8, 64, max_model_len=256,
                   speculative=SpeculativeConfig("ngram", 3))
@@ -137,7 +137,7 @@ def test_speculation_allocates_lookahead_and_rolls_back_rejected_drafts():
 
 
 def test_lookahead_stops_at_max_tokens_and_for_guided_requests():
-    from pkv.core.speculative_config import SpeculativeConfig
+    from pkv.core.config.speculative import SpeculativeConfig
 
     s = Scheduler(KVCacheManager(64, 4, False), 8, 64, max_model_len=256,
                   speculative=SpeculativeConfig("ngram", 4))

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from pkv import LLM, SamplingParams
-from pkv.core.config import EngineConfig
-from pkv.core.ngram_proposer import NgramProposer
-from pkv.core.rejection_sampler import RejectionSampler
-from pkv.core.sampler import Sampler, SamplingRow
+from pkv.core.config.engine import EngineConfig
+from pkv.core.config.speculative import SpeculativeConfig
+from pkv.core.sample.rejection_sampler import RejectionSampler
+from pkv.core.sample.sampler import Sampler, SamplingRow
 from pkv.core.server.metrics import ServerMetrics
-from pkv.core.speculative_config import SpeculativeConfig
-from pkv.core.structured_outputs import StructuredOutputsParams
+from pkv.core.spec_decode.ngram_proposer import NgramProposer
+from pkv.core.structured_output.params import StructuredOutputsParams
 from pkv.tests.conftest import PROMPTS
 from pkv.tests.helpers import build_tiny_model, check_matches_transformers
 
@@ -282,7 +282,7 @@ def test_a_failing_draft_fails_the_speculating_requests_only(tiny_llama_dir: Pat
     """The draft model's pass raises (fault injected into the real engine): the request it
     drafted for ends with the error, a request prefilling in the same step goes on, and the
     next requests speculate again; no block leaks."""
-    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB",
                                     speculative_config={"model": str(tiny_llama_dir),

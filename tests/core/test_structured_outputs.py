@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pkv import LLM, SamplingParams
-from pkv.core.structured_outputs import ConstraintCompilerBusyError
-from pkv.core.structured_outputs import StructuredOutputsParams as SO
+from pkv.core.structured_output.params import ConstraintCompilerBusyError
+from pkv.core.structured_output.params import StructuredOutputsParams as SO
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -180,7 +180,7 @@ def test_grammar_and_mask_caches_are_bounded_in_entries_and_bytes(tiny_llama_dir
 def test_a_constraint_can_start_after_a_thinking_block(smol_llm: LLM):
     """With a reasoning parser, the grammar waits for "</think>": before it every token is
     allowed (no mask), after it the grammar's own masks apply from its start."""
-    from pkv.core.structured_outputs import DelayedGuidedState
+    from pkv.core.structured_output.params import DelayedGuidedState
 
     engine = smol_llm.llm_engine
     grammar = engine.guided.compile(SO(choice=["yes", "no"]))

@@ -16,7 +16,7 @@ import jinja2
 import pytest
 
 from pkv import LLM, SamplingParams
-from pkv.core.tokenizer import Tokenizer
+from pkv.core.tokenizer.tokenizer import Tokenizer
 
 GEMMA3_TEMPLATE = """{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}

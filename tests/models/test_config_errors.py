@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pkv.cli.main import app
-from pkv.core.model_config import ModelConfig
+from pkv.core.models.config import ModelConfig
 from pkv.core.models.registry import ARCHITECTURES
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pkv.core.config import EngineConfig
-from pkv.core.fused_decoder import fused_decoder_gaps
-from pkv.core.llm_engine import LLMEngine
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.worker.fused_decoder import fused_decoder_gaps
 from pkv.tests.helpers import build_tiny_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -13,7 +13,7 @@ import torch
 
 from pkv import LLM, SamplingParams
 from pkv.core.layers.norm import GemmaRMSNorm
-from pkv.core.model_config import ModelConfig
+from pkv.core.models.config import ModelConfig
 from pkv.tests.helpers import build_tiny_model, check_matches_transformers, hf_greedy
 
 # head_dim 32 != 64 / 4 heads, GQA, a window of 8 shorter than every prompt (9-70 tokens)
@@ -146,7 +146,7 @@ def test_configs_without_layer_types_use_the_families_patterns():
 ], ids=["4.x", "5.x"])
 def test_gemma3_layers_get_their_rope(rope_fields: dict[str, Any]):
     from pkv.core.models.gemma3 import Gemma3ForCausalLM
-    from pkv.plugins.registry import select_attention_backend
+    from pkv.core.registry import select_attention_backend
 
     cfg = _config("gemma3", head_dim=16, **rope_fields)
     model = Gemma3ForCausalLM(cfg, select_attention_backend("torch", "cpu"), max_len=16)
@@ -169,7 +169,7 @@ def test_unsupported_fields_are_named(family: str, field: str, value: Any):
 
 @pytest.mark.parametrize("with_kernel", [False, True], ids=["torch", "kernel"])
 def test_gemma_rms_norm_scales_by_one_plus_weight(with_kernel: bool):
-    from pkv.plugins import cpp_build
+    from pkv.csrc import cpp_build
 
     norm = GemmaRMSNorm(16, 1e-6)
     with torch.no_grad():

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pkv import LLM, SamplingParams
-from pkv.core.model_config import ModelConfig
-from pkv.core.model_loader import open_model
+from pkv.core.model_loader.loader import open_model
+from pkv.core.models.config import ModelConfig
 from pkv.tests.gguf_writer import quantized_copy, write_gguf
 from pkv.tests.helpers import build_tiny_model, hf_greedy, parity_prompts
 

@@ -24,9 +24,9 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pkv import LLM, SamplingParams
-from pkv.core.model_loader import open_model
-from pkv.core.tokenizer import Tokenizer
-from pkv.core.weight_cache import converted_folder
+from pkv.core.model_loader.loader import open_model
+from pkv.core.model_loader.weight_cache import converted_folder
+from pkv.core.tokenizer.tokenizer import Tokenizer
 from pkv.plugins.weights.gguf import GGUFFile
 from pkv.plugins.weights.gguf_tokenizer import merges_from_scores
 from pkv.tests.gguf_writer import write_gguf

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from pkv import LLM, SamplingParams
 from pkv.cli.main import app
-from pkv.core import hub
-from pkv.core.hub import resolve_model
+from pkv.core.model_loader import hub
+from pkv.core.model_loader.hub import resolve_model
 from pkv.tests.helpers import build_tiny_model, write_gguf
 
 REV_A, REV_B = "a" * 40, "b" * 40

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pkv import LLM, SamplingParams
-from pkv.core import model_loader
-from pkv.core.config import EngineConfig, parse_memory_size
-from pkv.core.linear import as_tensor
-from pkv.core.model_loader import open_model
+from pkv.core.config.engine import EngineConfig, parse_memory_size
+from pkv.core.layers.linear import as_tensor
+from pkv.core.model_loader import loader as model_loader
+from pkv.core.model_loader.loader import open_model
 from pkv.tests.helpers import hf_greedy, write_gguf
 
 # quant type -> max abs weight error allowed after a round trip (weights ~ N(0, 0.08))

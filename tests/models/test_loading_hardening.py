@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pkv.core.model_loader import open_model
+from pkv.core.model_loader.loader import open_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

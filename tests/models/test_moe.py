@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from pkv import LLM
+from pkv.core.distributed.parallel import ShardPlan, TPGroup
 from pkv.core.layers.moe import SparseMoE
-from pkv.core.model_config import ModelConfig
-from pkv.core.parallel import ShardPlan, TPGroup
+from pkv.core.models.config import ModelConfig
 from pkv.tests.helpers import build_tiny_model, check_matches_transformers
 from pkv.tests.models.test_qwen3 import randomize_norms
 
@@ -105,7 +105,7 @@ QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 ], ids=["qwen3-moe", "qwen3-moe-dense-layer0", "qwen3-moe-window", "mixtral-window"])
 def test_moe_models_match_transformers(tmp_path: Path, smol_hf_dir: Path, arch: str,
                                        overrides: dict) -> None:
-    from pkv.core.model_loader import open_model
+    from pkv.core.model_loader.loader import open_model
 
     model_dir = build_tiny_model(tmp_path / arch, smol_hf_dir, arch, **overrides)
     randomize_norms(model_dir)

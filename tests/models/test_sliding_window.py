@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pkv import LLM, SamplingParams
-from pkv.core.kv_cache_manager import KVCacheManager, cdiv
-from pkv.core.request import Request
+from pkv.core.sched.kv_cache_manager import KVCacheManager, cdiv
+from pkv.core.sched.request import Request
 from pkv.tests.helpers import build_tiny_model, check_matches_transformers, hf_greedy
 
 WINDOW = 16
@@ -69,7 +69,7 @@ def test_long_windowed_generation_holds_a_window_of_blocks(mistral_window_dir: P
 
 
 def _request(rid: str, tokens: list[int]) -> Request:
-    from pkv.core.sampling_params import SamplingParams as Params
+    from pkv.core.sample.sampling_params import SamplingParams as Params
 
     return Request(rid, tokens, Params(), frozenset({2}), 4)
 

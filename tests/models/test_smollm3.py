@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.core.model_loader import open_model
+from pkv.core.model_loader.loader import open_model
 from pkv.tests.helpers import build_tiny_model, check_matches_transformers
 
 CASES = {

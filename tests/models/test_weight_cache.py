@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pkv.core.linear import as_tensor
-from pkv.core.model_loader import open_model
-from pkv.core.weight_cache import SafetensorsStream, converted_folder
+from pkv.core.layers.linear import as_tensor
+from pkv.core.model_loader.loader import open_model
+from pkv.core.model_loader.weight_cache import SafetensorsStream, converted_folder
 
 TEXT = "The capital of France is Paris. 12 + 30 = 42 <|im_end|>"
 

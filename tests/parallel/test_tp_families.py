@@ -50,8 +50,8 @@ def test_olmo2_refuses_tensor_parallelism_in_one_line(tmp_path: Path, smol_hf_di
 
 
 def test_experts_narrower_than_the_split_are_a_clear_error() -> None:
-    from pkv.core.model_config import ModelConfig
-    from pkv.core.parallel import check_tp_size
+    from pkv.core.distributed.parallel import check_tp_size
+    from pkv.core.models.config import ModelConfig
 
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 16,

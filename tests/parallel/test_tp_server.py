@@ -14,8 +14,8 @@ import httpx
 import psutil
 
 from pkv import LLM, SamplingParams
-from pkv.tests.parallel.test_tensor_parallel import _gone
 from pkv.cli.serve_process import wait_healthy
+from pkv.tests.parallel.test_tensor_parallel import _gone
 from pkv.tests.server.conftest import free_port, start_server, stop_server
 
 PROMPT = [5, 17, 99, 3, 250]
@@ -38,7 +38,7 @@ def _complete(base_url: str) -> list[int]:
 
 def _worker_pids(root: int) -> list[int]:
     return [p.pid for p in psutil.Process(root).children(recursive=True)
-            if "pkv.core.workers" in " ".join(p.cmdline())]
+            if "pkv.core.worker.workers" in " ".join(p.cmdline())]
 
 
 def test_tp_server_answers_and_turns_unhealthy_when_a_rank_dies(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pkv.core.registry import discover, select_attention_backend
 from pkv.plugins.attention.layouts import random_paged_layout
-from pkv.plugins.registry import discover, select_attention_backend
 
 # On a GPU machine the same tests run every backend usable there on CUDA tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pkv.core.registry import discover, select_attention_backend
 from pkv.plugins.attention.layouts import random_paged_layout
-from pkv.plugins.registry import discover, select_attention_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [b for b in ("cpu", "torch", "triton")

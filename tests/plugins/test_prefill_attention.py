@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkv.plugins import cpp_build
+from pkv.csrc import cpp_build
 from pkv.plugins.attention.layouts import random_paged_layout
 
 pytestmark = pytest.mark.skipif(bool(cpp_build.unusable_reasons()),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkv.core.linear import Linear
+from pkv.core.layers.linear import Linear
 from pkv.plugins.weights.awq import AWQLinearMethod, dequantize, pack_int4, unpack_int4
 
 

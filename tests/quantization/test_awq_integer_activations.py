@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
-from pkv.plugins import cpp_build
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.csrc import cpp_build
 from pkv.plugins.weights import awq
 from pkv.plugins.weights.awq import AWQLinearMethod
 from pkv.quantize.pipeline import QuantizeReport

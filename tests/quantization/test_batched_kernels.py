@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkv.core.linear import Linear
-from pkv.plugins import cpp_build
-from pkv.plugins.weights import int8
+from pkv.core.layers import int8_linear as int8
+from pkv.core.layers.int8_linear import Int8LinearMethod, quantize_rows
+from pkv.core.layers.linear import Linear
+from pkv.csrc import cpp_build
 from pkv.plugins.weights.awq import AWQLinearMethod, dequantize, pack_int4
-from pkv.plugins.weights.int8 import Int8LinearMethod, quantize_rows
 
 FLAVOURS = cpp_build.runnable_flavours()
 ROWS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 33, 64, 70]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkv.core.linear import Linear
+from pkv.core.layers.linear import Linear
 from pkv.plugins.weights.fp8 import FP8LinearMethod, quantize_per_channel
 
 

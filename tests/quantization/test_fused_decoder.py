@@ -1,4 +1,4 @@
-"""The C++ decoder stack on CPU (core/fused_decoder.py), over AWQ linears (Qwen2, with qkv
+"""The C++ decoder stack on CPU (core/worker/fused_decoder.py), over AWQ linears (Qwen2, with qkv
 biases) and oneDNN-packed float32 ones (Llama): the same hidden states, bit for bit, and the
 same tokens as the Python model running the same kernels."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
-from pkv.core.sampling_params import SamplingParams
-from pkv.plugins import cpp_build
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.csrc import cpp_build
 from pkv.quantize.pipeline import QuantizeReport
 
 
@@ -156,7 +156,7 @@ def test_a_check_failing_inside_the_team_raises_and_the_next_call_runs(engine: L
 
 
 def _one_sequence_meta(n: int, block_size: int):  # noqa: ANN202 - AttentionMetadata
-    from pkv.core.attention import AttentionMetadata
+    from pkv.core.layers.attention_backend import AttentionMetadata
 
     blocks = -(-n // block_size)
     positions = torch.arange(n)

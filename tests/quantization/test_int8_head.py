@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkv.core.config import EngineConfig
-from pkv.core.linear import Linear
-from pkv.core.llm import LLM
-from pkv.core.quantization import int8_lm_head
-from pkv.core.sampling_params import SamplingParams
-from pkv.plugins.registry import discover
-from pkv.plugins.weights.int8 import Int8LinearMethod, quantize_rows, tile_codes
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm import LLM
+from pkv.core.layers.int8_linear import Int8LinearMethod, quantize_rows, tile_codes
+from pkv.core.layers.linear import Linear
+from pkv.core.model_loader.quantization import int8_lm_head
+from pkv.core.registry import discover
+from pkv.core.sample.sampling_params import SamplingParams
 
 
 def _int8_layer(k: int, n: int, seed: int = 0) -> tuple[Linear, torch.Tensor]:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import uvicorn
 
-from pkv.core.async_engine import AsyncLLM
-from pkv.core.config import EngineConfig
-from pkv.core.llm_engine import LLMEngine
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.async_engine import AsyncLLM
+from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.server.api_server import ServerConfig, build_app
 from pkv.tests.server.conftest import free_port
 

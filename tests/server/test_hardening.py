@@ -45,9 +45,9 @@ def canary(server: RunningServer):  # noqa: ANN201 - yields nothing
 
 def _routes(tiny_llama_dir: Path) -> list[tuple[str, str]]:
     """(method, path) of every route of the app, read from its own route table."""
-    from pkv.core.async_engine import AsyncLLM
-    from pkv.core.config import EngineConfig
-    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.async_engine import AsyncLLM
+    from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.server.api_server import ServerConfig, build_app
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB",

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from pkv.cli.bench_burst import burst
-from pkv.core.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from pkv.core.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
 from pkv.core.server.errors import engine_error
-from pkv.core.structured_outputs import ConstraintCompilerBusyError
+from pkv.core.structured_output.params import ConstraintCompilerBusyError
 from pkv.tests.server.conftest import RunningServer, start_server, stop_server
 from pkv.tests.server.test_hardening import _blocks_idle, _canary, _rss_without_kv
 from pkv.tests.server.test_http import MODEL

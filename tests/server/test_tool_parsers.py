@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from pkv.core.reasoning import REASONING_PARSERS
+from pkv.core.registry import discover, select_tool_parser
 from pkv.core.server.chat_choice import ChoiceShaper
-from pkv.core.tool_calls import forced_named, forced_required
-from pkv.plugins.registry import discover, select_tool_parser
+from pkv.core.structured_output.reasoning import REASONING_PARSERS
+from pkv.core.structured_output.tool_calls import forced_named, forced_required
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 TIME = {"tz": "Europe/Paris"}

@@ -183,7 +183,7 @@ QWEN_LIKE = (
 
 
 def test_templates_that_know_tools_get_them_and_others_a_system_block() -> None:
-    from pkv.core.model_loader import bundled_model_path, open_model
+    from pkv.core.model_loader.loader import bundled_model_path, open_model
     from pkv.core.server.protocol import ChatMessage
     from pkv.core.server.tools import template_messages
 

@@ -1,8 +1,8 @@
 """A third-party attention backend: the torch reference, counting its calls."""
 
+from pkv.core.hookspecs import hookimpl
+from pkv.core.registry import AttentionBackendSpec
 from pkv.plugins.attention.torch_backend import TorchAttentionBackend
-from pkv.plugins.hookspecs import hookimpl
-from pkv.plugins.registry import AttentionBackendSpec
 
 
 class CountingBackend(TorchAttentionBackend):

@@ -1,0 +1,159 @@
+"""EngineConfig: every engine setting in one place, validated at construction.
+
+Field docstrings (the `help` metadata) double as CLI help text in `pkv serve`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from pkv.core.config.speculative import SpeculativeConfig
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
+_AWQ_ACTIVATIONS = ("float32", "int16", "int8")
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
+               "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
+               "TIB": 1024**4}
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Parse bytes given as a number or a string like "512MiB", "2GB", "1.5GiB"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"kv_cache_memory must be bytes or a size like '512MiB' or '2GB', got {value!r}")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+    return size
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. Unknown keys are errors (see `from_dict`)."""
+
+    model: str | None = _opt(None, "Hugging Face folder, .gguf file or Hub id (ORG/NAME); "
+                             "default: bundled SmolLM2.")
+    revision: str | None = _opt(None, "Branch, tag or commit of a Hub id (default: main).")
+    gguf_file: str | None = _opt(None, "The .gguf file to load from a Hub id or folder.")
+    dtype: str = _opt("auto", "Compute dtype: auto, float32, bfloat16, float16 "
+                      "(auto: float32 on CPU, the checkpoint's dtype on GPU).")
+    device: str = _opt("auto", "Device: auto, cpu or cuda.")
+    block_size: int = _opt(16, "Tokens per KV cache block.")
+    kv_cache_memory: int | str | None = _opt(
+        None, "Bytes for the KV cache pool (e.g. 512MiB); overrides memory_utilization.")
+    memory_utilization: float = _opt(
+        0.9, "Fraction of device memory the process may use (weights + KV cache).")
+    max_num_seqs: int = _opt(256, "Most sequences running in one step.")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Most tokens in one step (default: 2048 or max_model_len if smaller).")
+    max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
+    seed: int = _opt(0, "Seed for requests that do not set their own.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    tensor_parallel_size: int = _opt(1, "Devices to split the model over.")
+    attention_backend: str = _opt("auto", "Attention backend: auto or a name from "
+                                  "`pkv plugins` (cpu, torch, ...).")
+    quantization: str | None = _opt(
+        "auto", "Weight format: auto (what the checkpoint says), none, awq, fp8, gguf "
+        "(fp8 on a float checkpoint quantizes it while loading).")
+    lm_head_quantization: str = _opt(
+        "auto", "LM head storage: auto (int8 on CPU when the decoder is 4-bit, else the "
+        "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
+    awq_activations: str = _opt(
+        "float32", "Activations of 4-bit AWQ linears on CPU in the GEMV (up to 12-16 rows): "
+        "float32 (exactly the dequantized weights' product), int16 (quantized per weight "
+        "group, integer dot products) or int8 (quantized per 32 inputs, byte dot products: the "
+        "fastest decode on AVX2, llama.cpp's Q8 activations); int16 and int8 on the AVX2 and "
+        "AVX-512 kernels).")
+    guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
+                                        "kind), outlines, xgrammar (see `pkv plugins`).")
+    structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (per request) on the base model.")
+    max_loras: int = _opt(4, "Adapters resident at once (preallocated slots; LRU-evicted).")
+    max_lora_rank: int = _opt(16, "Highest adapter rank the slots hold.")
+    speculative_config: dict[str, Any] | str | None = _opt(
+        None, "Speculative decoding as JSON, vLLM's keys: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}; "
+        "also prompt_lookup_min/max, disable_by_batch_size.")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(
+                f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError("attention_backend must be 'auto' or a backend name "
+                             "(see `pkv plugins`)")
+        if self.quantization is not None and (not isinstance(self.quantization, str)
+                                              or not self.quantization):
+            raise ValueError("quantization must be auto, none or a method name "
+                             f"(see `pkv plugins`), got {self.quantization!r}")
+        if self.lm_head_quantization not in _LM_HEAD_QUANTIZATIONS:
+            raise ValueError("lm_head_quantization must be one of "
+                             f"{', '.join(_LM_HEAD_QUANTIZATIONS)}, got "
+                             f"{self.lm_head_quantization!r}")
+        if self.awq_activations not in _AWQ_ACTIVATIONS:
+            raise ValueError(f"awq_activations must be one of {', '.join(_AWQ_ACTIVATIONS)}, "
+                             f"got {self.awq_activations!r}")
+        if self.structured_outputs_timeout <= 0:
+            raise ValueError("structured_outputs_timeout must be > 0 seconds, got "
+                             f"{self.structured_outputs_timeout}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not isinstance(self.max_loras, int) or not 1 <= self.max_loras <= 256:
+            raise ValueError(f"max_loras must be an integer in [1, 256], got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("max_lora_rank must be an integer in [1, 512], got "
+                             f"{self.max_lora_rank!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with tensor parallelism yet")
+        if self.speculative_config is not None:
+            # Parsed once here (one-line errors before anything loads), kept as a plain dict
+            # so the config still travels as one (tensor-parallel workers, YAML).
+            self.speculative_config = asdict(SpeculativeConfig.parse(self.speculative_config))
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with tensor parallelism yet")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config`, or None when off."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> EngineConfig:
+        """Build from a mapping (YAML, kwargs); unknown keys are an error, never dropped."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**options)

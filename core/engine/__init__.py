@@ -1,0 +1,4 @@
+"""The engine's faces: `LLMEngine` (one `step()` at a time), `AsyncLLM` (a background
+thread, a stream per request), `LLM` (the offline API), the output processor and the
+`RequestOutput`s it builds. May import every room but server.
+"""

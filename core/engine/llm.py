@@ -1,0 +1,125 @@
+"""LLM: the offline API (vLLM's names). Generate for many prompts at once, batched."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.engine.outputs import RequestOutput
+from pkv.core.lora.adapter import LoRARequest
+from pkv.core.progress import make_progress
+from pkv.core.sample.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model once, then `generate` or `chat` over many prompts with continuous batching.
+
+    >>> llm = LLM()  # the bundled SmolLM2-135M-Instruct
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
+                 kv_cache_memory: int | str | None = None, memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, seed: int = 0, show_progress: bool = True,
+                 **kwargs: Any) -> None:
+        config = EngineConfig.from_dict(dict(
+            model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
+            memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            seed=seed, **kwargs))
+        self.show_progress = show_progress
+        self.llm_engine = LLMEngine(config, show_progress=show_progress)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes now (they also stop when the LLM is
+        garbage-collected or the interpreter exits)."""
+        self.llm_engine.shutdown()
+
+    def get_tokenizer(self):  # noqa: ANN201 - returns pkv.core.tokenizer.tokenizer.Tokenizer
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
+        prompts = self._as_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._per_prompt(lora_request, len(prompts), "LoRA requests")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(engine.add_request(None, prompt, p, lora_request=lora))
+        except Exception:
+            engine.abort_request(ids)  # all or nothing: a bad prompt leaves the engine as it was
+            raise
+        show = self.show_progress if use_tqdm is None else use_tqdm
+        finals = self._run(ids, sum(p.n * (p.max_tokens or 0) for p in params), show)
+        return [finals[i] for i in ids]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render conversations through the model's chat template, then generate;
+        `chat_template_kwargs` go to the template (e.g. Qwen3's `enable_thinking`)."""
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else list(messages))
+        tokenizer = self.llm_engine.tokenizer
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                           n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    @staticmethod
+    def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
+        if value is None or not isinstance(value, (list, tuple)):
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"got {len(value)} {what} for {n} prompts")
+        return list(value)
+
+    def _run(self, ids: list[str], expected_tokens: int, show: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        finals: dict[str, RequestOutput] = {}
+        with make_progress(transient=True) as progress:
+            task = progress.add_task("Generating", total=len(ids), info="", visible=show)
+            generated = 0
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finals[output.request_id] = output
+                        progress.advance(task)
+                generated = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+                progress.update(task, info=f"{generated}/{expected_tokens or '?'} tokens")
+        return finals

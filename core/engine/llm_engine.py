@@ -1,0 +1,361 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_from_output
+                -> OutputProcessor (detokenize, stop strings) -> RequestOutput
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.output_processor import OutputProcessor
+from pkv.core.engine.outputs import RequestOutput
+from pkv.core.lora.adapter import LoRAAdapter, LoRARequest
+from pkv.core.lora.manager import LoRAManager
+from pkv.core.lora.slots import LoRASlotTable
+from pkv.core.registry import select_guided_backend
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.sched.kv_cache_manager import KVCacheManager
+from pkv.core.sched.request import Request, RequestStatus, record_failure
+from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
+from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
+from pkv.core.structured_output.params import DelayedGuidedState
+from pkv.core.worker.model_runner import ModelRunner, ModelSetup
+from pkv.core.worker.step_timer import StepTimer
+from pkv.core.worker.workers import WorkerGroup
+
+logger = logging.getLogger("pkv.engine")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class ContextLengthError(ValueError):
+    """The prompt (plus max_tokens) does not fit in max_model_len."""
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to be queued."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A live snapshot of the engine, for logs, metrics and tests."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_cached_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_usage: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    kv_resident_bytes: int  # KV pool memory touched so far (blocks are zeroed on first use)
+
+
+class LLMEngine:
+    """The synchronous engine core that the offline LLM and the server drive."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        setup = ModelSetup.prepare(config)
+        source = setup.source
+        self.model_name = source.name
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer
+        self.max_model_len = setup.max_model_len
+        self.max_num_batched_tokens = (config.max_num_batched_tokens
+                                       or min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                              max(self.max_model_len, config.max_num_seqs)))
+        logger.info("attention backend: %s", setup.backend.name)
+        self.attention_backend = setup.backend.name
+        self.quantization = setup.loader.name if setup.loader else None
+        # Fail on a bad guided backend before the weights load.
+        guided_cls = select_guided_backend(config.guided_decoding_backend, setup.registry)
+        spec = config.speculative
+        # A draft model loads (and fails) before the target; its KV shares the pool budget.
+        self.proposer: Proposer | None = (
+            build_proposer(config, spec, setup.max_model_len, source.config.vocab_size,
+                           show_progress) if spec else None)
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup.start(asdict(config), setup.device.type)
+            weakref.finalize(self, self.workers.shutdown)  # also when the LLM is dropped
+        try:
+            self.runner = ModelRunner(
+                config, setup, show_progress, self.workers.tp if self.workers else None,
+                extra_block_bytes=self.proposer.kv_bytes_per_block if self.proposer else 0)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.proposer is not None:
+            self.proposer.allocate_kv(self.runner.num_blocks)
+        self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
+                                 config.structured_outputs_timeout)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                       config.enable_prefix_caching,
+                                       sliding_window=source.config.kv_window)
+        self.lora = (LoRAManager(self.runner.lora_layers, config.max_lora_rank)
+                     if config.enable_lora else None)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
+                                   self.max_num_batched_tokens, self.max_model_len,
+                                   source.config.rope_spec().long_threshold, spec,
+                                   LoRASlotTable(config.max_loras) if self.lora else None)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @property
+    def timer(self) -> StepTimer:
+        """The runner's step timer; enable it to profile steps (`pkv bench --profile`)."""
+        return self.runner.timer
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop tensor-parallel workers (a no-op on one rank); the engine is unusable after.
+        `force` kills them without a last broadcast (when a step may still be running)."""
+        if self.workers is not None:
+            self.workers.shutdown(force)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt,
+                                                      lora_request))
+
+    def prepare_request(self, request_id: str | None, prompt: str | list[int],
+                        params: SamplingParams | None = None,
+                        cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> PreparedRequest:
+        """Tokenize and validate without touching engine state (safe from another thread)."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        adapter = self._adapter(lora_request)
+        grammar = (self.guided.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        salt = cache_salt.encode() if cache_salt else b""
+        if adapter is not None:  # blocks computed under an adapter are its own
+            salt += b"\0lora:" + str(adapter.uid).encode()
+        children = [
+            Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
+                    eos, self.config.block_size, salt, self._generator(params.seed, i),
+                    guided=self._guided_state(grammar, params), lora=adapter)
+            for i in range(params.n)
+        ]
+        return PreparedRequest(request_id, prompt_text, children)
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with "
+                             "enable_lora=True (pkv serve --enable-lora)")
+        return self.lora.resolve(lora_request)
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load an adapter under `name` (requests then name it)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine")
+        return self.lora.load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter by name; requests already queued with it finish with it, and
+        its slot ages out (LRU) once they have."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine")
+        self.lora.unload(name)
+
+    def _guided_state(self, grammar: Any, params: SamplingParams) -> Any:
+        if grammar is None:
+            return None
+        after = params.structured_outputs.starts_after  # type: ignore[union-attr]
+        if after is None:
+            return grammar.new_state()
+        marker = self.tokenizer.encode(after, add_special_tokens=False)
+        return DelayedGuidedState(grammar.new_state(), marker)
+
+    def add_prepared(self, prepared: PreparedRequest) -> str:
+        """Queue a prepared request (on the thread that steps the engine)."""
+        if prepared.request_id in self.output_processor.parents:
+            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        self.output_processor.add_request(prepared.request_id, prepared.prompt,
+                                          prepared.children)
+        for child in prepared.children:
+            self.scheduler.add_request(child)
+        self.num_prompt_tokens += len(prepared.children[0].prompt_token_ids) * len(
+            prepared.children)
+        return prepared.request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ContextLengthError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, which must "
+                "leave room for at least one generated token")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                                     f"({params.max_tokens}) exceeds max_model_len ({limit})")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed((seed * 1_000_003 + index) % (2**63))
+        return generator
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their blocks; returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        outputs = []
+        for request_id in ids:
+            for child in self.output_processor.children(request_id):
+                if child.request_id in self.scheduler.requests:
+                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail_requests(self, failures: dict[str, Exception],
+                       outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """End the requests (all samples of each) that failed in this step, freeing their
+        blocks; their final outputs carry the error."""
+        failed: dict[str, Exception] = {}
+        for child_id, exc in failures.items():
+            parent = self.output_processor.child_to_parent.get(child_id)
+            if parent is not None:
+                failed.setdefault(parent[0], exc)
+        kept = [o for o in outputs if o.request_id not in failed]
+        for parent_id, exc in failed.items():
+            logger.error("request %s failed: %r", parent_id, exc)
+            for output in self.abort_request(parent_id):
+                output.error = f"{type(exc).__name__}: {exc}"
+                kept.append(output)
+        return kept
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
+        if self.workers is not None:
+            self.workers.check()  # a dead rank would make the step wait forever
+        self.timer.start()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        self.timer.lap("schedule")
+        for slot, adapter in sched.lora_loads:
+            self.runner.load_lora(slot, adapter)
+        tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
+        # What fails for one request alone (its grammar, its text) ends that request only.
+        failures: dict[str, Exception] = {}
+        if sched.spec_lookahead:
+            self._propose(sched, tables, failures)
+            self.timer.lap("propose")
+        try:
+            sampled_reqs, result = self.runner.execute_model(
+                sched, tables, self.kv_cache.pool.high_watermark, failures)
+        except RuntimeError as exc:
+            if self.workers is None:
+                raise
+            raise RuntimeError(self.workers.explain(exc)) from exc
+        sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
+        before = sum(r.num_output_tokens for r in sampled_reqs)
+        self.scheduler.update_from_output(sched, sampled, failures)
+        self.num_generation_tokens += sum(r.num_output_tokens for r in sampled_reqs) - before
+        for tokens, num_drafts in zip(result.token_ids, result.num_drafts):
+            self.spec_stats.record(num_drafts, len(tokens) - 1)
+        outputs, stopped = self.output_processor.process(sampled_reqs, logprobs, failures)
+        for request in stopped:  # stop strings end a request in the same step
+            if request.request_id not in failures:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if failures:
+            outputs = self._fail_requests(failures, outputs)
+        self.num_steps += 1
+        self.timer.end_step()
+        return outputs
+
+    def _propose(self, sched: SchedulerOutput, tables: dict[str, list[int]],
+                 failures: dict[str, Exception]) -> None:
+        """Fill the speculating requests' lookahead with drafts. A proposer that fails (a
+        draft model's step) fails those requests only; the step goes on without drafts."""
+        requests = [r for r in sched.scheduled if r.request_id in sched.spec_lookahead]
+        if self.proposer is None:  # lookahead is only given with a speculative config
+            return
+        try:
+            drafts = self.proposer.propose(requests, sched.spec_lookahead, tables,
+                                           self.kv_cache.pool.high_watermark)
+        except Exception as exc:
+            for request in requests:
+                record_failure(failures, request.request_id, exc)
+            return
+        sched.set_drafts(drafts)
+
+    def get_stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
+            num_blocks_free=pool.num_free_blocks, num_cached_blocks=pool.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits, kv_cache_usage=self.kv_cache.usage,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            kv_resident_bytes=self.runner.kv_resident_bytes)
+
+    def generate_until_done(self) -> list[RequestOutput]:
+        """Step until every request finishes; return the final output of each."""
+        finals = []
+        while self.has_unfinished_requests():
+            finals.extend(o for o in self.step() if o.finished)
+        return finals
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.num_blocks * self.runner.kv_bytes_per_block

@@ -1,0 +1,92 @@
+"""Batched LoRA on a linear layer: every row of a step with its own adapter, or none.
+
+Adapters live in `max_loras` preallocated slots per linear, stacked and zero-padded to
+`max_lora_rank` per fused shard, transposed for row-major products:
+
+    a[slot]  [in, shards * max_rank]            (shard s uses columns s*R .. s*R + r)
+    b[slot]  [shards * max_rank, out]           (its rows map to shard s's outputs only)
+
+so q/k/v (or gate/up) of one adapter cost one product pair on the fused layer. A step's rows
+come grouped by adapter (the scheduler orders requests so); each run of rows with one slot
+adds `(x @ a[slot]) @ b[slot]` to the base output: two matrix products per run and linear,
+whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LoRABatch:
+    """This step's runs of rows by adapter slot: (slot, first row, end row); shared by every
+    LoRA linear of one model, set by the runner before each forward."""
+
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class LoRASlots:
+    """One linear's adapter slots."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], max_loras: int, max_rank: int,
+                 batch: LoRABatch, dtype: torch.dtype, device: torch.device) -> None:
+        self.in_features = in_features
+        self.out_sizes = out_sizes
+        self.max_rank = max_rank
+        self.batch = batch
+        width = len(out_sizes) * max_rank
+        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, width, sum(out_sizes), dtype=dtype, device=device)
+
+    def set(self, slot: int, weights: list) -> None:
+        """Put an adapter's pairs (LoRAWeight: shard, a [r, in], b [out_shard, r]) in a slot;
+        an empty list clears it."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for w in weights:
+            r, col = w.a.shape[0], w.shard * self.max_rank
+            start = sum(self.out_sizes[:w.shard])
+            self.a[slot, :, col:col + r] = w.a.t()
+            self.b[slot, col:col + r, start:start + self.out_sizes[w.shard]] = w.b.t()
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows] += x[rows] @ a[slot] @ b[slot] for each run of rows."""
+        for slot, start, end in self.batch.segments:
+            xs = x[start:end]
+            y[start:end].addmm_(xs @ self.a[slot], self.b[slot])
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
+
+
+def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int, batch: LoRABatch,
+                dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
+    """Give every linear of the decoder layers adapter slots; returns them by module path
+    (what adapters' target modules map to)."""
+    from pkv.core.layers.linear import Linear
+
+    layers = {}
+    for path, module in model.named_modules():
+        if isinstance(module, Linear) and ".layers." in f".{path}":
+            module.lora = LoRASlots(module.in_features, module.out_sizes, max_loras, max_rank,
+                                    batch, dtype, device)
+            layers[path] = module.lora
+    return layers
+
+
+def lora_segments(slots_and_lengths: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive rows with one adapter slot (-1: none), from each sequence's slot
+    and row count in batch order."""
+    segments: list[tuple[int, int, int]] = []
+    start = 0
+    for slot, n in slots_and_lengths:
+        if slot >= 0:
+            if segments and segments[-1][0] == slot and segments[-1][2] == start:
+                segments[-1] = (slot, segments[-1][1], start + n)
+            else:
+                segments.append((slot, start, start + n))
+        start += n
+    return segments

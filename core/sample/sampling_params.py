@@ -1,0 +1,99 @@
+"""Per-request sampling parameters, validated at construction (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass, field
+
+from pkv.core.structured_output.params import StructuredOutputsParams
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    `temperature == 0` is greedy. `stop` strings are excluded from the returned text.
+    Penalties follow OpenAI (presence/frequency over generated tokens) and vLLM/HF
+    (repetition over prompt and generated tokens).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    _stop: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop = [self.stop]
+        else:
+            self._stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0  # vLLM uses -1 for "off"; both mean off here.
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        check(0 <= self.temperature < math.inf,
+              f"temperature must be finite and >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0,
+              f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.seed is None or -2**63 <= self.seed < 2**64,
+              f"seed must be a 64-bit integer, got {self.seed}")
+        check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens must be >= 1, got {self.max_tokens}",
+        )
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        check(-2 <= self.presence_penalty <= 2,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(0 < self.repetition_penalty < math.inf,
+              f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20,
+              f"logprobs must be in [0, 20], got {self.logprobs}")
+        check(all(isinstance(t, int) and not isinstance(t, bool) and isinstance(b, (int, float))
+                  and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+              "logit_bias must map token ids to numbers in [-100, 100]")
+        check(all(isinstance(s, str) and s for s in self._stop),
+              "stop must be a non-empty string or a list of non-empty strings")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)

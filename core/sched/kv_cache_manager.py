@@ -1,0 +1,116 @@
+"""KVCacheManager: block tables per request on top of the BlockPool, with prefix reuse.
+
+With a sliding window on every layer, a running request's blocks that lie wholly before the
+window of its next token are never read again: they go back to the pool at once, and their
+place in the block table holds a null block (id 0, never read through this table), so a
+long generation holds about `window` tokens of KV instead of its whole length.
+
+    tokens  [ block 0 | block 1 | block 2 | block 3 | block 4 ]   next token at position p
+                null      null   |<------ window: p - W + 1 .. p ------>|
+"""
+
+from __future__ import annotations
+
+from pkv.core.sched.block_pool import BlockPool, KVBlock
+from pkv.core.sched.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates blocks as requests grow, finds cached prefixes, frees on finish/preempt."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 sliding_window: int | None = None) -> None:
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.null_block = KVBlock(0)  # a table placeholder; never allocated, never freed
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
+        self._num_released: dict[str, int] = {}  # leading blocks given back (sliding window)
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks of the request's tokens, and the tokens it covers.
+
+        The last token is never taken from the cache: its logits must be computed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.pool.lookup(block_hash, request.block_key(i))
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        self._release_behind_window(request.request_id, blocks, num_computed)
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks)
+        need -= len(computed_blocks)
+        # Cache hits sitting in the free queue stop being free once we take them.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return True
+
+    def _release_behind_window(self, request_id: str, blocks: list[KVBlock],
+                               first_query: int) -> None:
+        """Give back the blocks no query from position `first_query` on can see."""
+        if self.sliding_window is None:
+            return
+        done = self._num_released.get(request_id, 0)
+        end = min(len(blocks), max(0, first_query - self.sliding_window + 1) // self.block_size)
+        if end <= done:
+            return
+        # Tail-first within the released run, as `free` does, so older blocks evict first.
+        self.pool.free(list(reversed(blocks[done:end])))
+        blocks[done:end] = [self.null_block] * (end - done)
+        self._num_released[request_id] = end
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # Blocks are registered when scheduled, before their K/V exist: every step writes all
+        # K/V before any attention, so a sharer scheduled in the same step reads them filled.
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            if blocks[i] is self.null_block:
+                continue
+            self.pool.cache(blocks[i], request.block_hashes[i], request.block_key(i))
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks to the pool, tail first (tails are evicted first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
+        self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks

@@ -1,0 +1,94 @@
+"""DraftModelProposer: a small model with the target's vocabulary guesses the next tokens.
+
+The draft shares the target's block tables: block b holds the target's K/V of its tokens in
+the target's pool and the draft's K/V of the same tokens in the draft's own tensor, so one
+KV cache manager (and one memory budget) serves both, and freeing a request frees both.
+
+Per step, before the target verifies, for every request with a lookahead:
+
+    catch-up  tokens the draft has not seen (the prompt at first, later the tokens accepted
+              last step and the newest one), one multi-token pass -> d1
+    then      d1 -> d2, d2 -> d3, ... one single-token pass each, up to the lookahead
+
+Drafts are the draft's argmax (a point-mass proposal, which rejection sampling verifies
+exactly, greedy or not). Draft K/V written for drafts the target rejects sit past the
+request's verified tokens and are overwritten by the next catch-up before anything reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from pkv.core.config.engine import EngineConfig
+from pkv.core.config.speculative import SpeculativeConfig
+from pkv.core.sched.request import Request
+from pkv.core.worker.model_runner import ModelRunner, ModelSetup, SeqChunk
+
+
+def check_draft_vocab(spec: SpeculativeConfig, draft_vocab: int, target_vocab: int) -> None:
+    """A draft proposes token ids of the target's vocabulary, so the two must share it."""
+    if draft_vocab != target_vocab:
+        raise ValueError(f"speculative_config model {spec.model!r}: its vocabulary has "
+                         f"{draft_vocab} tokens, the target's {target_vocab}; a draft must "
+                         "share the target's tokenizer")
+
+
+class DraftModelProposer:
+    """Runs the draft model over the target's block tables."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @classmethod
+    def load(cls, config: EngineConfig, spec: SpeculativeConfig, max_model_len: int,
+             vocab_size: int, show_progress: bool) -> DraftModelProposer:
+        """Open and load the draft (its KV pool is sized later, `allocate_kv`); any problem
+        is a one-line ValueError naming the draft."""
+        draft_config = replace(config, model=spec.model, quantization=spec.quantization,
+                               revision=None, gguf_file=None, max_model_len=max_model_len,
+                               speculative_config=None, enable_lora=False)
+        try:
+            setup = ModelSetup.prepare(draft_config)
+            check_draft_vocab(spec, setup.source.config.vocab_size, vocab_size)
+            runner = ModelRunner(draft_config, setup, show_progress, num_blocks=0)
+        except Exception as exc:
+            message = str(exc)
+            if not message.startswith("speculative_config"):
+                message = f"speculative_config model {spec.model!r}: {message}"
+            raise ValueError(message) from None
+        return cls(runner)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv(num_blocks)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], lookahead: dict[str, int],
+                tables: dict[str, list[int]], high_watermark: int) -> dict[str, list[int]]:
+        """Up to lookahead[id] drafts per request."""
+        chunks = []
+        for r in requests:
+            start = r.num_draft_computed_tokens
+            chunks.append(SeqChunk(r.all_token_ids[start:], start, tables[r.request_id],
+                                   r.num_tokens, 1))
+            r.num_draft_computed_tokens = r.num_tokens
+        drafts = {r.request_id: [t] for r, t in zip(requests, self._argmax(chunks, high_watermark))}
+        active = list(requests)
+        while True:
+            active = [r for r in active if len(drafts[r.request_id]) < lookahead[r.request_id]]
+            if not active:
+                return drafts
+            chunks = [SeqChunk([drafts[r.request_id][-1]],
+                               r.num_tokens - 1 + len(drafts[r.request_id]),
+                               tables[r.request_id], r.num_tokens, 1) for r in active]
+            for r, token in zip(active, self._argmax(chunks, high_watermark)):
+                drafts[r.request_id].append(token)
+
+    def _argmax(self, chunks: list[SeqChunk], high_watermark: int) -> list[int]:
+        logits = self.runner.forward_chunks(chunks, high_watermark)
+        return [] if logits is None else logits.argmax(dim=-1).tolist()

@@ -1,0 +1,96 @@
+"""A CPU model's weights on 2 MB pages (Linux transparent huge pages).
+
+A decode step streams every weight once. On 4 KB pages each of those streams needs a new
+address translation every 4 KB, and the TLB holds only a few MB worth of them. Copied into
+one 2 MB-aligned block advised `MADV_HUGEPAGE`, the weights of 4-bit SmolLM2-135M took a
+batch-1 decode step 0.93-0.96x as long (AVX2, in-process A/B against an engine on 4 KB pages;
+a float32 model's 0.99x, as its steps wait on memory bandwidth, not translations). Where the
+kernel's THP setting is `never`, or off Linux, nothing moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pkv.core.layers.embedding import VocabEmbedding
+from pkv.core.worker.memory import glibc
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_ALIGN = 64  # each weight's start in the block: a cache line
+_LOOKUPS = (nn.Embedding, VocabEmbedding)  # tables read a row a token
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page setting (always, madvise or never); "" if unknown."""
+    try:
+        text = _THP_SETTING.read_text()
+    except OSError:
+        return ""
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else ""
+
+
+@functools.cache
+def _madvise() -> Any:
+    """glibc's madvise, or None (another C library, not Linux)."""
+    libc = glibc()
+    if libc is None:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def movable_weights(module: nn.Module, min_bytes: int) -> list[nn.Parameter]:
+    """`module`'s CPU parameters of at least `min_bytes` that a step streams and that can move:
+    contiguous, and sole owners of their whole storage (a view into a larger tensor stays where
+    it is). A token embedding's table, read a row a token, is left on small pages unless a
+    linear shares it (a tied LM head): the machine's free huge pages go to streamed weights."""
+    streamed = {id(p) for m in module.modules() if not isinstance(m, _LOOKUPS)
+                for p in m.parameters(recurse=False)}
+    tensors = list(module.parameters()) + list(module.buffers())
+    owners: dict[int, int] = {}
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        owners[key] = owners.get(key, 0) + 1
+    return [p for p in module.parameters()
+            if id(p) in streamed and p.device.type == "cpu" and p.nbytes >= min_bytes
+            and p.is_contiguous()
+            and p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.nbytes
+            and owners[p.untyped_storage().data_ptr()] == 1]
+
+
+def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = 4096,
+                               mode: str | None = None) -> int:
+    """Copy `movable_weights(module, min_bytes)` into one 2 MB-aligned block advised
+    MADV_HUGEPAGE, in place (each parameter keeps its identity; its old memory is freed);
+    returns the bytes moved. Nothing moves where `mode` (default: the kernel's, `thp_mode`)
+    is not always or madvise, or madvise fails. Run it before anything keeps pointers into
+    the weights (the C++ decoder)."""
+    madvise = _madvise()
+    if (mode or thp_mode()) not in ("always", "madvise") or madvise is None:
+        return 0
+    weights = movable_weights(module, min_bytes)
+    sizes = [-(-p.nbytes // _ALIGN) * _ALIGN for p in weights]
+    total = sum(sizes)
+    if total == 0:
+        return 0
+    block = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    offset = -block.data_ptr() % HUGE_PAGE
+    if madvise(block.data_ptr() + offset, total, _MADV_HUGEPAGE) != 0:
+        return 0
+    with torch.no_grad():
+        for p, size in zip(weights, sizes):
+            view = block[offset:offset + p.nbytes].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += size
+    return sum(p.nbytes for p in weights)

@@ -1,0 +1,86 @@
+"""A tensor-parallel worker rank's process: die with the driver, join the process group, load
+this rank's shard, then run the forward passes the driver broadcasts until told to stop.
+
+Started by `WorkerGroup.start` (`python -m pkv.core.worker.tp_worker RANK`, settings in the
+environment) or, for ranks other than 0, by `pkv serve` under torchrun.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from pkv.core.config.engine import EngineConfig
+from pkv.core.distributed.parallel import TPGroup
+from pkv.core.worker.model_runner import build_runner
+from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, broadcast, dist_backend,
+                                     share_cores, use_local_gpu)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pkv-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
+                parent_pid: int | None) -> None:
+    """A worker rank: load its shard, then run forward passes until told to stop."""
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+        share_cores(size)
+    config = EngineConfig.from_dict(config_dict)
+    use_local_gpu(config.device, rank)
+    dist.init_process_group(dist_backend(config.device), init_method=init, rank=rank,
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        runner = build_runner(config, TPGroup(rank, size))
+        while (step := broadcast()) is not None:
+            runner.run_step(step)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torchrun_worker(config_dict: dict[str, Any]) -> None:
+    """Ranks other than 0 under torchrun: the same loop, the group from the environment."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if size != config_dict["tensor_parallel_size"]:
+        raise ValueError(f"torchrun started {size} processes but tensor_parallel_size is "
+                         f"{config_dict['tensor_parallel_size']}")
+    worker_main(rank, size, "env://", config_dict, None)
+
+
+def _main() -> None:
+    """Entry of a worker that WorkerGroup.start began (the module docstring says how)."""
+    payload = json.loads(os.environ.pop(PAYLOAD_ENV))
+    try:
+        worker_main(int(sys.argv[1]), payload["size"], payload["init"], payload["config"],
+                    payload["parent"])
+    except Exception as exc:  # one line for the driver's terminal, then a failing exit
+        print(f"pkv worker rank {sys.argv[1]}: error: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    _main()

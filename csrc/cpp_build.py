@@ -1,0 +1,154 @@
+"""Build the C++ kernels in csrc/ with torch.utils.cpp_extension: one module per ISA flavour.
+
+Every kernel is compiled into one module (`csrc/kernels_cpu.cpp`), for one of three ISA
+flavours: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (SSE2 on
+x86-64, NEON on aarch64). By default the best flavour this CPU runs is built; `PKV_CPU_ISA`
+picks another (AVX2 code runs on AVX-512 hardware), which is how one machine measures and tests
+what another runs. Builds are cached by torch in its extensions directory, under a name that
+carries the flavour and a hash of the csrc/ files (torch rebuilds when the source changes, but
+does not look at what it includes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+CSRC = Path(__file__).resolve().parent
+SOURCE = CSRC / "kernels_cpu.cpp"
+FLAVOURS = ("avx512", "avx2", "generic")
+
+# What /proc/cpuinfo must list for a flavour's -march (x86-64-v4 and v3 as GCC defines them).
+_X86_NEEDS = {
+    "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"),
+    "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
+    "generic": (),
+}
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def runnable_flavours(flags: frozenset[str] | set[str] | None = None) -> list[str]:
+    """The ISA flavours a CPU with these /proc/cpuinfo flags (default: this CPU's) executes,
+    best first; `generic` runs everywhere."""
+    if not _is_x86():
+        return ["generic"]
+    flags = _cpu_flags() if flags is None else flags
+    return [f for f in FLAVOURS if all(flag in flags for flag in _X86_NEEDS[f])]
+
+
+def selected_flavour(runnable: list[str] | None = None) -> str:
+    """`PKV_CPU_ISA` if set (checked against the runnable flavours, default this CPU's), else
+    the best flavour the CPU runs."""
+    chosen = os.environ.get("PKV_CPU_ISA", "").strip().lower()
+    runnable = runnable_flavours() if runnable is None else runnable
+    if not chosen or chosen == "auto":
+        return runnable[0]
+    if chosen not in FLAVOURS:
+        raise ValueError(f"PKV_CPU_ISA={chosen!r}: choose one of auto, {', '.join(FLAVOURS)}")
+    if chosen not in runnable:
+        raise ValueError(f"PKV_CPU_ISA={chosen}: this CPU cannot run it "
+                         f"(it runs {', '.join(runnable)})")
+    return chosen
+
+
+def compile_flags(flavour: str) -> list[str]:
+    """The code-generation flags of a flavour on this machine's architecture."""
+    if not _is_x86():
+        return ["-march=armv8-a"] if platform.machine().lower() in ("aarch64", "arm64") else []
+    march = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64"}[flavour]
+    return [f"-march={march}", "-mtune=native"]
+
+
+def unusable_reasons() -> list[str]:
+    """Why the kernels cannot be built here (empty: they can)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    reasons = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        reasons.append(f"no C++ compiler ({compiler}) on PATH")
+    if not is_ninja_available():
+        reasons.append("ninja is not installed")
+    if not SOURCE.is_file():
+        reasons.append(f"kernel source {SOURCE} is missing")
+    return reasons
+
+
+def _source_hash(flags: list[str]) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def kernels(flavour: str | None = None) -> Any:
+    """The kernels module for `flavour` (default: `selected_flavour()`); compiled the first
+    time (about a minute) and cached by torch after that."""
+    return _kernels(flavour or selected_flavour())
+
+
+@lru_cache(maxsize=None)
+def _kernels(flavour: str) -> Any:
+    from rich.console import Console
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    if flavour not in runnable_flavours():
+        raise ValueError(f"this CPU cannot run {flavour} code")
+    reasons = unusable_reasons()
+    if reasons:
+        raise RuntimeError(f"cannot build the CPU kernels: {'; '.join(reasons)}")
+    flags = compile_flags(flavour)
+    name = f"pkv_kernels_{flavour}_{_source_hash(flags)}"
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
+    with Console(stderr=True).status(f"building the CPU kernels for {flavour} (cached after once)"):
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = 600.0) -> bool:
+    """Remove the lock a killed build left in `build_dir` (torch would wait on it forever,
+    idle and silent); a live build takes about a minute, so an older lock is stale."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logging.getLogger("pkv.kernels").warning("removing a stale build lock (%.0f s old): %s",
+                                             age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def kernels_or_none(flavour: str | None = None) -> Any:
+    """`kernels`, or None with a logged warning where nothing can build them (callers then
+    compute the same in torch)."""
+    try:
+        return kernels(flavour)
+    except ValueError:
+        raise  # a PKV_CPU_ISA this CPU cannot run is the user's to fix, not to fall back from
+    except Exception as exc:  # no compiler, no ninja, a failed build
+        logging.getLogger("pkv.kernels").warning("CPU kernels unavailable (%s); using torch", exc)
+        return None
