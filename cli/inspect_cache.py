@@ -14,7 +14,7 @@ from rich.text import Text
 
 from pkv.cli.errors import user_errors
 from pkv.cli.http import auth_headers, base_url, get_json
-from pkv.core.cache_inspector import CACHED, FREE, SHARED, USED, CacheSnapshot
+from pkv.core.sched.cache_inspector import CACHED, FREE, SHARED, USED, CacheSnapshot
 
 console = Console()
 _STYLE = {FREE: ("grey35", "free"), CACHED: ("cyan", "cached, free"),
@@ -58,10 +58,10 @@ def _fetch(url: str, api_key: str | None) -> CacheSnapshot:
 def _simulate(model: str | None, num: int, shared: int, unique: int, output_len: int,
               block_size: int, kv_cache_memory: str, max_model_len: int) -> CacheSnapshot:
     """Requests sharing a prefix; the snapshot is taken mid-decode, when sharing shows."""
-    from pkv.core.cache_inspector import take_snapshot
-    from pkv.core.config import EngineConfig
-    from pkv.core.llm_engine import LLMEngine
-    from pkv.core.sampling_params import SamplingParams
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.sched.cache_inspector import take_snapshot
 
     if min(num, output_len) < 1 or min(shared, unique) < 0 or shared + unique < 1:
         raise ValueError("--requests and --output-len must be >= 1, lengths >= 0")

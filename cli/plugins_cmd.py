@@ -20,7 +20,7 @@ def plugins(
     """List plugins (name, distribution, version, provides) and backend usability."""
     import torch
 
-    from pkv.plugins.registry import discover
+    from pkv.core.registry import discover
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     registry = discover()
@@ -74,7 +74,7 @@ def _features() -> Table:
 
 def _kernel_flavours() -> Table:
     """The ISA flavours of the C++ kernels: which this CPU runs, and which one runs."""
-    from pkv.plugins import cpp_build
+    from pkv.csrc import cpp_build
 
     selected = cpp_build.selected_flavour()
     runnable = cpp_build.runnable_flavours()

@@ -26,6 +26,9 @@ from pkv.cli.errors import user_errors
 
 console = Console(stderr=True)
 
+# The serving recipes installed with pkv (the repository's recipes/, the wheel's pkv/recipes/).
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
 # Options that configure the HTTP side rather than the engine.
 SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
                   "shutdown_timeout", "allowed_origins", "max_waiting_requests", "step_timeout",
@@ -67,7 +70,7 @@ def serve(
     enable_runtime_lora: Annotated[bool, typer.Option(help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).")] = False,
     lora_dir: Annotated[Optional[str], typer.Option(help="Load adapters only from under this folder.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
-    config: Annotated[Optional[Path], typer.Option(help="YAML file; any flag as a key.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="YAML file, or a shipped recipe's name (smollm2-cpu); any flag as a key.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     shutdown_timeout: Annotated[float, typer.Option(help="Grace period on SIGTERM, seconds.")] = 30.0,
     allowed_origins: Annotated[Optional[list[str]], typer.Option(help="CORS origins (none by default).")] = None,
@@ -99,8 +102,7 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
         return options
     import yaml
 
-    if not config_file.is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist")
+    config_file = _config_path(config_file)
     try:
         loaded = yaml.safe_load(config_file.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -117,8 +119,20 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
     return options
 
 
+def _config_path(value: Path) -> Path:
+    """A YAML file, or the name of a recipe that ships with pkv (`--config smollm2-cpu`)."""
+    if value.is_file():
+        return value
+    recipe = RECIPES / f"{value.name.removesuffix('.yaml')}.yaml"
+    if value.parent == Path(".") and recipe.is_file():
+        return recipe
+    shipped = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml"))) or "none"
+    raise FileNotFoundError(f"config file {value} does not exist, nor is it a recipe that ships "
+                            f"with pkv ({shipped})")
+
+
 def _engine_config(options: dict[str, Any]) -> Any:
-    from pkv.core.config import EngineConfig
+    from pkv.core.config.engine import EngineConfig
 
     engine_keys = {f.name for f in fields(EngineConfig)}
     return EngineConfig.from_dict({k: v for k, v in options.items() if k in engine_keys})
@@ -127,15 +141,15 @@ def _engine_config(options: dict[str, Any]) -> Any:
 def _check(options: dict[str, Any]) -> None:
     """Validate every option, and the model's config and tokenizer where the path exists
     here; never load weights."""
-    from pkv.core.model_loader import open_model
-    from pkv.core.parallel import check_tp_size
+    from pkv.core.distributed.parallel import check_tp_size
+    from pkv.core.model_loader.loader import open_model
 
     config = _engine_config(options)
     _lora_modules(options)
     if not 0 <= options["port"] <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {options['port']}")
-    from pkv.core.reasoning import reasoning_parser
-    from pkv.plugins.registry import discover, select_guided_backend
+    from pkv.core.registry import discover, select_guided_backend
+    from pkv.core.structured_output.reasoning import reasoning_parser
 
     reasoning_parser(options["reasoning_parser"])
     registry = discover()
@@ -153,7 +167,7 @@ def _check(options: dict[str, Any]) -> None:
         model = f"{source.name} ({source.config.architecture}, read without weights)"
         spec = config.speculative
         if spec is not None and spec.model and Path(spec.model).expanduser().exists():
-            from pkv.core.draft_proposer import check_draft_vocab
+            from pkv.core.spec_decode.draft_proposer import check_draft_vocab
 
             check_draft_vocab(spec, open_model(spec.model).config.vocab_size,
                               source.config.vocab_size)
@@ -166,7 +180,7 @@ def _check(options: dict[str, Any]) -> None:
 
 def _lora_modules(options: dict[str, Any]) -> list[tuple[str, str]]:
     """--lora-modules NAME=PATH pairs, checked against --enable-lora and --lora-dir."""
-    from pkv.core.lora_manager import parse_lora_modules
+    from pkv.core.lora.manager import parse_lora_modules
     from pkv.core.server.api_server import check_lora_dir
 
     pairs = parse_lora_modules(options["lora_modules"] or [])
@@ -180,11 +194,12 @@ def _lora_modules(options: dict[str, Any]) -> list[tuple[str, str]]:
 def _run(options: dict[str, Any]) -> None:
     logging.basicConfig(level=options["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pkv.core.async_engine import AsyncLLM
-    from pkv.core.llm_engine import LLMEngine
+    from pkv.core.engine.async_engine import AsyncLLM
+    from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.server.api_server import ServerConfig, build_app
     from pkv.core.server.serving import ServerLimits
-    from pkv.core.workers import launched_by_torchrun, torchrun_worker
+    from pkv.core.worker.tp_worker import torchrun_worker
+    from pkv.core.worker.workers import launched_by_torchrun
 
     config = _engine_config(options)
     if launched_by_torchrun() and os.environ["RANK"] != "0":
@@ -217,7 +232,7 @@ def _run(options: dict[str, Any]) -> None:
 
 
 def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
-    from pkv.core.kv_cache_manager import cdiv
+    from pkv.core.sched.kv_cache_manager import cdiv
 
     cfg, runner = engine.model_config, engine.runner
     kv_gib = engine.kv_cache_bytes / 2**30

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pkv.core.model_loader import open_model
+from pkv.core.model_loader.loader import open_model
 from pkv.quantize import awq
 from pkv.quantize.checkpoint import disk_size, quantizable_weights
 from pkv.quantize.dense import perplexity

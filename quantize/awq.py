@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pkv.core.linear import Linear
+from pkv.core.layers.linear import Linear
 from pkv.core.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from pkv.plugins.weights.awq import pack_int4
 from pkv.quantize.checkpoint import quantizable_weights, unquantized_tensors

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from pkv.core.linear import Linear
-from pkv.core.model_loader import ModelSource, write_tokenizer
+from pkv.core.layers.linear import Linear
+from pkv.core.model_loader.loader import ModelSource, write_tokenizer
 from pkv.core.models.llama import LlamaForCausalLM, checkpoint_name
 from pkv.core.models.registry import MODEL_TYPES
 

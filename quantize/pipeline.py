@@ -11,11 +11,11 @@ from typing import Callable
 
 import torch
 
-from pkv.core.model_loader import ModelSource, build_model, open_model
+from pkv.core.model_loader.loader import ModelSource, build_model, open_model
+from pkv.core.model_loader.quantization import resolve_weight_loader
 from pkv.core.models.llama import LlamaForCausalLM
-from pkv.core.quantization import resolve_weight_loader
+from pkv.core.registry import discover
 from pkv.plugins.attention.torch_backend import TorchAttentionBackend
-from pkv.plugins.registry import discover
 from pkv.quantize import awq, fp8
 from pkv.quantize.checkpoint import disk_size, write_checkpoint
 from pkv.quantize.dense import perplexity, token_samples

@@ -38,7 +38,7 @@ def _complete(base_url: str) -> list[int]:
 
 def _worker_pids(root: int) -> list[int]:
     return [p.pid for p in psutil.Process(root).children(recursive=True)
-            if "pkv.core.worker.workers" in " ".join(p.cmdline())]
+            if "pkv.core.worker.tp_worker" in " ".join(p.cmdline())]
 
 
 def test_tp_server_answers_and_turns_unhealthy_when_a_rank_dies(

@@ -1,0 +1,61 @@
+"""The wheel holds what runs and nothing else: every module of the package, the kernel sources,
+the recipes and calibration data; no tests, docs or deployment files. Unpacked on its own, its
+`pkv` imports and checks a shipped recipe by name (`pkv serve --config smollm2-cpu --check`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIME_DIRS = ("cli", "core", "csrc", "plugins", "quantize")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(out), str(ROOT)],
+                   check=True, capture_output=True, text=True)
+    [built] = out.glob("pkv-*.whl")
+    return built
+
+
+def package_files() -> set[str]:
+    """What the wheel must carry: the sources under pkv/ that run."""
+    wanted = {"pkv/__init__.py"}
+    for folder in RUNTIME_DIRS:
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".cpp", ".h", ".txt") and "__pycache__" not in path.parts:
+                wanted.add(f"pkv/{path.relative_to(ROOT).as_posix()}")
+    wanted.update(f"pkv/recipes/{p.name}" for p in (ROOT / "recipes").glob("*.yaml"))
+    return wanted
+
+
+def test_the_wheel_holds_every_runtime_file_and_no_tests_docs_or_deploy(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = package_files() - names
+    assert not missing, f"not in the wheel: {sorted(missing)}"
+    stray = sorted(n for n in names if n.startswith(("pkv/tests/", "pkv/docs/", "pkv/deploy/")))
+    assert not stray, f"in the wheel but not part of pkv at runtime: {stray[:10]}"
+    assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
+
+
+def test_the_unpacked_wheel_runs_on_its_own(wheel: Path, tmp_path: Path) -> None:
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    script = ("import sys, pkv\n"
+              f"assert pkv.__file__.startswith({str(tmp_path)!r}), pkv.__file__\n"
+              "from pkv.cli.main import app\n"
+              "sys.argv = ['pkv', 'serve', '--config', 'smollm2-cpu', '--check']\n"
+              "app()\n")
+    # The wheel's copy first on the path, ahead of the editable install of this checkout.
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "config OK" in result.stdout + result.stderr
