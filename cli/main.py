@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from pkv.cli.bench import bench_app
+from pkv.cli.bench.app import bench_app
 from pkv.cli.inspect_cache import inspect_cache
 from pkv.cli.plugins_cmd import plugins
 from pkv.cli.quantize import quantize

@@ -104,7 +104,7 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
 def test_soak_traffic_mix_covers_every_kind():
     import random
 
-    from pkv.cli.bench_soak import request_body
+    from pkv.cli.bench.soak import request_body
 
     rng = random.Random(0)
     bodies = [request_body(rng) for _ in range(400)]
@@ -119,7 +119,7 @@ def test_soak_traffic_mix_covers_every_kind():
 
 
 def test_soak_tells_an_error_event_from_text_that_says_error():
-    from pkv.cli.bench_soak import is_error_event
+    from pkv.cli.bench.soak import is_error_event
 
     token = {"token": "error", "logprob": -0.1, "top_logprobs": [{"token": "error"}]}
     chunk = {"choices": [{"index": 0, "delta": {"content": '{"error": 1}'},
@@ -130,7 +130,7 @@ def test_soak_tells_an_error_event_from_text_that_says_error():
 
 
 def test_memory_curve_tells_a_warm_up_from_a_leak():
-    from pkv.cli.soak_memory import MemoryCurve
+    from pkv.cli.bench.soak_memory import MemoryCurve
 
     warm = MemoryCurve(1.0, [1100, 1173, 1205, 1252, 1298, 1288, 1291, 1288, 1289, 1290])
     assert warm.plateau_start() == 4 and warm.slope(4) < 1 and warm.problems() == []
@@ -149,8 +149,8 @@ def test_memory_curve_tells_a_warm_up_from_a_leak():
 
 
 def test_soak_verdict_names_each_problem():
-    from pkv.cli.bench_soak import Minute, Snapshot, verdict
-    from pkv.cli.soak_memory import MemoryCurve
+    from pkv.cli.bench.soak import Minute, Snapshot, verdict
+    from pkv.cli.bench.soak_memory import MemoryCurve
 
     start = Snapshot(1000 * 2**20, 10, 100, 100, 0, 50 * 2**20)
     fine = Snapshot(1200 * 2**20, 10, 100, 100, 0, 250 * 2**20)
@@ -193,7 +193,7 @@ def test_fma_peak_bounds_a_gemm_measured_beside_it():
 
     import torch
 
-    from pkv.plugins import cpp_build
+    from pkv.csrc import cpp_build
 
     def gemm_gflops() -> float:
         a, b = torch.randn(256, 576), torch.randn(576, 1536)
@@ -220,8 +220,8 @@ def test_fma_peak_bounds_a_gemm_measured_beside_it():
 
 
 def test_prefill_roofline_counts_linears_attention_and_head(tiny_llama_dir: Path):
-    from pkv.cli.bench_roofline import attention_flops, gemm_shapes, measure_prefill
-    from pkv.core.model_loader import open_model
+    from pkv.cli.bench.roofline import attention_flops, gemm_shapes, measure_prefill
+    from pkv.core.model_loader.loader import open_model
 
     cfg = open_model(str(tiny_llama_dir)).config
     roof = measure_prefill(cfg, [40, 25], chunk=32, repeat=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pkv.cli.bench_families import bench_families, families_table
+from pkv.cli.bench.families import bench_families, families_table
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
@@ -21,7 +21,7 @@ def test_rows_for_a_dense_and_a_moe_family():
 
 
 def test_window_bench_levels_off_with_a_window():
-    from pkv.cli.bench_window import window_table, window_vs_full
+    from pkv.cli.bench.window import window_table, window_vs_full
 
     runs = window_vs_full(8, 8, 96, 16, shape={**TINY, "vocab_size": 49152})
     windowed, full = runs["window 8"], runs["no window"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from pkv.cli.bench_kernels import AWQ_LAYER, INT8_HEAD, KernelRow, KernelShape, _Rotation
-from pkv.cli.bench_kernels import _float_linear, time_kernels
-from pkv.cli.cpu_info import cpu_summary
+from pkv.cli.bench.cpu_info import cpu_summary
+from pkv.cli.bench.kernels import AWQ_LAYER, INT8_HEAD, KernelRow, KernelShape, _Rotation
+from pkv.cli.bench.kernels import _float_linear, time_kernels
 from pkv.cli.main import app
-from pkv.plugins import cpp_build
+from pkv.csrc import cpp_build
 
 TINY = KernelShape(hidden=64, intermediate=128, qkv=96, vocab=200, group=32)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from pkv.cli.bench_moe import MoeRow, moe_vs_dense
-from pkv.cli.cpu_info import cpu_summary
+from pkv.cli.bench.cpu_info import cpu_summary
+from pkv.cli.bench.moe import MoeRow, moe_vs_dense
 from pkv.cli.main import app
 
 TINY = dict(hidden=32, num_experts=4, top_k=2, expert_intermediate=16, repeats=3)

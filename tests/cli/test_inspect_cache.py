@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from pkv import LLM, SamplingParams
 from pkv.cli.main import app
-from pkv.core.cache_inspector import SHARED, take_snapshot
+from pkv.core.sched.cache_inspector import SHARED, take_snapshot
 
 
 def test_snapshot_shows_shared_prefix_blocks(tiny_llama_dir: Path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.cli.cpu_info import cpu_summary
+from pkv.cli.bench.cpu_info import cpu_summary
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.csrc import cpp_build

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from pkv import LLM, SamplingParams
-from pkv.cli.bench_guided import KEYWORD_SUITE as SUITE
+from pkv.cli.bench.guided import KEYWORD_SUITE as SUITE
 from pkv.core.structured_output.number_ranges import integer_range, number_range
 from pkv.core.structured_output.params import StructuredOutputsParams as SO
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pkv.cli.bench_burst import burst
+from pkv.cli.bench.burst import burst
 from pkv.core.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
 from pkv.core.server.errors import engine_error
 from pkv.core.structured_output.params import ConstraintCompilerBusyError

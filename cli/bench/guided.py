@@ -86,8 +86,8 @@ def _keyword_suite(generate: Any, prompt: Any) -> int:
     """How many of the keyword suite's schemas the backend's outputs satisfy (formats too)."""
     import jsonschema
 
-    from pkv.core.sampling_params import SamplingParams
-    from pkv.core.structured_outputs import StructuredOutputsParams as SO
+    from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.structured_output.params import StructuredOutputsParams as SO
 
     names = list(KEYWORD_SUITE)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80,
@@ -108,7 +108,7 @@ def _keyword_suite(generate: Any, prompt: Any) -> int:
 def mask_ms_per_step(engine: Any, outs: list, batch: int) -> float:
     """Milliseconds one decode step spends on guided decoding at `batch`: a mask and an
     advance for each of `batch` sequences, replaying generated outputs on fresh states."""
-    from pkv.core.structured_outputs import StructuredOutputsParams as SO
+    from pkv.core.structured_output.params import StructuredOutputsParams as SO
 
     names = list(SCHEMAS)
     paths = [(SCHEMAS[names[i % len(names)]], outs[i % len(outs)].outputs[0].token_ids)
@@ -144,8 +144,8 @@ def run_guided_bench(engine: Any, num_requests: int, batch: int, max_tokens: int
                      console: Console) -> dict[str, Any]:
     import jsonschema
 
-    from pkv.core.sampling_params import SamplingParams
-    from pkv.core.structured_outputs import StructuredOutputsParams as SO
+    from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.structured_output.params import StructuredOutputsParams as SO
 
     tokenizer = engine.tokenizer
     compile_times = {}

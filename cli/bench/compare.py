@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from pkv.cli.bench_offline import run_pkv
+from pkv.cli.bench.workload import run_pkv
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The offline workload of `pkv bench`: the same prompts through pkv, transformers, or an
-OpenAI-compatible server. Every request decodes exactly `output_len` tokens, greedy."""
+"""The offline workload of `pkv bench`: its prompts (`--workload`, `--dataset`), and the same
+prompts through pkv, transformers, or an OpenAI-compatible server. Every request decodes
+exactly `output_len` tokens, greedy."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any, Callable
 
 import psutil
 
-from pkv.core.cache_inspector import filled_slots
 from pkv.core.progress import make_progress
+from pkv.core.sched.cache_inspector import filled_slots
 
 
 @dataclass
@@ -129,13 +130,16 @@ def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: i
             for _ in range(num_prompts)]
 
 
+# `--workload`: random-token prompts, or copy a ~300-token passage (where prompt lookup shines).
+WORKLOADS = ("synthetic", "repeat")
+
 REPEAT_INSTRUCTION = "Repeat the following text exactly, word for word.\n\n"
 
 
 def repeat_prompts(tokenizer: Any, num_prompts: int, passage_len: int = 300) -> list[list[int]]:
     """Chat prompts asking to copy a `passage_len`-token passage (the start of one of pkv's
     own source files each, code and docstrings): output that prompt lookup can guess."""
-    root = Path(__file__).resolve().parent.parent / "core"
+    root = Path(__file__).resolve().parents[2] / "core"  # cli/bench/ -> the package root
     passages = []
     for path in sorted(root.glob("*.py")):
         ids = tokenizer.encode(path.read_text(), add_special_tokens=False)[:passage_len]
@@ -149,13 +153,24 @@ def repeat_prompts(tokenizer: Any, num_prompts: int, passage_len: int = 300) -> 
     return prompts
 
 
+def workload_prompts(engine: Any, workload: str, num_prompts: int, o: dict[str, Any]
+                     ) -> list[list[int]]:
+    """The prompts of one `--workload`: random tokens (or `--dataset`), or copy-a-passage."""
+    tok = engine.tokenizer
+    if workload == "repeat":
+        return repeat_prompts(tok, num_prompts)
+    vocab_ids = [i for i in range(tok.vocab_size) if i not in tok.special_token_ids]
+    return make_prompts(vocab_ids, num_prompts, o["input_len"], o["seed"], o["dataset"],
+                        tok.encode, o["shared_prefix_len"])
+
+
 def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             long_prompt: list[int] | None = None, profile: bool = False,
             lora_requests: list[Any] | None = None) -> BenchResult:
     """Run the prompts; with `long_prompt`, it arrives once the batch is decoding. With
     `profile`, time every phase of every step (engine.timer). `lora_requests`: an adapter
     (or None) per prompt."""
-    from pkv.core.sampling_params import SamplingParams
+    from pkv.core.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     # One engine serves every batch size of a sweep; the long prompt joins the full batch.

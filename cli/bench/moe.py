@@ -14,13 +14,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pkv.cli.cpu_info import cpu_summary
-from pkv.cli.timing import interleaved_ms
+from pkv.cli.bench.cpu_info import print_cpu_line
+from pkv.cli.bench.timing import interleaved_ms
+from pkv.core.distributed.parallel import ShardPlan, TPGroup
+from pkv.core.layers.linear import Linear
 from pkv.core.layers.mlp import GatedMLP
 from pkv.core.layers.moe import SparseMoE
-from pkv.core.linear import Linear
-from pkv.core.parallel import ShardPlan, TPGroup
-from pkv.plugins import cpp_build
+from pkv.csrc import cpp_build
 
 
 class MoeRow(NamedTuple):
@@ -71,7 +71,7 @@ def print_moe_vs_dense(console: Any, **options: Any) -> list[MoeRow]:
 
     rows = moe_vs_dense(**options)
     o = {"hidden": 1024, "num_experts": 8, "top_k": 2, "expert_intermediate": 512, **options}
-    console.print(f"[bold]CPU[/]: {cpu_summary()}; {torch.get_num_threads()} torch threads")
+    print_cpu_line(console, threads=True)
     console.print(f"MoE: top-{o['top_k']} of {o['num_experts']} experts x "
                   f"{o['expert_intermediate']}; dense: x {o['top_k'] * o['expert_intermediate']} "
                   f"(the same active parameters); hidden {o['hidden']}, float32")

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pkv.cli.bench_offline import BenchResult
+from pkv.cli.bench.workload import BenchResult
 
 
 def _mib(b: int) -> str:
@@ -39,7 +39,7 @@ def offline_table(results: list[BenchResult]) -> Table:
 
 def profile_table(results: list[BenchResult]) -> Table:
     """Where a step's time goes: mean ms per step by phase; overhead is all but the forward."""
-    from pkv.core.step_timer import PHASES
+    from pkv.core.worker.step_timer import PHASES
 
     table = Table(title="pkv bench --profile: mean ms per engine step")
     for column in ("batch", *PHASES, "step", "overhead", "overhead %"):

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from pkv.cli.cpu_info import cpu_summary
-from pkv.cli.timing import interleaved_ms
-from pkv.core.linear import Linear
-from pkv.plugins import cpp_build
+from pkv.cli.bench.cpu_info import print_cpu_line
+from pkv.cli.bench.timing import interleaved_ms
+from pkv.core.layers.int8_linear import Int8LinearMethod
+from pkv.core.layers.linear import Linear
+from pkv.csrc import cpp_build
 from pkv.plugins.weights.awq import AWQLinearMethod, pack_int4
-from pkv.plugins.weights.int8 import Int8LinearMethod
 
 AWQ_LAYER = "AWQ layer (qkv, o, gate_up, down)"
 INT8_HEAD = "int8 LM head"
@@ -186,7 +186,7 @@ def print_kernels(console: Any, shape: KernelShape, rows: Sequence[int],
     from rich.table import Table
 
     isas = _flavours(flavours)
-    console.print(f"[bold]CPU[/]: {cpu_summary()}; {torch.get_num_threads()} torch threads")
+    print_cpu_line(console, threads=True)
     console.print(f"hidden {shape.hidden}, intermediate {shape.intermediate}, qkv {shape.qkv}, "
                   f"vocab {shape.vocab}, AWQ group {shape.group}; weights streamed from memory")
     with Progress(console=console, transient=True) as progress:

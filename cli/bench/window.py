@@ -2,7 +2,7 @@
 every layer (Mistral-style, at SmolLM2-135M's shapes, random weights) and without one.
 
 With every layer windowed, blocks behind the window go back to the pool as the request runs
-(core/kv_cache_manager.py), so the count levels off at about window / block_size; without a
+(core/sched/kv_cache_manager.py), so the count levels off at about window / block_size; without a
 window it grows with the sequence.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 def blocks_over_time(model_dir: Path, prompt_len: int, output_len: int,
                      every: int) -> dict[int, int]:
     """Generate one request; {tokens so far: blocks in use} every `every` tokens."""
-    from pkv.core.config import EngineConfig
-    from pkv.core.llm_engine import LLMEngine
-    from pkv.core.sampling_params import SamplingParams
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.core.sample.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="1GiB",
                                     max_model_len=prompt_len + output_len + 1),
@@ -41,7 +41,7 @@ def blocks_over_time(model_dir: Path, prompt_len: int, output_len: int,
 def window_vs_full(window: int, prompt_len: int, output_len: int, every: int,
                    shape: dict[str, Any] | None = None) -> dict[str, dict[int, int]]:
     """Blocks over time for a windowed and an unwindowed model of the same shape."""
-    from pkv.cli.bench_families import write_random_model
+    from pkv.cli.bench.families import write_random_model
 
     with tempfile.TemporaryDirectory(prefix="pkv-bench-window-") as tmp:
         windowed = write_random_model("mistral", Path(tmp) / "window",

@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pkv.core.model_config import ModelConfig
+from pkv.core.models.config import ModelConfig
 from pkv.core.progress import make_progress
-from pkv.plugins import cpp_build
+from pkv.csrc import cpp_build
 
 
 @dataclass(frozen=True)

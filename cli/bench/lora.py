@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from pkv.cli.bench_offline import BenchResult, run_pkv
+from pkv.cli.bench.workload import BenchResult, run_pkv
 
 
 @dataclass

@@ -4,7 +4,7 @@ Clients keep the server saturated (twice its running batch) with a mix: completi
 chat, streamed and not, n=2, logprobs, stop strings, three JSON schemas; 10% of streams are
 abandoned part way, 5% of requests are invalid on purpose. After every interval (a minute)
 the clients pause until the server idles, and its memory is sampled: the curve's plateau,
-slope and peak decide (cli/soak_memory.py). The run fails on any error that was not asked
+slope and peak decide (cli/bench/soak_memory.py). The run fails on any error that was not asked
 for, a KV block still held, memory that keeps climbing, or open files that grew.
 """
 
@@ -22,9 +22,9 @@ import numpy as np
 import psutil
 from rich.table import Table
 
-from pkv.cli.bench_serve import WORDS
+from pkv.cli.bench.serve import WORDS
+from pkv.cli.bench.soak_memory import MemoryCurve
 from pkv.cli.http import get_metrics
-from pkv.cli.soak_memory import MemoryCurve
 
 INVALID_BODIES: list[dict[str, Any]] = [
     {"max_tokens": -1}, {"temperature": "hot"}, {"prompt": []}, {"top_p": 7},

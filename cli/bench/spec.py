@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pkv.cli.bench_offline import BenchResult, run_pkv
+from pkv.cli.bench.workload import BenchResult, run_pkv
 
 
 @dataclass
@@ -62,7 +62,7 @@ def spec_table(runs: list[SpecRun], config: str) -> Table:
 
 
 def print_runs(console: Console, runs: list[SpecRun], config: str, profile: bool) -> None:
-    from pkv.cli import bench_report as report
+    from pkv.cli.bench import report
 
     console.print(spec_table(runs, config))
     if profile:

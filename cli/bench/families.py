@@ -1,7 +1,7 @@
 """`pkv bench families`: decode speed of every family on random weights of one shape
 (SmolLM2-135M's), each beside Llama's, and which code path computed it.
 
-A family whose layer the C++ decoder stack expresses (core/fused_decoder.py) should decode
+A family whose layer the C++ decoder stack expresses (core/worker/fused_decoder.py) should decode
 within ~10% of Llama at the same shapes; the MoE families and LongRoPE take the Python
 layer loop and say so. Weights are random (transformers' initialisation, saved once to a
 temporary folder with the bundled tokenizer): speed does not depend on what they hold.
@@ -58,7 +58,7 @@ def write_random_model(family: str, out: Path, shape: dict[str, Any] | None = No
         raise ValueError("this benchmark builds its random models with transformers: "
                          "pip install 'pkv[dev]'") from None
 
-    from pkv.core.model_loader import open_model, write_tokenizer
+    from pkv.core.model_loader.loader import open_model, write_tokenizer
     from pkv.core.models.registry import MODEL_TYPES
 
     config = transformers.AutoConfig.for_model(MODEL_TYPES[family],
@@ -73,11 +73,11 @@ def write_random_model(family: str, out: Path, shape: dict[str, Any] | None = No
 
 def bench_family(family: str, batches: list[int], output_len: int, workdir: Path,
                  shape: dict[str, Any] | None = None) -> FamilyRow:
-    from pkv.cli import bench_offline as off
-    from pkv.cli.bench import decoder_path
-    from pkv.core.config import EngineConfig
-    from pkv.core.llm_engine import LLMEngine
-    from pkv.core.sampling_params import SamplingParams
+    from pkv.cli.bench import workload as off
+    from pkv.cli.bench.engines import decoder_path
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.core.sample.sampling_params import SamplingParams
 
     model_dir = write_random_model(family, workdir / family, shape)
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="2GiB",

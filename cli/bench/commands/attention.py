@@ -1,0 +1,70 @@
+"""`pkv bench attention`: decode-attention time per engine step of every attention backend
+usable here, on one random paged layout (no model: the sizes are options)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from pkv.cli.bench.console import console
+from pkv.cli.errors import user_errors
+
+
+def attention(
+    batch: Annotated[int, typer.Option(help="Decoding sequences.")] = 64,
+    context: Annotated[int, typer.Option(help="Tokens already in each sequence's cache.")] = 512,
+    heads: Annotated[int, typer.Option(help="Query heads (SmolLM2: 9).")] = 9,
+    kv_heads: Annotated[int, typer.Option(help="KV heads (SmolLM2: 3).")] = 3,
+    head_dim: Annotated[int, typer.Option(help="Head size (SmolLM2: 64).")] = 64,
+    layers: Annotated[int, typer.Option(help="Layers per step, each with its own K/V cache (SmolLM2: 30).")] = 30,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    repeat: Annotated[int, typer.Option(help="Timed repetitions (best is kept).")] = 5,
+    sliding_window: Annotated[Optional[int], typer.Option(help="Attend within this many keys.")] = None,
+    soft_cap: Annotated[Optional[float], typer.Option(help="Soft-cap scores (Gemma 2: 50).")] = None,
+) -> None:
+    """Decode-attention time per engine step for every attention backend usable here."""
+    import time
+
+    import torch
+    from rich.table import Table
+
+    from pkv.cli.bench.cpu_info import print_cpu_line
+    from pkv.core.registry import discover, select_attention_backend
+    from pkv.plugins.attention.layouts import random_paged_layout
+
+    print_cpu_line(console)
+    with user_errors(console):
+        if min(batch, context, heads, kv_heads, head_dim, layers, repeat) < 1:
+            raise ValueError("every size must be >= 1")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        registry = discover()
+        q, k, v, k_cache, v_cache, meta = random_paged_layout(
+            [(context, 1)] * batch, block_size, heads, kv_heads, head_dim, seed=0)
+        # One cache per layer, as in a model: at large batches a step's K/V then streams from
+        # memory, as it does in the engine, instead of sitting in the CPU's cache. Past 4 GiB
+        # of copies the layers take the distinct caches in turn (still far beyond any cache).
+        per_layer = 2 * k_cache.numel() * k_cache.element_size()
+        distinct = max(1, min(layers, (4 << 30) // per_layer))
+        copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone())
+                                         for _ in range(distinct - 1)]
+        caches = [copies[i % distinct] for i in range(layers)]
+        times = {}
+        for name in registry.usable_attention_backends(device):
+            backend = select_attention_backend(name, device, registry)
+            best = float("inf")
+            for _ in range(repeat + 1):  # the first run warms up
+                start = time.perf_counter()
+                for kc, vc in caches:
+                    backend.forward(q, k, v, kc, vc, meta, head_dim**-0.5,
+                                    sliding_window=sliding_window, logits_soft_cap=soft_cap)
+                best = min(best, time.perf_counter() - start)
+            times[name] = best
+        table = Table(title=f"decode attention per step: batch {batch}, context {context}, "
+                            f"{heads}/{kv_heads} heads x {head_dim}, {layers} layers, window "
+                            f"{sliding_window}, soft-cap {soft_cap}")
+        for column in ("backend", "ms per step", "vs torch"):
+            table.add_column(column, justify="left" if column == "backend" else "right")
+        for name, t in sorted(times.items(), key=lambda kv: kv[1]):
+            table.add_row(name, f"{1000 * t:.1f}", f"{times.get('torch', t) / t:.2f}x faster")
+        console.print(table)

@@ -1,0 +1,35 @@
+"""`pkv bench window`: KV blocks one long generation holds over time, with a sliding window
+and without (the runs and their table: pkv.cli.bench.window)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pkv.cli.bench.console import console
+from pkv.cli.errors import user_errors
+
+
+def window(
+    window: Annotated[int, typer.Option(help="Sliding window of every layer, in tokens.")] = 256,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 32,
+    output_len: Annotated[int, typer.Option(help="New tokens.")] = 2048,
+    every: Annotated[int, typer.Option(help="Sample the block count every this many tokens.")] = 256,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """KV blocks one long generation holds over time, with a sliding window and without."""
+    from pkv.cli.bench import report
+    from pkv.cli.bench.cpu_info import print_cpu_line
+    from pkv.cli.bench.window import window_table, window_vs_full
+
+    with user_errors():
+        if window < 1 or output_len < every or every < 1:
+            raise ValueError("window and every must be >= 1, output_len >= every")
+        print_cpu_line(console)
+        runs = window_vs_full(window, prompt_len, output_len, every)
+    console.print(window_table(runs, 16))
+    if json_path:
+        report.write_json(json_path, {name: {str(k): v for k, v in r.items()}
+                                      for name, r in runs.items()}, console)
