@@ -5,6 +5,7 @@ the recipes and calibration data; no tests, docs or deployment files. Unpacked o
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,11 +17,24 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_DIRS = ("cli", "core", "csrc", "plugins", "quantize")
 
 
+def checkout_files() -> list[str]:
+    """The files a clean clone of this checkout has (tracked, or new and not ignored)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout.split()
+    return [name for name in listed if (ROOT / name).is_file()]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a copy of the checkout's files: setuptools' build/ folder in a working tree
+    # keeps modules that have since moved, and they would ship again.
+    source = tmp_path_factory.mktemp("source")
+    for name in checkout_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(out), str(ROOT)],
+                    "--no-build-isolation", "--wheel-dir", str(out), str(source)],
                    check=True, capture_output=True, text=True)
     [built] = out.glob("pkv-*.whl")
     return built
@@ -29,11 +43,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def package_files() -> set[str]:
     """What the wheel must carry: the sources under pkv/ that run."""
     wanted = {"pkv/__init__.py"}
-    for folder in RUNTIME_DIRS:
-        for path in (ROOT / folder).rglob("*"):
-            if path.suffix in (".py", ".cpp", ".h", ".txt") and "__pycache__" not in path.parts:
-                wanted.add(f"pkv/{path.relative_to(ROOT).as_posix()}")
-    wanted.update(f"pkv/recipes/{p.name}" for p in (ROOT / "recipes").glob("*.yaml"))
+    for name in checkout_files():
+        folder, suffix = name.split("/")[0], Path(name).suffix
+        if (folder in RUNTIME_DIRS and suffix in (".py", ".cpp", ".h", ".txt")
+                or folder == "recipes" and suffix == ".yaml"):
+            wanted.add(f"pkv/{name}")
     return wanted
 
 
@@ -41,8 +55,9 @@ def test_the_wheel_holds_every_runtime_file_and_no_tests_docs_or_deploy(wheel: P
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = package_files() - names
     assert not missing, f"not in the wheel: {sorted(missing)}"
-    stray = sorted(n for n in names if n.startswith(("pkv/tests/", "pkv/docs/", "pkv/deploy/")))
-    assert not stray, f"in the wheel but not part of pkv at runtime: {stray[:10]}"
+    stray = sorted(n for n in names if n.startswith("pkv/") and n not in package_files())
+    assert not stray, f"in the wheel but not a runtime file of this checkout: {stray[:10]}"
+    assert not any(n.startswith(("pkv/tests/", "pkv/docs/", "pkv/deploy/")) for n in names)
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
 
 

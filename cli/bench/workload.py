@@ -141,7 +141,7 @@ def repeat_prompts(tokenizer: Any, num_prompts: int, passage_len: int = 300) -> 
     own source files each, code and docstrings): output that prompt lookup can guess."""
     root = Path(__file__).resolve().parents[2] / "core"  # cli/bench/ -> the package root
     passages = []
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         ids = tokenizer.encode(path.read_text(), add_special_tokens=False)[:passage_len]
         if len(ids) == passage_len:
             passages.append(tokenizer.decode(ids, skip_special_tokens=True))
