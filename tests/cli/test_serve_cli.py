@@ -47,6 +47,14 @@ def test_every_recipe_passes_check() -> None:
         assert "config OK" in result.output
 
 
+def test_a_shipped_recipe_is_found_by_name_and_a_missing_one_lists_them() -> None:
+    by_name = _serve("--config", "smollm2-cpu", "--check")
+    assert by_name.exit_code == 0 and "config OK" in by_name.output, by_name.output
+    missing = _serve("--config", "no-such-recipe", "--check")
+    assert missing.exit_code == 2 and "smollm2-cpu" in missing.output
+    assert "Traceback" not in missing.output
+
+
 def test_check_rejects_bad_configs_without_loading(tmp_path: Path, tiny_llama_dir: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"model: {tiny_llama_dir}\ntensor-parallel-size: 3\n")
