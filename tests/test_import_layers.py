@@ -1,6 +1,6 @@
 """Dependencies run one way: every pkv module imports only from its own layer or a lower
-one, nothing in `pkv.core` imports `pkv.plugins`, and no modules import each other in a
-cycle. Imports are read from the source (function-level and TYPE_CHECKING ones included), so a
+one, nothing in `pkv.core` imports `pkv.plugins`, and neither modules nor rooms (the
+folders of pkv.core) import each other in a cycle. Imports are read from the source (function-level and TYPE_CHECKING ones included), so a
 new upward import fails here with the offending pair named.
 """
 
@@ -19,16 +19,17 @@ SOURCE_DIRS = ("cli", "core", "csrc", "plugins", "quantize")
 RANKS: dict[str, int] = {
     "pkv.csrc": 0,
     "pkv.core.hookspecs": 1, "pkv.core.registry": 1, "pkv.core.progress": 1,
-    "pkv.core.config": 1, "pkv.core.tokenizer": 1,
-    "pkv.core.distributed": 2, "pkv.core.layers": 2, "pkv.core.models": 2,
-    "pkv.core.lora": 3, "pkv.core.sample": 3, "pkv.core.structured_output": 3,
-    "pkv.core.model_loader": 3,
-    "pkv.core.sched": 4, "pkv.core.worker": 4, "pkv.core.spec_decode": 4,
-    "pkv.plugins": 4,
-    "pkv.core.engine": 5,
-    "pkv.core.server": 6,
-    "pkv.quantize": 7, "pkv.cli": 7,
-    "pkv": 8,
+    "pkv.core.config": 1, "pkv.core.tokenizer": 1, "pkv.core.distributed": 1,
+    "pkv.core.layers": 2,
+    "pkv.core.models": 3,
+    "pkv.core.lora": 4, "pkv.core.sample": 4, "pkv.core.structured_output": 4,
+    "pkv.core.model_loader": 4,
+    "pkv.core.sched": 5, "pkv.core.worker": 5, "pkv.core.spec_decode": 5,
+    "pkv.plugins": 5,
+    "pkv.core.engine": 6,
+    "pkv.core.server": 7,
+    "pkv.quantize": 8, "pkv.cli": 8,
+    "pkv": 9,
 }
 # (importer prefix, imported prefix) pairs forbidden whatever the ranks say.
 FORBIDDEN = [("pkv.core", "pkv.plugins")]
@@ -148,10 +149,24 @@ def test_no_module_imports_a_higher_layer_and_core_never_imports_plugins() -> No
     assert not problems, "imports that run back up:\n" + "\n".join(problems)
 
 
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which rooms import which (a room importing itself left out)."""
+    rooms: dict[str, set[str]] = {room: set() for room in RANKS}
+    for importer, targets in graph.items():
+        rooms[room_of(importer)].update(room_of(t) for t in targets)
+    return {room: imported - {room} for room, imported in rooms.items()}
+
+
 def test_no_import_cycles() -> None:
     found = cycles(import_graph())
     assert not found, "modules that import each other:\n" + "\n".join(" <-> ".join(c)
                                                                      for c in found)
+
+
+def test_no_cycles_between_rooms_of_one_rank() -> None:
+    found = cycles(room_graph(import_graph()))
+    assert not found, "rooms that import each other:\n" + "\n".join(" <-> ".join(c)
+                                                                   for c in found)
 
 
 @pytest.mark.parametrize("importer,imported", [

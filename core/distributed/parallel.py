@@ -9,11 +9,22 @@ Splits need not be even: SmolLM2's 3 KV heads go 2 + 1 over two ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from pkv.core.models.config import ModelConfig
+
+class ModelSizes(Protocol):
+    """The sizes a split is planned from (pkv.core.models.config.ModelConfig has them; it
+    sits above the layers that take a ShardPlan, so it is not imported here)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_experts: int
+    moe_intermediate_size: int
 
 
 def split(total: int, parts: int, rank: int) -> tuple[int, int]:
@@ -49,7 +60,7 @@ class TPGroup:
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
-def check_tp_size(cfg: ModelConfig, tp: int) -> None:
+def check_tp_size(cfg: ModelSizes, tp: int) -> None:
     """Errors a user understands when the model cannot be split `tp` ways."""
     if tp > cfg.num_key_value_heads:
         raise ValueError(
@@ -78,7 +89,7 @@ class ShardPlan:
     moe_intermediate: tuple[int, int] = (0, 0)  # of each expert's channels (MoE models)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, tp: TPGroup) -> ShardPlan:
+    def build(cls, cfg: ModelSizes, tp: TPGroup) -> ShardPlan:
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         kv_start, kv_count = split(cfg.num_key_value_heads, tp.size, tp.rank)
         return cls(tp=tp, kv_heads=(kv_start, kv_count),
@@ -89,5 +100,5 @@ class ShardPlan:
                    moe_intermediate=split(cfg.moe_intermediate_size, tp.size, tp.rank))
 
 
-def single_rank_plan(cfg: ModelConfig) -> ShardPlan:
+def single_rank_plan(cfg: ModelSizes) -> ShardPlan:
     return ShardPlan.build(cfg, TPGroup())

@@ -4,5 +4,5 @@ interface and the attention layer over the paged KV cache, norms, rotary embeddi
 mixtures of experts and the embedding.
 
 A family file composes these and states only how it differs from Llama; nothing here knows
-which family it serves. May import distributed, models' `ModelConfig`, config and kernels.
+which family it serves. May import distributed, config and kernels (never models).
 """

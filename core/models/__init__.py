@@ -1,4 +1,4 @@
 """One short file per model family, composed from `core.layers`; `config.ModelConfig` (a
-model's architecture) and `registry` (which architecture runs where). May import layers,
-distributed, config and kernels.
+model's architecture) and `registry` (which architecture runs where). May import layers and
+what they may.
 """
