@@ -197,7 +197,7 @@ def _run(options: dict[str, Any]) -> None:
     from pkv.core.engine.async_engine import AsyncLLM
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.server.api_server import ServerConfig, build_app
-    from pkv.core.server.serving import ServerLimits
+    from pkv.core.server.serving_engine import ServerLimits
     from pkv.core.worker.tp_worker import torchrun_worker
     from pkv.core.worker.workers import launched_by_torchrun
 

@@ -22,7 +22,9 @@ from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, spli
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       LoadLoRAAdapterRequest, TokenizeRequest,
                                       UnloadLoRAAdapterRequest)
-from pkv.core.server.serving import OpenAIServing, ServerLimits, check_messages
+from pkv.core.server.serving_chat import OpenAIServingChat, check_messages
+from pkv.core.server.serving_completion import OpenAIServingCompletion
+from pkv.core.server.serving_engine import ServerLimits
 from pkv.core.structured_output.reasoning import reasoning_parser
 from pkv.core.worker.memory import native_heap, resident_by_kind
 
@@ -68,10 +70,12 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(async_llm.engine)
     async_llm.on_request_finished = metrics.observe
     engine = async_llm.engine
-    serving = OpenAIServing(async_llm, config.served_model_name, config.limits,
-                            select_tool_parser(config.tool_call_parser,
-                                               engine.tokenizer.chat_template),
-                            reasoning_parser(config.reasoning_parser))
+    serving_chat = OpenAIServingChat(async_llm, config.served_model_name, config.limits,
+                                     select_tool_parser(config.tool_call_parser,
+                                                        engine.tokenizer.chat_template),
+                                     reasoning_parser(config.reasoning_parser))
+    serving_completion = OpenAIServingCompletion(async_llm, config.served_model_name,
+                                                 config.limits)
     created = int(time.time())
     tracer = HeapTracer()
     tracer.start()
@@ -79,11 +83,11 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.chat(body, raw)
+        return await serving_chat.chat(body, raw)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await serving.completion(body, raw)
+        return await serving_completion.completion(body, raw)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -176,10 +176,11 @@ def test_qwen3_enable_thinking_false_adds_an_empty_think_block(qwen3_tokenizer: 
 def test_server_passes_chat_template_kwargs_to_the_template(qwen3_tokenizer: Tokenizer):
     # `LLM.chat` takes no template variables; the OpenAI server's chat_template_kwargs do.
     from pkv.core.server.protocol import ChatCompletionRequest
-    from pkv.core.server.serving import OpenAIServing, ServerLimits
+    from pkv.core.server.serving_chat import OpenAIServingChat
+    from pkv.core.server.serving_engine import ServerLimits
 
     engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=qwen3_tokenizer))
-    serving = OpenAIServing(engine, "m", ServerLimits())  # type: ignore[arg-type]
+    serving = OpenAIServingChat(engine, "m", ServerLimits())  # type: ignore[arg-type]
 
     def render(**kwargs: object) -> str:
         body = ChatCompletionRequest(messages=CHAT[1:2], **kwargs)

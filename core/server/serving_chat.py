@@ -1,0 +1,183 @@
+"""OpenAIServingChat: `POST /v1/chat/completions`, streamed (SSE) or not: the model's chat
+template rendered under limits, tools planned and parsed, reasoning split out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pkv.core.engine.async_engine import AsyncLLM, RequestStream
+from pkv.core.engine.llm_engine import PreparedRequest
+from pkv.core.server import logprobs_format as lpf
+from pkv.core.server.chat_choice import ChoiceShaper
+from pkv.core.server.errors import OpenAIError
+from pkv.core.server.protocol import ChatCompletionRequest, ChatMessage
+from pkv.core.server.serving_engine import (DeltaTracker, EngineStreamingResponse, OpenAIServing,
+                                            ServerLimits, sse, stream_error, usage)
+from pkv.core.server.tools import (ToolPlan, check_tool_messages, plan_tools, template_knows_tools,
+                                   template_messages)
+from pkv.core.structured_output.params import StructuredOutputsParams
+from pkv.core.structured_output.reasoning import END as REASONING_END
+from pkv.core.structured_output.reasoning import ReasoningParser
+from pkv.core.structured_output.tool_calls import ToolParser
+
+# Template variables a request may set (chat templates of Qwen3 and others read these).
+ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "reasoning_effort"})
+TEMPLATE_TIMEOUT_S = 5.0
+MAX_RENDERED_CHARS = 8 * 2**20
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Chat completions: messages through the template, tool calls and reasoning out."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, limits: ServerLimits,
+                 tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
+        super().__init__(async_llm, served_model_name, limits)
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request
+                   ) -> JSONResponse | StreamingResponse:
+        top = body.top_logprobs
+        self._check_common(body, top, "top_logprobs")
+        top = (top or 0) if body.logprobs else None
+        given = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        params = self._params(body, getattr(body, given), top,
+                              {"max_tokens": given, "logprobs": "top_logprobs"})
+        plan = plan_tools(body, self.tool_parser)
+        if plan.schema is not None:
+            params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+        if params.structured_outputs is not None and self._thinks(body):
+            # The grammar constrains the answer, after the (free) thinking block.
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            starts_after=REASONING_END)
+        params.skip_special_tokens = plan.skip_special_tokens
+        self._check_tools_fit(plan)
+        text = await self._render_chat(body, plan.tools)
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw,
+                                       "tools" if plan.schema is not None else None)
+        # Queued (all or none) before any response starts: a full queue or a stopped engine
+        # is a 503 (engine_error), never an error inside a started response.
+        [stream] = self.llm.submit([prepared])
+        shapers = [ChoiceShaper(plan.extractor, self.reasoning_parser)
+                   for _ in prepared.children]
+        if body.stream:
+            return EngineStreamingResponse(self._chat_stream(body, prepared, stream, shapers),
+                                            [stream])
+        final = await self._collect(stream, raw)
+        choices = []
+        for c in final.outputs:
+            message, finish = shapers[c.index].message(c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
+                            if body.logprobs else None, "finish_reason": finish})
+        return JSONResponse({"id": request_id, "object": "chat.completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": usage([final])})
+
+    def _thinks(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer opens with a thinking block to leave unconstrained."""
+        kwargs = body.chat_template_kwargs or {}
+        return self.reasoning_parser is not None and kwargs.get("enable_thinking") is not False
+
+    def _check_tools_fit(self, plan: ToolPlan) -> None:
+        if not plan.tools:
+            return
+        size = len(self.tokenizer.encode(json.dumps(plan.tools), add_special_tokens=False))
+        limit = self.llm.engine.max_model_len
+        if size >= limit:
+            raise OpenAIError(400, f"the tools alone take {size} tokens, more than the model's "
+                              f"context of {limit}", "tools", "context_length_exceeded")
+
+    async def _chat_stream(self, body: ChatCompletionRequest, prepared: PreparedRequest,
+                           stream: RequestStream, shapers: list[ChoiceShaper]
+                           ) -> AsyncIterator[bytes]:
+        base = {"id": prepared.request_id, "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.model_name}
+        for i in range(len(shapers)):
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        tracker = DeltaTracker()
+        final = None
+        try:
+            async for output in stream.outputs():
+                final = output
+                for c in output.outputs:
+                    new = tracker.advance(c.index, c)
+                    if new is None:
+                        continue
+                    _, lps, ids = new
+                    shaper = shapers[c.index]
+                    delta = shaper.delta(c.text, c.finish_reason is not None)
+                    logprobs = (lpf.chat(lps, ids, body.top_logprobs or 0)
+                                if body.logprobs and lps else None)
+                    if not delta and logprobs is None and c.finish_reason is None:
+                        continue  # held back: it may still become markup
+                    finish = ("tool_calls" if c.finish_reason == "stop" and shaper.called
+                              else c.finish_reason)
+                    yield sse({**base, "choices": [{"index": c.index, "delta": delta,
+                                                     "logprobs": logprobs,
+                                                     "finish_reason": finish}]})
+        except Exception as exc:
+            yield sse(stream_error(exc))
+        else:
+            if body.include_usage and final is not None:
+                yield sse({**base, "choices": [], "usage": usage([final])})
+        yield sse("[DONE]")
+
+    async def _render_chat(self, body: ChatCompletionRequest,
+                           tools: list[dict] | None = None) -> str:
+        """The server's own template, sandboxed by jinja, off the event loop, with a time
+        and a size limit; requests may pass only allow-listed template variables."""
+        if body.chat_template is not None:
+            raise OpenAIError(400, "requests may not supply a chat template; the server uses "
+                              "the model's own", "chat_template")
+        kwargs = body.chat_template_kwargs or {}
+        for key, value in kwargs.items():
+            if key not in ALLOWED_TEMPLATE_KWARGS or not isinstance(value, (bool, int, str)) \
+                    or len(str(value)) > 256:
+                raise OpenAIError(400, f"chat_template_kwargs may hold only "
+                                  f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
+                                  f"scalar values; got {key!r}", "chat_template_kwargs")
+        check_messages(body.messages)
+        tools, template = tools or [], self.tokenizer.chat_template or ""
+        messages = template_messages([m.as_template_dict() for m in body.messages], tools,
+                                     template)
+        if tools and template_knows_tools(template):
+            kwargs = {**kwargs, "tools": tools}
+        try:
+            text = await asyncio.wait_for(asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, True, **kwargs),
+                timeout=TEMPLATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise OpenAIError(400, f"the chat template took over {TEMPLATE_TIMEOUT_S:.0f} s to "
+                              "render these messages", "messages") from None
+        except Exception as exc:  # jinja errors from the model's own template
+            raise OpenAIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+        if len(text) > MAX_RENDERED_CHARS:
+            raise OpenAIError(400, f"the rendered conversation exceeds {MAX_RENDERED_CHARS} "
+                              "characters", "messages")
+        return text
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """A 400 naming the first message that has no content where OpenAI requires it, or
+    whose tool calls or tool result are malformed."""
+    check_tool_messages(messages)
+    for i, message in enumerate(messages):
+        if message.missing_content():
+            raise OpenAIError(400, f"messages[{i}]: a {message.role} message needs content (a "
+                              "string or a list of content parts), not null",
+                              f"messages[{i}].content")

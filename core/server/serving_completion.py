@@ -1,0 +1,136 @@
+"""OpenAIServingCompletion: `POST /v1/completions`, streamed (SSE) or not: several prompts
+in one request, each `n` times, echo and logprobs of the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pkv.core.engine.async_engine import RequestStream
+from pkv.core.engine.outputs import RequestOutput
+from pkv.core.server import logprobs_format as lpf
+from pkv.core.server.errors import OpenAIError
+from pkv.core.server.protocol import CompletionRequest
+from pkv.core.server.serving_engine import (DeltaTracker, EngineStreamingResponse, OpenAIServing,
+                                            sse, stream_error, usage)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Text completions: prompts (text or token ids) in, text choices out."""
+
+    async def completion(self, body: CompletionRequest, raw: Request
+                         ) -> JSONResponse | StreamingResponse:
+        self._check_common(body, body.logprobs)
+        params = self._params(body, body.max_tokens if body.max_tokens is not None else 16,
+                              body.logprobs)
+        prompts = _prompt_list(body.prompt)
+        if len(prompts) * body.n > self.limits.max_prompts:
+            raise OpenAIError(400, f"at most {self.limits.max_prompts} prompts (times n) per "
+                              "request", "prompt")
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt", raw)
+                    for i, p in enumerate(prompts)]
+        streams = self.llm.submit(prepared)
+        if body.stream:
+            return EngineStreamingResponse(self._completion_stream(body, base_id, streams),
+                                            streams)
+        tasks = [asyncio.ensure_future(self._collect(s, raw)) for s in streams]
+        try:
+            finals = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one failed (client gone): stop the others with it
+                task.cancel()
+        choices = []
+        for i, final in enumerate(finals):
+            prefix = self._prompt_text(final) if body.echo else ""
+            for c in final.outputs:
+                choices.append({"index": i * body.n + c.index, "text": prefix + c.text,
+                                "logprobs": lpf.completion(c.logprobs, c.token_ids,
+                                                           body.logprobs or 0, len(prefix))
+                                if body.logprobs is not None else None,
+                                "finish_reason": c.finish_reason})
+        return JSONResponse({"id": base_id, "object": "text_completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": usage(finals)})
+
+    async def _completion_stream(self, body: CompletionRequest, base_id: str,
+                                 streams: list[RequestStream]) -> AsyncIterator[bytes]:
+        base = {"id": base_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        tracker = DeltaTracker()
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, output in _merge([s.outputs() for s in streams]):
+                finals[i] = output
+                for c in output.outputs:
+                    index = i * body.n + c.index
+                    echo = self._prompt_text(output) if body.echo and tracker.is_new(index) else ""
+                    delta = tracker.advance(index, c)
+                    if delta is None:
+                        continue
+                    text, lps, ids = delta
+                    logprobs = (lpf.completion(lps, ids, body.logprobs or 0, len(echo))
+                                if body.logprobs is not None and lps is not None else None)
+                    yield sse({**base, "choices": [{"index": index, "text": echo + text,
+                                                     "logprobs": logprobs,
+                                                     "finish_reason": c.finish_reason}]})
+        except Exception as exc:
+            yield sse(stream_error(exc))
+        else:
+            if body.include_usage:
+                yield sse({**base, "choices": [], "usage": usage(list(finals.values()))})
+        yield sse("[DONE]")
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        return output.prompt if output.prompt is not None else self.tokenizer.decode(
+            output.prompt_token_ids)
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]
+                 ) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise OpenAIError(400, "prompt must not be empty", "prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams, tagging each output with its stream's index."""
+    if len(gens) == 1:
+        async for output in gens[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in gen:
+                await queue.put((i, output))
+        except Exception as exc:
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,210 @@
+"""OpenAIServing: what the chat and completions handlers share on top of AsyncLLM. Request
+checks and limits, SamplingParams from a body, admission, collecting a non-streamed answer,
+and the pieces of an SSE stream (serving_chat.py and serving_completion.py build on it).
+
+Everything that can refuse a request (validation, limits, admission) happens before the
+first byte of a response, so a refusal is a status code and never a truncated stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pkv.core.engine.async_engine import AsyncLLM, RequestStream
+from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.engine.outputs import CompletionOutput, RequestOutput
+from pkv.core.lora.adapter import LoRARequest
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.server.errors import OpenAIError, engine_error, error_body
+from pkv.core.server.middleware import request_tenant
+from pkv.core.server.protocol import _SamplingFields
+
+logger = logging.getLogger("pkv.server")
+
+
+@dataclass
+class ServerLimits:
+    """Per-request limits; each breach is a 400 naming the field."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    max_prompts: int = 64  # prompts in one completions request
+    max_cache_salt_length: int = 256
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class OpenAIServing:
+    """Turns OpenAI request bodies into engine requests; the endpoints subclass it."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str,
+                 limits: ServerLimits) -> None:
+        self.llm = async_llm
+        self.model_name = served_model_name
+        self.limits = limits
+        self.tokenizer = async_llm.engine.tokenizer
+
+    def _check_common(self, body: _SamplingFields, logprobs: int | None,
+                      logprobs_param: str = "logprobs") -> None:
+        self._lora_request(body)  # an unknown model name is a 404 before anything else
+        if not 1 <= body.n <= self.limits.max_n:
+            raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
+        if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
+            raise OpenAIError(400, f"{logprobs_param} must be between 0 and "
+                              f"{self.limits.max_logprobs}", logprobs_param)
+        salt = body.cache_salt
+        if salt is not None and (len(salt) > self.limits.max_cache_salt_length
+                                 or not salt.isprintable()):
+            raise OpenAIError(400, f"cache_salt must be printable and at most "
+                              f"{self.limits.max_cache_salt_length} characters", "cache_salt")
+        stops = body.stop_list
+        if len(stops) > self.limits.max_stop_strings:
+            raise OpenAIError(400, f"at most {self.limits.max_stop_strings} stop strings",
+                              "stop")
+        if any(len(s) > self.limits.max_stop_length for s in stops):
+            raise OpenAIError(400, f"stop strings must be at most {self.limits.max_stop_length} "
+                              "characters", "stop")
+
+    @staticmethod
+    def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                names: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams of the request; a 400 naming the field the client sent (`names`
+        maps SamplingParams' names to the request's where they differ)."""
+        fields = body.constraint_fields()
+        try:
+            structured, field = body.structured()
+        except ValueError as exc:
+            param = fields[0] if len(fields) == 1 else "response_format"
+            raise OpenAIError(400, str(exc), param) from None
+        try:
+            return body.sampling_params(max_tokens, logprobs, structured)
+        except ValueError as exc:
+            # SamplingParams messages start with the field's name.
+            name = str(exc).split(" ", 1)[0]
+            param = field if "structured outputs" in str(exc) else (names or {}).get(name, name)
+            raise OpenAIError(400, str(exc), param) from None
+
+    async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       body: _SamplingFields, param: str, raw: Request,
+                       constraint_param: str | None = None) -> PreparedRequest:
+        # Tenants (API keys) never share prefix-cache blocks: their name salts every hash.
+        tenant = request_tenant(raw.scope)
+        salt = body.cache_salt if tenant is None else f"{tenant}:{body.cache_salt or ''}"
+        try:
+            return await self.llm.prepare(request_id, prompt, params, salt,
+                                          self._lora_request(body))
+        except ContextLengthError as exc:
+            raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
+        except ValueError as exc:
+            first = str(exc).split(" ", 1)[0]
+            if "constraint" in str(exc):  # compiling the structured-output constraint failed
+                param = constraint_param or body.structured()[1] or param
+            elif first in type(body).model_fields:  # engine messages start with the field
+                param = first
+            raise OpenAIError(400, str(exc), param) from None
+
+    def _lora_request(self, body: _SamplingFields) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a name nobody serves."""
+        if body.model is None or body.model == self.model_name:
+            return None
+        lora = self.llm.engine.lora
+        adapter = lora.adapters.get(body.model) if lora is not None else None
+        if adapter is None:
+            names = [self.model_name, *(lora.adapters if lora is not None else ())]
+            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
+                              f"{', '.join(map(repr, names))}", "model", "model_not_found")
+        return LoRARequest(adapter.name, adapter.uid, adapter.path)
+
+    async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
+        """Run to the end; abort if the client disconnects while we wait."""
+        async def last() -> RequestOutput:
+            final = None
+            async for output in stream.outputs():
+                final = output
+            if final is None:
+                raise RuntimeError("the engine finished a request without an output")
+            return final
+
+        task = asyncio.ensure_future(last())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    break
+                if await raw.is_disconnected():
+                    raise OpenAIError(499, "client disconnected")
+        finally:
+            task.cancel()  # a no-op once done; else the generator's cleanup aborts the request
+            stream.close()
+        return task.result()  # engine failures reach the client through engine_error
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that closes its engine streams however it ends: finished, client
+    gone, or never started at all (then the body generator's own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.close()
+
+
+class DeltaTracker:
+    """Remembers what each choice of a stream has sent, to emit only what is new."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) sent
+        self.done: set[int] = set()
+
+    def is_new(self, index: int) -> bool:
+        return index not in self.sent
+
+    def advance(self, index: int, c: CompletionOutput
+                ) -> tuple[str, list | None, list[int]] | None:
+        """(new text, new logprobs, new token ids) of a choice, or None if nothing to send."""
+        if index in self.done:
+            return None
+        chars, tokens = self.sent.get(index, (0, 0))
+        text = c.text[chars:]
+        if not text and c.finish_reason is None and index in self.sent:
+            return None
+        self.sent[index] = (len(c.text), len(c.token_ids))
+        if c.finish_reason is not None:
+            self.done.add(index)
+        lps = c.logprobs[tokens:] if c.logprobs is not None else None
+        return text, lps, c.token_ids[tokens:]
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def stream_error(exc: Exception) -> dict:
+    """The error event of a stream that already answered 200."""
+    known = engine_error(exc)
+    if known is None:
+        logger.error("a stream failed", exc_info=exc)
+        return error_body(500, "internal server error")
+    return error_body(known.status, known.message, code=known.code)
