@@ -1,7 +1,7 @@
-"""Dependencies run one way: every pkv module imports only from its own layer or a lower
-one, nothing in `pkv.core` imports `pkv.plugins`, and neither modules nor rooms (the
-folders of pkv.core) import each other in a cycle. Imports are read from the source (function-level and TYPE_CHECKING ones included), so a
-new upward import fails here with the offending pair named.
+"""Dependencies run one way: every pkv module imports only from its own layer or a lower one,
+nothing in `pkv.core` imports `pkv.plugins`, and neither modules nor rooms (the folders of
+pkv.core) import each other in a cycle. Imports are read from the source (function-level and
+TYPE_CHECKING ones included), so a new upward import fails here with the offending pair named.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Speculative decoding's engine-side pieces: the proposer interface, the proposer a config
 asks for, and the counters behind `pkv:spec_decode_*` and `pkv bench`'s acceptance figures.
 
-One step of a speculating request: the scheduler gives it KV slots for its token and up to
-k drafts; a proposer fills them (ngram_proposer.py, draft_proposer.py beside this file); the
-target runs all of them in the ordinary batch; the rejection sampler (core/sample/rejection_sampler.py)
-keeps the accepted drafts and adds one token; the scheduler rolls back the rest.
+One step of a speculating request: the scheduler gives it KV slots for its token and up to k
+drafts; a proposer fills them (ngram_proposer.py, draft_proposer.py beside this file); the
+target runs all of them in the ordinary batch; the rejection sampler
+(core/sample/rejection_sampler.py) keeps the accepted drafts and adds one token; the scheduler
+rolls back the rest.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """A JSON schema rewritten into what outlines-core compiles correctly.
 
 outlines-core ignores numeric bounds, writes the objects of an allOf one after another, and
-leaves a dangling comma where it stops unrolling a recursive $ref. So before it sees a
-schema: a bounded integer or number becomes a placeholder constant whose quoted form is
-swapped afterwards for an exact range regex (pkv.core.structured_output.number_ranges); an
-allOf of objects becomes one object; $refs are inlined here, recursion at most MAX_REF_DEPTH levels deep,
-past which the branch that recurses is dropped (an anyOf keeps its other branches, an
-optional property goes); a date-time or email gets bounded parts. Schema depth is bounded before
-this runs (check_json_schema), so the recursion here is too.
+leaves a dangling comma where it stops unrolling a recursive $ref. So before it sees a schema:
+a bounded integer or number becomes a placeholder constant whose quoted form is swapped
+afterwards for an exact range regex (pkv.core.structured_output.number_ranges); an allOf of
+objects becomes one object; $refs are inlined here, recursion at most MAX_REF_DEPTH levels
+deep, past which the branch that recurses is dropped (an anyOf keeps its other branches, an
+optional property goes); a date-time or email gets bounded parts. Schema depth is bounded
+before this runs (check_json_schema), so the recursion here is too.
 """
 
 from __future__ import annotations
