@@ -9,7 +9,10 @@ from __future__ import annotations
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = metadata.version("pkv")
+try:
+    __version__ = metadata.version("pkv")
+except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "LLM": "pkv.core.engine.llm",
@@ -19,6 +22,7 @@ _EXPORTS = {
     "RequestOutput": "pkv.core.engine.outputs",
     "CompletionOutput": "pkv.core.engine.outputs",
     "LoRARequest": "pkv.core.lora.adapter",
+    "StructuredOutputsParams": "pkv.core.structured_output.params",
 }
 
 if TYPE_CHECKING:
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
     from pkv.core.engine.outputs import CompletionOutput, RequestOutput
     from pkv.core.lora.adapter import LoRARequest
     from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.structured_output.params import StructuredOutputsParams
 
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pkv.core.models.registry import MODEL_TYPES
-from pkv.tests.gguf_writer import write_gguf  # noqa: F401  (re-exported for older tests
+from pkv.tests.gguf_writer import write_gguf  # noqa: F401  (re-exported for older tests)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")

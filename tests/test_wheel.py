@@ -45,7 +45,8 @@ def package_files() -> set[str]:
     wanted = {"pkv/__init__.py"}
     for name in checkout_files():
         folder, suffix = name.split("/")[0], Path(name).suffix
-        if (folder in RUNTIME_DIRS and suffix in (".py", ".cpp", ".h", ".txt")
+        if (folder in RUNTIME_DIRS and suffix in (".py", ".cpp", ".h")
+                or name.startswith("quantize/data/") and suffix == ".txt"
                 or folder == "recipes" and suffix == ".yaml"):
             wanted.add(f"pkv/{name}")
     return wanted
@@ -63,14 +64,24 @@ def test_the_wheel_holds_every_runtime_file_and_no_tests_docs_or_deploy(wheel: P
 
 def test_the_unpacked_wheel_runs_on_its_own(wheel: Path, tmp_path: Path) -> None:
     zipfile.ZipFile(wheel).extractall(tmp_path)
-    script = ("import sys, pkv\n"
-              f"assert pkv.__file__.startswith({str(tmp_path)!r}), pkv.__file__\n"
+    # Every pkv module the check loads must come from the wheel: the editable install of this
+    # checkout would otherwise quietly supply what the wheel lacks.
+    script = ("import sys\n"
               "from pkv.cli.main import app\n"
               "sys.argv = ['pkv', 'serve', '--config', 'smollm2-cpu', '--check']\n"
-              "app()\n")
+              "try:\n"
+              "    app()\n"
+              "except SystemExit as end:\n"
+              "    code = end.code\n"
+              "outside = sorted(name for name, m in sys.modules.items()\n"
+              "                 if name.split('.')[0] == 'pkv' and getattr(m, '__file__', None)\n"
+              f"                 and not m.__file__.startswith({str(tmp_path)!r}))\n"
+              "print('outside the wheel:', outside)\n"
+              "sys.exit(code)\n")
     # The wheel's copy first on the path, ahead of the editable install of this checkout.
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "config OK" in result.stdout + result.stderr
+    assert "outside the wheel: []" in result.stdout

@@ -66,3 +66,22 @@ def test_unknown_backend_lists_usable_ones(tiny_llama_dir: Path):
 
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; usable here: .*cpu"):
         LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", attention_backend="nope")
+
+
+def test_the_old_plugin_import_paths_still_work_and_say_where_the_interface_moved():
+    script = ("import warnings\n"
+              "warnings.simplefilter('error', DeprecationWarning)\n"
+              "try:\n"
+              "    import pkv.plugins.hookspecs\n"
+              "except DeprecationWarning as w:\n"
+              "    print('warned:', w)\n"
+              "warnings.simplefilter('ignore')\n"
+              "from pkv.plugins.hookspecs import hookimpl\n"
+              "from pkv.plugins.registry import AttentionBackendSpec\n"
+              "import pkv.core.hookspecs as h, pkv.core.registry as r\n"
+              "print(hookimpl is h.hookimpl, AttentionBackendSpec is r.AttentionBackendSpec)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "warned: pkv.plugins.hookspecs moved to pkv.core.hookspecs" in result.stdout
+    assert "True True" in result.stdout
