@@ -7,6 +7,7 @@ TYPE_CHECKING ones included), so a new upward import fails here with the offendi
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,7 @@ def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
     return {m for m in found if m == "pkv" or m.startswith("pkv.")} - {name}
 
 
+@cache  # every test reads the same tree; none changes the graph
 def import_graph() -> dict[str, set[str]]:
     modules = source_modules()
     known = set(modules)

@@ -54,9 +54,10 @@ def package_files() -> set[str]:
 
 def test_the_wheel_holds_every_runtime_file_and_no_tests_docs_or_deploy(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    missing = package_files() - names
+    wanted = package_files()
+    missing = wanted - names
     assert not missing, f"not in the wheel: {sorted(missing)}"
-    stray = sorted(n for n in names if n.startswith("pkv/") and n not in package_files())
+    stray = sorted(n for n in names if n.startswith("pkv/") and n not in wanted)
     assert not stray, f"in the wheel but not a runtime file of this checkout: {stray[:10]}"
     assert not any(n.startswith(("pkv/tests/", "pkv/docs/", "pkv/deploy/")) for n in names)
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
