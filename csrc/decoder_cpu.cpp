@@ -1,5 +1,6 @@
-// The decoder stack of a float32 model on CPU in one call per step, its linears either 4-bit
-// AWQ (csrc/awq_cpu.cpp) or float32 weights (csrc/gemv_cpu.cpp's f32_linear).
+// The decoder stack of a float32 model on CPU in one call per step, its linears 4-bit AWQ
+// (csrc/awq_cpu.cpp), ggml blocks as in a GGUF (csrc/ggml_cpu.cpp) or float32 weights
+// (csrc/gemv_cpu.cpp's f32_linear).
 //
 // At batch 1 a 4-bit layer's kernels take ~150 us, and the Python between them (module calls,
 // splits, views, argument parsing: ~40 calls a layer) took another ~100 us. This runs the same
@@ -30,7 +31,8 @@
 
 namespace {
 
-// AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone.
+// AWQ: codes, scales, zs and the group size; float32: the plain [N, K] weight alone; ggml
+// blocks (GGUF, group -1): each fused part's rows, then an int64 tensor of their types.
 // With LoRA, the adapter slots (core/lora/layers.py): a [slots, in, W], b [slots, W, out].
 // AWQ layers keep their operands (bias included, as float32) checked from add_layer on
 // (`awq`): per call, the tensors' metadata is cold (see AwqOperands).
@@ -151,8 +153,10 @@ class CpuDecoder {
                 "add_layer: four linears (qkv, o, gate_up, down)");
     Linear linears[4];
     for (size_t i = 0; i < 4; ++i) {
-      TORCH_CHECK(weights[i].size() == (groups[i] > 0 ? 3u : 1u),
-                  "add_layer: AWQ takes (codes, scales, zs), float32 the packed weight");
+      TORCH_CHECK(groups[i] < 0 ? weights[i].size() >= 2u
+                                : weights[i].size() == (groups[i] > 0 ? 3u : 1u),
+                  "add_layer: AWQ takes (codes, scales, zs), float32 the packed weight, "
+                  "ggml blocks (group -1) the parts and their types");
       OptTensor bias = biases[i];
       if (bias && groups[i] > 0) bias = bias->to(at::kFloat).contiguous();
       linears[i] = {weights[i], bias, sizes[i], groups[i]};
@@ -316,7 +320,12 @@ class CpuDecoder {
   // new tensor otherwise); x is never `out`.
   at::Tensor linear(const at::Tensor& x, const Linear& w, const at::Tensor& out) const {
     at::Tensor y;
-    if (w.group == 0) {
+    if (w.group < 0) {
+      // ggml blocks: the parts, then their types (csrc/ggml_cpu.cpp); the GEMV writes into out.
+      const std::vector<at::Tensor> parts(w.weights.begin(), w.weights.end() - 1);
+      y = ggml::ggml_linear(x, parts, w.weights.back(), w.bias,
+                            x.size(0) <= ggml::kMaxRows ? std::optional(out) : std::nullopt);
+    } else if (w.group == 0) {
       // The GEMV writes into `out`; more rows keep f32_linear's choice of GEMM (given an
       // output, it would take its own GEMM where oneDNN is faster for long prefills).
       y = gemv::f32_linear(x, w.weights[0], w.bias,

@@ -11,6 +11,7 @@
 #include "awq_int8_cpu.cpp"
 #include "gemm_cpu.cpp"
 #include "gemv_cpu.cpp"
+#include "ggml_cpu.cpp"
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
@@ -47,6 +48,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 GEMM on the plain [N, K] weight, broadcast against x^T in blocks",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
   m.attr("f32_gemm_max_rows") = f32gemm::kMaxRows;
+
+  m.def("ggml_linear", &ggml::ggml_linear,
+        "linear on weights in ggml's block formats (GGUF): a fused GEMV at few rows",
+        py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(),
+        py::arg("out") = py::none());
+  m.attr("ggml_gemv_max_rows") = ggml::kMaxRows;
+  m.def("ggml_rows", &ggml::ggml_rows, "rows of a table in a ggml block format, as float32");
+  m.def("ggml_dequantize", &ggml::ggml_dequantize, "a table in a ggml block format as float32");
 
   m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
   m.attr("int8_gemv_max_rows") = int8::kGemvMaxRows;

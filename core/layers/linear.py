@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.distributed.parallel import TPGroup
+from pkv.core.layers.ggml_tensor import GGMLTensor
 
 
 class AdapterSlots(Protocol):
@@ -76,9 +77,10 @@ def as_tensor(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
-def take(tensor: Any, dim: int, start: int, count: int) -> torch.Tensor:
-    """Rows start..start+count of `dim`, reading only those from a lazy handle."""
-    if isinstance(tensor, torch.Tensor):
+def take(tensor: Any, dim: int, start: int, count: int) -> Any:
+    """Rows start..start+count of `dim`, reading only those from a lazy handle (a GGMLTensor
+    stays one)."""
+    if isinstance(tensor, (torch.Tensor, GGMLTensor)):
         return tensor.narrow(dim, start, count)
     index = [slice(None)] * len(tensor.get_shape())
     index[dim] = slice(start, start + count)

@@ -24,6 +24,8 @@ from pkv.core.distributed.parallel import ShardPlan, single_rank_plan
 from pkv.core.layers.attention import tp_split
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.embedding import VocabEmbedding
+from pkv.core.layers.ggml_linear import use_ggml
+from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor,
                                     check_shape, take)
 from pkv.core.layers.moe import SparseMoE
@@ -212,6 +214,9 @@ class CausalLM(nn.Module):
             path = f"{base}.{fused}" if base else fused
             module = modules.get(path)
             if isinstance(module, Linear):
+                if (isinstance(tensor, GGMLTensor) and module.weight.device.type == "cpu"
+                        and isinstance(module.method, UnquantizedLinearMethod)):
+                    use_ggml(module)  # a GGUF's LM head, kept in its blocks
                 module.load(leaf, tensor, shard, name)
             elif isinstance(module, VocabEmbedding) and leaf == "weight":
                 module.load(tensor, name)
@@ -226,6 +231,10 @@ class CausalLM(nn.Module):
         names += [f"{p}.experts {m}" for p, module in moe.items() for m in module.missing()]
         if names:
             raise ValueError(f"checkpoint lacks {len(names)} tensor(s), e.g. {names[:3]}")
+        table = self.model.embed_tokens.table
+        if self.config.tie_word_embeddings and table is not None:
+            use_ggml(self.lm_head)
+            self.lm_head.parts = [table]  # this rank's rows already
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weights_after_loading(module)

@@ -17,50 +17,96 @@ model file serves both formats:
 
 from __future__ import annotations
 
-import json
-import logging
 import re
-import shutil
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from pkv.core.model_loader.loader import ModelSource, open_folder, write_tokenizer
+from pkv.core.layers.ggml_linear import GGMLLinearMethod
+from pkv.core.layers.ggml_tensor import FORMATS, GGMLTensor
+from pkv.core.layers.linear import LinearMethod
+from pkv.core.model_loader.loader import ModelSource
 from pkv.core.model_loader.quantization import WeightLoader
-from pkv.core.model_loader.weight_cache import convert_while_loading, converted_folder
 from pkv.core.models.config import ModelConfig
 from pkv.core.tokenizer.tokenizer import Tokenizer
 from pkv.plugins.weights.gguf_archs import (ARCHS, CONFIG_TENSORS, EXPERT_PARTS, GLOBAL_NAMES,
                                             LAYER_NAMES, decimal)
 from pkv.plugins.weights.gguf_tokenizer import gguf_tokenizer
 
-logger = logging.getLogger("pkv.gguf")
-
-_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
-                    "Q5_K", "Q6_K", "Q8_K", "Q2_K", "Q3_K")
+Weight = torch.Tensor | GGMLTensor
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    rows = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Hugging Face's row order of a q/k tensor (float values, a bias, or rows of blocks)."""
+    rows, rest = w.shape[0], tuple(w.shape[1:])
+    return (w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2)
+            .reshape(rows, *rest).contiguous())
+
+
+def _unpermute_weight(w: Weight, n_head: int) -> Weight:
+    if isinstance(w, GGMLTensor):  # whole rows move: the blocks stay as they are
+        return GGMLTensor(_unpermute(w.data, n_head), w.qtype, w.cols)
+    return _unpermute(w, n_head)
+
+
+def _checked_reader(path: Path) -> Any:
+    """gguf.GGUFReader on `path`, copy-on-write mapped (nothing is read until used), with
+    every tensor's type and extent checked first, so that a bad file fails in one line that
+    names the tensor."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                _check_tensor(field, start_offs, len(self.data))
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Reader(str(path), "c")
+    except ValueError as exc:
+        if str(exc).startswith(f"{path.name}:"):
+            raise
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+    except Exception as exc:  # the gguf package raises several types on bad files
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+
+
+def _check_tensor(field: Any, start: int, file_size: int) -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, name_data, _, dims, raw_type, offset = field.parts
+    name = bytes(name_data).decode("utf-8", "replace")
+    type_id = int(raw_type[0])
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ValueError(f"GGUF tensor {name}: unknown tensor type id {type_id}") from None
+    if type_id not in FORMATS:
+        known = ", ".join(f.name for f in FORMATS.values())
+        raise ValueError(f"GGUF tensor {name} is {qtype.name}, which pkv does not run "
+                         f"(it runs {known})")
+    block, size = GGML_QUANT_SIZES[qtype]
+    row = int(dims[0]) if len(dims) else 1
+    if row % block:
+        raise ValueError(f"GGUF tensor {name}: rows of {row} values are not whole "
+                         f"{qtype.name} blocks of {block}")
+    n_bytes = int(np.prod([int(d) for d in dims])) // block * size
+    end = start + int(offset[0]) + n_bytes
+    if end > file_size:
+        raise ValueError(f"GGUF tensor {name} ({qtype.name} {list(reversed(dims.tolist()))}) "
+                         f"needs {n_bytes} bytes up to offset {end}, past the file's end "
+                         f"({file_size} bytes): the file is truncated or corrupt")
 
 
 class GGUFFile:
-    """An opened GGUF file; fields are read lazily, tensors dequantized on iteration."""
+    """An opened GGUF file; fields are read lazily, tensors mapped from it on iteration."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # the gguf package raises several types on bad files
-            raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+        self.reader = _checked_reader(path)
         self.arch = str(self.field("general.architecture"))
         if self.arch not in ARCHS:
             raise ValueError(f"GGUF architecture {self.arch!r} is not supported; pkv runs "
@@ -178,71 +224,91 @@ class GGUFFile:
             specs += [(name, per_name) for name in names]
         return specs
 
-    def read(self, gguf_name: str) -> np.ndarray:
-        """A tensor dequantized to float32, in PyTorch's shape, as stored (no unpermuting)."""
-        from gguf import GGMLQuantizationType, quants
-
+    def read(self, gguf_name: str) -> Weight:
+        """A tensor in PyTorch's shape, as stored (no unpermuting): a 2-D one in ggml blocks
+        (quantized or 16-bit: a GGMLTensor mapped from the file; stacked experts [E, rows,
+        bytes]), or float32 (F32, and every 1-D tensor)."""
         t = self.names[gguf_name]
-        type_name = GGMLQuantizationType(t.tensor_type).name
-        if type_name not in _SUPPORTED_TYPES:
-            raise ValueError(f"GGUF tensor {t.name} has type {type_name}, which pkv cannot "
-                             f"read ({', '.join(_SUPPORTED_TYPES)})")
-        data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        return data.reshape(self.hf_shape(gguf_name))
+        shape = self.hf_shape(gguf_name)
+        data = torch.from_numpy(t.data)
+        qtype = int(t.tensor_type)
+        if qtype == 0 or len(shape) == 1:  # F32, norms and biases: float32 values
+            return _float(data, qtype, shape)
+        return _blocks(data.view(torch.uint8), qtype, shape)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, float32 tensor) for every weight in the file."""
+    def tensors(self) -> Iterator[tuple[str, Weight]]:
+        """Yield (Hugging Face name, weight) for every weight in the file."""
         cfg = self.hf_config()
         for t in self._weight_tensors():
             data = self.read(t.name)
             if self.spec.permuted_qk and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                data = _unpermute(data, cfg["num_attention_heads"])
+                data = _unpermute_weight(data, cfg["num_attention_heads"])
             elif self.spec.permuted_qk and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                data = _unpermute(data, cfg["num_key_value_heads"])
+                data = _unpermute_weight(data, cfg["num_key_value_heads"])
             if self.spec.norm_offset and t.name.endswith("norm.weight"):
-                data = data - np.float32(self.spec.norm_offset)
+                data = data - self.spec.norm_offset
             names = self.hf_names(t.name)
-            parts = list(data) if len(names) > 1 else [data]
-            for name, part in zip(names, parts):
-                part = np.ascontiguousarray(part)
-                if not part.flags.writeable:  # F32 tensors are views of the read-only file map
-                    part = part.copy()
-                yield name, torch.from_numpy(part)
+            if len(names) > 1:  # stacked experts: one tensor each
+                yield from zip(names, _experts(data, len(names)))
+            else:
+                yield names[0], data
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer from tokenizer.* metadata (plugins/weights/gguf_tokenizer.py)."""
         return gguf_tokenizer(self.field)
 
 
+def _float(data: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+    if qtype == 0:
+        return data.reshape(shape)
+    if FORMATS[qtype].name == "F16":
+        return data.float().reshape(shape)
+    if FORMATS[qtype].name == "BF16":
+        return data.view(torch.bfloat16).float().reshape(shape)
+    flat = data.view(torch.uint8).reshape(1, -1)
+    return GGMLTensor(flat, qtype, int(np.prod(shape))).dequantize().reshape(shape)
+
+
+def _blocks(data: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> GGMLTensor | torch.Tensor:
+    """Rows of ggml blocks, [rows, bytes] (2-D) or [E, rows, bytes] (stacked experts, held as
+    a uint8 tensor until split)."""
+    fmt = FORMATS[qtype]
+    row_bytes = shape[-1] // fmt.values * fmt.bytes
+    if len(shape) == 2:
+        return GGMLTensor(data.reshape(shape[0], row_bytes), qtype, shape[-1])
+    return _Stacked(data.reshape(*shape[:-1], row_bytes), qtype, shape[-1])
+
+
+class _Stacked(NamedTuple):
+    """Experts' tensors [E, rows, bytes] in one ggml type."""
+
+    data: torch.Tensor
+    qtype: int
+    cols: int
+
+
+def _experts(data: Any, count: int) -> list[Weight]:
+    if isinstance(data, _Stacked):
+        return [GGMLTensor(data.data[e], data.qtype, data.cols) for e in range(count)]
+    return list(data)
+
+
 class GGUFLoader(WeightLoader):
-    """Reads .gguf files; weights are dequantized to the compute dtype while loading."""
+    """Reads .gguf files. Their weights stay in the file's block formats, mapped from it
+    (core/layers/ggml_linear.py); norms and biases are float32."""
 
     name = "gguf"
 
     def open(self, path: Path) -> ModelSource:
-        """The converted copy from the cache (core/model_loader/weight_cache.py) if there is one;
-        else the GGUF itself, converted into the cache as its weights load."""
-        folder = converted_folder(path)
-        if folder.is_dir():
-            try:
-                return replace(open_folder(folder), path=path, name=path.stem,
-                               quantization="gguf")
-            except (ValueError, OSError) as exc:
-                logger.warning("discarding the unreadable cached conversion %s: %s", folder, exc)
-                shutil.rmtree(folder, ignore_errors=True)
         gguf_file = GGUFFile(path)
         hf_config = gguf_file.hf_config()
         config = ModelConfig.from_hf_dict(hf_config)  # config errors before the tokenizer
         tokenizer = gguf_file.tokenizer()
-        specs = gguf_file.tensor_specs()
-
-        def write_metadata(out: Path) -> None:
-            (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-            write_tokenizer(out, tokenizer)
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            return convert_while_loading(gguf_file.tensors(), specs, folder, write_metadata)
-
         return ModelSource(path=path, name=path.stem, config=config, tokenizer=tokenizer,
-                           num_tensors=len(specs), weights=weights, hf_config=hf_config,
-                           quantization="gguf")
+                           num_tensors=gguf_file.num_tensors, weights=gguf_file.tensors,
+                           hf_config=hf_config, quantization="gguf")
+
+    def linear_method(self, source: ModelSource, device: torch.device) -> LinearMethod | None:
+        if device.type != "cpu":
+            return None  # GPUs take float weights: as_tensor dequantizes each
+        return GGMLLinearMethod()

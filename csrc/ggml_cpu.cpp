@@ -1,0 +1,435 @@
+// Linear layers on weights in ggml's block formats, as a GGUF file stores them, on CPU:
+//
+//   x      [M, K]   float32, contiguous
+//   parts  [n_p, row_bytes] uint8 each: the output rows of one fused part (q, k, v), every
+//          row K values in blocks of its type (a row stride above row_bytes is a column slice)
+//   types  [P] int64: each part's ggml type id
+//   y      [M, sum n_p] = x @ dequantize(parts)^T (+ bias)
+//
+// A block holds 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and F32/F16/BF16 read as blocks of
+// 32) or 256 (the K-quants Q2_K..Q6_K) behind one or a few scales. Nothing is unpacked at
+// load: the weights stay at the file's size, mapped from it. At few rows (decode) each thread
+// walks its share of the weight rows once, dequantizing 256 values at a time into a buffer in
+// L1 and taking every row of x through them: the arithmetic is that of transformers on the
+// dequantized weight, up to summation order. At more rows (prefill) the dequantizing costs
+// nothing against the multiply: panels of rows are dequantized to float32 and multiplied by
+// torch's GEMM.
+//
+// The block layouts and their formulas are ggml's (ggml-common.h, ggml-quants.c).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "team.h"
+
+namespace ggml {
+
+enum Type : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+};
+
+struct Format {
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+};
+
+// Values and bytes of one block of `type`; {0, 0} for a type the kernels do not read.
+inline Format format(int64_t type) {
+  switch (type) {
+    case F32: return {32, 128};
+    case F16: return {32, 64};
+    case BF16: return {32, 64};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q2_K: return {256, 84};
+    case Q3_K: return {256, 110};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+// Up to this many rows of x take the fused GEMV; more take panels and torch's GEMM.
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kChunk = 256;  // values dequantized at a time: one K-block, 8 small ones
+
+namespace {
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+inline uint32_t word(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+void q4_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const uint8_t* q = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>((q[j] & 0xF) - 8);
+    y[j + 16] = d * static_cast<float>((q[j] >> 4) - 8);
+  }
+}
+
+void q4_1(const uint8_t* b, float* y) {
+  const float d = half(b), m = half(b + 2);
+  const uint8_t* q = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(q[j] & 0xF) + m;
+    y[j + 16] = d * static_cast<float>(q[j] >> 4) + m;
+  }
+}
+
+// Q5_0 and Q5_1: the fifth bit of value j in bit j of qh.
+void q5(const uint8_t* q, uint32_t qh, float d, float m, int offset, float* y) {
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (q[j] & 0xF) | (((qh >> j) << 4) & 0x10);
+    const int hi = (q[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+    y[j] = d * static_cast<float>(lo - offset) + m;
+    y[j + 16] = d * static_cast<float>(hi - offset) + m;
+  }
+}
+
+void q5_0(const uint8_t* b, float* y) { q5(b + 6, word(b + 2), half(b), 0.0f, 16, y); }
+void q5_1(const uint8_t* b, float* y) { q5(b + 8, word(b + 4), half(b), half(b + 2), 0, y); }
+
+void q8_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q[j]);
+}
+
+void f32(const uint8_t* b, float* y) { std::memcpy(y, b, 128); }
+
+void f16(const uint8_t* b, float* y) {
+  for (int j = 0; j < 32; ++j) y[j] = half(b + 2 * j);
+}
+
+void bf16(const uint8_t* b, float* y) {
+  for (int j = 0; j < 32; ++j) {
+    uint16_t h;
+    std::memcpy(&h, b + 2 * j, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    std::memcpy(y + j, &bits, 4);
+  }
+}
+
+// 16 x 2-bit values of a run of 16 at `shift`: y = dl * q - ml.
+void q2_k(const uint8_t* b, float* y) {
+  const uint8_t* scales = b;
+  const uint8_t* q = b + 16;
+  const float d = half(b + 80), dmin = half(b + 82);
+  int is = 0;
+  for (int n = 0; n < 256; n += 128, q += 32) {
+    for (int shift = 0; shift < 8; shift += 2) {
+      for (int half_run = 0; half_run < 2; ++half_run) {
+        const uint8_t sc = scales[is++];
+        const float dl = d * static_cast<float>(sc & 0xF), ml = dmin * static_cast<float>(sc >> 4);
+        const uint8_t* qr = q + 16 * half_run;
+        for (int l = 0; l < 16; ++l) *y++ = dl * static_cast<float>((qr[l] >> shift) & 3) - ml;
+      }
+    }
+  }
+}
+
+// Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed values (minus 32).
+void q3_k_scales(const uint8_t* packed, int8_t* scales) {
+  uint32_t aux[4];
+  std::memcpy(aux, packed, 12);
+  constexpr uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  const uint32_t tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+  std::memcpy(scales, aux, 16);
+}
+
+void q3_k(const uint8_t* b, float* y) {
+  const uint8_t* hmask = b;
+  const uint8_t* q = b + 32;
+  int8_t scales[16];
+  q3_k_scales(b + 96, scales);
+  const float d = half(b + 108);
+  int is = 0;
+  uint8_t m = 1;
+  for (int n = 0; n < 256; n += 128, q += 32) {
+    for (int shift = 0; shift < 8; shift += 2, m <<= 1) {
+      for (int half_run = 0; half_run < 2; ++half_run) {
+        const float dl = d * static_cast<float>(scales[is++] - 32);
+        const uint8_t* qr = q + 16 * half_run;
+        const uint8_t* hr = hmask + 16 * half_run;
+        for (int l = 0; l < 16; ++l) {
+          const int v = ((qr[l] >> shift) & 3) - ((hr[l] & m) ? 0 : 4);
+          *y++ = dl * static_cast<float>(v);
+        }
+      }
+    }
+  }
+}
+
+// Scale and min of sub-block j of Q4_K / Q5_K (6 bits each, packed in 12 bytes).
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *mn = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void q4_k(const uint8_t* b, float* y) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
+    uint8_t sc, mn;
+    scale_min_k4(j, scales, &sc, &mn);
+    const float d1 = d * sc, m1 = dmin * mn;
+    scale_min_k4(j + 1, scales, &sc, &mn);
+    const float d2 = d * sc, m2 = dmin * mn;
+    for (int l = 0; l < 32; ++l) {
+      y[l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
+      y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    }
+  }
+}
+
+void q5_k(const uint8_t* b, float* y) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48;
+  uint8_t u1 = 1, u2 = 2;
+  for (int j = 0; j < 8; j += 2, q += 32, y += 64, u1 <<= 2, u2 <<= 2) {
+    uint8_t sc, mn;
+    scale_min_k4(j, scales, &sc, &mn);
+    const float d1 = d * sc, m1 = dmin * mn;
+    scale_min_k4(j + 1, scales, &sc, &mn);
+    const float d2 = d * sc, m2 = dmin * mn;
+    for (int l = 0; l < 32; ++l) {
+      y[l] = d1 * static_cast<float>((q[l] & 0xF) + ((qh[l] & u1) ? 16 : 0)) - m1;
+      y[l + 32] = d2 * static_cast<float>((q[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - m2;
+    }
+  }
+}
+
+void q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half(b + 208);
+  for (int n = 0; n < 256; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * sc[is] * static_cast<float>(q1);
+      y[l + 32] = d * sc[is + 2] * static_cast<float>(q2);
+      y[l + 64] = d * sc[is + 4] * static_cast<float>(q3);
+      y[l + 96] = d * sc[is + 6] * static_cast<float>(q4);
+    }
+  }
+}
+
+using BlockFn = void (*)(const uint8_t*, float*);
+
+BlockFn block_fn(int64_t type) {
+  switch (type) {
+    case F32: return f32;
+    case F16: return f16;
+    case BF16: return bf16;
+    case Q4_0: return q4_0;
+    case Q4_1: return q4_1;
+    case Q5_0: return q5_0;
+    case Q5_1: return q5_1;
+    case Q8_0: return q8_0;
+    case Q2_K: return q2_k;
+    case Q3_K: return q3_k;
+    case Q4_K: return q4_k;
+    case Q5_K: return q5_k;
+    case Q6_K: return q6_k;
+    default: return nullptr;
+  }
+}
+
+// One part's rows as the kernels read them.
+struct Part {
+  const uint8_t* data;
+  int64_t rows, stride;  // stride: bytes from one row to the next
+  Format fmt;
+  BlockFn fn;
+};
+
+Part check_part(const at::Tensor& data, int64_t type, int64_t K, const char* name) {
+  const Format fmt = format(type);
+  const BlockFn fn = block_fn(type);
+  TORCH_CHECK(fn != nullptr, name, ": ggml type ", type, " is not one the kernels read");
+  TORCH_CHECK(K % fmt.values == 0, name, ": K=", K, " is not a whole number of blocks of ",
+              fmt.values, " (ggml type ", type, ")");
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.stride(1) == 1 &&
+                  data.size(1) == K / fmt.values * fmt.bytes,
+              name, ": each part must be uint8 [rows, ", K / fmt.values * fmt.bytes,
+              "] (K=", K, " in blocks of ggml type ", type, "), got ", data.sizes());
+  return {data.data_ptr<uint8_t>(), data.size(0), data.stride(0), fmt, fn};
+}
+
+// Values [v0, v0 + count) of one row (v0 and count whole blocks) into out.
+inline void dequantize_run(const Part& p, const uint8_t* row, int64_t v0, int64_t count,
+                           float* out) {
+  const uint8_t* b = row + v0 / p.fmt.values * p.fmt.bytes;
+  for (int64_t v = 0; v < count; v += p.fmt.values, b += p.fmt.bytes) p.fn(b, out + v);
+}
+
+// y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x.
+void gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M, int64_t K,
+               const float* bias, float* y, int64_t ldy) {
+  alignas(64) float w[kChunk];
+  float acc[kMaxRows];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.data + n * p.stride;
+    std::fill(acc, acc + M, 0.0f);
+    for (int64_t v0 = 0; v0 < K; v0 += kChunk) {
+      const int64_t count = std::min(kChunk, K - v0);
+      dequantize_run(p, row, v0, count, w);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K + v0;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < count; ++i) s += w[i] * xm[i];
+        acc[m] += s;
+      }
+    }
+    const float b = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = acc[m] + b;
+  }
+}
+
+std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const at::Tensor& types,
+                              int64_t K) {
+  TORCH_CHECK(types.dim() == 1 && types.scalar_type() == at::kLong &&
+                  types.numel() == static_cast<int64_t>(parts.size()) && !parts.empty(),
+              "ggml_linear: one int64 type per part");
+  std::vector<Part> out;
+  const int64_t* t = types.data_ptr<int64_t>();
+  for (size_t i = 0; i < parts.size(); ++i)
+    out.push_back(check_part(parts[i], t[i], K, "ggml_linear"));
+  return out;
+}
+
+// Rows of each part dequantized into float32 panels, each multiplied by torch's GEMM.
+void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
+  const int64_t K = x.size(1);
+  // A panel of ~4 MB of float32: large enough for the GEMM, small enough for L2/L3.
+  const int64_t panel = std::max<int64_t>(64, (int64_t{1} << 20) / K / 16 * 16);
+  int64_t col = 0;
+  for (const Part& p : parts) {
+    for (int64_t r0 = 0; r0 < p.rows; r0 += panel) {
+      const int64_t rows = std::min(panel, p.rows - r0);
+      at::Tensor w = at::empty({rows, K}, x.options());
+      float* wd = w.data_ptr<float>();
+      at::parallel_for(0, rows, 8, [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; ++r) dequantize_run(p, p.data + (r0 + r) * p.stride, 0, K, wd + r * K);
+      });
+      y.narrow(1, col + r0, rows).copy_(at::mm(x, w.t()));
+    }
+    col += p.rows;
+  }
+}
+
+}  // namespace
+
+// y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above).
+at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                       const at::Tensor& types, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "ggml_linear: x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<Part> ps = check_parts(parts, types, K);
+  int64_t N = 0;
+  for (const Part& p : ps) N += p.rows;
+  const bool has_bias = bias.has_value() && bias->defined() && bias->numel() > 0;
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                            bias->numel() == N),
+              "ggml_linear: bias must be contiguous float32 [N]");
+  at::Tensor y;
+  if (out.has_value()) {
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->dim() == 2 &&
+                    out->size(0) == M && out->size(1) == N,
+                "ggml_linear: out must be contiguous float32 [", M, ", ", N, "]");
+    y = *out;
+  } else {
+    y = at::empty({M, N}, x.options());
+  }
+  if (M == 0) return y;
+  if (M > kMaxRows) {
+    gemm(ps, x, y);
+    if (has_bias) y.add_(*bias);
+    return y;
+  }
+  const float* xd = x.data_ptr<float>();
+  const float* bd = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yd = y.data_ptr<float>();
+  // One loop over every part's rows: a thread's share may span two parts.
+  team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+    int64_t first = 0;
+    for (const Part& p : ps) {
+      const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
+      if (lo < hi)
+        gemv_rows(p, lo - first, hi - first, xd, M, K, bd ? bd + first : nullptr, yd + first,
+                  N);
+      first += p.rows;
+    }
+  });
+  return y;
+}
+
+// Rows `ids` of a table in ggml blocks ([V, row_bytes]) as float32 [T, K]: an embedding lookup.
+at::Tensor ggml_rows(const at::Tensor& data, int64_t type, const at::Tensor& ids, int64_t K) {
+  const Part p = check_part(data, type, K, "ggml_rows");
+  const at::Tensor idx = ids.to(at::kLong).contiguous().view({-1});
+  const int64_t T = idx.numel();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < p.rows, "ggml_rows: token id ", id[t],
+                " is outside the table's ", p.rows, " rows");
+  at::Tensor out = at::empty({T, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) dequantize_run(p, p.data + id[t] * p.stride, 0, K, o + t * K);
+  });
+  return out;
+}
+
+// The whole table as float32 [rows, K].
+at::Tensor ggml_dequantize(const at::Tensor& data, int64_t type, int64_t K) {
+  const Part p = check_part(data, type, K, "ggml_dequantize");
+  at::Tensor out = at::empty({p.rows, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) dequantize_run(p, p.data + r * p.stride, 0, K, o + r * K);
+  });
+  return out;
+}
+
+}  // namespace ggml
