@@ -1,0 +1,118 @@
+"""Weights in ggml's block formats (core/layers/ggml_tensor.py, csrc/ggml_cpu.cpp): every type
+dequantized exactly as the gguf package dequantizes it, linears at GEMV and GEMM sizes against
+torch on the dequantized weight, under every ISA flavour; slicing by rows and by whole blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from pkv.core.layers.ggml_tensor import FORMATS, GGMLTensor
+
+# Byte offsets of each quantized type's float16 scales (d, and dmin/m where it has one) in
+# a block: random bytes there could be NaN or huge; everywhere else any byte is valid.
+_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+           "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+TYPES = sorted(FORMATS, key=lambda t: FORMATS[t].name)
+
+
+def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row bytes]: random codes with small positive scales, or random floats."""
+    rng = np.random.default_rng(seed)
+    fmt = FORMATS[qtype]
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if fmt.name == "F32":
+        return values.view(np.uint8)
+    if fmt.name == "F16":
+        return values.astype(np.float16).view(np.uint8)
+    if fmt.name == "BF16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    count = cols // fmt.values
+    blocks = rng.integers(0, 256, (rows, count, fmt.bytes), dtype=np.uint8)
+    for offset in _SCALES[fmt.name]:
+        scale = (rng.random((rows, count)) * 0.02 + 0.001).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(rows, count, 2)
+    return blocks.reshape(rows, count * fmt.bytes)
+
+
+def reference(blocks: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
+    """The gguf package's float32 values of `blocks` (bf16 by widening: it has no reader)."""
+    if FORMATS[qtype].name == "BF16":
+        wide = blocks.view(np.uint16).astype(np.uint32) << 16
+        return torch.from_numpy(wide.view(np.float32).reshape(-1, cols))
+    values = quants.dequantize(blocks, GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, cols))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[FORMATS[t].name for t in TYPES])
+def test_every_type_dequantizes_as_the_gguf_package(cpu_kernels, qtype: int):
+    blocks = random_blocks(qtype, 7, 512, seed=qtype)
+    want = reference(blocks, qtype, 512)
+    got = cpu_kernels.ggml_dequantize(torch.from_numpy(blocks), qtype, 512)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ids = torch.tensor([6, 0, 3, 3])
+    torch.testing.assert_close(cpu_kernels.ggml_rows(torch.from_numpy(blocks), qtype, ids, 512),
+                               want[ids], rtol=0, atol=0)
+
+
+# Rows 1 to 40: the GEMV (up to ggml_gemv_max_rows) and the panel GEMM above it; K one chunk,
+# several, and a last chunk of 32-value blocks short of 256 (896 = 3.5 chunks).
+@pytest.mark.parametrize("qtype", TYPES, ids=[FORMATS[t].name for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_linear_matches_torch_on_the_dequantized_weight(cpu_kernels, qtype: int, rows: int):
+    cols = 512 if FORMATS[qtype].values == 256 else 896
+    first, second = random_blocks(qtype, 19, cols, seed=1), random_blocks(qtype, 6, cols, seed=2)
+    weight = torch.cat([reference(first, qtype, cols), reference(second, qtype, cols)])
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, cols, generator=gen), torch.randn(25, generator=gen)
+    parts = [torch.from_numpy(first), torch.from_numpy(second)]
+    types = torch.tensor([qtype, qtype])
+    want = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(cpu_kernels.ggml_linear(x, parts, types, bias), want,
+                               rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    out = torch.empty(rows, 25)
+    assert cpu_kernels.ggml_linear(x, parts, types, None, out).data_ptr() == out.data_ptr()
+
+
+def test_parts_of_different_types_make_one_output(cpu_kernels):
+    q4k, q6k, q8 = (FORMATS_BY_NAME[n] for n in ("Q4_K", "Q6_K", "Q8_0"))
+    parts = [random_blocks(t, n, 256, seed=n) for t, n in ((q4k, 8), (q6k, 5), (q8, 3))]
+    weight = torch.cat([reference(p, t, 256) for p, t in zip(parts, (q4k, q6k, q8))])
+    x = torch.randn(2, 256)
+    y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts],
+                                torch.tensor([q4k, q6k, q8]), None)
+    torch.testing.assert_close(y, x @ weight.t(), rtol=1e-4, atol=1e-3)
+
+
+def test_kernels_refuse_bad_operands(cpu_kernels):
+    q4k = FORMATS_BY_NAME["Q4_K"]
+    blocks = torch.from_numpy(random_blocks(q4k, 4, 512))
+    x = torch.randn(2, 512)
+    with pytest.raises(RuntimeError, match="not a whole number of blocks"):
+        cpu_kernels.ggml_linear(torch.randn(2, 320), [blocks], torch.tensor([q4k]), None)
+    with pytest.raises(RuntimeError, match="ggml type 99"):
+        cpu_kernels.ggml_linear(x, [blocks], torch.tensor([99]), None)
+    with pytest.raises(RuntimeError, match="uint8"):
+        cpu_kernels.ggml_linear(x, [blocks[:, :100]], torch.tensor([q4k]), None)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        cpu_kernels.ggml_rows(blocks, q4k, torch.tensor([4]), 512)
+
+
+def test_a_tensor_narrows_by_rows_and_by_whole_blocks():
+    q4_0 = FORMATS_BY_NAME["Q4_0"]
+    blocks = random_blocks(q4_0, 6, 128)
+    tensor = GGMLTensor(torch.from_numpy(blocks), q4_0, 128)
+    full = reference(blocks, q4_0, 128)
+    assert tensor.shape == (6, 128) and tensor.nbytes == 6 * 4 * 18
+    torch.testing.assert_close(tensor.narrow(0, 2, 3).dequantize(), full[2:5])
+    torch.testing.assert_close(tensor.narrow(1, 64, 64).dequantize(), full[:, 64:])
+    torch.testing.assert_close(tensor[:], full)  # read as a lazy handle: float32
+    with pytest.raises(ValueError, match="splits only between its 32-value blocks"):
+        tensor.narrow(1, 16, 64)
+    with pytest.raises(ValueError, match="takes 72 bytes"):
+        GGMLTensor(torch.from_numpy(blocks[:, :70]), q4_0, 128)
+
+
+FORMATS_BY_NAME = {fmt.name: qtype for qtype, fmt in FORMATS.items()}
