@@ -26,7 +26,12 @@
 #include <optional>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "team.h"
+#include "vec_math.h"
 
 namespace ggml {
 
@@ -69,7 +74,11 @@ namespace {
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 inline uint32_t word(const uint8_t* p) {
@@ -96,13 +105,28 @@ void q4_1(const uint8_t* b, float* y) {
   }
 }
 
+// Each byte value's 8 bits spread over 8 bytes as 0 or 0x10 (bit i -> byte i): Q5's fifth
+// bits, read 8 at a time, in a form the value loops vectorize over.
+struct FifthBits {
+  uint64_t of[256];
+  constexpr FifthBits() : of() {
+    for (int v = 0; v < 256; ++v)
+      for (int i = 0; i < 8; ++i)
+        if (v & (1 << i)) of[v] |= uint64_t{0x10} << (8 * i);
+  }
+};
+constexpr FifthBits kFifthBits;
+
 // Q5_0 and Q5_1: the fifth bit of value j in bit j of qh.
 void q5(const uint8_t* q, uint32_t qh, float d, float m, int offset, float* y) {
+  uint8_t high[32];
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t spread = kFifthBits.of[(qh >> (8 * i)) & 0xFF];
+    std::memcpy(high + 8 * i, &spread, 8);
+  }
   for (int j = 0; j < 16; ++j) {
-    const int lo = (q[j] & 0xF) | (((qh >> j) << 4) & 0x10);
-    const int hi = (q[j] >> 4) | ((qh >> (j + 12)) & 0x10);
-    y[j] = d * static_cast<float>(lo - offset) + m;
-    y[j + 16] = d * static_cast<float>(hi - offset) + m;
+    y[j] = d * static_cast<float>(((q[j] & 0xF) | high[j]) - offset) + m;
+    y[j + 16] = d * static_cast<float>(((q[j] >> 4) | high[j + 16]) - offset) + m;
   }
 }
 
@@ -231,22 +255,25 @@ void q5_k(const uint8_t* b, float* y) {
   }
 }
 
+// Runs of 16 values share a scale: four runs of 32 per 128 values, two scales each.
 void q6_k(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half(b + 208);
   for (int n = 0; n < 256; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * sc[is] * static_cast<float>(q1);
-      y[l + 32] = d * sc[is + 2] * static_cast<float>(q2);
-      y[l + 64] = d * sc[is + 4] * static_cast<float>(q3);
-      y[l + 96] = d * sc[is + 6] * static_cast<float>(q4);
+    for (int h = 0; h < 2; ++h) {
+      const float s1 = d * sc[h], s2 = d * sc[h + 2], s3 = d * sc[h + 4], s4 = d * sc[h + 6];
+      for (int l = 16 * h; l < 16 * h + 16; ++l) {
+        const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = s1 * static_cast<float>(q1);
+        y[l + 32] = s2 * static_cast<float>(q2);
+        y[l + 64] = s3 * static_cast<float>(q3);
+        y[l + 96] = s4 * static_cast<float>(q4);
+      }
     }
   }
 }
@@ -278,6 +305,7 @@ struct Part {
   int64_t rows, stride;  // stride: bytes from one row to the next
   Format fmt;
   BlockFn fn;
+  int64_t type;
 };
 
 Part check_part(const at::Tensor& data, int64_t type, int64_t K, const char* name) {
@@ -290,7 +318,7 @@ Part check_part(const at::Tensor& data, int64_t type, int64_t K, const char* nam
                   data.size(1) == K / fmt.values * fmt.bytes,
               name, ": each part must be uint8 [rows, ", K / fmt.values * fmt.bytes,
               "] (K=", K, " in blocks of ggml type ", type, "), got ", data.sizes());
-  return {data.data_ptr<uint8_t>(), data.size(0), data.stride(0), fmt, fn};
+  return {data.data_ptr<uint8_t>(), data.size(0), data.stride(0), fmt, fn, type};
 }
 
 // Values [v0, v0 + count) of one row (v0 and count whole blocks) into out.
@@ -300,27 +328,65 @@ inline void dequantize_run(const Part& p, const uint8_t* row, int64_t v0, int64_
   for (int64_t v = 0; v < count; v += p.fmt.values, b += p.fmt.bytes) p.fn(b, out + v);
 }
 
-// y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x.
-void gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M, int64_t K,
-               const float* bias, float* y, int64_t ldy) {
+// acc[r] += w[0, count) * x[r * ldx + (0, count)] lane-wise for R rows of x: each vector of
+// w is loaded once for the R rows (R accumulators, w and x fit the registers of AVX2).
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc) {
+  vf16 a[R];
+  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  for (int64_t i = 0; i < count; i += 16) {
+    const vf16 wv = load16(w + i);
+    for (int r = 0; r < R; ++r) a[r] += wv * load16(x + r * ldx + i);
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a[r];
+}
+
+// y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x, the block
+// dequantizer `deq` inlined. Each row of x keeps a vector of partial sums over the whole
+// weight row (one horizontal sum at its end).
+template <typename Deq>
+void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, int64_t M,
+               int64_t K, const float* bias, float* y, int64_t ldy) {
   alignas(64) float w[kChunk];
-  float acc[kMaxRows];
+  vf16 acc[kMaxRows];
+  const int64_t per_chunk = kChunk / p.fmt.values;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.data + n * p.stride;
-    std::fill(acc, acc + M, 0.0f);
+    const uint8_t* b = p.data + n * p.stride;
+    for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
     for (int64_t v0 = 0; v0 < K; v0 += kChunk) {
       const int64_t count = std::min(kChunk, K - v0);
-      dequantize_run(p, row, v0, count, w);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K + v0;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < count; ++i) s += w[i] * xm[i];
-        acc[m] += s;
-      }
+      for (int64_t i = 0; i < std::min(per_chunk, count / p.fmt.values); ++i, b += p.fmt.bytes)
+        deq(b, w + i * p.fmt.values);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(w, x + m * K + v0, K, count, acc + m);
+      for (; m < M; ++m) dot_rows<1>(w, x + m * K + v0, K, count, acc + m);
     }
-    const float b = bias != nullptr ? bias[n] : 0.0f;
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = acc[m] + b;
+    const float bn = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = hsum(acc[m]) + bn;
+  }
+}
+
+// gemv_rows with the part's dequantizer as a compile-time function.
+void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float* x,
+               int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
+  switch (type) {
+#define PKV_GGML_CASE(T, FN) \
+  case T: return gemv_rows(p, [](const uint8_t* b, float* o) { FN(b, o); }, n0, n1, x, M, K, bias, y, ldy);
+    PKV_GGML_CASE(F32, f32)
+    PKV_GGML_CASE(F16, f16)
+    PKV_GGML_CASE(BF16, bf16)
+    PKV_GGML_CASE(Q4_0, q4_0)
+    PKV_GGML_CASE(Q4_1, q4_1)
+    PKV_GGML_CASE(Q5_0, q5_0)
+    PKV_GGML_CASE(Q5_1, q5_1)
+    PKV_GGML_CASE(Q8_0, q8_0)
+    PKV_GGML_CASE(Q2_K, q2_k)
+    PKV_GGML_CASE(Q3_K, q3_k)
+    PKV_GGML_CASE(Q4_K, q4_k)
+    PKV_GGML_CASE(Q5_K, q5_k)
+    PKV_GGML_CASE(Q6_K, q6_k)
+#undef PKV_GGML_CASE
+    default: TORCH_CHECK(false, "ggml_linear: ggml type ", type, " is not one the kernels read");
   }
 }
 
@@ -396,8 +462,8 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     for (const Part& p : ps) {
       const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
       if (lo < hi)
-        gemv_rows(p, lo - first, hi - first, xd, M, K, bd ? bd + first : nullptr, yd + first,
-                  N);
+        gemv_part(p, p.type, lo - first, hi - first, xd, M, K, bd ? bd + first : nullptr,
+                  yd + first, N);
       first += p.rows;
     }
   });

@@ -19,6 +19,7 @@ from pkv.cli.bench.commands.guided import guided
 from pkv.cli.bench.commands.kernels import kernels
 from pkv.cli.bench.commands.lora import lora
 from pkv.cli.bench.commands.moe import moe
+from pkv.cli.bench.commands.random_gguf import random_gguf
 from pkv.cli.bench.commands.run import run
 from pkv.cli.bench.commands.serve import serve
 from pkv.cli.bench.commands.soak import soak
@@ -52,3 +53,4 @@ bench_app.command("window")(window)
 bench_app.command("soak")(soak)
 bench_app.command("burst")(burst)
 bench_app.command("tools")(tools)
+bench_app.command("random-gguf")(random_gguf)

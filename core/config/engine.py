@@ -49,7 +49,8 @@ class EngineConfig:
     revision: str | None = _opt(None, "Branch, tag or commit of a Hub id (default: main).")
     gguf_file: str | None = _opt(None, "The .gguf file to load from a Hub id or folder.")
     dtype: str = _opt("auto", "Compute dtype: auto, float32, bfloat16, float16 "
-                      "(auto: float32 on CPU, the checkpoint's dtype on GPU).")
+                      "(auto: float32 on CPU, the checkpoint's dtype on GPU; a GGUF's "
+                      "weights stay in its blocks unless float32 is asked for).")
     device: str = _opt("auto", "Device: auto, cpu or cuda.")
     block_size: int = _opt(16, "Tokens per KV cache block.")
     kv_cache_memory: int | str | None = _opt(

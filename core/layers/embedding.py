@@ -48,7 +48,7 @@ class VocabEmbedding(nn.Module):
 
     def load(self, tensor: object, name: str) -> None:
         rows = take(tensor, 0, self.start, self.count) if self.tp.enabled else tensor
-        if isinstance(rows, GGMLTensor) and self.weight.device.type == "cpu":
+        if isinstance(rows, GGMLTensor):
             self._keep_blocks(rows, name)
             return
         rows = as_tensor(rows)

@@ -14,12 +14,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from pkv.core.layers.ggml_tensor import GGMLTensor
+from pkv.csrc import cpp_build
+
+from pkv.core.layers.ggml_tensor import GGMLTensor, drop_pages
+from pkv.core.layers.int4_tiles import tiled
 from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout, as_tensor
 
 # FusedOperands.group_size that tells the C++ decoder its operands are ggml parts.
 GGML_GROUP = -1
+# Types whose blocks are groups of 32 inputs of 4-bit codes under a scale and an offset.
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_GROUP = 32
 
 
 class GGMLLinearMethod(LinearMethod):
@@ -50,29 +57,98 @@ class GGMLLinearMethod(LinearMethod):
                              f"the model expects {wanted}")
         layer.parts[shard or 0] = tensor
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        from pkv.csrc import cpp_build
+    def __init__(self) -> None:
+        self.activation_bits = 32  # of the 4-bit GEMV's rows: 32 float, 16 or 8 quantized
 
+    def set_activations(self, activations: str) -> None:
+        """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels)."""
+        bits = {"float32": 32, "int16": 16, "int8": 8}[activations]
+        if bits != 32 and cpp_build.kernels_or_none() is None:
+            raise ValueError(f"awq_activations={activations} needs the CPU kernels, which did "
+                             "not build here")
+        self.activation_bits = bits
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
         parts: list[GGMLTensor] = layer.parts
-        for i, part in enumerate(parts):  # counted as the model's weights (weight_bytes)
-            layer.register_buffer(f"blocks_{i}", part.data, persistent=False)
-        layer.qtypes = torch.tensor([p.qtype for p in parts], dtype=torch.int64)
         layer.kernel = cpp_build.kernels_or_none()
         if layer.kernel is None:  # no compiler: torch's GEMM on a float copy
             layer.weight_f32 = torch.cat([p.dequantize() for p in parts])
+        elif all(p.format.name in INT4_TYPES for p in parts):
+            _to_int4_tiles(layer)
+            return
+        for i, part in enumerate(parts):  # counted as the model's weights (weight_bytes)
+            layer.register_buffer(f"blocks_{i}", part.data, persistent=False)
+        layer.qtypes = torch.tensor([p.qtype for p in parts], dtype=torch.int64)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.kernel is None:
             return F.linear(x.float(), layer.weight_f32, layer.bias).to(x.dtype)
         flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-        y = layer.kernel.ggml_linear(flat, [p.data for p in layer.parts], layer.qtypes,
-                                     layer.bias)
+        if layer.parts is None:  # 4-bit tiles
+            y = layer.kernel.awq_linear(flat, layer.codes, layer.scales_f32, layer.zs,
+                                        layer.bias, layer.out_features, INT4_GROUP,
+                                        layer.kernel.awq_gemv_max_rows, self.activation_bits)
+        else:
+            y = layer.kernel.ggml_linear(flat, [p.data for p in layer.parts], layer.qtypes,
+                                         layer.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def fused_operands(self, layer: Linear) -> FusedOperands | None:
         if layer.kernel is None:
             return None
+        if layer.parts is None:
+            return FusedOperands([layer.codes, layer.scales_f32, layer.zs], INT4_GROUP,
+                                 self.activation_bits)
         return FusedOperands([*(p.data for p in layer.parts), layer.qtypes], GGML_GROUP)
+
+
+def _to_int4_tiles(layer: Linear) -> None:
+    """4-bit parts repacked for the 4-bit kernel (csrc/awq_cpu.cpp): a batch-1 GEMV there runs
+    several times as fast as the generic block GEMV, for codes plus float32 scales and zs per
+    32 values (6 bits a weight against Q4_0's 4.5, Q4_1's 5, Q4_K's 4.5). The blocks' pages
+    are handed back once converted."""
+    forms = [int4_form(p) for p in layer.parts]
+    codes, scales, zs = (torch.cat([f[i] for f in forms]).t().contiguous() for i in range(3))
+    for name, tensor in zip(("codes", "scales_f32", "zs"), tiled(codes, scales, zs)):
+        layer.register_buffer(name, tensor, persistent=False)
+    layer.int4_types = sorted({p.format.name for p in layer.parts})
+    for part in layer.parts:
+        drop_pages(part.data)
+    layer.parts = None
+
+
+def int4_form(t: GGMLTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit tensor (Q4_0, Q4_1, Q4_K) as codes [rows, cols] in 0..15 and per-32-value
+    scales and zs [rows, cols / 32] with value = code * scale - zs, as ggml computes it
+    (Q4_0: d(q - 8); Q4_1: dq + m; Q4_K: (d sc) q - dmin m per 32-value sub-block)."""
+    fmt = t.format
+    rows = t.shape[0]
+    blocks = t.data.contiguous().reshape(rows, -1, fmt.bytes)
+    d = _halves(blocks[..., 0:2])
+    if fmt.name in ("Q4_0", "Q4_1"):
+        qs = blocks[..., (2 if fmt.name == "Q4_0" else 4):]
+        codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # values j and j + 16 of each block
+        zs = 8 * d if fmt.name == "Q4_0" else -_halves(blocks[..., 2:4])
+        return codes.reshape(rows, -1), d, zs
+    dmin = _halves(blocks[..., 2:4])
+    sc, mn = _k4_scales(blocks[..., 4:16])  # [rows, blocks, 8] sub-block scale / min codes
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 64 values per 32 bytes: low, then high
+    codes = torch.stack([qs & 0xF, qs >> 4], dim=3).reshape(rows, -1)
+    return (codes, (d.unsqueeze(-1) * sc).reshape(rows, -1),
+            (dmin.unsqueeze(-1) * mn).reshape(rows, -1))
+
+
+def _halves(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] little-endian float16s as float32 [...]."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's eight 6-bit scales and mins, packed in 12 bytes, as float32 [..., 8] each."""
+    q = packed.to(torch.int32)
+    low = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
+    mins = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return low.float(), mins.float()
 
 
 def use_ggml(layer: Linear) -> None:
@@ -84,3 +160,20 @@ def use_ggml(layer: Linear) -> None:
     layer.method = method
     layer.layouts = {**method.create_weights(layer, torch.float32),
                      **({"bias": layer.layouts["bias"]} if "bias" in layer.layouts else {})}
+
+
+def ggml_storage(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(storage label, tensor) of every weight a model holds in a GGUF's formats: the block
+    type ("Q6_K"), or "Q4_K as 4-bit tiles" for parts repacked for the 4-bit kernel."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.method, GGMLLinearMethod):
+            if module.parts is not None:
+                found += [(p.format.name, p.data) for p in module.parts]
+            elif hasattr(module, "codes"):
+                label = f"{'+'.join(module.int4_types)} as 4-bit tiles"
+                found += [(label, getattr(module, n)) for n in ("codes", "scales_f32", "zs")]
+        table = getattr(module, "table", None)
+        if isinstance(table, GGMLTensor):
+            found.append((table.format.name, table.data))
+    return found

@@ -9,6 +9,8 @@ lazy handle does (`core.layers.linear.as_tensor`), which dequantizes it to float
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -110,3 +112,22 @@ class GGMLTensor:
     def __getitem__(self, index: Any) -> torch.Tensor:
         """Values as float32 (a lazy handle's read; `[:]` is all of them)."""
         return self.dequantize()[index]
+
+
+_MADV_DONTNEED = 4  # linux/mman.h
+
+
+def drop_pages(data: torch.Tensor) -> None:
+    """Tell the OS that the whole pages under `data` are no longer needed (Linux; elsewhere
+    nothing happens): mapped from a file, they leave the process's memory and would be read
+    again from the file; anonymous, they read back as zeros. For blocks a layer converted and
+    will not read again."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    start = -(-data.data_ptr() // page) * page
+    end = (data.data_ptr() + data.nbytes) // page * page  # only pages wholly inside
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)

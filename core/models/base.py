@@ -24,7 +24,7 @@ from pkv.core.distributed.parallel import ShardPlan, single_rank_plan
 from pkv.core.layers.attention import tp_split
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.embedding import VocabEmbedding
-from pkv.core.layers.ggml_linear import use_ggml
+from pkv.core.layers.ggml_linear import GGMLLinearMethod, use_ggml
 from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor,
                                     check_shape, take)
@@ -95,6 +95,8 @@ class CausalLM(nn.Module):
                  method: LinearMethod | None = None, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.config = cfg
+        # A GGUF's blocks stay blocks where its linears do (else every tensor is dequantized).
+        self.keeps_blocks = isinstance(method, GGMLLinearMethod)
         self.plan = plan or single_rank_plan(cfg)
         ctx = BuildContext(backend, method, self.plan, max_len)
         self.model = self.make_decoder(cfg, ctx)
@@ -213,9 +215,11 @@ class CausalLM(nn.Module):
             fused, shard = STACKED.get(part, (part, None))
             path = f"{base}.{fused}" if base else fused
             module = modules.get(path)
+            if isinstance(tensor, GGMLTensor) and not self.keeps_blocks:
+                tensor = as_tensor(tensor)
             if isinstance(module, Linear):
-                if (isinstance(tensor, GGMLTensor) and module.weight.device.type == "cpu"
-                        and isinstance(module.method, UnquantizedLinearMethod)):
+                if isinstance(tensor, GGMLTensor) and isinstance(module.method,
+                                                                 UnquantizedLinearMethod):
                     use_ggml(module)  # a GGUF's LM head, kept in its blocks
                 module.load(leaf, tensor, shard, name)
             elif isinstance(module, VocabEmbedding) and leaf == "weight":

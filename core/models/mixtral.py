@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pkv.core.layers.ggml_linear import GGMLLinearMethod
 from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.layers.moe import SparseMoE
 from pkv.core.models.base import BuildContext
@@ -20,8 +21,10 @@ from pkv.core.models.llama import MistralForCausalLM
 
 
 def sparse_moe(cfg: ModelConfig, ctx: BuildContext, renormalize: bool, arch: str) -> SparseMoE:
-    """The MoE block of `cfg`; experts hold plain float weights only."""
-    if ctx.method is not None and not isinstance(ctx.method, UnquantizedLinearMethod):
+    """The MoE block of `cfg`; experts hold plain float weights only (a GGUF's experts are
+    dequantized as they load: its other linears keep their blocks)."""
+    if ctx.method is not None and not isinstance(ctx.method, (UnquantizedLinearMethod,
+                                                              GGMLLinearMethod)):
         raise ValueError(f"{arch} experts do not run with {ctx.method.name} weights: "
                          f"pkv runs mixture-of-experts models in float only")
     return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,

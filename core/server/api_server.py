@@ -141,8 +141,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/admin/memory")
     async def admin_memory() -> dict:
-        """RSS (anonymous / file-backed), the KV pool's part of it, the native heap (glibc's
-        totals), OS threads, every
+        """RSS (anonymous / file-backed), the KV pool's part of it, the weights' bytes by
+        storage type (Q4_K, float32, ...), the native heap (glibc's totals), OS threads, every
         cache's size and bound, and the Python heap's growth by line when traced
         (PKV_TRACEMALLOC=1); behind the API key."""
         caches = await async_llm.call_in_engine(engine_caches)
@@ -150,6 +150,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         process = psutil.Process()
         return {"rss_bytes": process.memory_info().rss,
                 "kv_resident_bytes": engine.runner.kv_resident_bytes,
+                "weight_bytes": engine.runner.weight_bytes,
+                "weight_bytes_by_type": engine.runner.weight_bytes_by_type,
                 "resident": resident_by_kind(),
                 "native_heap": heap.as_dict() if heap else None,
                 "threads": process.num_threads(),

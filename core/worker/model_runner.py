@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.lora.adapter import LoRAAdapter
 from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
@@ -113,6 +114,8 @@ class ModelRunner:
         self.device = setup.device
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
+        if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
+            method = None  # asked for float32: a GGUF's blocks are dequantized as they load
         if config.awq_activations != "float32":
             (method or UnquantizedLinearMethod()).set_activations(config.awq_activations)
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
@@ -154,6 +157,23 @@ class ModelRunner:
         """Bytes the model's weights hold in memory (shared tensors counted once)."""
         tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @property
+    def weight_bytes_by_type(self) -> dict[str, int]:
+        """`weight_bytes` by storage: ggml block type (Q4_K, Q6_K, ... of a GGUF kept as its
+        file stores it) or dtype (float32, ...), largest first."""
+        by_type: dict[str, int] = {}
+        blocks: set[int] = set()
+        for label, tensor in ggml_storage(self.model):
+            if tensor.data_ptr() not in blocks:
+                blocks.add(tensor.data_ptr())
+                by_type[label] = by_type.get(label, 0) + tensor.numel() * tensor.element_size()
+        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        for ptr, t in tensors.items():
+            if ptr not in blocks:
+                name = str(t.dtype).removeprefix("torch.")
+                by_type[name] = by_type.get(name, 0) + t.numel() * t.element_size()
+        return dict(sorted(by_type.items(), key=lambda kv: -kv[1]))
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pkv.core.layers.int4_tiles import PACK, tiled
 from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout
 from pkv.core.model_loader.loader import ModelSource
 from pkv.core.model_loader.quantization import WeightLoader
@@ -25,8 +26,6 @@ from pkv.core.model_loader.quantization import WeightLoader
 # Nibble i of a packed int32 holds output column 8c + AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-PACK = 8
-KERNEL_TILE = 32  # output columns per tile of the CPU kernel
 ACTIVATION_BITS = {"float32": 32, "int16": 16, "int8": 8}  # awq_activations -> the kernel's
 
 
@@ -112,12 +111,10 @@ class AWQLinearMethod(LinearMethod):
             layer.weight_t = _frozen(dequantize(layer.qweight, layer.qzeros, layer.scales,
                                                 self.group_size))
         else:
-            n = layer.out_features
-            layer.codes = _frozen(repack_words(unpack_int4(layer.qweight)))
             scales = layer.scales.float()
             zeros = unpack_int4(layer.qzeros).float()
-            layer.scales_f32 = _frozen(_by_tile(_pad_columns(scales, n)))
-            layer.zs = _frozen(_by_tile(_pad_columns(zeros * scales, n)))
+            codes, scales_f32, zs = tiled(unpack_int4(layer.qweight), scales, zeros * scales)
+            layer.codes, layer.scales_f32, layer.zs = _frozen(codes), _frozen(scales_f32), _frozen(zs)
         del layer.qweight, layer.qzeros, layer.scales
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -142,30 +139,6 @@ class AWQLinearMethod(LinearMethod):
             return None  # Triton, or torch's GEMM over a dequantized weight
         return FusedOperands([layer.codes, layer.scales_f32, layer.zs], self.group_size,
                              self.activation_bits)
-
-
-def repack_words(codes: torch.Tensor) -> torch.Tensor:
-    """[K, N] codes -> the CPU kernel's int32 [N'/32, K/8, 32]: 32 output columns per tile,
-    8 inputs per word, input 8b+i in the 4 bits from (3 + 4i) mod 32 up, wrapping past bit 31
-    (see csrc/awq_cpu.cpp); N' = N rounded up to 32, padded with zero codes."""
-    k, n = codes.shape
-    nibbles = _pad_columns(codes.to(torch.int32), n).reshape(k // PACK, PACK, -1, KERNEL_TILE)
-    words = torch.zeros(k // PACK, nibbles.shape[2], KERNEL_TILE, dtype=torch.int32)
-    for i in range(PACK):  # [K/8, N'/32, 32] at a time: no large temporaries
-        q, start = nibbles[:, i], (3 + 4 * i) % 32
-        words |= q << start if start <= 28 else (q << start) | (q >> (32 - start))
-    return words.permute(1, 0, 2).contiguous()
-
-
-def _by_tile(t: torch.Tensor) -> torch.Tensor:
-    """[R, N'] -> [N'/32, R, 32]: each kernel tile's rows next to each other."""
-    return t.reshape(t.shape[0], -1, KERNEL_TILE).permute(1, 0, 2).contiguous()
-
-
-def _pad_columns(t: torch.Tensor, n: int) -> torch.Tensor:
-    padded = t.new_zeros(t.shape[0], -(-n // KERNEL_TILE) * KERNEL_TILE)
-    padded[:, :n] = t
-    return padded
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

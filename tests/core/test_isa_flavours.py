@@ -110,7 +110,7 @@ def test_each_flavour_holds_only_its_instruction_set(cpu_kernels, isa: str):
         assert not vex, f"generic build holds AVX instructions: {vex[:5]}"
     # The batch-1 hot loops (AWQ GEMV, int8 LM head, decode attention) at the flavour's width.
     for kernel in ("::tile_rows<1l>(", "int8::(anonymous namespace)::gemv_rows<1l>(",
-                   "paged_attention"):
+                   "paged_attention", "ggml::(anonymous namespace)::gemv_rows<"):
         bodies = [body for name, body in functions.items() if kernel in name]
         assert bodies, f"no {kernel} in the {isa} build"
         texts = [text for body in bodies for _, text in body]

@@ -132,7 +132,8 @@ def _run_offline(o: dict[str, Any]) -> None:
                       f"in, {o['output_len']} out, {engine.runner.dtype}, attention "
                       f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks, "
                       f"weights {engine.quantization or 'float'} "
-                      f"{engine.runner.weight_bytes / 2**20:.0f} MiB, process RSS "
+                      f"{engine.runner.weight_bytes / 2**20:.0f} MiB ({weight_types(engine)}), "
+                      f"process RSS "
                       f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB")
         loras = ([lora_requests[i % len(lora_requests)] for i in range(len(prompts))]
                  if lora_requests else None)
@@ -180,3 +181,9 @@ def _run_offline(o: dict[str, Any]) -> None:
             series[runs[0][1].name] = [other.output_tps for _, other in runs]
         report.plot_sweep(o["plot"], o["batches"], series, "mean step time (ms)", latency,
                           "batch (concurrent sequences)", console)
+
+
+def weight_types(engine: Any) -> str:
+    """The weights' MiB by storage type: "Q5_0 290, Q8_0 130, float32 1"."""
+    return ", ".join(f"{name} {size / 2**20:.0f}"
+                     for name, size in engine.runner.weight_bytes_by_type.items())
