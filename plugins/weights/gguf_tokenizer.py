@@ -161,6 +161,8 @@ _BUILDERS: dict[str, Callable[[Field, list[str], list[int]], HFTokenizer]] = {
 # rewrote a tokenizer.json regex for std::regex (no `(?i:...)`, no \p{Lu}), this keeps the
 # original it quotes: Oniguruma runs it, and it is the model's own split (the rewrites differ
 # on non-ASCII letters). Names llama.cpp knows that are missing here are refused.
+# llama.cpp's GPT-2 regex lacks the Hub's final `|\s+`: the one whitespace character it can
+# leave unmatched (before a non-space) is a fragment of its own either way
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -196,7 +198,8 @@ _DEEPSEEK_CASED = (
 # CJK ideographs U+4E00-9FA5, U+0800-4E00 (every script in between), Hangul syllables
 _DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _DEEPSEEK_LLM = (r"[\r\n]", rf"\s?[{_DEEPSEEK_CASED}]+",
-                 # ASCII punctuation, full-width forms, quotes U+2018-201F, U+3000-3002
+                 # punctuation, full-width forms, quotes U+2018-201F, U+3000-3002; its
+                 # `:-~` holds A-Z and a-z too, so "école" is cut to "é" "cole" here
                  "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
                  r"\s+$", _DEEPSEEK_CJK, r"\p{N}+")
 _DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")
