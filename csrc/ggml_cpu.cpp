@@ -65,8 +65,11 @@ inline Format format(int64_t type) {
   }
 }
 
-// Up to this many rows of x take the fused GEMV; more take panels and torch's GEMM.
+// Rows of x the fused GEMV takes in one pass over the weight; up to kGemvPassRows rows take
+// passes of it, more take dequantized panels and the float32 GEMM (a Q8_0 LM head of
+// 49152 x 576, two AVX-512 threads: 16 rows 24 ms a pass, panels ~170 ms from 17 rows up).
 constexpr int64_t kMaxRows = 16;
+constexpr int64_t kGemvPassRows = 64;
 constexpr int64_t kChunk = 256;  // values dequantized at a time: one K-block, 8 small ones
 
 namespace {
@@ -402,21 +405,26 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const at::Te
   return out;
 }
 
-// Rows of each part dequantized into float32 panels, each multiplied by torch's GEMM.
+// Rows of each part dequantized into float32 panels, each multiplied by the float32 linear
+// (csrc/gemv_cpu.cpp's f32_linear: torch's mm on a fresh panel of a transposed weight ran
+// 3-10x slower here). The panel's buffer is kept per thread and reused: a fresh one of MBs
+// is a new mapping whose first touch page-faults (as long as the dequantizing).
 void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
   const int64_t K = x.size(1);
-  // A panel of ~4 MB of float32: large enough for the GEMM, small enough for L2/L3.
-  const int64_t panel = std::max<int64_t>(64, (int64_t{1} << 20) / K / 16 * 16);
+  const int64_t panel = std::max<int64_t>(256, (int64_t{4} << 20) / K);  // 16 MB of float32
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < panel * K) buffer = at::empty({panel * K}, x.options());
+  float* wd = buffer.data_ptr<float>();
   int64_t col = 0;
   for (const Part& p : parts) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += panel) {
       const int64_t rows = std::min(panel, p.rows - r0);
-      at::Tensor w = at::empty({rows, K}, x.options());
-      float* wd = w.data_ptr<float>();
       at::parallel_for(0, rows, 8, [&](int64_t a, int64_t b) {
-        for (int64_t r = a; r < b; ++r) dequantize_run(p, p.data + (r0 + r) * p.stride, 0, K, wd + r * K);
+        for (int64_t r = a; r < b; ++r)
+          dequantize_run(p, p.data + (r0 + r) * p.stride, 0, K, wd + r * K);
       });
-      y.narrow(1, col + r0, rows).copy_(at::mm(x, w.t()));
+      const at::Tensor w = buffer.narrow(0, 0, rows * K).view({rows, K});
+      y.narrow(1, col + r0, rows).copy_(gemv::f32_linear(x, w, std::nullopt, std::nullopt));
     }
     col += p.rows;
   }
@@ -448,25 +456,28 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     y = at::empty({M, N}, x.options());
   }
   if (M == 0) return y;
-  if (M > kMaxRows) {
+  if (M > kGemvPassRows) {
     gemm(ps, x, y);
     if (has_bias) y.add_(*bias);
     return y;
   }
-  const float* xd = x.data_ptr<float>();
   const float* bd = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* yd = y.data_ptr<float>();
-  // One loop over every part's rows: a thread's share may span two parts.
-  team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
-    int64_t first = 0;
-    for (const Part& p : ps) {
-      const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
-      if (lo < hi)
-        gemv_part(p, p.type, lo - first, hi - first, xd, M, K, bd ? bd + first : nullptr,
-                  yd + first, N);
-      first += p.rows;
-    }
-  });
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
+    const int64_t rows = std::min(kMaxRows, M - m0);
+    const float* xd = x.data_ptr<float>() + m0 * K;
+    float* yd = y.data_ptr<float>() + m0 * N;
+    // One loop over every part's rows: a thread's share may span two parts.
+    team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+      int64_t first = 0;
+      for (const Part& p : ps) {
+        const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
+        if (lo < hi)
+          gemv_part(p, p.type, lo - first, hi - first, xd, rows, K, bd ? bd + first : nullptr,
+                    yd + first, N);
+        first += p.rows;
+      }
+    });
+  }
   return y;
 }
 

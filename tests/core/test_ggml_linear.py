@@ -57,10 +57,10 @@ def test_every_type_dequantizes_as_the_gguf_package(cpu_kernels, qtype: int):
                                want[ids], rtol=0, atol=0)
 
 
-# Rows 1 to 40: the GEMV (up to ggml_gemv_max_rows) and the panel GEMM above it; K one chunk,
-# several, and a last chunk of 32-value blocks short of 256 (896 = 3.5 chunks).
+# Rows 1 to 70: the GEMV (passes of up to ggml_gemv_max_rows rows) and the panel GEMM past 64;
+# K one chunk, several, and a last chunk of 32-value blocks short of 256 (896 = 3.5 chunks).
 @pytest.mark.parametrize("qtype", TYPES, ids=[FORMATS[t].name for t in TYPES])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 70])
 def test_linear_matches_torch_on_the_dequantized_weight(cpu_kernels, qtype: int, rows: int):
     cols = 512 if FORMATS[qtype].values == 256 else 896
     first, second = random_blocks(qtype, 19, cols, seed=1), random_blocks(qtype, 6, cols, seed=2)
