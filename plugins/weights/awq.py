@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.layers.int4_tiles import PACK, tiled
