@@ -179,8 +179,10 @@ def test_tied_head_is_the_embedding_counted_once(smol_llm):
     runner = smol_llm.llm_engine.runner
     model = runner.model
     assert model.config.tie_word_embeddings
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    # The head and the embedding are one tensor, counted once.
-    every = [p for _, p in model.named_parameters(remove_duplicate=False)] + [*model.buffers()]
-    head = model.lm_head.weight.numel() * 4
-    assert runner.weight_bytes == sum(t.numel() * t.element_size() for t in every) - head
+    # The GGUF's tied head runs on the embedding's own Q8_0 blocks, counted once.
+    table = model.model.embed_tokens.table
+    assert model.lm_head.parts[0].data.data_ptr() == table.data.data_ptr()
+    assert model.lm_head.blocks_0 is model.model.embed_tokens.blocks  # one buffer, two owners
+    every = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    assert runner.weight_bytes == sum(t.numel() * t.element_size() for t in every.values())
+    assert runner.weight_bytes_by_type["Q8_0"] == table.nbytes
