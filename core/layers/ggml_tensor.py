@@ -36,6 +36,7 @@ FORMATS: dict[int, BlockFormat] = {
     14: BlockFormat("Q6_K", 256, 210),
 }
 F32 = 0
+_FLOAT_TYPES = {torch.float32: F32, torch.float16: 1, torch.bfloat16: 30}
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,14 @@ class GGMLTensor:
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> GGMLTensor:
-        """A float tensor [rows, cols] as ggml's F32 (a multiple of 32 columns)."""
-        weight = weight.detach().float().contiguous()
+        """A float tensor [rows, cols] (a multiple of 32 columns) as ggml's F32, or F16 / BF16
+        where it is 16-bit: at its own size."""
+        qtype = _FLOAT_TYPES.get(weight.dtype)
+        if qtype is None:
+            weight, qtype = weight.float(), F32
+        weight = weight.detach().contiguous()
         rows, cols = weight.shape
-        return cls(weight.view(torch.uint8).view(rows, cols * 4), F32, cols)
+        return cls(weight.view(torch.uint8).view(rows, cols * weight.element_size()), qtype, cols)
 
     @property
     def format(self) -> BlockFormat:
@@ -102,8 +107,9 @@ class GGMLTensor:
         kernels = cpp_build.kernels_or_none()
         if kernels is not None:
             return kernels.ggml_dequantize(self.data, self.qtype, self.cols)
-        if self.qtype == F32:
-            return self.data.contiguous().view(torch.float32).clone()
+        floats = {code: dtype for dtype, code in _FLOAT_TYPES.items()}
+        if self.qtype in floats:
+            return self.data.contiguous().view(floats[self.qtype]).float()
         from gguf import quants
 
         values = quants.dequantize(np.ascontiguousarray(self.data.numpy()), self.qtype)

@@ -217,6 +217,9 @@ class CausalLM(nn.Module):
             module = modules.get(path)
             if isinstance(tensor, GGMLTensor) and not self.keeps_blocks:
                 tensor = as_tensor(tensor)
+            elif (self.keeps_blocks and leaf == "weight"
+                  and (module is self.lm_head or isinstance(module, VocabEmbedding))):
+                tensor = sixteen_bit_blocks(tensor)
             if isinstance(module, Linear):
                 if isinstance(tensor, GGMLTensor) and isinstance(module.method,
                                                                  UnquantizedLinearMethod):
@@ -242,6 +245,18 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weights_after_loading(module)
+
+
+def sixteen_bit_blocks(tensor: Any) -> Any:
+    """A float16 / bfloat16 table (embedding, LM head) as ggml blocks, so that it stays at its
+    own size beside linears that do (core/layers/ggml_linear.py); other tensors as they are."""
+    if isinstance(tensor, GGMLTensor):
+        return tensor
+    tensor = as_tensor(tensor)
+    is_16_bit = tensor.dtype in (torch.float16, torch.bfloat16)
+    if is_16_bit and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+        return GGMLTensor.from_float(tensor)
+    return tensor
 
 
 def add_norm(norm: RMSNorm, h: torch.Tensor,

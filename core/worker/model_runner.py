@@ -59,6 +59,19 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.
     return _DTYPES.get(str(model.torch_dtype).removeprefix("torch."), torch.bfloat16)
 
 
+def keeps_16_bit(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
+    """Whether a float16 / bfloat16 checkpoint keeps its weights in 16 bits on CPU: with
+    `dtype=auto` (float32 computes, float32 accumulates) where the kernels build and every
+    linear's inputs are whole 32-value blocks."""
+    if config.dtype != "auto" or device.type != "cpu":
+        return False
+    if str(model.torch_dtype).removeprefix("torch.") not in ("bfloat16", "float16"):
+        return False
+    widths = (model.hidden_size, model.intermediate_size or 32,
+              model.num_attention_heads * model.head_dim)
+    return all(w % 32 == 0 for w in widths) and cpp_build.kernels_or_none() is not None
+
+
 def resolve_max_model_len(config: EngineConfig, model_max: int) -> int:
     if config.max_model_len is None:
         return model_max
@@ -116,6 +129,8 @@ class ModelRunner:
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
             method = None  # asked for float32: a GGUF's blocks are dequantized as they load
+        elif method is None and keeps_16_bit(config, source.config, self.device):
+            method = GGMLLinearMethod()  # 16-bit weights held as ggml's F16 / BF16
         if config.awq_activations != "float32":
             (method or UnquantizedLinearMethod()).set_activations(config.awq_activations)
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
