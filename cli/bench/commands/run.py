@@ -32,7 +32,8 @@ def run(
     dataset: Annotated[Optional[Path], typer.Option(help="JSONL file of prompts.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
     warmup: Annotated[int, typer.Option(help="Warm-up requests before timing.")] = 4,
-    baseline: Annotated[Optional[str], typer.Option(help="Also run: hf or openai.")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="Also run: hf, openai or llama.cpp (a GGUF).")] = None,
+    llama_cpp: Annotated[Optional[str], typer.Option(help="Folder of a llama.cpp build's llama-batched-bench (default: PATH).")] = None,
     baseline_batch: Annotated[int, typer.Option(help="Static batch of the hf baseline.")] = 16,
     url: Annotated[Optional[str], typer.Option(help="Server for --baseline openai.")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Key for --url.")] = None,
@@ -61,8 +62,8 @@ def run(
 
     with user_errors(console):
         batches = int_list(batch, "--batch")
-        if baseline not in (None, "hf", "openai"):
-            raise ValueError(f"--baseline must be hf or openai, got {baseline!r}")
+        if baseline not in (None, "hf", "openai", "llama.cpp"):
+            raise ValueError(f"--baseline must be hf, openai or llama.cpp, got {baseline!r}")
         if baseline == "openai" and not url:
             raise ValueError("--baseline openai needs --url")
         if input_len < 1 or output_len < 1:
@@ -87,6 +88,11 @@ def _run_offline(o: dict[str, Any]) -> None:
     headers = auth_headers(o["api_key"])
     url = base_url(o["url"]) if o["url"] else ""
     remote_model = check_server(url, headers) if o["baseline"] == "openai" else None
+    llama_cpp = None
+    if o["baseline"] == "llama.cpp":  # found before the model loads
+        from pkv.cli.bench import llama_cpp as lcpp
+
+        llama_cpp = (lcpp.find_batched_bench(o["llama_cpp"]), _gguf_path(o))
     engine = LLMEngine(EngineConfig(
         model=o["model"], revision=o["revision"], gguf_file=o["gguf_file"], dtype=o["dtype"],
         block_size=o["block_size"],
@@ -151,6 +157,10 @@ def _run_offline(o: dict[str, Any]) -> None:
             other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
         elif remote_model is not None:
             other = off.run_openai(url, remote_model, headers, prompts, o["output_len"], b)
+        elif llama_cpp is not None:
+            with console.status(f"llama.cpp, batch {b}"):
+                other = lcpp.run_batched_bench(*llama_cpp, b, o["input_len"], o["output_len"],
+                                               torch_threads())
         runs.append((result, other))
         console.print(report.offline_table([result] + ([other] if other else [])))
         if result.spec_acceptance_rate is not None:
@@ -187,3 +197,21 @@ def weight_types(engine: Any) -> str:
     """The weights' MiB by storage type: "Q5_0 290, Q8_0 130, float32 1"."""
     return ", ".join(f"{name} {size / 2**20:.0f}"
                      for name, size in engine.runner.weight_bytes_by_type.items())
+
+
+def _gguf_path(o: dict[str, Any]) -> Path:
+    """The GGUF the benchmark runs (the bundled one by default), for llama.cpp to run too."""
+    from pkv.core.model_loader.hub import resolve_model
+    from pkv.core.model_loader.loader import bundled_model_path
+
+    path = (resolve_model(o["model"], o["revision"], o["gguf_file"]) if o["model"]
+            else bundled_model_path())
+    if path.suffix != ".gguf":
+        raise ValueError(f"--baseline llama.cpp runs GGUF files; {path} is not one")
+    return path
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
