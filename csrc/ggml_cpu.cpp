@@ -26,7 +26,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -376,6 +376,55 @@ void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, i
   }
 }
 
+// 16 int8 values widened to floats in registers.
+inline vf16 widen_i8(const int8_t* p) {
+  vf16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vfn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
+#else
+  float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = p[i];
+  v = load16(f);
+#endif
+  return v;
+}
+
+// Q8_0 without the buffer: each block's 32 codes widened and scaled in registers, then taken
+// through R rows of x (the LM head of many GGUFs: at batch 1 the largest matrix of a step).
+template <int R>
+inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t ldx,
+                     vf16* acc) {
+  vf16 a[R];
+  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  for (int64_t i = 0; i < blocks; ++i, row += 34) {
+    const float d = half(row);
+    const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
+    const vf16 w0 = widen_i8(q) * d, w1 = widen_i8(q + 16) * d;
+    for (int r = 0; r < R; ++r) {
+      a[r] += w0 * load16(x + r * ldx + 32 * i);
+      a[r] += w1 * load16(x + r * ldx + 32 * i + 16);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a[r];
+}
+
+void q8_0_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M,
+                    int64_t K, const float* bias, float* y, int64_t ldy) {
+  vf16 acc[kMaxRows];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.data + n * p.stride;
+    for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q8_0_dot<4>(row, K / 32, x + m * K, K, acc + m);
+    for (; m < M; ++m) q8_0_dot<1>(row, K / 32, x + m * K, K, acc + m);
+    const float bn = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t r = 0; r < M; ++r) y[r * ldy + n] = hsum(acc[r]) + bn;
+  }
+}
+
 // gemv_rows with the part's dequantizer as a compile-time function.
 void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float* x,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
@@ -389,7 +438,7 @@ void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float*
     PKV_GGML_CASE(Q4_1, q4_1)
     PKV_GGML_CASE(Q5_0, q5_0)
     PKV_GGML_CASE(Q5_1, q5_1)
-    PKV_GGML_CASE(Q8_0, q8_0)
+    case Q8_0: return q8_0_gemv_rows(p, n0, n1, x, M, K, bias, y, ldy);
     PKV_GGML_CASE(Q2_K, q2_k)
     PKV_GGML_CASE(Q3_K, q3_k)
     PKV_GGML_CASE(Q4_K, q4_k)
