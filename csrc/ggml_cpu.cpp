@@ -382,8 +382,10 @@ inline vf16 widen_i8(const int8_t* p) {
 #if defined(__AVX512F__)
   v.p[0] = (vfn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 #elif defined(__AVX2__)
-  for (int h = 0; h < 2; ++h)
-    v.p[h] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
+  for (int h = 0; h < 2; ++h) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(p + 8 * h));
+    v.p[h] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
 #else
   float f[16];
   for (int i = 0; i < 16; ++i) f[i] = p[i];
@@ -411,15 +413,112 @@ inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t
   for (int r = 0; r < R; ++r) acc[r] = a[r];
 }
 
-void q8_0_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M,
-                    int64_t K, const float* bias, float* y, int64_t ldy) {
+// 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
+inline vu16 widen_u8(const uint8_t* p) {
+  vu16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vun)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vun)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)));
+#else
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) v.p[i][j] = p[i * kLanes + j];
+#endif
+  return v;
+}
+
+inline vf16 to_floats(vu16 a) {
+  vf16 f;
+  for (int i = 0; i < kParts; ++i) f.p[i] = __builtin_convertvector((vin)a.p[i], vfn);
+  return f;
+}
+
+// Q6_K without the buffer: per run of 16 values, the low 4 bits (ql) and high 2 (qh) of four
+// runs 32 apart are combined in 32-bit lanes, converted and scaled by d * sc in registers
+// (ggml's (d sc) q, q = code - 32), then taken through R rows of x.
+template <int R>
+inline void q6_k_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
+  vf16 a[R];
+  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  for (int64_t i = 0; i < blocks; ++i, b += 210) {
+    const float d = half(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int n = 0; n < 2; ++n) {
+      const uint8_t* ql = b + 64 * n;
+      const uint8_t* qh = b + 128 + 32 * n;
+      const float* xb = x + 256 * i + 128 * n;
+      for (int h = 0; h < 2; ++h) {
+        const vu16 lo = widen_u8(ql + 16 * h), hi = widen_u8(ql + 32 + 16 * h);
+        const vu16 top = widen_u8(qh + 16 * h);
+        const int s = 8 * n + h;
+        const vf16 w1 = (to_floats((lo & 0xF) | ((top & 3) << 4)) - 32.0f) * (d * sc[s]);
+        const vf16 w2 =
+            (to_floats((hi & 0xF) | (((top >> 2) & 3) << 4)) - 32.0f) * (d * sc[s + 2]);
+        const vf16 w3 =
+            (to_floats((lo >> 4) | (((top >> 4) & 3) << 4)) - 32.0f) * (d * sc[s + 4]);
+        const vf16 w4 =
+            (to_floats((hi >> 4) | (((top >> 6) & 3) << 4)) - 32.0f) * (d * sc[s + 6]);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = xb + r * ldx + 16 * h;
+          a[r] += w1 * load16(xr);
+          a[r] += w2 * load16(xr + 32);
+          a[r] += w3 * load16(xr + 64);
+          a[r] += w4 * load16(xr + 96);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a[r];
+}
+
+// Q5_0 / Q5_1 without the buffer: value j of a block takes bit j of qh as its fifth bit
+// (a per-lane shift of the broadcast word), then ggml's d (q - 16) or d q + m in registers.
+template <int R, bool kOffset>
+inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
+  constexpr int64_t kBytes = kOffset ? 24 : 22;
+  vu16 lane;
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) lane.p[i][j] = i * kLanes + j;
+  vf16 a[R];
+  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  for (int64_t i = 0; i < blocks; ++i, b += kBytes) {
+    const float d = half(b), m = kOffset ? half(b + 2) : -16.0f * half(b);
+    const uint32_t qh = word(b + (kOffset ? 4 : 2));
+    const vu16 q = widen_u8(b + (kOffset ? 8 : 6));
+    vu16 fifth_lo, fifth_hi;
+    for (int k = 0; k < kParts; ++k) {
+      fifth_lo.p[k] = ((qh >> lane.p[k]) & 1) << 4;
+      fifth_hi.p[k] = ((qh >> (lane.p[k] + 16)) & 1) << 4;
+    }
+    vf16 w0 = to_floats((q & 0xF) | fifth_lo), w1 = to_floats((q >> 4) | fifth_hi);
+    if (kOffset) {
+      w0 = w0 * d + m;
+      w1 = w1 * d + m;
+    } else {  // (q - 16) d, as ggml rounds it
+      w0 = (w0 - 16.0f) * d;
+      w1 = (w1 - 16.0f) * d;
+    }
+    for (int r = 0; r < R; ++r) {
+      a[r] += w0 * load16(x + r * ldx + 32 * i);
+      a[r] += w1 * load16(x + r * ldx + 32 * i + 16);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a[r];
+}
+
+// A register-level decoder's GEMV: rows n0..n1 of p, each through every row of x (R at a time).
+template <int64_t kBlock, typename Dot4, typename Dot1>
+void register_gemv_rows(const Part& p, Dot4 dot4, Dot1 dot1, int64_t n0, int64_t n1,
+                        const float* x, int64_t M, int64_t K, const float* bias, float* y,
+                        int64_t ldy) {
   vf16 acc[kMaxRows];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.data + n * p.stride;
     for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_0_dot<4>(row, K / 32, x + m * K, K, acc + m);
-    for (; m < M; ++m) q8_0_dot<1>(row, K / 32, x + m * K, K, acc + m);
+    for (; m + 4 <= M; m += 4) dot4(row, K / kBlock, x + m * K, K, acc + m);
+    for (; m < M; ++m) dot1(row, K / kBlock, x + m * K, K, acc + m);
     const float bn = bias != nullptr ? bias[n] : 0.0f;
     for (int64_t r = 0; r < M; ++r) y[r * ldy + n] = hsum(acc[r]) + bn;
   }
@@ -429,21 +528,29 @@ void q8_0_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64
 void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float* x,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   switch (type) {
-#define PKV_GGML_CASE(T, FN) \
-  case T: return gemv_rows(p, [](const uint8_t* b, float* o) { FN(b, o); }, n0, n1, x, M, K, bias, y, ldy);
+#define PKV_GGML_CASE(T, FN)                                                                \
+  case T:                                                                                   \
+    return gemv_rows(p, [](const uint8_t* b, float* o) { FN(b, o); }, n0, n1, x, M, K, bias, \
+                     y, ldy);
     PKV_GGML_CASE(F32, f32)
     PKV_GGML_CASE(F16, f16)
     PKV_GGML_CASE(BF16, bf16)
     PKV_GGML_CASE(Q4_0, q4_0)
     PKV_GGML_CASE(Q4_1, q4_1)
-    PKV_GGML_CASE(Q5_0, q5_0)
-    PKV_GGML_CASE(Q5_1, q5_1)
-    case Q8_0: return q8_0_gemv_rows(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q8_0:
+      return register_gemv_rows<32>(p, q8_0_dot<4>, q8_0_dot<1>, n0, n1, x, M, K, bias, y, ldy);
+    case Q6_K:
+      return register_gemv_rows<256>(p, q6_k_dot<4>, q6_k_dot<1>, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_0:
+      return register_gemv_rows<32>(p, q5_dot<4, false>, q5_dot<1, false>, n0, n1, x, M, K,
+                                    bias, y, ldy);
+    case Q5_1:
+      return register_gemv_rows<32>(p, q5_dot<4, true>, q5_dot<1, true>, n0, n1, x, M, K, bias,
+                                    y, ldy);
     PKV_GGML_CASE(Q2_K, q2_k)
     PKV_GGML_CASE(Q3_K, q3_k)
     PKV_GGML_CASE(Q4_K, q4_k)
     PKV_GGML_CASE(Q5_K, q5_k)
-    PKV_GGML_CASE(Q6_K, q6_k)
 #undef PKV_GGML_CASE
     default: TORCH_CHECK(false, "ggml_linear: ggml type ", type, " is not one the kernels read");
   }
