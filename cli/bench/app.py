@@ -11,6 +11,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from pkv.cli.bench.commands.agreement import agreement
 from pkv.cli.bench.commands.attention import attention
 from pkv.cli.bench.commands.burst import burst
 from pkv.cli.bench.commands.compare import compare
@@ -54,3 +55,4 @@ bench_app.command("soak")(soak)
 bench_app.command("burst")(burst)
 bench_app.command("tools")(tools)
 bench_app.command("random-gguf")(random_gguf)
+bench_app.command("agreement")(agreement)

@@ -176,4 +176,6 @@ def ggml_storage(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         table = getattr(module, "table", None)
         if isinstance(table, GGMLTensor):
             found.append((table.format.name, table.data))
+        for tensor in getattr(module, "expert_blocks", {}).values():
+            found.append((tensor.format.name, tensor.data))
     return found

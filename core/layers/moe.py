@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import as_tensor, check_shape, take
 from pkv.core.layers.mlp import ACTIVATIONS, check_activation
 
@@ -43,6 +44,10 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.size))
         self.kernel: Any = None  # the CPU kernels (float32): their f32_linear per expert
+        # A GGUF's experts in their ggml blocks, (part, expert) -> this rank's slice, and the
+        # kernels that multiply them (csrc/ggml_cpu.cpp); empty for float experts.
+        self.expert_blocks: dict[tuple[str, int], GGMLTensor] = {}
+        self.block_kernel: Any = None
         self._loaded: set[tuple[str, int]] = set()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +80,8 @@ class SparseMoE(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor, act: Any) -> torch.Tensor:
         """Expert e's gated MLP of its rows x [n, hidden]."""
+        if self.expert_blocks:
+            return self._block_expert(e, x, act)
         if self.kernel is not None and x.dtype == torch.float32:
             # The CPU kernels' float32 linear: a GEMV for the few rows an expert mostly gets,
             # a GEMM above (torch.mm is MKL's, which runs its generic code on AMD CPUs).
@@ -85,6 +92,15 @@ class SparseMoE(nn.Module):
         # faster on CPU, the whole layer ~25% (`pkv bench moe`, batch 64)
         h = torch.mm(self.w13[e], x.t())  # [2 * size, n]
         return torch.mm(self.w2[e], act(h[:self.size]) * h[self.size:]).t()
+
+    def _block_expert(self, e: int, x: torch.Tensor, act: Any) -> torch.Tensor:
+        blocks, kernel = self.expert_blocks, self.block_kernel
+        gate, up, down = blocks[("gate", e)], blocks[("up", e)], blocks[("down", e)]
+        flat = x.float().contiguous()
+        h = kernel.ggml_linear(flat, [gate.data, up.data],
+                               torch.tensor([gate.qtype, up.qtype]), None)
+        h = (act(h[:, :self.size]) * h[:, self.size:]).contiguous()
+        return kernel.ggml_linear(h, [down.data], torch.tensor([down.qtype]), None).to(x.dtype)
 
     # --- loading -------------------------------------------------------------------------
 
@@ -110,6 +126,12 @@ class SparseMoE(nn.Module):
                    expert_dim: int | None) -> None:
         # One expert's whole tensor (a stacked checkpoint: its row of the stack), then this
         # rank's channels of it.
+        if isinstance(tensor, GGMLTensor) and part in ("gate", "up", "down"):
+            self._keep_blocks(part, e, tensor, name)
+            return
+        if self.expert_blocks:
+            raise ValueError(f"checkpoint tensor {name!r} is float where the other experts "
+                             "are in ggml blocks")
         t = as_tensor(take(tensor, 0, e, 1))[0] if expert_dim is not None else as_tensor(tensor)
         s, n = self.start, self.size
         if part == "down":
@@ -125,6 +147,33 @@ class SparseMoE(nn.Module):
             i = 0 if piece == "gate" else 1
             self._copy(self.w13[e, i * n:(i + 1) * n], rows, name)
             self._loaded.add((piece, e))
+
+    def _keep_blocks(self, part: str, e: int, tensor: GGMLTensor, name: str) -> None:
+        """A GGUF expert tensor kept in its blocks: this rank's channels (rows of gate / up,
+        whole-block columns of down)."""
+        from pkv.csrc import cpp_build
+
+        if not self.expert_blocks:
+            self.block_kernel = cpp_build.kernels_or_none()
+            if self.block_kernel is None:  # nothing multiplies blocks here: float experts
+                self.expert_blocks = {}
+                self._load_float(part, e, tensor.dequantize(), name)
+                return
+            # the float stacks are never used (never touched, so never resident either)
+            self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
+        s, n = self.start, self.size
+        rows = tensor.narrow(1, s, n) if part == "down" else tensor.narrow(0, s, n)
+        wanted = (self.gate.in_features, n) if part == "down" else (n, self.gate.in_features)
+        if rows.shape != wanted:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tensor.shape}, the model "
+                             f"expects {wanted} per rank")
+        self.expert_blocks[(part, e)] = rows
+        self.register_buffer(f"blocks_{part}_{e}", rows.data, persistent=False)
+        self._loaded.add((part, e))
+
+    def _load_float(self, part: str, e: int, t: torch.Tensor, name: str) -> None:
+        self._load_part(part, e, t, name, expert_dim=None)
 
     @staticmethod
     def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

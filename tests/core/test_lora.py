@@ -29,7 +29,9 @@ def _adapters(base: Path, root: Path) -> list[tuple[LoRARequest, object]]:
 
 
 def check_mixed_batch(base: Path, root: Path, prompts: list[list[int]], eos: int | None,
-                      python_loop: bool = True) -> None:
+                      python_loop: bool = True, served: Path | None = None) -> None:
+    """pkv serving `served` (default: `base`, the HF folder the adapters and the reference
+    come from) with two adapters and none, mixed in one batch, against transformers."""
     from transformers import AutoModelForCausalLM
 
     adapters = _adapters(base, root)
@@ -50,8 +52,8 @@ def check_mixed_batch(base: Path, root: Path, prompts: list[list[int]], eos: int
     runs = runs if python_loop else runs[1:]  # (the layer loop is the same for every family)
     for options in runs:
         options.setdefault("kv_cache_memory", "16MiB")
-        llm = LLM(str(base), show_progress=False, block_size=4, enable_lora=True, max_loras=2,
-                  max_lora_rank=8, **options)
+        llm = LLM(str(served or base), show_progress=False, block_size=4, enable_lora=True,
+                  max_loras=2, max_lora_rank=8, **options)
         for _ in range(2):  # the second time from the prefix cache
             outs = llm.generate(prompts, params, lora_request=loras)
             assert [o.outputs[0].token_ids for o in outs] == expected, options
@@ -79,6 +81,14 @@ def test_mixed_adapters_match_merged_transformers_on_tiny_qwen3(tmp_path: Path,
 def test_mixed_adapters_match_merged_transformers_on_smollm2(smol_hf_dir: Path,
                                                              smol_prompt_ids, tmp_path: Path):
     check_mixed_batch(smol_hf_dir, tmp_path, smol_prompt_ids[:3], eos=None, python_loop=False)
+
+
+def test_adapters_on_the_gguf_in_its_blocks_match_merged_transformers(
+        smol_hf_dir: Path, smol_gguf: Path, smol_prompt_ids, tmp_path: Path):
+    # The bundled GGUF's Q4_1 linears (4-bit tiles) and Q8_0 head under float32 adapters; the
+    # reference is transformers on the same weights, dequantized (smol_hf_dir).
+    check_mixed_batch(smol_hf_dir, tmp_path, smol_prompt_ids[:3], eos=None, python_loop=False,
+                      served=smol_gguf)
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_blocks(tiny_llama_dir: Path,

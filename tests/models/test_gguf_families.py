@@ -122,6 +122,14 @@ def test_q8_0_experts_and_permuted_qk_dequantize_exactly(tmp_path: Path, smol_hf
     rounded = quantized_copy(model_dir, tmp_path / "hf-q8", "Q8_0")
     prompts = parity_prompts(count=3)
     assert _greedy_pkv(gguf_path, prompts)[0] == _greedy_hf(rounded, prompts)
+    llm = LLM(str(gguf_path), kv_cache_memory="16MiB", max_model_len=128, show_progress=False)
+    try:  # the experts stayed in their blocks: no float32 expert stacks
+        runner = llm.llm_engine.runner
+        moe = runner.model.model.layers[0].mlp
+        assert len(moe.expert_blocks) == 3 * moe.num_experts and moe.w13.numel() == 0
+        assert runner.weight_bytes_by_type["Q8_0"] > 20 * runner.weight_bytes_by_type["float32"]
+    finally:
+        llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize(("case", "quant"), [("mistral-window", "Q4_0"),
