@@ -1,8 +1,9 @@
 """`pkv bench agreement`: how often a model with integer activations (`awq_activations`) picks
 the same next token as with float32 activations, position by position. The float32 engine
 decodes greedily; each prefix of its output then goes to the integer engine as a prompt for
-one token (teacher forcing: one disagreement does not derail what follows). The prefixes
-share their blocks through the prefix cache, so this costs little more than one decode."""
+one token (teacher forcing: one disagreement does not derail what follows), in steps no
+longer than the integer GEMV takes, so that every token goes through it. The prefixes share
+their blocks through the prefix cache, so this costs little more than one decode."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ def agreement(
     from pkv.cli.bench.agreement import agreement_table, measure, text_prompts
     from pkv.cli.bench.cpu_info import print_cpu_line
     from pkv.core.engine.llm import LLM
+    from pkv.csrc import cpp_build
 
     with user_errors(console):
         if awq_activations not in ("int8", "int16"):
@@ -30,7 +31,11 @@ def agreement(
             raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
         common = {"kv_cache_memory": "512MiB", "show_progress": False}
         reference = LLM(model, **common)
-        candidate = LLM(model, awq_activations=awq_activations, **common)
+        # Steps of at most the integer GEMV's rows: every token, prompts included, goes
+        # through it (longer prefill steps take the float32 GEMM).
+        rows = cpp_build.kernels().awq_gemv_max_rows
+        candidate = LLM(model, awq_activations=awq_activations, max_num_batched_tokens=rows,
+                        **common)
         prompts = text_prompts(reference.get_tokenizer(), num_prompts, input_len)
         print_cpu_line(console)
         console.print(agreement_table(measure(reference, candidate, prompts, output_len,
