@@ -507,6 +507,52 @@ inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx
   for (int r = 0; r < R; ++r) acc[r] = a[r];
 }
 
+// 16 bfloat16 values as floats (each the upper half of a float32), and 16 float16 ones.
+inline vf16 widen_bf16(const uint8_t* p) {
+  vu16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vun)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vun)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+#else
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * (i * kLanes + j), 2);
+      v.p[i][j] = h;
+    }
+#endif
+  return as_floats(v << 16);
+}
+
+inline vf16 widen_f16(const uint8_t* p) {
+  vf16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vfn)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vfn)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+#else
+  float f[16];
+  for (int j = 0; j < 16; ++j) f[j] = half(p + 2 * j);
+  v = load16(f);
+#endif
+  return v;
+}
+
+// 16-bit weights (a bf16 / fp16 checkpoint, or a GGUF's F16 / BF16) widened in registers.
+template <int R, bool kBf16>
+inline void half_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
+  vf16 a[R];
+  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  for (int64_t i = 0; i < 2 * blocks; ++i, b += 32) {  // 16 values a step
+    const vf16 w = kBf16 ? widen_bf16(b) : widen_f16(b);
+    for (int r = 0; r < R; ++r) a[r] += w * load16(x + r * ldx + 16 * i);
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a[r];
+}
+
 // A register-level decoder's GEMV: rows n0..n1 of p, each through every row of x (R at a time).
 template <int64_t kBlock, typename Dot4, typename Dot1>
 void register_gemv_rows(const Part& p, Dot4 dot4, Dot1 dot1, int64_t n0, int64_t n1,
@@ -533,14 +579,18 @@ void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float*
     return gemv_rows(p, [](const uint8_t* b, float* o) { FN(b, o); }, n0, n1, x, M, K, bias, \
                      y, ldy);
     PKV_GGML_CASE(F32, f32)
-    PKV_GGML_CASE(F16, f16)
-    PKV_GGML_CASE(BF16, bf16)
     PKV_GGML_CASE(Q4_0, q4_0)
     PKV_GGML_CASE(Q4_1, q4_1)
     case Q8_0:
       return register_gemv_rows<32>(p, q8_0_dot<4>, q8_0_dot<1>, n0, n1, x, M, K, bias, y, ldy);
     case Q6_K:
       return register_gemv_rows<256>(p, q6_k_dot<4>, q6_k_dot<1>, n0, n1, x, M, K, bias, y, ldy);
+    case BF16:
+      return register_gemv_rows<32>(p, half_dot<4, true>, half_dot<1, true>, n0, n1, x, M, K,
+                                    bias, y, ldy);
+    case F16:
+      return register_gemv_rows<32>(p, half_dot<4, false>, half_dot<1, false>, n0, n1, x, M, K,
+                                    bias, y, ldy);
     case Q5_0:
       return register_gemv_rows<32>(p, q5_dot<4, false>, q5_dot<1, false>, n0, n1, x, M, K,
                                     bias, y, ldy);
