@@ -376,6 +376,26 @@ void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, i
   }
 }
 
+// The partial sums of R rows of x against one weight row, held in registers while the row's
+// blocks are decoded (taken from and given back to the caller's accumulators).
+template <int R>
+struct RowSums {
+  vf16 a[R];
+  const float* x;
+  int64_t ldx;
+
+  RowSums(const vf16* acc, const float* x_, int64_t ldx_) : x(x_), ldx(ldx_) {
+    for (int r = 0; r < R; ++r) a[r] = acc[r];
+  }
+  // Every row: a[r] += w * x[r][at, at + 16).
+  void add(const vf16& w, int64_t at) {
+    for (int r = 0; r < R; ++r) a[r] += w * load16(x + r * ldx + at);
+  }
+  void store(vf16* acc) const {
+    for (int r = 0; r < R; ++r) acc[r] = a[r];
+  }
+};
+
 // 16 int8 values widened to floats in registers.
 inline vf16 widen_i8(const int8_t* p) {
   vf16 v;
@@ -399,18 +419,14 @@ inline vf16 widen_i8(const int8_t* p) {
 template <int R>
 inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t ldx,
                      vf16* acc) {
-  vf16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  RowSums<R> sums(acc, x, ldx);
   for (int64_t i = 0; i < blocks; ++i, row += 34) {
     const float d = half(row);
     const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
-    const vf16 w0 = widen_i8(q) * d, w1 = widen_i8(q + 16) * d;
-    for (int r = 0; r < R; ++r) {
-      a[r] += w0 * load16(x + r * ldx + 32 * i);
-      a[r] += w1 * load16(x + r * ldx + 32 * i + 16);
-    }
+    sums.add(widen_i8(q) * d, 32 * i);
+    sums.add(widen_i8(q + 16) * d, 32 * i + 16);
   }
-  for (int r = 0; r < R; ++r) acc[r] = a[r];
+  sums.store(acc);
 }
 
 // 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
@@ -439,15 +455,14 @@ inline vf16 to_floats(vu16 a) {
 // (ggml's (d sc) q, q = code - 32), then taken through R rows of x.
 template <int R>
 inline void q6_k_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
-  vf16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  RowSums<R> sums(acc, x, ldx);
   for (int64_t i = 0; i < blocks; ++i, b += 210) {
     const float d = half(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int n = 0; n < 2; ++n) {
       const uint8_t* ql = b + 64 * n;
       const uint8_t* qh = b + 128 + 32 * n;
-      const float* xb = x + 256 * i + 128 * n;
+      const int64_t at = 256 * i + 128 * n;
       for (int h = 0; h < 2; ++h) {
         const vu16 lo = widen_u8(ql + 16 * h), hi = widen_u8(ql + 32 + 16 * h);
         const vu16 top = widen_u8(qh + 16 * h);
@@ -459,17 +474,14 @@ inline void q6_k_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t l
             (to_floats((lo >> 4) | (((top >> 4) & 3) << 4)) - 32.0f) * (d * sc[s + 4]);
         const vf16 w4 =
             (to_floats((hi >> 4) | (((top >> 6) & 3) << 4)) - 32.0f) * (d * sc[s + 6]);
-        for (int r = 0; r < R; ++r) {
-          const float* xr = xb + r * ldx + 16 * h;
-          a[r] += w1 * load16(xr);
-          a[r] += w2 * load16(xr + 32);
-          a[r] += w3 * load16(xr + 64);
-          a[r] += w4 * load16(xr + 96);
-        }
+        sums.add(w1, at + 16 * h);
+        sums.add(w2, at + 16 * h + 32);
+        sums.add(w3, at + 16 * h + 64);
+        sums.add(w4, at + 16 * h + 96);
       }
     }
   }
-  for (int r = 0; r < R; ++r) acc[r] = a[r];
+  sums.store(acc);
 }
 
 // Q5_0 / Q5_1 without the buffer: value j of a block takes bit j of qh as its fifth bit
@@ -480,10 +492,9 @@ inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx
   vu16 lane;
   for (int i = 0; i < kParts; ++i)
     for (int j = 0; j < kLanes; ++j) lane.p[i][j] = i * kLanes + j;
-  vf16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = acc[r];
+  RowSums<R> sums(acc, x, ldx);
   for (int64_t i = 0; i < blocks; ++i, b += kBytes) {
-    const float d = half(b), m = kOffset ? half(b + 2) : -16.0f * half(b);
+    const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
     const uint32_t qh = word(b + (kOffset ? 4 : 2));
     const vu16 q = widen_u8(b + (kOffset ? 8 : 6));
     vu16 fifth_lo, fifth_hi;
@@ -499,12 +510,10 @@ inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx
       w0 = (w0 - 16.0f) * d;
       w1 = (w1 - 16.0f) * d;
     }
-    for (int r = 0; r < R; ++r) {
-      a[r] += w0 * load16(x + r * ldx + 32 * i);
-      a[r] += w1 * load16(x + r * ldx + 32 * i + 16);
-    }
+    sums.add(w0, 32 * i);
+    sums.add(w1, 32 * i + 16);
   }
-  for (int r = 0; r < R; ++r) acc[r] = a[r];
+  sums.store(acc);
 }
 
 // 16 bfloat16 values as floats (each the upper half of a float32), and 16 float16 ones.
@@ -544,13 +553,10 @@ inline vf16 widen_f16(const uint8_t* p) {
 // 16-bit weights (a bf16 / fp16 checkpoint, or a GGUF's F16 / BF16) widened in registers.
 template <int R, bool kBf16>
 inline void half_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
-  vf16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = acc[r];
-  for (int64_t i = 0; i < 2 * blocks; ++i, b += 32) {  // 16 values a step
-    const vf16 w = kBf16 ? widen_bf16(b) : widen_f16(b);
-    for (int r = 0; r < R; ++r) a[r] += w * load16(x + r * ldx + 16 * i);
-  }
-  for (int r = 0; r < R; ++r) acc[r] = a[r];
+  RowSums<R> sums(acc, x, ldx);
+  for (int64_t i = 0; i < 2 * blocks; ++i, b += 32)  // 16 values a step
+    sums.add(kBf16 ? widen_bf16(b) : widen_f16(b), 16 * i);
+  sums.store(acc);
 }
 
 // A register-level decoder's GEMV: rows n0..n1 of p, each through every row of x, kRows at a

@@ -311,3 +311,18 @@ def _tokenizer_fields(path: str) -> dict[str, Any]:
     out = {method: fields[f"tokenizer.ggml.{key}"].contents() for method, key in keys.items()}
     out["add_chat_template"] = fields["tokenizer.chat_template"].contents()
     return out
+
+
+def write_fields_gguf(path: Path, arch: str, fields: dict[str, Any]) -> Path:
+    """A GGUF holding only metadata (a tokenizer's, say): each GGUFWriter method of `fields`
+    called with its value, in order, and no tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for method, value in fields.items():
+        getattr(writer, method)(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -48,6 +48,7 @@ class SparseMoE(nn.Module):
         # kernels that multiply them (csrc/ggml_cpu.cpp); empty for float experts.
         self.expert_blocks: dict[tuple[str, int], GGMLTensor] = {}
         self.block_kernel: Any = None
+        self._block_types: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._loaded: set[tuple[str, int]] = set()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +97,13 @@ class SparseMoE(nn.Module):
     def _block_expert(self, e: int, x: torch.Tensor, act: Any) -> torch.Tensor:
         blocks, kernel = self.expert_blocks, self.block_kernel
         gate, up, down = blocks[("gate", e)], blocks[("up", e)], blocks[("down", e)]
-        flat = x.float().contiguous()
-        h = kernel.ggml_linear(flat, [gate.data, up.data],
-                               torch.tensor([gate.qtype, up.qtype]), None)
+        if e not in self._block_types:  # made once, not every step
+            self._block_types[e] = (torch.tensor([gate.qtype, up.qtype]),
+                                    torch.tensor([down.qtype]))
+        gate_up_types, down_types = self._block_types[e]
+        h = kernel.ggml_linear(x.float().contiguous(), [gate.data, up.data], gate_up_types, None)
         h = (act(h[:, :self.size]) * h[:, self.size:]).contiguous()
-        return kernel.ggml_linear(h, [down.data], torch.tensor([down.qtype]), None).to(x.dtype)
+        return kernel.ggml_linear(h, [down.data], down_types, None).to(x.dtype)
 
     # --- loading -------------------------------------------------------------------------
 
@@ -157,7 +160,7 @@ class SparseMoE(nn.Module):
             self.block_kernel = cpp_build.kernels_or_none()
             if self.block_kernel is None:  # nothing multiplies blocks here: float experts
                 self.expert_blocks = {}
-                self._load_float(part, e, tensor.dequantize(), name)
+                self._load_part(part, e, tensor.dequantize(), name, expert_dim=None)
                 return
             # the float stacks are never used (never touched, so never resident either)
             self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -171,9 +174,6 @@ class SparseMoE(nn.Module):
         self.expert_blocks[(part, e)] = rows
         self.register_buffer(f"blocks_{part}_{e}", rows.data, persistent=False)
         self._loaded.add((part, e))
-
-    def _load_float(self, part: str, e: int, t: torch.Tensor, name: str) -> None:
-        self._load_part(part, e, t, name, expert_dim=None)
 
     @staticmethod
     def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

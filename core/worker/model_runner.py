@@ -170,8 +170,7 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold in memory (shared tensors counted once)."""
-        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(self.weight_bytes_by_type.values())
 
     @property
     def weight_bytes_by_type(self) -> dict[str, int]:

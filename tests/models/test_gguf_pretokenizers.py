@@ -33,6 +33,7 @@ from tokenizers import models, pre_tokenizers, trainers
 from pkv.core.tokenizer.tokenizer import Tokenizer
 from pkv.plugins.weights.gguf import GGUFFile
 from pkv.plugins.weights.gguf_tokenizer import PRE_TOKENIZER_SPLITS, gguf_tokenizer
+from pkv.tests.gguf_writer import write_fields_gguf
 
 CALIBRATION = Path(__file__).parents[2] / "quantize" / "data" / "calibration.txt"
 NORMAL, CONTROL = 1, 3
@@ -99,24 +100,15 @@ def vocab() -> ByteLevelVocab:
 def write_tokenizer_gguf(path: Path, vocab: ByteLevelVocab, pre: str | None,
                          arch: str = "llama", **extra: Any) -> Path:
     """A GGUF holding only tokenizer metadata, as llama.cpp's converter writes it."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_tokenizer_model("gpt2")
+    fields: dict[str, Any] = {"add_tokenizer_model": "gpt2"}
     if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types([NORMAL] * (len(vocab.tokens) - 1) + [CONTROL])
-    writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(len(vocab.tokens) - 1)
-    writer.add_eos_token_id(len(vocab.tokens) - 1)
-    for method, value in extra.items():
-        getattr(writer, method)(value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        fields["add_tokenizer_pre"] = pre
+    last = len(vocab.tokens) - 1  # the end-of-text token, control
+    fields |= {"add_token_list": vocab.tokens,
+               "add_token_types": [NORMAL] * last + [CONTROL],
+               "add_token_merges": vocab.merges, "add_bos_token_id": last,
+               "add_eos_token_id": last, **extra}
+    return write_fields_gguf(path, arch, fields)
 
 
 def fields_tokenizer(vocab: ByteLevelVocab, pre: str | None, **fields: Any) -> Tokenizer:

@@ -28,7 +28,7 @@ from pkv.core.model_loader.loader import open_model
 from pkv.core.tokenizer.tokenizer import Tokenizer
 from pkv.plugins.weights.gguf import GGUFFile
 from pkv.plugins.weights.gguf_tokenizer import merges_from_scores
-from pkv.tests.gguf_writer import write_gguf
+from pkv.tests.gguf_writer import write_fields_gguf, write_gguf
 from pkv.tests.helpers import build_tiny_model, hf_greedy
 
 SPACE = "\u2581"
@@ -134,16 +134,7 @@ def gguf_fields(spm: SentencePieceVocab, prefix: bool | None, model: str = "llam
 
 def gguf_tokenizer(path: Path, fields: dict[str, Any]) -> Tokenizer:
     """pkv's tokenizer of a GGUF holding only tokenizer metadata."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for method, value in fields.items():
-        getattr(writer, method)(value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return GGUFFile(path).tokenizer()
+    return GGUFFile(write_fields_gguf(path, "llama", fields)).tokenizer()
 
 
 def test_merges_from_scores_are_the_hf_converters(spm: SentencePieceVocab):
