@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkv.csrc import cpp_build
-
 from pkv.core.layers.ggml_tensor import GGMLTensor, drop_pages
 from pkv.core.layers.int4_tiles import tiled
 from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout, as_tensor
+from pkv.csrc import cpp_build
 
 # FusedOperands.group_size that tells the C++ decoder its operands are ggml parts.
 GGML_GROUP = -1
@@ -33,6 +32,9 @@ class GGMLLinearMethod(LinearMethod):
     """Weights as ggml blocks, one GGMLTensor per fused part."""
 
     name = "gguf"
+
+    def __init__(self) -> None:
+        self.activation_bits = 32  # of the 4-bit GEMV's rows: 32 float, 16 or 8 quantized
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
         layer.parts = [None] * len(layer.out_sizes)
@@ -57,9 +59,6 @@ class GGMLLinearMethod(LinearMethod):
                              f"the model expects {wanted}")
         layer.parts[shard or 0] = tensor
 
-    def __init__(self) -> None:
-        self.activation_bits = 32  # of the 4-bit GEMV's rows: 32 float, 16 or 8 quantized
-
     def set_activations(self, activations: str) -> None:
         """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels)."""
         bits = {"float32": 32, "int16": 16, "int8": 8}[activations]
@@ -78,6 +77,7 @@ class GGMLLinearMethod(LinearMethod):
             return
         for i, part in enumerate(parts):  # counted as the model's weights (weight_bytes)
             layer.register_buffer(f"blocks_{i}", part.data, persistent=False)
+        layer.blocks = [p.data for p in parts]  # the kernel's operands, listed once
         layer.qtypes = torch.tensor([p.qtype for p in parts], dtype=torch.int64)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +89,7 @@ class GGMLLinearMethod(LinearMethod):
                                         layer.bias, layer.out_features, INT4_GROUP,
                                         layer.kernel.awq_gemv_max_rows, self.activation_bits)
         else:
-            y = layer.kernel.ggml_linear(flat, [p.data for p in layer.parts], layer.qtypes,
-                                         layer.bias)
+            y = layer.kernel.ggml_linear(flat, layer.blocks, layer.qtypes, layer.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def fused_operands(self, layer: Linear) -> FusedOperands | None:
@@ -99,7 +98,7 @@ class GGMLLinearMethod(LinearMethod):
         if layer.parts is None:
             return FusedOperands([layer.codes, layer.scales_f32, layer.zs], INT4_GROUP,
                                  self.activation_bits)
-        return FusedOperands([*(p.data for p in layer.parts), layer.qtypes], GGML_GROUP)
+        return FusedOperands([*layer.blocks, layer.qtypes], GGML_GROUP)
 
 
 def _to_int4_tiles(layer: Linear) -> None:

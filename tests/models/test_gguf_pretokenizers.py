@@ -98,7 +98,7 @@ def vocab() -> ByteLevelVocab:
 
 
 def write_tokenizer_gguf(path: Path, vocab: ByteLevelVocab, pre: str | None,
-                         arch: str = "llama", **extra: Any) -> Path:
+                         arch: str = "llama") -> Path:
     """A GGUF holding only tokenizer metadata, as llama.cpp's converter writes it."""
     fields: dict[str, Any] = {"add_tokenizer_model": "gpt2"}
     if pre is not None:
@@ -107,7 +107,7 @@ def write_tokenizer_gguf(path: Path, vocab: ByteLevelVocab, pre: str | None,
     fields |= {"add_token_list": vocab.tokens,
                "add_token_types": [NORMAL] * last + [CONTROL],
                "add_token_merges": vocab.merges, "add_bos_token_id": last,
-               "add_eos_token_id": last, **extra}
+               "add_eos_token_id": last}
     return write_fields_gguf(path, arch, fields)
 
 
