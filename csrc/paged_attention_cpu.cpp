@@ -4,7 +4,8 @@
 //
 //   q            [T, H, D]          float32, rows may be strided (views of a fused qkv)
 //   k/v          [T, KVH, D]        float32, the step's new keys and values, likewise
-//   k/v_cache    [NB, BS, KVH, D]   float32, contiguous (one layer)
+//   k/v_cache    [NB, BS, KVH, row] contiguous (one layer): float32 or bfloat16 rows of D, or
+//                                   int8 / fp8 e4m3 codes and a scale (csrc/kv_rows.h)
 //   slot_mapping [T]                int64   cache slot of each token's K/V
 //   block_tables [S, MB]            int32
 //   seq_ids      [T]                int32   which sequence each token belongs to
@@ -36,6 +37,11 @@
 // before the first row's window or after the last row's position are never read; tiles that
 // some row must not see (the causal diagonal, a window's edge) are masked inside the softmax.
 // Items are handed out dearest first from a shared counter (causal items differ in cost).
+//
+// A float32 cache is read in place. Other formats are widened as they are read: a block's rows
+// of one KV head (decode: the G query heads then go over them in L1), a key tile's rows
+// (prefill); an 8-bit cache reads a quarter of the bytes, and decode attention over long
+// contexts is bound by those bytes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -50,6 +56,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_rows.h"
 #include "team.h"
 #include "vec_math.h"
 
@@ -129,34 +136,53 @@ static inline void add_values(const float* p, const float* vb, int64_t row, int6
   }
 }
 
-// Rows [j0, j1) of one head's D floats, `row` floats apart from `p`: one prefetch per line.
+// Rows [j0, j1) of KV head kh in the block starting at slot0: one prefetch per line.
 // (Called from a lambda instead, GCC 12 emitted no prefetch at all: check the assembly.)
-static inline void prefetch_rows(const float* p, int64_t row, int64_t j0, int64_t j1,
-                                 int64_t D) {
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t f = 0; f < D; f += 16) __builtin_prefetch(p + j * row + f);
+static inline void prefetch_rows(const kv_rows::Rows& R, int64_t slot0, int64_t kh,
+                                 int64_t KVH, int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const char* p = reinterpret_cast<const char*>(R.row((slot0 + j) * KVH + kh));
+    for (int64_t f = 0; f < R.bytes; f += 64) __builtin_prefetch(p + f);
+  }
+}
+
+// Keys (or values) [j0, n) of KV head kh in the block starting at slot0, as float rows
+// `row` floats apart: in place for a float32 cache, else widened into buf (rows D apart).
+static inline const float* block_rows(const kv_rows::Rows& R, int64_t slot0, int64_t kh,
+                                      int64_t KVH, int64_t j0, int64_t n, float* buf,
+                                      int64_t& row) {
+  if (R.kind == kv_rows::Kind::F32) {
+    row = KVH * R.D;
+    return reinterpret_cast<const float*>(R.row(slot0 * KVH + kh));
+  }
+  row = R.D;
+  for (int64_t j = j0; j < n; ++j) kv_rows::load(R.row((slot0 + j) * KVH + kh), R.kind, R.D, buf + j * R.D);
+  return buf;
 }
 
 // State of one token's attention over KV heads [kh0, kh1): G query heads each.
 struct VecState {
   std::vector<vf16> q, acc;  // [heads][DC]
   std::vector<float> m, l, scores;  // scores: [heads][BS rounded up to 16]
+  std::vector<float> rows;  // a block's widened rows of one KV head (non-float32 caches)
 };
 
 // One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC. Keys are walked
 // row by row across the KV heads, so a block's K (then V) is read front to back.
 template <int64_t DC>
-static void attend_vec(const float* qt, const float* kp, const float* vp, const int32_t* table,
-                       int64_t len, int64_t lo, int64_t BS, int64_t KVH, int64_t kh0,
-                       int64_t kh1, int64_t G, float scale, float cap, VecState& st, float* ot) {
+static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::Rows& V,
+                       const int32_t* table, int64_t len, int64_t lo, int64_t BS, int64_t KVH,
+                       int64_t kh0, int64_t kh1, int64_t G, float scale, float cap,
+                       VecState& st, float* ot) {
   constexpr int64_t D = 16 * DC;
-  const int64_t padded = (BS + 15) / 16 * 16, row = KVH * D;
+  const int64_t padded = (BS + 15) / 16 * 16;
   const int64_t h0 = kh0 * G, heads = (kh1 - kh0) * G;
   st.q.resize(heads * DC);
   st.acc.assign(heads * DC, vf16{});
   st.m.assign(heads, -std::numeric_limits<float>::infinity());
   st.l.assign(heads, 0.f);
   st.scores.resize(heads * padded);
+  st.rows.resize(BS * D);
   vf16* q = st.q.data();
   vf16* acc = st.acc.data();
   float* scores = st.scores.data();
@@ -165,17 +191,19 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
   for (int64_t b = lo / BS; b * BS < len; ++b) {
     const int64_t n = std::min(BS, len - b * BS);
     const int64_t j0 = std::max<int64_t>(0, lo - b * BS);  // first key inside the window
-    const int64_t base = static_cast<int64_t>(table[b]) * BS * row;
+    const int64_t slot0 = static_cast<int64_t>(table[b]) * BS;
     // The next block is elsewhere in memory: each query head's pass over this block first
     // asks for its share of the next block's rows (its KV head's, a G-th of them). Asking
     // for the whole next block at once stalled the core on the cache's miss buffers for
     // ~400 lines: the decode attention of a batch of 256 took 1.3-1.45x as long.
     const int64_t next_n = (b + 1) * BS < len ? std::min(BS, len - (b + 1) * BS) : 0;
-    const int64_t next = next_n ? static_cast<int64_t>(table[b + 1]) * BS * row : 0;
+    const int64_t next = next_n ? static_cast<int64_t>(table[b + 1]) * BS : 0;
+    int64_t row;
     for (int64_t kh = kh0; kh < kh1; ++kh) {
+      const float* kb = block_rows(K, slot0, kh, KVH, j0, n, st.rows.data(), row);
       for (int64_t i = 0, h = (kh - kh0) * G; i < G; ++i, ++h) {
-        prefetch_rows(kp + next + kh * D, row, i * next_n / G, (i + 1) * next_n / G, D);
-        key_scores<DC>(q + h * DC, kp + base + kh * D, row, j0, n, scores + h * padded);
+        prefetch_rows(K, next, kh, KVH, i * next_n / G, (i + 1) * next_n / G);
+        key_scores<DC>(q + h * DC, kb, row, j0, n, scores + h * padded);
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -196,9 +224,10 @@ static void attend_vec(const float* qt, const float* kp, const float* vp, const 
       st.m[h] = m_new;
     }
     for (int64_t kh = kh0; kh < kh1; ++kh) {
+      const float* vb = block_rows(V, slot0, kh, KVH, j0, n, st.rows.data(), row);
       for (int64_t i = 0, h = (kh - kh0) * G; i < G; ++i, ++h) {
-        prefetch_rows(vp + next + kh * D, row, i * next_n / G, (i + 1) * next_n / G, D);
-        add_values<DC>(scores + h * padded, vp + base + kh * D, row, j0, n, acc + h * DC);
+        prefetch_rows(V, next, kh, KVH, i * next_n / G, (i + 1) * next_n / G);
+        add_values<DC>(scores + h * padded, vb, row, j0, n, acc + h * DC);
       }
     }
   }
@@ -315,6 +344,7 @@ struct Buffers {
   std::vector<float> qt, st, o, m, l, corr, cmax;
   std::vector<float> lo, len;  // per row: its keys are [lo, len) (exact: below 2^24)
   std::vector<const float*> key, val;
+  std::vector<float> keys, vals;  // a tile's widened rows (non-float32 caches)
 };
 
 // Online softmax over a tile's scores S^T [n x MP] (keys k0 ...), kLanes rows (columns) at a
@@ -356,11 +386,12 @@ static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& 
 }
 
 // One item: tokens [t0, t0 + tokens) of one run (kv_lens rising by one), KV head kh.
-static void attend_item(const Item& it, const float* qp, int64_t QS, const float* kp,
-                        const float* vp, const int32_t* table, const int32_t* lens,
+static void attend_item(const Item& it, const float* qp, int64_t QS, const kv_rows::Rows& K,
+                        const kv_rows::Rows& V, const int32_t* table, const int32_t* lens,
                         int64_t window, int64_t H, int64_t D, int64_t BS, int64_t KVH,
                         int64_t G, float scale, float cap, float* op, Buffers& b) {
-  const int64_t M = it.tokens * G, MP = (M + 31) / 32 * 32, row = KVH * D;
+  const int64_t M = it.tokens * G, MP = (M + 31) / 32 * 32;
+  const bool in_place = K.kind == kv_rows::Kind::F32;
   b.qt.assign(D * MP, 0.f);
   b.st.resize(kTileK * MP);
   b.o.assign(MP * D, 0.f);
@@ -372,6 +403,7 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
   b.len.resize(MP);
   b.key.resize(kTileK);
   b.val.resize(kTileK);
+  if (!in_place) b.keys.resize(kTileK * D), b.vals.resize(kTileK * D);
   float* qt = b.qt.data();
   float* st = b.st.data();
   for (int64_t i = 0; i < it.tokens; ++i) {
@@ -398,9 +430,16 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const float
     const int64_t n = std::min(kTileK, k_end - k0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = k0 + j;
-      const int64_t off = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * row + it.kh * D;
-      b.key[j] = kp + off;
-      b.val[j] = vp + off;
+      const int64_t r = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * KVH + it.kh;
+      if (in_place) {
+        b.key[j] = reinterpret_cast<const float*>(K.row(r));
+        b.val[j] = reinterpret_cast<const float*>(V.row(r));
+      } else {
+        kv_rows::load(K.row(r), K.kind, D, b.keys.data() + j * D);
+        kv_rows::load(V.row(r), V.kind, D, b.vals.data() + j * D);
+        b.key[j] = b.keys.data() + j * D;
+        b.val[j] = b.vals.data() + j * D;
+      }
     }
     scores(b.key.data(), n, qt, MP, D, st, b.cmax.data());
     if (cap > 0.f) soft_cap16(st, n * MP, cap);  // then the max is taken again (masked)
@@ -444,21 +483,27 @@ static void check_rows(const at::Tensor& t, const char* name) {
               "pkv cpu attention: ", name, " must be float32 [T, heads, D] with dense rows");
 }
 
-// Every token's K/V rows into its slot; slots are distinct, so tokens never collide.
-static void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+// Every token's K/V rows into its slot, in the cache's format; slots are distinct, so tokens
+// never collide.
+static void write_kv(const at::Tensor& k, const at::Tensor& v, const kv_rows::Rows& K,
+                     const kv_rows::Rows& V, int64_t slots, const at::Tensor& slot_mapping) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "pkv cpu attention: slot out of range");
-    std::memcpy(kc + slot[t] * row, kp + t * k.stride(0), row * sizeof(float));
-    std::memcpy(vc + slot[t] * row, vp + t * v.stride(0), row * sizeof(float));
-  }
+  const auto put = [&](const kv_rows::Rows& R, const float* x, int64_t t, int64_t h) {
+    kv_rows::store(x, R.kind, D, const_cast<uint8_t*>(R.row(slot[t] * KVH + h)));
+  };
+  // Quantizing rows costs a division per value: long prefills spread it over the threads.
+  at::parallel_for(0, T, K.kind == kv_rows::Kind::F32 ? T : 16, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        put(K, kp + t * k.stride(0) + h * D, t, h);
+        put(V, vp + t * v.stride(0) + h * D, t, h);
+      }
+  });
 }
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
@@ -473,19 +518,21 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                   block_tables.is_contiguous() && seq_ids.is_contiguous() &&
                   kv_lens.is_contiguous() && slot_mapping.is_contiguous(),
               "pkv cpu attention: contiguous caches, output and metadata expected");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat &&
-                  k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
-                  k.size(2) == k_cache.size(3) && slot_mapping.size(0) == k.size(0) &&
-                  slot_mapping.scalar_type() == at::kLong,
+  const int64_t D = q.size(2);
+  TORCH_CHECK(kv_rows::supported(k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "pkv cpu attention: caches must both be float32, bfloat16, int8 or fp8_e4m3");
+  const kv_rows::Rows K = kv_rows::Rows::of(k_cache, D), V = kv_rows::Rows::of(v_cache, D);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == D &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(3) * k_cache.element_size() == K.bytes &&
+                  slot_mapping.size(0) == k.size(0) && slot_mapping.scalar_type() == at::kLong,
               "pkv cpu attention: k/v, caches and slot_mapping disagree");
-  write_kv(k, v, k_cache, v_cache, slot_mapping);
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), QS = q.stride(0);
+  write_kv(k, v, K, V, k_cache.size(0) * k_cache.size(1), slot_mapping);
+  const int64_t T = q.size(0), H = q.size(1), QS = q.stride(0);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t MB = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sid = seq_ids.data_ptr<int32_t>();
@@ -494,8 +541,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const auto first_key = [&](int64_t len) {
     return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
   };
-  const int64_t row = KVH * D;  // stride between two tokens of a block
-
   // Prefill runs of at least kMinRun tokens go to the tiled path, the rest (decodes, short
   // chunks) to the per-token one below; `tokens` lists the latter.
   std::vector<int64_t> tokens;
@@ -524,7 +569,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                        });
       parallel_dynamic<prefill::Buffers>(items.size(), [&](int64_t w, prefill::Buffers& buf) {
         const prefill::Item& it = items[w];
-        prefill::attend_item(it, qp, QS, kp, vp, bt + static_cast<int64_t>(sid[it.t0]) * MB,
+        prefill::attend_item(it, qp, QS, K, V, bt + static_cast<int64_t>(sid[it.t0]) * MB,
                              lens, window, H, D, BS, KVH, G, fscale, cap, op, buf);
       });
     }
@@ -552,13 +597,13 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     parallel_dynamic<VecState>(order.size(), [&](int64_t i, VecState& st) {
       const int64_t t = tokens[order[i] / split], part = order[i] % split;
       const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
-      run(qp + t * QS, kp, vp, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
+      run(qp + t * QS, K, V, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
           first_key(lens[t]), BS, KVH, kh0, kh1, G, fscale, cap, st, op + t * H * D);
     });
     return;
   }
   team::parallel_for(0, NT * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * BS), acc(G * D), m(G), l(G);
+    std::vector<float> scores(G * BS), acc(G * D), m(G), l(G), kbuf(BS * D), vbuf(BS * D);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = tokens[w / KVH], kh = w % KVH;
       const int64_t len = lens[t], lo = first_key(len);
@@ -570,9 +615,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       for (int64_t b = lo / BS; b * BS < len; ++b) {
         const int64_t n = std::min(BS, len - b * BS);
         const int64_t j0 = std::max<int64_t>(0, lo - b * BS);
-        const int64_t base = (static_cast<int64_t>(table[b]) * BS * KVH + kh) * D;
-        const float* kb = kp + base;
-        const float* vb = vp + base;
+        const int64_t slot0 = static_cast<int64_t>(table[b]) * BS;
+        int64_t row;
+        const float* kb = block_rows(K, slot0, kh, KVH, j0, n, kbuf.data(), row);
+        const float* vb = block_rows(V, slot0, kh, KVH, j0, n, vbuf.data(), row);
         for (int64_t g = 0; g < G; ++g) {
           float* s = scores.data() + g * BS;
           float block_max = -std::numeric_limits<float>::infinity();

@@ -1,5 +1,6 @@
-"""`pkv bench agreement`: how often a model with integer activations (`awq_activations`) picks
-the same next token as with float32 activations, position by position. The float32 engine
+"""`pkv bench agreement`: how often a model with integer activations (`awq_activations`) or a
+smaller KV cache (`kv_cache_dtype`) picks the same next token as with float32, position by
+position. The float32 engine
 decodes greedily; each prefix of its output then goes to the integer engine as a prompt for
 one token (teacher forcing: one disagreement does not derail what follows), in steps no
 longer than the integer GEMV takes, so that every token goes through it. The prefixes share
@@ -18,7 +19,7 @@ from rich.table import Table
 class Agreement:
     positions: int
     agreeing: int
-    activations: str
+    candidate: str  # what differs from the reference: activations, KV dtype
 
     @property
     def rate(self) -> float:
@@ -40,7 +41,7 @@ def text_prompts(tokenizer: Any, num_prompts: int, input_len: int) -> list[list[
 
 
 def measure(reference: Any, candidate: Any, prompts: list[list[int]],
-            output_len: int, activations: str) -> Agreement:
+            output_len: int, candidate_label: str) -> Agreement:
     """Top-1 agreement of `candidate` with `reference`'s greedy tokens over every position."""
     from pkv.core.sample.sampling_params import SamplingParams
 
@@ -51,14 +52,15 @@ def measure(reference: Any, candidate: Any, prompts: list[list[int]],
     wanted = [t for out in outputs for t in out]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     got = [o.outputs[0].token_ids[0] for o in candidate.generate(prefixes, one)]
-    return Agreement(len(wanted), sum(a == b for a, b in zip(got, wanted)), activations)
+    return Agreement(len(wanted), sum(a == b for a, b in zip(got, wanted)),
+                     candidate_label)
 
 
 def agreement_table(result: Agreement) -> Table:
     table = Table(title="pkv bench agreement: next-token top-1, teacher-forced on float32's "
                         "greedy output")
-    for column in ("activations", "positions", "agreeing", "agreement"):
+    for column in ("candidate", "positions", "agreeing", "agreement"):
         table.add_column(column, justify="right")
-    table.add_row(result.activations, str(result.positions), str(result.agreeing),
+    table.add_row(result.candidate, str(result.positions), str(result.agreeing),
                   f"{100 * result.rate:.2f}%")
     return table

@@ -5,7 +5,8 @@ A step's tokens arrive flattened: the first `num_decode_tokens` rows are single-
 
     slot = block_table[pos // block_size] * block_size + pos % block_size
 
-KV cache per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+KV cache per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, row]:
+rows of head_dim values, or of head_dim 8-bit codes and a float32 scale (core/layers/kv_format.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from pkv.core.layers.kv_format import write_rows
 
 
 @dataclass(slots=True)
@@ -72,6 +75,6 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store each token's K/V at its slot."""
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        """Store each token's K/V at its slot, in the cache's format."""
+        write_rows(k_cache, slot_mapping, k)
+        write_rows(v_cache, slot_mapping, v)

@@ -17,6 +17,7 @@ from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
+from pkv.core.layers.kv_format import kv_format
 from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.lora.adapter import LoRAAdapter
 from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
@@ -126,6 +127,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = setup.device
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
+        self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, source.config.head_dim)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
             method = None  # asked for float32: a GGUF's blocks are dequantized as they load
@@ -191,10 +193,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return (2 * cfg.num_hidden_layers * self.block_size * self.plan.kv_heads[1]
-                * cfg.head_dim * elem)
+        return (2 * self.model_config.num_hidden_layers * self.block_size
+                * self.plan.kv_heads[1] * self.kv_format.row_bytes)
 
     @property
     def kv_resident_bytes(self) -> int:
@@ -235,9 +235,9 @@ class ModelRunner:
         # One allocation for all layers; blocks are zeroed on first use (see _zero_new_blocks),
         # so a large pool costs no memory until it is used.
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size,
-                 self.plan.kv_heads[1], cfg.head_dim)
+                 self.plan.kv_heads[1], self.kv_format.row)
         self.num_blocks = num_blocks
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_format.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self._num_zeroed_blocks = 0
 
@@ -245,7 +245,8 @@ class ModelRunner:
         # Attention reads whole blocks and masks the unused slots; masked slots must still hold
         # finite numbers (0 * NaN is NaN), so blocks are zeroed before their first use.
         if high_watermark > self._num_zeroed_blocks:
-            self.kv_cache[:, :, self._num_zeroed_blocks:high_watermark].zero_()
+            # As bytes: float8 tensors have no fill kernel.
+            self.kv_cache.view(torch.uint8)[:, :, self._num_zeroed_blocks:high_watermark].zero_()
             self._num_zeroed_blocks = high_watermark
 
     @torch.inference_mode()

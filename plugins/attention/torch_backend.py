@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.layers.kv_format import dequantize_rows
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    # [..., num_blocks] -> [..., num_blocks * block_size, num_kv_heads, head_dim]
-    blocks = cache[block_table]
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # [..., num_blocks] -> [..., num_blocks * block_size, num_kv_heads, head_dim] in `dtype`
+    blocks = dequantize_rows(cache[block_table], dtype)
     return blocks.flatten(-4, -3)
 
 
@@ -46,8 +47,8 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens[:nd]
         num_blocks = (max(meta.seq_lens_cpu[:nd]) + k_cache.shape[1] - 1) // k_cache.shape[1]
         block_tables = meta.block_tables[:nd, :num_blocks]
-        k = _gather(k_cache, block_tables).permute(0, 2, 3, 1)  # [nd, kvh, hd, L]
-        v = _gather(v_cache, block_tables).transpose(1, 2)  # [nd, kvh, L, hd]
+        k = _gather(k_cache, block_tables, q.dtype).permute(0, 2, 3, 1)  # [nd, kvh, hd, L]
+        v = _gather(v_cache, block_tables, q.dtype).transpose(1, 2)  # [nd, kvh, L, hd]
         q = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = _soft_cap(torch.matmul(q, k) * scale, logits_soft_cap)  # [nd, kvh, group, L]
         positions = torch.arange(scores.shape[-1], device=q.device)
@@ -69,8 +70,8 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             seq_len = meta.seq_lens_cpu[i]
             table = meta.block_tables[i, : (seq_len + block_size - 1) // block_size]
-            k = _gather(k_cache, table)[:seq_len].transpose(0, 1)  # [kvh, L, hd]
-            v = _gather(v_cache, table)[:seq_len].transpose(0, 1)
+            k = _gather(k_cache, table, q.dtype)[:seq_len].transpose(0, 1)  # [kvh, L, hd]
+            v = _gather(v_cache, table, q.dtype)[:seq_len].transpose(0, 1)
             out[start:end] = self._causal(q[start:end].transpose(0, 1), k, v, scale,
                                           sliding_window, logits_soft_cap)
         return out

@@ -40,6 +40,7 @@ def run(
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV pool size, e.g. 2GiB.")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="KV cache storage: auto, float32, bfloat16, float16, int8, fp8_e4m3.")] = "auto",
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Token budget per step.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest sequence.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching.")] = True,
@@ -96,7 +97,8 @@ def _run_offline(o: dict[str, Any]) -> None:
     engine = LLMEngine(EngineConfig(
         model=o["model"], revision=o["revision"], gguf_file=o["gguf_file"], dtype=o["dtype"],
         block_size=o["block_size"],
-        kv_cache_memory=o["kv_cache_memory"], max_num_seqs=max(o["batches"]),
+        kv_cache_memory=o["kv_cache_memory"], kv_cache_dtype=o["kv_cache_dtype"],
+        max_num_seqs=max(o["batches"]),
         max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
         seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
         attention_backend=o["attention_backend"], quantization=o["quantization"],
@@ -136,7 +138,8 @@ def _run_offline(o: dict[str, Any]) -> None:
                                         tok.encode)[0] if o["long_prompt_len"] else None)
         console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
                       f"in, {o['output_len']} out, {engine.runner.dtype}, attention "
-                      f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks, "
+                      f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks "
+                      f"({engine.runner.kv_format.name}), "
                       f"weights {engine.quantization or 'float'} "
                       f"{engine.runner.weight_bytes / 2**20:.0f} MiB ({weight_types(engine)}), "
                       f"process RSS "

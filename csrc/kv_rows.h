@@ -1,0 +1,158 @@
+// How K/V rows sit in the paged cache (core/layers/kv_format.py says why): one row is one
+// token's keys or values for one KV head.
+//
+//   kFloat          D float32                  (the attention kernel reads these in place)
+//   kBFloat16       D bfloat16                 (widened by a shift)
+//   kChar (int8)    D int8 codes + f32 scale   x = scale * code, scale = max |x| / 127
+//   kFloat8_e4m3fn  D e4m3 codes + f32 scale   x = scale * code, scale = max |x| / 448
+//
+// The tensor's dtype says which. Writes quantize as the torch reference does (the same
+// division and rounding, so both write the same bytes); reads widen a block's rows into a
+// float32 buffer that stays in L1 while the query heads go over it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace kv_rows {
+
+enum class Kind { F32, BF16, I8, FP8 };
+
+constexpr int64_t kScaleBytes = 4;
+
+inline bool supported(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kChar || t == at::kFloat8_e4m3fn;
+}
+
+inline Kind kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return Kind::BF16;
+    case at::kChar: return Kind::I8;
+    case at::kFloat8_e4m3fn: return Kind::FP8;
+    default: return Kind::F32;
+  }
+}
+
+// A cache of one layer ([NB, BS, KVH, row]) as bytes: where row r (slot * KVH + head) starts.
+struct Rows {
+  const uint8_t* data;
+  Kind kind;
+  int64_t D, bytes;  // values per row, bytes per row
+
+  static Rows of(const at::Tensor& cache, int64_t D) {
+    const Kind k = kind_of(cache.scalar_type());
+    const int64_t bytes = k == Kind::F32 ? D * 4 : k == Kind::BF16 ? D * 2 : D + kScaleBytes;
+    return {static_cast<const uint8_t*>(cache.data_ptr()), k, D, bytes};
+  }
+  const uint8_t* row(int64_t r) const { return data + r * bytes; }
+};
+
+inline float scale_of(const uint8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+// e4m3 (no infinities, largest finite 448) from a float of magnitude <= 448, rounded half to
+// even as torch's conversion rounds.
+inline uint8_t to_e4m3(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  bits &= 0x7fffffffu;
+  float a;
+  std::memcpy(&a, &bits, sizeof a);
+  if (!(a < 464.f)) return sign | 0x7f;  // NaN (and overflow, which e4m3fn turns into NaN)
+  if (a < 0.015625f)  // below 2^-6: subnormal steps of 2^-9 (8 steps is the smallest normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));
+  bits += 0x7ffffu + ((bits >> 20) & 1);  // round the mantissa to 3 bits, half to even
+  const uint32_t code = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7);
+  return sign | static_cast<uint8_t>(std::min<uint32_t>(code, 0x7f));
+}
+
+// x (D floats) into one row of the cache.
+inline void store(const float* x, Kind kind, int64_t D, uint8_t* row) {
+  if (kind == Kind::F32) {
+    std::memcpy(row, x, D * sizeof(float));
+    return;
+  }
+  if (kind == Kind::BF16) {
+    for (int64_t d = 0; d < D; ++d) {
+      uint32_t u;
+      std::memcpy(&u, x + d, sizeof u);
+      const uint16_t h = std::isnan(x[d]) ? 0x7fc0
+                                         : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+      std::memcpy(row + 2 * d, &h, sizeof h);
+    }
+    return;
+  }
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t d = 0; d < D; ++d) {
+    amax = std::max(amax, std::fabs(x[d]));
+    finite = finite && std::isfinite(x[d]);
+  }
+  if (!finite) {  // a NaN or infinity: the row reads back as NaN, as a float row would poison
+    std::memset(row, 0, D);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(row + D, &nan, sizeof nan);
+    return;
+  }
+  const float scale = amax / (kind == Kind::I8 ? 127.f : 448.f);
+  const float div = scale > 0.f ? scale : 1.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = x[d] / div;
+    row[d] = kind == Kind::I8 ? static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v)))
+                              : to_e4m3(v);
+  }
+  std::memcpy(row + D, &scale, sizeof scale);
+}
+
+// One row of the cache as D floats. Written as plain loops the compiler vectorizes (byte
+// widening, an integer-to-float conversion, a multiply; e4m3 by moving its exponent and
+// mantissa into a float's and rebiasing, subnormals from their integer mantissa).
+inline void load(const uint8_t* row, Kind kind, int64_t D, float* out) {
+  switch (kind) {
+    case Kind::F32:
+      std::memcpy(out, row, D * sizeof(float));
+      return;
+    case Kind::BF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        const uint32_t u = static_cast<uint32_t>(h[d]) << 16;
+        float f;
+        std::memcpy(&f, &u, sizeof f);
+        out[d] = f;
+      }
+      return;
+    }
+    case Kind::I8: {
+      const float s = scale_of(row, D);
+      const int8_t* c = reinterpret_cast<const int8_t*>(row);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(c[d]) * s;
+      return;
+    }
+    case Kind::FP8: {
+      const float s = scale_of(row, D);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        const uint32_t u = row[d], mag = u & 0x7f;
+        const uint32_t nb = (mag << 20) + (120u << 23);
+        float normal;
+        std::memcpy(&normal, &nb, sizeof normal);
+        const float v = mag >= 8 ? normal : static_cast<float>(mag) * 0.001953125f;
+        out[d] = (u & 0x80 ? -v : v) * s;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace kv_rows
