@@ -33,6 +33,7 @@ def inspect_cache(
     output_len: Annotated[int, typer.Option(help="New tokens per simulated request.")] = 16,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block (simulation).")] = 16,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size (simulation).")] = "64MiB",
+    kv_cache_dtype: Annotated[str, typer.Option(help="KV cache storage (simulation): auto, int8, fp8_e4m3, ...")] = "auto",
     max_model_len: Annotated[int, typer.Option(help="Longest sequence (simulation).")] = 1024,
     png: Annotated[Optional[Path], typer.Option(help="Write a picture of the block map.")] = None,
 ) -> None:
@@ -42,7 +43,7 @@ def inspect_cache(
             raise ValueError("give either --url URL or --simulate")
         if simulate:
             snapshot = _simulate(model, requests, shared_prefix_len, unique_len, output_len,
-                                 block_size, kv_cache_memory, max_model_len)
+                                 block_size, kv_cache_memory, kv_cache_dtype, max_model_len)
         else:
             snapshot = _fetch(url or "", api_key)
         render(snapshot, console)
@@ -56,7 +57,8 @@ def _fetch(url: str, api_key: str | None) -> CacheSnapshot:
 
 
 def _simulate(model: str | None, num: int, shared: int, unique: int, output_len: int,
-              block_size: int, kv_cache_memory: str, max_model_len: int) -> CacheSnapshot:
+              block_size: int, kv_cache_memory: str, kv_cache_dtype: str,
+              max_model_len: int) -> CacheSnapshot:
     """Requests sharing a prefix; the snapshot is taken mid-decode, when sharing shows."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
@@ -67,6 +69,7 @@ def _simulate(model: str | None, num: int, shared: int, unique: int, output_len:
         raise ValueError("--requests and --output-len must be >= 1, lengths >= 0")
     engine = LLMEngine(EngineConfig(model=model, block_size=block_size,
                                     kv_cache_memory=kv_cache_memory,
+                                    kv_cache_dtype=kv_cache_dtype,
                                     max_model_len=max_model_len))
     rng = random.Random(0)
     vocab = range(100, engine.model_config.vocab_size)
@@ -93,6 +96,7 @@ def render(s: CacheSnapshot, out: Console) -> None:
     summary.add_column(justify="right")
     rows = [("pool", f"{s.num_blocks} blocks x {s.block_size} tokens = "
                      f"{s.num_blocks * mib:,.1f} MiB"),
+            ("KV dtype", f"{s.kv_cache_dtype}, {s.bytes_per_block / 2**10:,.1f} KiB per block"),
             ("in use", f"{s.used} ({100 * s.used / s.num_blocks:.1f}%)"),
             ("cached, free", str(s.cached_free)), ("free", str(s.free)),
             ("prefix hit rate", f"{100 * s.hit_rate:.1f}% ({s.prefix_cache_hits} of "

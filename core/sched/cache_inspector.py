@@ -38,6 +38,7 @@ class CacheSnapshot:
     tokens_stored: int  # slots holding a computed token (a shared block counts once)
     requests: list[RequestBlocks]
     block_map: str
+    kv_cache_dtype: str = "float32"  # how K/V rows are stored (core/layers/kv_format.py)
 
     @property
     def hit_rate(self) -> float:
@@ -94,4 +95,5 @@ def take_snapshot(engine: Any) -> CacheSnapshot:
         free=pool.num_free_blocks - cached_free, prefix_cache_queries=kv.prefix_queries,
         prefix_cache_hits=kv.prefix_hits, evictions=pool.num_evictions,
         preemptions=engine.scheduler.num_preemptions, slots_allocated=used * kv.block_size,
-        tokens_stored=filled_slots(engine), requests=requests, block_map="".join(chars))
+        tokens_stored=filled_slots(engine), requests=requests, block_map="".join(chars),
+        kv_cache_dtype=engine.runner.kv_format.name)

@@ -37,6 +37,7 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield _kv_cache_info(self.engine)
         counters = {
             "pkv:num_preemptions": ("Requests preempted for lack of blocks.", s.num_preemptions),
             "pkv:prompt_tokens": ("Prompt tokens received.", s.num_prompt_tokens),
@@ -52,6 +53,16 @@ class _EngineCollector(Collector):
             yield from _spec_decode_metrics(self.engine.spec_stats)
         if self.engine.lora is not None:
             yield _lora_info(self.engine)
+
+
+def _kv_cache_info(engine: LLMEngine) -> Metric:
+    """The KV cache's storage, as labels (an info metric): dtype and bytes per block."""
+    info = GaugeMetricFamily("pkv:kv_cache_info", "KV cache storage (value 1).",
+                             labels=["dtype", "block_size", "bytes_per_block"])
+    runner = engine.runner
+    info.add_metric([runner.kv_format.name, str(runner.block_size),
+                     str(runner.kv_bytes_per_block)], 1)
+    return info
 
 
 def _lora_info(engine: LLMEngine) -> Metric:

@@ -36,9 +36,11 @@ def test_simulate_renders_tables_map_and_png(tmp_path: Path, tiny_llama_dir: Pat
     result = CliRunner().invoke(app, [
         "inspect-cache", "--simulate", "--model", str(tiny_llama_dir), "--requests", "4",
         "--shared-prefix-len", "32", "--unique-len", "5", "--output-len", "6",
-        "--kv-cache-memory", "8MiB", "--max-model-len", "256", "--png", str(png)])
+        "--kv-cache-memory", "8MiB", "--kv-cache-dtype", "int8", "--max-model-len", "256",
+        "--png", str(png)])
     assert result.exit_code == 0, result.output
-    for text in ("prefix hit rate", "fragmentation", "block tables", "block map", "shared"):
+    for text in ("prefix hit rate", "fragmentation", "block tables", "block map", "shared",
+                 "int8"):
         assert text in result.output
     assert png.read_bytes()[:4] == b"\x89PNG"
 

@@ -1,12 +1,14 @@
 """Every attention backend usable here against a dense float64 reference, on random paged
 layouts: shuffled physical blocks, ragged lengths, GQA, block sizes 1/16/32, prefill over a
-cached prefix, and decode."""
+cached prefix, and decode; and over 8-bit and bfloat16 caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pkv.core.layers.attention_backend import AttentionBackend
+from pkv.core.layers.kv_format import dequantize_rows, quantize_rows
 from pkv.core.registry import discover, select_attention_backend
 from pkv.plugins.attention.layouts import random_paged_layout
 
@@ -99,3 +101,60 @@ def test_backend_reads_q_k_v_as_views_of_one_fused_qkv(backend_name: str):
                           v_cache, meta, 0.125)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert torch.equal(v_cache.view(-1, 3, 64)[meta.slot_mapping], v)
+
+
+def _dequantized_reference(q, k, v, k_cache, v_cache, meta, scale):
+    """The dense reference over what a quantized cache holds once the step's K/V are in:
+    the torch backend's own writes (quantize_rows), widened back to float32."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    AttentionBackend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    k_new = dequantize_rows(k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping])
+    v_new = dequantize_rows(v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping])
+    return _dense_reference(q, k_new, v_new, dequantize_rows(k_cache), dequantize_rows(v_cache),
+                            meta, scale)
+
+
+def _kv_dtype_cases() -> list[tuple[str, str, torch.dtype]]:
+    """(backend, layout, cache dtype); interpreted Triton takes the mixed layout only."""
+    dtypes = (torch.int8, torch.float8_e4m3fn, torch.bfloat16)
+    return [(name, layout, dt) for name in BACKENDS for layout in LAYOUTS for dt in dtypes
+            if not (name == "triton" and DEVICE == "cpu" and layout != "mixed")]
+
+
+@pytest.mark.parametrize("backend_name,layout,cache_dtype", _kv_dtype_cases())
+def test_backend_reads_and_writes_a_smaller_kv_cache(backend_name: str, layout: str,
+                                                     cache_dtype: torch.dtype):
+    backend = select_attention_backend(backend_name, DEVICE)
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(
+        LAYOUTS[layout], 16, 9, 3, 64, seed=11, device=DEVICE)
+    k_cache, v_cache = quantize_rows(k_cache, cache_dtype), quantize_rows(v_cache, cache_dtype)
+    expected = _dequantized_reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    AttentionBackend.write_kv(k, v, k_ref, v_ref, meta.slot_mapping)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    # Every backend stores the very bytes the reference quantizer does.
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    # And the quantization error stays that of the format (vs the float32 cache's answer).
+    exact = _dense_reference(q, k, v, dequantize_rows(k_cache), dequantize_rows(v_cache), meta,
+                             0.125)
+    bound = {torch.int8: 0.05, torch.float8_e4m3fn: 0.3, torch.bfloat16: 0.03}[cache_dtype]
+    assert (out - exact).abs().max() < bound
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 40, 128])
+def test_cpu_kernel_smaller_kv_cache_every_flavour(cache_dtype: torch.dtype, head_dim: int,
+                                                   isa: str):
+    # Decodes, a short chunk (per-token path) and a long one (tiled path), with a window.
+    backend = select_attention_backend("cpu", "cpu")
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(
+        [(70, 1), (3, 1), (20, 5), (9, 40)], 16, 12, 3, head_dim, seed=head_dim)
+    k_cache, v_cache = quantize_rows(k_cache, cache_dtype), quantize_rows(v_cache, cache_dtype)
+    reference = select_attention_backend("torch", "cpu")
+    expected = reference.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta,
+                                 head_dim**-0.5, sliding_window=24)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5, sliding_window=24)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)

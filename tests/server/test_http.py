@@ -46,6 +46,10 @@ def test_health_version_and_metrics_names(server: RunningServer):
                  "pkv:generation_tokens_total", "pkv:prefix_cache_queries_total",
                  "pkv:prefix_cache_hits_total"):
         assert name in names, name
+    text = httpx.get(f"{server.base_url}/metrics", headers=server.headers).text
+    # The KV cache's storage: float32 rows of SmolLM2's 30 layers x 3 KV heads x 64.
+    assert ('pkv:kv_cache_info{block_size="16",bytes_per_block="737280",dtype="float32"} 1.0'
+            in text), text
 
 
 def test_auth_is_required_and_compared(server: RunningServer):
