@@ -199,18 +199,30 @@ class CpuDecoder {
   // cache line each way instead of an OpenMP region each. Longer steps keep one region per
   // loop: there torch's GEMMs (oneDNN), which a team would run on one thread, take over; so
   // do processes with more threads than CPUs (see team::usable_cpus).
+  // KV groups (core/layers/kv_groups.py): layer i writes and reads through
+  // slot_mappings[g] and block_tables[g], g = layer_groups[i] (no groups: g = 0).
   at::Tensor forward(at::Tensor h, const at::Tensor& positions,
                      const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
-                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& seq_ids, const at::Tensor& kv_lens) {
+                     const std::vector<at::Tensor>& slot_mappings,
+                     const std::vector<at::Tensor>& block_tables,
+                     const std::vector<int64_t>& layer_groups, const at::Tensor& seq_ids,
+                     const at::Tensor& kv_lens) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
+    TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size() &&
+                    (layer_groups.empty() || layer_groups.size() == layers_.size()),
+                "CpuDecoder: one slot mapping and block table per KV group, a group per layer");
+    for (int64_t g : layer_groups)
+      TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(slot_mappings.size()),
+                  "CpuDecoder: a layer's KV group is out of range");
     const int threads = at::get_num_threads();
     if (threads < 2 || threads > cpus_ || at::in_parallel_region() ||
         h.size(0) > std::min(max_gemv_rows_, gemv::kMaxRows))
-      return layers(h, positions, kv_caches, slot_mapping, block_tables, seq_ids, kv_lens);
+      return layers(h, positions, kv_caches, slot_mappings, block_tables, layer_groups, seq_ids,
+                    kv_lens);
     at::Tensor out;
     team::with_team(threads, [&] {
-      out = layers(h, positions, kv_caches, slot_mapping, block_tables, seq_ids, kv_lens);
+      out = layers(h, positions, kv_caches, slot_mappings, block_tables, layer_groups, seq_ids,
+                   kv_lens);
     });
     return out;
   }
@@ -218,8 +230,10 @@ class CpuDecoder {
  private:
   at::Tensor layers(at::Tensor h, const at::Tensor& positions,
                     const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
-                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                    const at::Tensor& seq_ids, const at::Tensor& kv_lens) const {
+                    const std::vector<at::Tensor>& slot_mappings,
+                    const std::vector<at::Tensor>& block_tables,
+                    const std::vector<int64_t>& layer_groups, const at::Tensor& seq_ids,
+                    const at::Tensor& kv_lens) const {
     const int64_t T = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     Workspace ws;
     at::Tensor residual;
@@ -244,9 +258,10 @@ class CpuDecoder {
       const at::Tensor& attn = ws.rows(ws.attn, T, q_size, h);
       if (!ws.attn_heads.defined() || !ws.attn_heads.is_alias_of(attn))
         ws.attn_heads = attn.view({T, heads_, head_dim_});
-      paged_attention(ws.attn_heads, q, k, v, kv_caches[i].first,
-                      kv_caches[i].second, slot_mapping, block_tables, seq_ids, kv_lens, scale_,
-                      layer.window, layer.soft_cap);
+      const size_t g = layer_groups.empty() ? 0 : layer_groups[i];
+      paged_attention(ws.attn_heads, q, k, v, kv_caches[i].first, kv_caches[i].second,
+                      slot_mappings[g], block_tables[g], seq_ids, kv_lens, scale_, layer.window,
+                      layer.soft_cap);
       h = leave(linear(attn, layer.o, ws.rows(ws.h, T, layer.o.n, h)), layer.attn_out_norm,
                 layer.multiplier);
       h = enter(h, residual, layer.mlp_in_norm);

@@ -59,13 +59,26 @@ def parity_prompts(count: int = 6, shortest: int = 9, longest: int = 70) -> list
             for i in range(count)]
 
 
-def kv_block_bytes(model_dir: Path, block_size: int) -> tuple[int, int | None]:
-    """(bytes of one float32 KV block, the all-layer window or None) of `model_dir`'s model."""
+def kv_block_bytes(model_dir: Path, block_size: int, one_group: bool = False
+                   ) -> tuple[int, Any]:
+    """(bytes of one float32 KV block, least(length, chunk): the fewest blocks the engine
+    takes for max_model_len=length and max_num_batched_tokens=chunk) of `model_dir`'s model; a
+    block holds one KV group's layers (core/layers/kv_groups.py): a global group must fit one
+    sequence of max_model_len, a windowed one its window and a chunk. `one_group`: all layers
+    in one table, as a draft model keeps them."""
+    from pkv.core.layers.kv_groups import plan_kv_groups
     from pkv.core.model_loader.loader import open_model
 
     cfg = open_model(str(model_dir)).config
-    per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
-    return per_block * 4, cfg.kv_window
+    groups = plan_kv_groups([None] * cfg.num_hidden_layers if one_group else cfg.layer_windows)
+    per_block = 2 * groups.slots * block_size * cfg.num_key_value_heads * cfg.head_dim
+
+    def least(length: int, chunk: int) -> int:
+        full = -(-length // block_size)
+        return sum(full if g.window is None else min(full, -(-(g.window + chunk) // block_size) + 1)
+                   for g in groups.groups)
+
+    return per_block * 4, least
 
 
 def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
@@ -87,16 +100,19 @@ def check_matches_transformers(model_dir: Path, new_tokens: int = 16,
     assert any(len(r) == new_tokens for r in reference)  # the reference really decoded
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     longest, block = max(map(len, prompts)) + new_tokens, 4
-    per_block, window = kv_block_bytes(model_dir, block)
-    # Enough blocks for two of the longest sequences, never for all at once; a model whose
-    # every layer is windowed holds less per sequence, so it gets the least the engine takes
-    # (one sequence of max_model_len).
+    per_block, least = kv_block_bytes(model_dir, block)
+    draft = (speculative_config or {}).get("model")
+    if draft:  # the draft's KV of each block comes out of the same memory
+        per_block += kv_block_bytes(Path(draft), block, one_group=True)[0]
+    # The least the engine takes (one sequence of max_model_len in steps of 16 tokens), a
+    # fraction of what all the sequences hold at their longest: some must wait or be preempted.
     max_len = longest + 8
-    small_pool = per_block * (-(-max_len // block) if window else 2 * -(-longest // block) + 1)
+    small_pool = per_block * least(max_len, 16)
     # The C++ path (fused decoder stack, cpu attention) by default; the Python layer loop
     # and the torch reference backend with chunked prefill.
     runs = [dict(), dict(block_size=block, max_num_batched_tokens=16, attention_backend="torch"),
-            dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len)]
+            dict(block_size=block, kv_cache_memory=small_pool, max_model_len=max_len,
+                 max_num_batched_tokens=16)]
     for i, options in enumerate(runs):
         options.setdefault("kv_cache_memory", "16MiB")
         if speculative_config is not None:

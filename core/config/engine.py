@@ -15,6 +15,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
 _AWQ_ACTIVATIONS = ("float32", "int16", "int8")
 # `fp8` is vLLM's spelling of fp8_e4m3.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
                "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
@@ -150,6 +151,12 @@ class EngineConfig:
             self.speculative_config = asdict(SpeculativeConfig.parse(self.speculative_config))
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding does not run with tensor parallelism yet")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """Most tokens one step computes: max_num_batched_tokens, or by default 2048 (at
+        most max_model_len, at least max_num_seqs)."""
+        return (self.max_num_batched_tokens
+                or min(DEFAULT_MAX_NUM_BATCHED_TOKENS, max(max_model_len, self.max_num_seqs)))
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

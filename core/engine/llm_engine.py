@@ -22,7 +22,7 @@ from pkv.core.lora.manager import LoRAManager
 from pkv.core.lora.slots import LoRASlotTable
 from pkv.core.registry import select_guided_backend
 from pkv.core.sample.sampling_params import SamplingParams
-from pkv.core.sched.kv_cache_manager import KVCacheManager
+from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
@@ -32,9 +32,6 @@ from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
 logger = logging.getLogger("pkv.engine")
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
 
 class ContextLengthError(ValueError):
     """The prompt (plus max_tokens) does not fit in max_model_len."""
@@ -79,9 +76,7 @@ class LLMEngine:
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.max_model_len = setup.max_model_len
-        self.max_num_batched_tokens = (config.max_num_batched_tokens
-                                       or min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                              max(self.max_model_len, config.max_num_seqs)))
+        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         logger.info("attention backend: %s", setup.backend.name)
         self.attention_backend = setup.backend.name
         self.quantization = setup.loader.name if setup.loader else None
@@ -108,9 +103,9 @@ class LLMEngine:
             self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching,
-                                       sliding_window=source.config.kv_window)
+        self.kv_cache = KVCacheCoordinator(self.runner.num_blocks, config.block_size,
+                                           config.enable_prefix_caching,
+                                           self.runner.kv_groups.windows)
         self.lora = (LoRAManager(self.runner.lora_layers, config.max_lora_rank)
                      if config.enable_lora else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -320,7 +315,7 @@ class LLMEngine:
         self.timer.end_step()
         return outputs
 
-    def _propose(self, sched: SchedulerOutput, tables: dict[str, list[int]],
+    def _propose(self, sched: SchedulerOutput, tables: dict[str, list[list[int]]],
                  failures: dict[str, Exception]) -> None:
         """Fill the speculating requests' lookahead with drafts. A proposer that fails (a
         draft model's step) fails those requests only; the step goes on without drafts."""

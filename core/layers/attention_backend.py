@@ -36,10 +36,19 @@ class AttentionMetadata:
     # [num_seqs] int32: each sequence's whole length, prompt and outputs, computed or not
     # (more than seq_lens during a chunked prefill); LongRoPE picks its table by it
     total_lens: torch.Tensor | None = None
+    # With several KV groups (core/layers/kv_groups.py): this step's metadata for each group
+    # (its own slot_mapping and block_tables; the fields above are group 0's), and the group
+    # each layer reads.
+    groups: tuple[AttentionMetadata, ...] = ()
+    layer_groups: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_layer(self, i: int) -> AttentionMetadata:
+        """What layer i's attention reads: its KV group's slots and tables."""
+        return self.groups[self.layer_groups[i]] if self.groups else self
 
 
 class AttentionBackend(ABC):

@@ -75,11 +75,14 @@ class DecoderModel(nn.Module):
             # transformers rounds the factor to the compute dtype first (Gemma)
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         if self.fused is not None:
-            return self.fused.forward(h, positions, kv_caches, meta.slot_mapping,
-                                      meta.block_tables, meta.seq_ids, meta.kv_lens)
+            groups = meta.groups or (meta,)
+            return self.fused.forward(h, positions, kv_caches,
+                                      [g.slot_mapping for g in groups],
+                                      [g.block_tables for g in groups], list(meta.layer_groups),
+                                      meta.seq_ids, meta.kv_lens)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer(h, residual, positions, kv_cache, meta.for_layer(i))
         return self.norm.add_forward(h, residual)[0]
 
 

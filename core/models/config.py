@@ -162,15 +162,6 @@ class ModelConfig:
                         max_position_embeddings=self.max_position_embeddings)
 
     @property
-    def kv_window(self) -> int | None:
-        """The window every layer attends within, when all layers are windowed: KV blocks
-        behind it are never read again (None: some layer reads the whole sequence)."""
-        windows = self.layer_windows
-        if not windows or any(w is None for w in windows):
-            return None
-        return max(w for w in windows if w is not None)
-
-    @property
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim

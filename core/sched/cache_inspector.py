@@ -63,10 +63,12 @@ def filled_slots(engine: Any) -> int:
     bs = engine.kv_cache.block_size
     filled: dict[int, int] = {}
     for request in engine.scheduler.running:
-        blocks = engine.kv_cache.req_blocks.get(request.request_id, [])
-        for i, block in enumerate(blocks):
-            n = min(bs, max(0, request.num_computed_tokens - i * bs))
-            filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        for group in engine.kv_cache.groups:
+            for i, block in enumerate(group.req_blocks.get(request.request_id, [])):
+                if block is group.null_block:  # given back behind a window
+                    continue
+                n = min(bs, max(0, request.num_computed_tokens - i * bs))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
     return sum(filled.values())
 
 
@@ -75,7 +77,8 @@ def take_snapshot(engine: Any) -> CacheSnapshot:
     kv, pool = engine.kv_cache, engine.kv_cache.pool
     requests = []
     for request in engine.scheduler.running:
-        blocks = kv.req_blocks.get(request.request_id, [])
+        blocks = [b for g in kv.groups for b in g.req_blocks.get(request.request_id, [])
+                  if b is not g.null_block]
         requests.append(RequestBlocks(request.request_id, request.num_tokens,
                                       request.num_computed_tokens, [b.block_id for b in blocks],
                                       [b.ref_cnt > 1 for b in blocks]))

@@ -23,12 +23,16 @@ class KVCacheManager:
     """Allocates blocks as requests grow, finds cached prefixes, frees on finish/preempt."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, pool: BlockPool | None = None,
+                 tag: bytes = b"") -> None:
+        """`pool` shares blocks with other groups' managers (core/sched/kv_cache_coordinator.py);
+        `tag` sets this group's cached blocks apart from theirs (same tokens, other layers)."""
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.null_block = KVBlock(0)  # a table placeholder; never allocated, never freed
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = pool or BlockPool(num_blocks, enable_caching)
+        self.tag = tag
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
         self._num_released: dict[str, int] = {}  # leading blocks given back (sliding window)
@@ -44,8 +48,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, request.block_key(i))
+        for block in self.cached_blocks(request, max_blocks):
             if block is None:
                 break
             hits.append(block)
@@ -53,28 +56,68 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def cached_blocks(self, request: Request, num_blocks: int) -> list[KVBlock | None]:
+        """The cached block (or None) of each of the request's first `num_blocks` blocks."""
+        return [self.pool.lookup(h + self.tag, self._key(request, i))
+                for i, h in enumerate(request.block_hashes[:num_blocks])]
+
+    def _key(self, request: Request, i: int) -> tuple[bytes | None, tuple[int, ...], bytes]:
+        parent, tokens, salt = request.block_key(i)
+        return parent, tokens, salt + self.tag
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out."""
+        need = self.blocks_needed(request, num_new_tokens, computed_blocks)
+        if need > self.pool.num_free_blocks:
+            if not self.req_blocks.get(request.request_id):
+                self.req_blocks.pop(request.request_id, None)
+            return False
+        self.take_slots(request, num_new_tokens, computed_blocks)
+        return True
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      computed_blocks: list[KVBlock] | None = None) -> int:
+        """Free blocks `take_slots` would use (cache hits that sit in the free queue count:
+        they stop being free). Gives back the blocks behind the window first."""
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         self._release_behind_window(request.request_id, blocks, num_computed)
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks)
         need -= len(computed_blocks)
-        # Cache hits sitting in the free queue stop being free once we take them.
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reclaimed:
-            if not blocks:
-                del self.req_blocks[request.request_id]
-            return False
-        self.pool.touch(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not self.null_block)
+        return max(0, need) + reclaimed
+
+    def take_slots(self, request: Request, num_new_tokens: int,
+                   computed_blocks: list[KVBlock] | None = None) -> None:
+        """Add `computed_blocks` and new blocks for `num_new_tokens` (checked by
+        `blocks_needed`)."""
+        computed_blocks = computed_blocks or []
+        self.add_hits(request, computed_blocks)
+        self.add_new_blocks(request, num_new_tokens, len(computed_blocks))
+
+    def add_hits(self, request: Request, computed_blocks: list[KVBlock]) -> None:
+        """Take the prefix hits: out of the free queue before any allocation can evict them
+        (with several groups, all groups' hits go first)."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if not blocks:  # a hit behind a window starts with null blocks: already given back
+            leading = next((i for i, b in enumerate(computed_blocks) if b is not self.null_block),
+                           len(computed_blocks))
+            if leading:
+                self._num_released[request.request_id] = leading
+        self.pool.touch([b for b in computed_blocks if b is not self.null_block])
         blocks.extend(computed_blocks)
+
+    def add_new_blocks(self, request: Request, num_new_tokens: int, num_hits: int) -> None:
+        """Blocks for `num_new_tokens` after the computed tokens and `num_hits` hit blocks."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_hits * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        return True
 
     def _release_behind_window(self, request_id: str, blocks: list[KVBlock],
                                first_query: int) -> None:
@@ -98,7 +141,7 @@ class KVCacheManager:
         for i in range(start, end):
             if blocks[i] is self.null_block:
                 continue
-            self.pool.cache(blocks[i], request.block_hashes[i], request.block_key(i))
+            self.pool.cache(blocks[i], request.block_hashes[i] + self.tag, self._key(request, i))
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:

@@ -3,6 +3,8 @@
 The draft shares the target's block tables: block b holds the target's K/V of its tokens in
 the target's pool and the draft's K/V of the same tokens in the draft's own tensor, so one
 KV cache manager (and one memory budget) serves both, and freeing a request frees both.
+A target with several KV groups (global and windowed layers) lends the draft its first
+group's tables, the global layers' (every block of the sequence).
 
 Per step, before the target verifies, for every request with a lookahead:
 
@@ -52,7 +54,8 @@ class DraftModelProposer:
         try:
             setup = ModelSetup.prepare(draft_config)
             check_draft_vocab(spec, setup.source.config.vocab_size, vocab_size)
-            runner = ModelRunner(draft_config, setup, show_progress, num_blocks=0)
+            runner = ModelRunner(draft_config, setup, show_progress, num_blocks=0,
+                                 one_kv_group=True)
         except Exception as exc:
             message = str(exc)
             if not message.startswith("speculative_config"):
@@ -69,12 +72,12 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], lookahead: dict[str, int],
-                tables: dict[str, list[int]], high_watermark: int) -> dict[str, list[int]]:
+                tables: dict[str, list[list[int]]], high_watermark: int) -> dict[str, list[int]]:
         """Up to lookahead[id] drafts per request."""
         chunks = []
         for r in requests:
             start = r.num_draft_computed_tokens
-            chunks.append(SeqChunk(r.all_token_ids[start:], start, tables[r.request_id],
+            chunks.append(SeqChunk(r.all_token_ids[start:], start, [tables[r.request_id][0]],
                                    r.num_tokens, 1))
             r.num_draft_computed_tokens = r.num_tokens
         drafts = {r.request_id: [t] for r, t in zip(requests, self._argmax(chunks, high_watermark))}
@@ -85,7 +88,7 @@ class DraftModelProposer:
                 return drafts
             chunks = [SeqChunk([drafts[r.request_id][-1]],
                                r.num_tokens - 1 + len(drafts[r.request_id]),
-                               tables[r.request_id], r.num_tokens, 1) for r in active]
+                               [tables[r.request_id][0]], r.num_tokens, 1) for r in active]
             for r, token in zip(active, self._argmax(chunks, high_watermark)):
                 drafts[r.request_id].append(token)
 

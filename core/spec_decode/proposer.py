@@ -27,7 +27,8 @@ class Proposer(Protocol):
     def allocate_kv(self, num_blocks: int) -> None: ...
 
     def propose(self, requests: list[Request], lookahead: dict[str, int],
-                tables: dict[str, list[int]], high_watermark: int) -> dict[str, list[int]]: ...
+                tables: dict[str, list[list[int]]],
+                high_watermark: int) -> dict[str, list[int]]: ...
 
 
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, max_model_len: int,

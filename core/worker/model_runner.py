@@ -7,7 +7,7 @@ only for the rows that sample, and samples them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -18,6 +18,7 @@ from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
+from pkv.core.layers.kv_groups import plan_kv_groups
 from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.lora.adapter import LoRAAdapter
 from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
@@ -115,10 +116,12 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, setup: ModelSetup, show_progress: bool = True,
                  tp: TPGroup | None = None, num_blocks: int | None = None,
-                 extra_block_bytes: int = 0) -> None:
+                 extra_block_bytes: int = 0, one_kv_group: bool = False) -> None:
         """`num_blocks` fixes the KV pool's size (0: allocate later, `allocate_kv`);
         otherwise it comes from the memory settings, each block also paying for
-        `extra_block_bytes` elsewhere (a draft model's KV of the same block)."""
+        `extra_block_bytes` elsewhere (a draft model's KV of the same block).
+        `one_kv_group`: every layer reads one block table (a draft model, which reads the
+        target's first group's tables), whatever its windows."""
         self.config = config
         self.tp = tp or TPGroup()
         source = setup.source
@@ -128,6 +131,8 @@ class ModelRunner:
         self.device = setup.device
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
         self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, source.config.head_dim)
+        windows = source.config.layer_windows
+        self.kv_groups = plan_kv_groups([None] * len(windows) if one_kv_group else windows)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
             method = None  # asked for float32: a GGUF's blocks are dequantized as they load
@@ -193,8 +198,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return (2 * self.model_config.num_hidden_layers * self.block_size
-                * self.plan.kv_heads[1] * self.kv_format.row_bytes)
+        return (2 * self.kv_groups.slots * self.block_size * self.plan.kv_heads[1]
+                * self.kv_format.row_bytes)
 
     @property
     def kv_resident_bytes(self) -> int:
@@ -203,7 +208,7 @@ class ModelRunner:
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         per_block = self.kv_bytes_per_block + self.extra_block_bytes
-        blocks_per_seq = cdiv(max_model_len, self.block_size)
+        blocks_per_seq = self._blocks_per_seq(max_model_len)
         if self.config.kv_cache_memory is not None:
             budget = int(self.config.kv_cache_memory)
             num_blocks = budget // per_block
@@ -220,6 +225,15 @@ class ModelRunner:
                 "kv_cache_memory or lower max_model_len")
         return num_blocks
 
+    def _blocks_per_seq(self, max_model_len: int) -> int:
+        """The most blocks one sequence of max_model_len holds at once: all of them in a
+        global group; in a windowed one, its window's and one step's chunk of tokens."""
+        budget = self.config.token_budget(max_model_len)
+        full = cdiv(max_model_len, self.block_size)
+        return sum(full if g.window is None
+                   else min(full, cdiv(g.window + budget, self.block_size) + 1)
+                   for g in self.kv_groups.groups)
+
     def _blocks_from_utilization(self, per_block: int) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -234,11 +248,13 @@ class ModelRunner:
         cfg = self.model_config
         # One allocation for all layers; blocks are zeroed on first use (see _zero_new_blocks),
         # so a large pool costs no memory until it is used.
-        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+        # A block id holds `slots` layers: each layer uses its slot of its group's blocks.
+        shape = (self.kv_groups.slots, 2, num_blocks, self.block_size,
                  self.plan.kv_heads[1], self.kv_format.row)
         self.num_blocks = num_blocks
         self.kv_cache = torch.empty(shape, dtype=self.kv_format.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.kv_caches = [(self.kv_cache[s, 0], self.kv_cache[s, 1])
+                          for s in self.kv_groups.slot_of[:cfg.num_hidden_layers]]
         self._num_zeroed_blocks = 0
 
     def _zero_new_blocks(self, high_watermark: int) -> None:
@@ -250,7 +266,7 @@ class ModelRunner:
             self._num_zeroed_blocks = high_watermark
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[int]],
+    def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
                       high_watermark: int, failures: dict[str, Exception] | None = None
                       ) -> tuple[list[Request], VerifyOutput]:
         """Run one step; return the requests that sampled and, per request, the tokens it
@@ -258,8 +274,8 @@ class ModelRunner:
         setup fails (e.g. its grammar) is recorded in `failures` and sampled greedily, for
         the engine to end."""
         chunks, sampling = self._chunks(sched, block_tables)
-        input_ids, positions, meta, logits_idx = flatten_batch(chunks, self.block_size,
-                                                               self.device)
+        input_ids, positions, meta, logits_idx = flatten_batch(
+            chunks, self.block_size, self.device, self.kv_groups.group_of)
         if self.lora_layers:
             segments = lora_segments([(r.lora_slot, len(c.token_ids))
                                       for r, c in zip(sched.scheduled, chunks)])
@@ -307,12 +323,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_chunks(self, chunks: list[SeqChunk], high_watermark: int) -> torch.Tensor | None:
         """Logits of the chunks' last `num_logits` rows each (a draft model's pass)."""
-        input_ids, positions, meta, logits_idx = flatten_batch(chunks, self.block_size,
-                                                               self.device)
+        input_ids, positions, meta, logits_idx = flatten_batch(
+            chunks, self.block_size, self.device, self.kv_groups.group_of)
         return self.run_step(StepInputs(input_ids, positions, meta, logits_idx, high_watermark))
 
     @staticmethod
-    def _chunks(sched: SchedulerOutput, block_tables: dict[str, list[int]]
+    def _chunks(sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
                 ) -> tuple[list[SeqChunk], list[Request]]:
         """Each scheduled request's tokens this step (its drafts after them), and the
         requests that sample, in order."""
@@ -362,39 +378,44 @@ class SeqChunk:
 
     token_ids: list[int]
     start: int
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV group
     total_len: int  # the whole sequence's length, computed or not (LongRoPE picks by it)
     num_logits: int  # how many of its last rows need logits
 
 
-def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device
+def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device,
+                  layer_groups: list[int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """One step's flattened batch: input ids, positions, attention metadata and the rows
-    whose logits are computed. Single-token chunks that come first count as decodes.
+    whose logits are computed. Single-token chunks that come first count as decodes. With
+    several KV groups, each gets its own slots and block tables (`meta.groups`), and
+    `layer_groups` says which group each layer reads.
 
     Built as Python lists and made into two tensors (int64, int32) that every field views:
     the step's weights have just streamed through the caches, so each numpy or torch call
     here runs cold (~4x its warm time), and at batch 1 the twenty-odd calls this took
     before were 3-5% of a 4-bit decode step (0.12-0.23 of ~4.3 ms)."""
     bs = block_size
-    width = max(len(c.block_table) for c in chunks)
+    num_groups = len(chunks[0].block_tables)
+    widths = [max(len(c.block_tables[g]) for c in chunks) for g in range(num_groups)]
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]
     logits_idx: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
-    tables: list[int] = []
+    tables: list[list[int]] = [[] for _ in range(num_groups)]
     seq_ids: list[int] = []
     num_decode_tokens = 0
     for i, chunk in enumerate(chunks):
-        n, table = len(chunk.token_ids), chunk.block_table
+        n = len(chunk.token_ids)
         end = chunk.start + n
         input_ids += chunk.token_ids
         positions += range(chunk.start, end)
-        slots += [table[p // bs] * bs + p % bs for p in range(chunk.start, end)]
-        tables += table
-        tables += [0] * (width - len(table))
+        for g, table in enumerate(chunk.block_tables):
+            slots[g] += [table[p // bs] * bs + p % bs for p in range(chunk.start, end)]
+            tables[g] += table
+            tables[g] += [0] * (widths[g] - len(table))
         seq_ids += [i] * n
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(end)
@@ -404,18 +425,24 @@ def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device
     num_tokens, num_seqs = len(input_ids), len(chunks)
     kv_lens = [p + 1 for p in positions]
     total_lens = [c.total_len for c in chunks]
-    longs = torch.tensor(input_ids + positions + slots + logits_idx, dtype=torch.long)
-    ints = torch.tensor(query_start_loc + seq_lens + tables + seq_ids + kv_lens + total_lens,
-                        dtype=torch.int32)
-    ids_t, positions_t, slots_t, logits_t = longs.to(device).split(
-        [num_tokens, num_tokens, num_tokens, len(logits_idx)])
-    qsl_t, seq_lens_t, tables_t, seq_ids_t, kv_lens_t, total_t = ints.to(device).split(
-        [num_seqs + 1, num_seqs, num_seqs * width, num_tokens, num_tokens, num_seqs])
+    longs = torch.tensor(input_ids + positions + logits_idx + sum(slots, []), dtype=torch.long)
+    ints = torch.tensor(query_start_loc + seq_lens + seq_ids + kv_lens + total_lens
+                        + sum(tables, []), dtype=torch.int32)
+    ids_t, positions_t, logits_t, *slots_t = longs.to(device).split(
+        [num_tokens, num_tokens, len(logits_idx)] + [num_tokens] * num_groups)
+    qsl_t, seq_lens_t, seq_ids_t, kv_lens_t, total_t, *tables_t = ints.to(device).split(
+        [num_seqs + 1, num_seqs, num_tokens, num_tokens, num_seqs]
+        + [num_seqs * w for w in widths])
     meta = AttentionMetadata(
-        slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_lens_t,
-        block_tables=tables_t.view(num_seqs, width), num_decode_tokens=num_decode_tokens,
+        slot_mapping=slots_t[0], query_start_loc=qsl_t, seq_lens=seq_lens_t,
+        block_tables=tables_t[0].view(num_seqs, widths[0]), num_decode_tokens=num_decode_tokens,
         seq_ids=seq_ids_t, kv_lens=kv_lens_t, query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens, total_lens=total_t)
+    if num_groups > 1:
+        meta.groups = tuple(replace(meta, slot_mapping=slots_t[g],
+                                    block_tables=tables_t[g].view(num_seqs, widths[g]))
+                            for g in range(num_groups))
+        meta.layer_groups = tuple(layer_groups or ())
     return ids_t, positions_t, meta, logits_t
 
 

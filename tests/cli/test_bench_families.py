@@ -29,3 +29,18 @@ def test_window_bench_levels_off_with_a_window():
     assert max(windowed.values()) <= 2  # the window's keys span two blocks at most
     assert full[88] == -(-87 // 16) and full[88] > full[24]  # 87 tokens computed so far
     assert window_table(runs, 16).row_count == 5
+
+
+def test_hybrid_window_bench_holds_near_the_least():
+    from pkv.cli.bench.window import hybrid_vs_least, window_table
+
+    # Gemma 3's pattern at six layers: five windowed (16 tokens), the last one global.
+    runs = hybrid_vs_least("gemma3", 8, 192, 32, shape={**TINY, "vocab_size": 49152,
+                                                        "num_hidden_layers": 6,
+                                                        "sliding_window": 16})
+    held, least, one_table = runs["pkv"], runs["least"], runs["one table"]
+    assert sorted(held) == sorted(least) == [40, 72, 104, 136, 168]
+    assert least[168] == -(-167 // 16) + 5 * 2  # the global layer's blocks + two per window
+    assert least[168] <= held[168] <= 1.3 * least[168]
+    assert one_table[168] == 6 * -(-167 // 16) > 2.5 * held[168]
+    assert window_table(runs, 16, "layer-blocks").row_count == 5

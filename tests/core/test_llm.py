@@ -71,7 +71,7 @@ def test_n_samples_share_prompt_blocks(smol_llm: LLM):
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     engine.add_request("n2", prompt, params)
     engine.step()
-    a, b = (engine.kv_cache.block_ids(f"n2#{i}") for i in range(2))
+    a, b = (engine.kv_cache.block_ids(f"n2#{i}")[0] for i in range(2))
     full = (len(prompt) - 1) // engine.config.block_size
     assert full >= 2 and a[:full] == b[:full] and a[-1] != b[-1]
     finals = engine.generate_until_done()

@@ -9,10 +9,10 @@ def test_mixed_batch_flattens_to_the_slots_and_rows_each_chunk_owns() -> None:
     # Block size 4. Two decodes, then a chunked prefill that does not sample yet (its block
     # table out of order, block 0 in the middle), then a whole short prompt that samples.
     chunks = [
-        SeqChunk([7], 5, [9, 2], 6, 1),
-        SeqChunk([8], 3, [4], 4, 1),
-        SeqChunk([1, 2, 3, 4, 5], 2, [6, 0, 3], 10, 0),
-        SeqChunk([11, 12], 0, [5], 2, 1),
+        SeqChunk([7], 5, [[9, 2]], 6, 1),
+        SeqChunk([8], 3, [[4]], 4, 1),
+        SeqChunk([1, 2, 3, 4, 5], 2, [[6, 0, 3]], 10, 0),
+        SeqChunk([11, 12], 0, [[5]], 2, 1),
     ]
     input_ids, positions, meta, logits_idx = flatten_batch(chunks, 4, torch.device("cpu"))
 
@@ -41,8 +41,22 @@ def test_mixed_batch_flattens_to_the_slots_and_rows_each_chunk_owns() -> None:
 
 
 def test_a_prefill_after_a_decode_is_not_counted_as_a_decode() -> None:
-    chunks = [SeqChunk([1, 2], 0, [0], 2, 1), SeqChunk([3], 4, [1, 2], 5, 1)]
+    chunks = [SeqChunk([1, 2], 0, [[0]], 2, 1), SeqChunk([3], 4, [[1, 2]], 5, 1)]
     _, _, meta, logits_idx = flatten_batch(chunks, 4, torch.device("cpu"))
     assert meta.num_decode_tokens == 0  # decodes must come first to count
     assert logits_idx.tolist() == [1, 2]
     assert meta.slot_mapping.tolist() == [0, 1, 8]
+
+
+def test_each_kv_group_gets_its_own_slots_and_tables() -> None:
+    # Group 0 (global) holds every block; group 1 (windowed) gave its first block back (0).
+    chunks = [SeqChunk([7], 5, [[9, 2], [0, 3]], 6, 1),
+              SeqChunk([1, 2], 0, [[4], [6]], 2, 1)]
+    _, _, meta, _ = flatten_batch(chunks, 4, torch.device("cpu"), layer_groups=[1, 0, 1])
+    g0, g1 = meta.groups
+    assert g0.slot_mapping.tolist() == meta.slot_mapping.tolist() == [9, 16, 17]
+    assert g1.slot_mapping.tolist() == [13, 24, 25]
+    assert g0.block_tables.tolist() == [[9, 2], [4, 0]]
+    assert g1.block_tables.tolist() == [[0, 3], [6, 0]]
+    assert [meta.for_layer(i) is g for i, g in enumerate([g1, g0, g1])] == [True] * 3
+    assert g1.seq_lens_cpu == [6, 2] and g1.kv_lens.tolist() == [6, 1, 2]
