@@ -1,0 +1,257 @@
+"""The disk tier of the prefix cache: the store alone (round trip, LRU bound, torn and
+corrupt files, tenants, restart) and an engine on a tiny random Llama (same greedy tokens as
+without the tier, hits after a restart)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pkv.core.sched.kv_offload import KVOffloadStore, model_fingerprint
+from pkv.core.sched.kv_offload_files import HEADER, SUFFIX, file_id
+from pkv.core.sched.request import hash_block
+
+FP = b"f" * 32
+# [layers, 2, num_blocks, block_size, heads, row]
+SHAPE = (2, 2, 8, 4, 2, 3)
+
+
+def _kv(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(SHAPE, generator=g).to(dtype)
+
+
+def _block(i: int, salt: bytes = b"") -> tuple[bytes, tuple]:
+    tokens = [10 * i + j for j in range(SHAPE[3])]
+    return hash_block(None, tokens, salt), (None, tuple(tokens), salt)
+
+
+def _store(path: Path, kv: torch.Tensor, max_bytes: int = 1 << 20, **kw) -> KVOffloadStore:
+    return KVOffloadStore(path, max_bytes, FP, lambda: kv, **kw)
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.glob("*" + SUFFIX))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_round_trip_as_raw_bytes(tmp_path: Path, dtype: torch.dtype) -> None:
+    kv = _kv(dtype)
+    store = _store(tmp_path, kv)
+    h, key = _block(1)
+    store.save(h, key, 3)
+    assert store.flush(10)
+    data = store.load(h, key)
+    assert data is not None
+    want = kv.view(torch.uint8)[:, :, 3]
+    assert torch.equal(data.view(want.shape), want)
+    assert store.stats.writes == 1 and store.stats.files == 1
+    store.close()
+
+
+def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
+    kv = _kv()
+    probe = _store(tmp_path / "probe", kv)
+    probe.save(*_block(0), 0)
+    probe.flush(10)
+    size = probe.stats.bytes_used
+    probe.close()
+    store = _store(tmp_path / "lru", kv, max_bytes=3 * size)
+    for i in range(3):
+        store.save(*_block(i), i)
+    store.flush(10)
+    assert store.load(*_block(0)) is not None  # block 0 is now the most recently used
+    store.save(*_block(3), 3)
+    store.flush(10)
+    s = store.stats
+    assert s.files == 3 and s.bytes_used <= 3 * size and s.evictions == 1
+    assert store.load(*_block(1)) is None  # the least recently used went
+    assert all(store.load(*_block(i)) is not None for i in (0, 2, 3))
+    store.close()
+
+
+def _one_file(tmp_path: Path) -> tuple[KVOffloadStore, Path]:
+    store = _store(tmp_path, _kv())
+    store.save(*_block(1), 2)
+    store.flush(10)
+    (path,) = _files(tmp_path)
+    return store, path
+
+
+def test_torn_write_is_a_miss_and_deleted(tmp_path: Path) -> None:
+    store, path = _one_file(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    assert store.load(*_block(1)) is None
+    assert not path.exists() and store.stats.corrupt == 1 and store.stats.files == 0
+    store.close()
+
+
+def test_checksum_corruption_is_a_miss(tmp_path: Path) -> None:
+    store, path = _one_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one payload byte
+    path.write_bytes(bytes(data))
+    assert store.load(*_block(1)) is None
+    assert not path.exists() and store.stats.corrupt == 1
+    store.close()
+
+
+def test_bad_header_is_a_miss(tmp_path: Path) -> None:
+    store, path = _one_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[:HEADER.size] = b"\0" * HEADER.size
+    path.write_bytes(bytes(data))
+    assert store.load(*_block(1)) is None
+    store.close()
+
+
+def test_tenants_never_read_each_other(tmp_path: Path) -> None:
+    store = _store(tmp_path, _kv())
+    h_a, key_a = _block(1, b"tenant-a:")
+    store.save(h_a, key_a, 1)
+    store.flush(10)
+    h_b, key_b = _block(1, b"tenant-b:")
+    assert h_b != h_a and store.load(h_b, key_b) is None
+    # Even a lookup by tenant A's hash (a collision) is refused: the stored key differs.
+    assert store.load(h_a, key_b) is None
+    assert store.load(h_a, (None, key_a[1][::-1], key_a[2])) is None
+    assert store.load(h_a, key_a) is not None
+    store.close()
+
+
+def test_restart_rebuilds_the_index(tmp_path: Path) -> None:
+    kv = _kv()
+    store = _store(tmp_path, kv)
+    for i in range(3):
+        store.save(*_block(i), i)
+    store.close()
+    (tmp_path / ("0" * 64 + ".1.2.tmp")).write_bytes(b"half a write")
+    again = _store(tmp_path, kv)
+    assert again.stats.files == 3 and not list(tmp_path.glob("*.tmp"))
+    data = again.load(*_block(2))
+    assert data is not None and torch.equal(data.view(kv.view(torch.uint8)[:, :, 2].shape),
+                                            kv.view(torch.uint8)[:, :, 2])
+    other = KVOffloadStore(tmp_path, 1 << 20, b"g" * 32, lambda: kv)  # another model
+    assert other.load(*_block(2)) is None
+    again.close()
+    other.close()
+
+
+def test_full_staging_drops_instead_of_waiting(tmp_path: Path) -> None:
+    store = _store(tmp_path, _kv(), max_pending=1)
+    store._staging.take(1, False)  # the one buffer is busy
+    store.save(*_block(1), 1)
+    assert store.stats.drops == 1
+    store.close()
+
+
+def test_fingerprint_follows_the_weights(tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a")
+    first = model_fingerprint(tmp_path, {"dtype": "float32"})
+    assert model_fingerprint(tmp_path, {"dtype": "bfloat16"}) != first
+    os.utime(weights, ns=(1, 1))
+    assert model_fingerprint(tmp_path, {"dtype": "float32"}) != first
+    assert file_id(first, b"h") != file_id(model_fingerprint(tmp_path, {}), b"h")
+
+
+def test_config_checks() -> None:
+    from pkv.core.config.engine import EngineConfig
+
+    assert EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size="1GiB").kv_offload_size == 2**30
+    with pytest.raises(ValueError, match="kv_offload_size"):
+        EngineConfig(kv_offload_size="lots")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(kv_offload_dir="/tmp/x", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineConfig(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+DOC_LEN = 96  # tokens per document: 6 blocks of 16
+
+
+def _engine(model_dir: Path, offload: Path | None):  # noqa: ANN202 - LLMEngine
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+
+    # 16 blocks: one document and its question at a time, so documents evict each other.
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # 2 layers, K and V, 16 slots, 2 heads, head_dim 16
+    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * per_block,
+                          max_model_len=200, kv_offload_dir=str(offload) if offload else None,
+                          max_num_seqs=1)
+    return LLMEngine(config, show_progress=False)
+
+
+def _prompts(num_docs: int, rounds: int) -> list[tuple[str, list[int]]]:
+    docs = [[100 + (d * 997 + 31 * i) % 5000 for i in range(DOC_LEN)] for d in range(num_docs)]
+    out = []
+    for r in range(rounds):
+        for d in range(num_docs):
+            out.append((f"r{r}d{d}", docs[d] + [7000 + r, 7100 + d, 7200]))
+    return out
+
+
+def _run(engine, prompts: list[tuple[str, list[int]]], salt: str | None = None) -> dict:  # noqa: ANN001
+    from pkv.core.sample.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = {}
+    for request_id, prompt in prompts:  # one at a time: the pool holds one document
+        engine.add_request(request_id, prompt, params, cache_salt=salt)
+        for o in engine.generate_until_done():
+            out[o.request_id] = o.outputs[0].token_ids
+    return out
+
+
+def test_engine_same_tokens_with_the_tier_and_hits_after_restart(tiny_llama_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    prompts = _prompts(num_docs=3, rounds=2)
+    plain = _engine(tiny_llama_dir, None)
+    want = _run(plain, prompts)
+    plain_prefill = plain.scheduler.num_prefill_tokens
+    plain.shutdown()
+
+    engine = _engine(tiny_llama_dir, tmp_path / "kv")
+    got = _run(engine, prompts)
+    assert got == want
+    stats = engine.get_stats().kv_offload
+    assert stats is not None and stats.writes > 0 and stats.hits > 0
+    # RAM behaves as without the tier; every disk hit is a block not prefilled.
+    assert engine.scheduler.num_prefill_tokens == plain_prefill - stats.saved_tokens
+    engine.shutdown()  # flushes the writer
+
+    restarted = _engine(tiny_llama_dir, tmp_path / "kv")
+    assert restarted.get_stats().kv_offload.files > 0
+    again = _run(restarted, prompts[:1])
+    assert again == {k: v for k, v in want.items() if k == prompts[0][0]}
+    after = restarted.get_stats().kv_offload
+    assert after.hits >= DOC_LEN // 16 and after.saved_tokens >= DOC_LEN - 16
+
+    # Another tenant asking for the same document computes it: no hit on tenant-less files.
+    before = after.hits
+    other = _run(restarted, [("other", prompts[0][1])], salt="tenant-b:")
+    assert other["other"] == again[prompts[0][0]]
+    assert restarted.get_stats().kv_offload.hits == before
+    restarted.shutdown()
+
+
+def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = _prompts(num_docs=2, rounds=1)
+    engine = _engine(tiny_llama_dir, tmp_path / "kv")
+    want = _run(engine, prompts)
+    engine.shutdown()
+    for path in _files(tmp_path / "kv"):  # damage every file: each must read as a miss
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x55
+        path.write_bytes(bytes(data))
+    restarted = _engine(tiny_llama_dir, tmp_path / "kv")
+    assert _run(restarted, prompts[:1]) == {prompts[0][0]: want[prompts[0][0]]}
+    stats = restarted.get_stats().kv_offload
+    assert stats.hits == 0 and stats.corrupt >= 1
+    restarted.shutdown()
