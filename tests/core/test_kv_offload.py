@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_config_checks() -> None:
 DOC_LEN = 96  # tokens per document: 6 blocks of 16
 
 
-def _engine(model_dir: Path, offload: Path | None):  # noqa: ANN202 - LLMEngine
+def _engine(model_dir: Path, offload: Path | None) -> Any:  # an LLMEngine
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
@@ -197,7 +198,8 @@ def _prompts(num_docs: int, rounds: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _run(engine, prompts: list[tuple[str, list[int]]], salt: str | None = None) -> dict:  # noqa: ANN001
+def _run(engine: Any, prompts: list[tuple[str, list[int]]],
+         salt: str | None = None) -> dict[str, list[int]]:
     from pkv.core.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -209,35 +211,48 @@ def _run(engine, prompts: list[tuple[str, list[int]]], salt: str | None = None) 
     return out
 
 
+def _tenant_salt(api_key: str) -> str:
+    """The salt the server gives a request made with `api_key` (no cache_salt of its own)."""
+    from pkv.core.server.middleware import tenant_id
+
+    return f"{tenant_id(api_key)}:"
+
+
 def test_engine_same_tokens_with_the_tier_and_hits_after_restart(tiny_llama_dir: Path,
                                                                  tmp_path: Path) -> None:
     prompts = _prompts(num_docs=3, rounds=2)
+    tenant_a, tenant_b = _tenant_salt("key-a"), _tenant_salt("key-b")
     plain = _engine(tiny_llama_dir, None)
-    want = _run(plain, prompts)
+    want = _run(plain, prompts, tenant_a)
     plain_prefill = plain.scheduler.num_prefill_tokens
     plain.shutdown()
 
     engine = _engine(tiny_llama_dir, tmp_path / "kv")
-    got = _run(engine, prompts)
+    got = _run(engine, prompts, tenant_a)
     assert got == want
     stats = engine.get_stats().kv_offload
     assert stats is not None and stats.writes > 0 and stats.hits > 0
     # RAM behaves as without the tier; every disk hit is a block not prefilled.
     assert engine.scheduler.num_prefill_tokens == plain_prefill - stats.saved_tokens
-    engine.shutdown()  # flushes the writer
+    engine.shutdown()  # saves the blocks still in RAM and flushes the writer
 
     restarted = _engine(tiny_llama_dir, tmp_path / "kv")
     assert restarted.get_stats().kv_offload.files > 0
-    again = _run(restarted, prompts[:1])
-    assert again == {k: v for k, v in want.items() if k == prompts[0][0]}
+    first_id, first_prompt = prompts[0]
+    # Another API key asking for the same document computes it: it never reads A's files.
+    other = _run(restarted, [("b", first_prompt)], tenant_b)
+    assert other["b"] == want[first_id]
+    assert restarted.get_stats().kv_offload.hits == 0
+    again = _run(restarted, [(first_id, first_prompt)], tenant_a)
+    assert again == {first_id: want[first_id]}
     after = restarted.get_stats().kv_offload
-    assert after.hits >= DOC_LEN // 16 and after.saved_tokens >= DOC_LEN - 16
+    assert after.hits == DOC_LEN // 16 and after.saved_tokens == DOC_LEN
 
-    # Another tenant asking for the same document computes it: no hit on tenant-less files.
-    before = after.hits
-    other = _run(restarted, [("other", prompts[0][1])], salt="tenant-b:")
-    assert other["other"] == again[prompts[0][0]]
-    assert restarted.get_stats().kv_offload.hits == before
+    from pkv.core.server.metrics import ServerMetrics
+
+    text = ServerMetrics(restarted).render().decode()
+    assert f"pkv:kv_offload_hits_total {float(after.hits)}" in text
+    assert "pkv:kv_offload_bytes " in text and "pkv:kv_offload_drops_total 0.0" in text
     restarted.shutdown()
 
 
