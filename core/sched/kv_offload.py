@@ -129,14 +129,6 @@ class KVOffloadStore:
     def _pool(self) -> torch.Tensor:
         return self._kv().view(torch.uint8)  # [L, 2, N, block_size, heads, row bytes]
 
-    def block_nbytes(self) -> int:
-        kv = self._pool()
-        return kv[:, :, 0].numel()
-
-    def _key(self, block_hash: bytes, key: BlockKey) -> tuple[str, bytes]:
-        return file_id(self.fingerprint, block_hash), encode_key(self.fingerprint, block_hash,
-                                                                  key)
-
     def save(self, block_hash: bytes, key: BlockKey, block_id: int, wait: bool = False) -> None:
         """Stage block `block_id` (holding `key`) for writing. The step's path never waits on
         the disk: with the staging area full the write is dropped, unless `wait` (shutdown)."""
@@ -163,11 +155,12 @@ class KVOffloadStore:
 
     def load(self, block_hash: bytes, key: BlockKey) -> torch.Tensor | None:
         """The block's bytes (pinned on a GPU machine) if a whole file holds exactly `key`."""
-        fid, encoded = self._key(block_hash, key)
+        fid = file_id(self.fingerprint, block_hash)
         if fid not in self.files:
             return None
         kv = self._pool()
         buf = torch.empty(kv[:, :, 0].numel(), dtype=torch.uint8, pin_memory=kv.is_cuda)
+        encoded = encode_key(self.fingerprint, block_hash, key)
         if not self.files.read_into(fid, encoded, memoryview(buf.numpy())):
             return None
         return buf

@@ -270,3 +270,16 @@ def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path)
     stats = restarted.get_stats().kv_offload
     assert stats.hits == 0 and stats.corrupt >= 1
     restarted.shutdown()
+
+
+def test_bench_offload_runs(tiny_llama_dir: Path) -> None:
+    from pkv.cli.bench.offload import offload_table, run_offload_bench
+
+    result = run_offload_bench(str(tiny_llama_dir), num_docs=3, doc_tokens=64, num_requests=6,
+                               pool_docs=2, question_tokens=16, max_tokens=2, seed=0,
+                               offload_dir=None)
+    s = result["summary"]
+    assert s["restart_hit"] and s["restart_disk_hit_tokens"] == 64
+    assert s["prefill_tokens_disk"] < s["prefill_tokens_none"]
+    assert s["num_disk_hit_requests"] > 0
+    offload_table(result)  # renders
