@@ -119,7 +119,7 @@ def run_offload_bench(model: str | None, num_docs: int, doc_tokens: int, num_req
     with tempfile.TemporaryDirectory(prefix="pkv-bench-offload-") as tmp:
         folder = offload_dir or tmp
         plain = LLMEngine(EngineConfig(**options), show_progress=False)
-        if plain.runner.dtype.itemsize != 4:
+        if plain.runner.kv_bytes_per_block != per_block:
             raise ValueError("pkv bench offload sizes the pool for float32 KV (CPU)")
         num_blocks = plain.runner.num_blocks
         base = _pass(plain, "none", docs, requests, question, max_tokens)

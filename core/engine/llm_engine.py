@@ -146,7 +146,8 @@ class LLMEngine:
         kv = runner.kv_cache
         layout = {
             "hf_config": setup.source.hf_config, "dtype": str(runner.dtype),
-            "kv_dtype": str(kv.dtype), "kv_block_shape": [*kv.shape[:2], *kv.shape[3:]],
+            "kv_dtype": str(kv.dtype), "kv_format": runner.kv_format.name,
+            "kv_block_shape": [*kv.shape[:2], *kv.shape[3:]],
             "quantization": setup.loader.name if setup.loader else None,
             "awq_activations": config.awq_activations, "gguf_file": config.gguf_file,
             "revision": config.revision, "device": runner.device.type,

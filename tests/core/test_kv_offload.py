@@ -177,16 +177,19 @@ def test_config_checks() -> None:
 DOC_LEN = 96  # tokens per document: 6 blocks of 16
 
 
-def _engine(model_dir: Path, offload: Path | None) -> Any:  # an LLMEngine
+def _engine(model_dir: Path, offload: Path | None, kv_cache_dtype: str = "auto") -> Any:
+    """An LLMEngine whose pool holds about two documents, so documents evict each other."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
-    # 16 blocks: one document and its question at a time, so documents evict each other.
-    per_block = 2 * 2 * 16 * 2 * 16 * 4  # 2 layers, K and V, 16 slots, 2 heads, head_dim 16
-    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * per_block,
+    # 2 layers, K and V, 16 slots, 2 heads, rows of head_dim 16 (int8: + a 4-byte scale)
+    row_bytes = 16 + 4 if kv_cache_dtype == "int8" else 16 * 4
+    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * 2 * 2 * 16 * 2 * row_bytes,
                           max_model_len=200, kv_offload_dir=str(offload) if offload else None,
-                          max_num_seqs=1)
-    return LLMEngine(config, show_progress=False)
+                          max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
+    engine = LLMEngine(config, show_progress=False)
+    assert engine.runner.num_blocks == 16
+    return engine
 
 
 def _prompts(num_docs: int, rounds: int) -> list[tuple[str, list[int]]]:
@@ -254,6 +257,17 @@ def test_engine_same_tokens_with_the_tier_and_hits_after_restart(tiny_llama_dir:
     assert f"pkv:kv_offload_hits_total {float(after.hits)}" in text
     assert "pkv:kv_offload_bytes " in text and "pkv:kv_offload_drops_total 0.0" in text
     restarted.shutdown()
+
+
+def test_engine_int8_cache_round_trips_as_bytes(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = _prompts(num_docs=3, rounds=2)
+    plain = _engine(tiny_llama_dir, None, "int8")
+    want = _run(plain, prompts)
+    plain.shutdown()
+    engine = _engine(tiny_llama_dir, tmp_path / "kv", "int8")
+    assert _run(engine, prompts) == want
+    assert engine.get_stats().kv_offload.hits > 0
+    engine.shutdown()
 
 
 def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path) -> None:
