@@ -56,6 +56,8 @@ def serve(
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Token budget per step.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + output.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prefixes.")] = True,
+    kv_offload_dir: Annotated[Optional[str], typer.Option(help="Folder for a disk tier of the prefix cache: evicted blocks are saved there and read back on a hit, also after a restart (one server per folder).")] = None,
+    kv_offload_size: Annotated[str, typer.Option(help="Most bytes --kv-offload-dir may hold, e.g. 20GiB (least recently used blocks go first).")] = "4GiB",
     tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",

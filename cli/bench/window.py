@@ -74,7 +74,8 @@ def hybrid_vs_least(family: str, prompt_len: int, output_len: int, every: int,
     from pkv.cli.bench.families import write_random_model
 
     with tempfile.TemporaryDirectory(prefix="pkv-bench-window-") as tmp:
-        model_dir = write_random_model(family, Path(tmp) / family, shape)
+        longest = {"max_position_embeddings": max(2048, prompt_len + output_len + 1)}
+        model_dir = write_random_model(family, Path(tmp) / family, {**longest, **(shape or {})})
         engine = _engine(model_dir, prompt_len + output_len + 1)
         groups = engine.runner.kv_groups
         # A pool block holds `slots` layers' K/V: count layer-blocks.

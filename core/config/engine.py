@@ -22,20 +22,21 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2
                "TIB": 1024**4}
 
 
-def parse_memory_size(value: int | float | str) -> int:
-    """Parse bytes given as a number or a string like "512MiB", "2GB", "1.5GiB"."""
+def parse_memory_size(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Parse bytes given as a number or a string like "512MiB", "2GB", "1.5GiB"; `name` is
+    the option that errors name."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value}")
+            raise ValueError(f"{name} must be > 0 bytes, got {value}")
         return int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     unit = match.group(2).upper() if match else ""
     if not match or unit not in _SIZE_UNITS:
         raise ValueError(
-            f"kv_cache_memory must be bytes or a size like '512MiB' or '2GB', got {value!r}")
+            f"{name} must be bytes or a size like '512MiB' or '2GB', got {value!r}")
     size = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if size <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+        raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return size
 
 
@@ -70,6 +71,13 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
     seed: int = _opt(0, "Seed for requests that do not set their own.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    kv_offload_dir: str | None = _opt(
+        None, "Folder for a disk tier of the prefix cache: full blocks evicted from the pool "
+        "are saved there and read back on a later hit, also after a restart (one server "
+        "per folder).")
+    kv_offload_size: int | str = _opt(
+        "4GiB", "Most bytes kv_offload_dir may hold (e.g. 20GiB); least recently used "
+        "blocks are deleted past it.")
     tensor_parallel_size: int = _opt(1, "Devices to split the model over.")
     attention_backend: str = _opt("auto", "Attention backend: auto or a name from "
                                   "`pkv plugins` (cpu, torch, ...).")
@@ -108,6 +116,9 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self.kv_offload_size = parse_memory_size(self.kv_offload_size, "kv_offload_size")
+        if self.kv_offload_dir is not None:
+            self._check_kv_offload()
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(
                 f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
@@ -151,6 +162,19 @@ class EngineConfig:
             self.speculative_config = asdict(SpeculativeConfig.parse(self.speculative_config))
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding does not run with tensor parallelism yet")
+            if self.kv_offload_dir is not None and self.speculative_config.get("model"):
+                # A draft model's KV lives in its own pool, which the disk tier does not fill.
+                raise ValueError("kv_offload_dir does not run with a draft model yet")
+
+    def _check_kv_offload(self) -> None:
+        if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
+            raise ValueError(f"kv_offload_dir must be a folder path, got {self.kv_offload_dir!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir needs enable_prefix_caching (it extends the prefix "
+                             "cache)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir does not run with tensor parallelism yet (each "
+                             "rank holds a slice of every block)")
 
     def token_budget(self, max_model_len: int) -> int:
         """Most tokens one step computes: max_num_batched_tokens, or by default 2048 (at

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from pkv.core.lora.slots import LoRASlotTable
 from pkv.core.registry import select_guided_backend
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
+from pkv.core.sched.kv_cache_manager import cdiv
+from pkv.core.sched.kv_offload import KVOffloadStore, OffloadStats, model_fingerprint
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
@@ -32,6 +35,15 @@ from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
 logger = logging.getLogger("pkv.engine")
+
+def _pkv_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pkv")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
 
 class ContextLengthError(ValueError):
     """The prompt (plus max_tokens) does not fit in max_model_len."""
@@ -63,6 +75,7 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     kv_resident_bytes: int  # KV pool memory touched so far (blocks are zeroed on first use)
+    kv_offload: OffloadStats | None = None  # the disk tier's counters, when it is on
 
 
 class LLMEngine:
@@ -103,9 +116,10 @@ class LLMEngine:
             self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
+        self.kv_offload = self._offload_store(setup) if config.kv_offload_dir else None
         self.kv_cache = KVCacheCoordinator(self.runner.num_blocks, config.block_size,
                                            config.enable_prefix_caching,
-                                           self.runner.kv_groups.windows)
+                                           self.runner.kv_groups.windows, self.kv_offload)
         self.lora = (LoRAManager(self.runner.lora_layers, config.max_lora_rank)
                      if config.enable_lora else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -117,6 +131,35 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # LoRA salts name adapters by a per-process load number: this makes their blocks'
+        # keys (and so their files in the disk tier) this process's own.
+        self._lora_salt_nonce = os.urandom(8).hex().encode()
+
+    def _offload_store(self, setup: ModelSetup) -> KVOffloadStore:
+        """The disk tier, keyed by everything that decides the bytes of a KV block."""
+        runner, config = self.runner, self.config
+        if len(runner.kv_groups.groups) > 1:
+            raise ValueError("kv_offload_dir serves models whose layers share one block table; "
+                             "this one mixes sliding-window and global layers")
+        kv = runner.kv_cache
+        layout = {
+            "hf_config": setup.source.hf_config, "dtype": str(runner.dtype),
+            "kv_dtype": str(kv.dtype), "kv_format": runner.kv_format.name,
+            "kv_block_shape": [*kv.shape[:2], *kv.shape[3:]],
+            "quantization": setup.loader.name if setup.loader else None,
+            "awq_activations": config.awq_activations, "gguf_file": config.gguf_file,
+            "revision": config.revision, "device": runner.device.type,
+            "pkv": _pkv_version(),
+        }
+        # A step's allocations can evict a whole batch of blocks at once; stage two steps'.
+        max_pending = max(64, 2 * cdiv(self.max_num_batched_tokens, config.block_size))
+        store = KVOffloadStore(config.kv_offload_dir, int(config.kv_offload_size),
+                               model_fingerprint(setup.source.path, layout),
+                               lambda: runner.kv_cache, max_pending)
+        logger.info("KV disk tier: %s (%d blocks indexed, %.1f MiB of %.1f MiB)",
+                    config.kv_offload_dir, store.stats.files, store.stats.bytes_used / 2**20,
+                    int(config.kv_offload_size) / 2**20)
+        return store
 
     @property
     def timer(self) -> StepTimer:
@@ -128,6 +171,10 @@ class LLMEngine:
         `force` kills them without a last broadcast (when a step may still be running)."""
         if self.workers is not None:
             self.workers.shutdown(force)
+        if getattr(self, "kv_offload", None) is not None:
+            if not force:  # (with `force` a step may be running: the pool is not settled)
+                self.kv_cache.save_cached_blocks()  # for a restart to find them
+            self.kv_offload.close()  # writes still staged reach the disk
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -153,7 +200,7 @@ class LLMEngine:
         eos = frozenset(self.tokenizer.eos_token_ids)
         salt = cache_salt.encode() if cache_salt else b""
         if adapter is not None:  # blocks computed under an adapter are its own
-            salt += b"\0lora:" + str(adapter.uid).encode()
+            salt += b"\0lora:" + str(adapter.uid).encode() + b"@" + self._lora_salt_nonce
         children = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
                     eos, self.config.block_size, salt, self._generator(params.seed, i),
@@ -283,6 +330,10 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.timer.lap("schedule")
+        loads = self.kv_cache.take_loads()
+        if loads:  # prefix blocks read from the disk tier, before the forward reads them
+            self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)
+            self.timer.lap("kv_load")
         for slot, adapter in sched.lora_loads:
             self.runner.load_lora(slot, adapter)
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
@@ -342,7 +393,8 @@ class LLMEngine:
             prefix_cache_hits=self.kv_cache.prefix_hits, kv_cache_usage=self.kv_cache.usage,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            kv_resident_bytes=self.runner.kv_resident_bytes)
+            kv_resident_bytes=self.runner.kv_resident_bytes,
+            kv_offload=self.kv_offload.stats if self.kv_offload is not None else None)
 
     def generate_until_done(self) -> list[RequestOutput]:
         """Step until every request finishes; return the final output of each."""

@@ -14,6 +14,7 @@ collision can never hand a request the KV of other tokens.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -43,6 +44,9 @@ class BlockPool:
         # Blocks with id < high_watermark have been handed out at least once (see ModelRunner).
         self.high_watermark = 0
         self.num_evictions = 0
+        # Called with each hashed block allocation is about to reuse, while its KV is still
+        # intact (the disk tier saves it then: core/sched/kv_offload.py).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +67,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             self.high_watermark = max(self.high_watermark, block.block_id + 1)
@@ -98,9 +104,13 @@ class BlockPool:
             block.block_hash, block.key = block_hash, key
             self._cached[block_hash] = block
 
+    def free_cached_blocks(self) -> list[KVBlock]:
+        """The free blocks still findable by hash, least recently used first."""
+        return [b for b in self._free.values() if b.block_hash is not None]
+
     def reset_prefix_cache(self) -> int:
         """Forget every hash of a free block; returns how many were dropped."""
-        dropped = [b for b in self._free.values() if b.block_hash is not None]
+        dropped = self.free_cached_blocks()
         for block in dropped:
             self._evict(block)
         self.num_evictions -= len(dropped)  # a reset is not pressure on the pool

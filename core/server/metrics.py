@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from pkv.core.engine.async_engine import RequestTimings
 from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.sched.kv_offload import OffloadStats
 from pkv.core.spec_decode.proposer import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -49,6 +50,8 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if s.kv_offload is not None:
+            yield from _kv_offload_metrics(s.kv_offload)
         if self.engine.proposer is not None:
             yield from _spec_decode_metrics(self.engine.spec_stats)
         if self.engine.lora is not None:
@@ -63,6 +66,26 @@ def _kv_cache_info(engine: LLMEngine) -> Metric:
     info.add_metric([runner.kv_format.name, str(runner.block_size),
                      str(runner.kv_bytes_per_block)], 1)
     return info
+
+
+def _kv_offload_metrics(o: OffloadStats) -> Iterator[Metric]:
+    """The prefix cache's disk tier (`--kv-offload-dir`)."""
+    counters = {
+        "pkv:kv_offload_hits": ("KV blocks read back from the disk tier.", o.hits),
+        "pkv:kv_offload_saved_tokens": ("Prefill tokens spared by disk-tier hits.",
+                                        o.saved_tokens),
+        "pkv:kv_offload_writes": ("KV blocks written to the disk tier.", o.writes),
+        "pkv:kv_offload_drops": ("Evicted KV blocks not written: the staging area was full.",
+                                 o.drops),
+        "pkv:kv_offload_corrupt": ("Torn or damaged disk-tier files found (deleted).",
+                                   o.corrupt),
+        "pkv:kv_offload_evictions": ("Disk-tier files deleted to stay under its size.",
+                                     o.evictions),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
+    yield GaugeMetricFamily("pkv:kv_offload_bytes", "Bytes the disk tier's files hold.",
+                            value=o.bytes_used)
 
 
 def _lora_info(engine: LLMEngine) -> Metric:

@@ -266,6 +266,16 @@ class ModelRunner:
             self._num_zeroed_blocks = high_watermark
 
     @torch.inference_mode()
+    def load_kv_blocks(self, loads: list[tuple[int, torch.Tensor]], high_watermark: int) -> None:
+        """Copy blocks' bytes (read from the disk tier) into the pool. Blocks are zeroed on
+        first use at the step's start, so the zeroing runs first, not over these bytes."""
+        self._zero_new_blocks(high_watermark)
+        kv = self.kv_cache.view(torch.uint8)  # [slots, 2, N, block_size, heads, row bytes]
+        for block_id, data in loads:
+            block = kv[:, :, block_id]
+            block.copy_(data.view(block.shape), non_blocking=data.is_pinned())
+
+    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
                       high_watermark: int, failures: dict[str, Exception] | None = None
                       ) -> tuple[list[Request], VerifyOutput]:

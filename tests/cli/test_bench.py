@@ -310,14 +310,18 @@ def test_bench_compare_bad_input_is_one_line(tmp_path: Path, tiny_llama_dir: Pat
 
 def test_attention_bench_times_every_usable_backend():
     result = _bench("attention", "--batch", "3", "--context", "40", "--layers", "2",
-                    "--repeat", "1")
+                    "--repeat", "1", "--kv-cache-dtype", "float32,int8")
     assert result.exit_code == 0, result.output
-    # backend -> (ms per step, vs torch); a tiny step may print as 0.0 ms
-    rows = {cells[0]: (float(cells[1]), cells[2]) for line in result.output.splitlines()
-            if len(cells := [c.strip() for c in line.strip("│").split("│")]) == 3
-            and cells[1].replace(".", "", 1).isdigit()}
-    assert {"cpu", "torch"} <= rows.keys()
-    assert rows["torch"][1] == "1.00x faster" and all(ms >= 0 for ms, _ in rows.values())
-    assert all(re.fullmatch(r"\d+\.\d\dx faster", ratio) for _, ratio in rows.values())
+    # (backend, KV dtype) -> (ms per step, vs torch, vs float32 KV); a tiny step may print 0.0
+    rows = {(cells[0], cells[1]): (float(cells[2]), cells[3], cells[4])
+            for line in result.output.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│").split("│")]) == 5
+            and cells[2].replace(".", "", 1).isdigit()}
+    assert {(b, kv) for b in ("cpu", "torch") for kv in ("float32", "int8")} <= rows.keys()
+    assert rows["torch", "int8"][1] == rows["torch", "float32"][1] == "1.00x faster"
+    assert rows["cpu", "float32"][2] == "1.00x faster"
+    assert all(ms >= 0 for ms, _, _ in rows.values())
+    assert all(re.fullmatch(r"\d+\.\d\dx faster", r) for _, *ratios in rows.values()
+               for r in ratios)
     bad = _bench("attention", "--layers", "0")
     assert bad.exit_code != 0 and "every size must be >= 1" in bad.output

@@ -1,0 +1,201 @@
+"""KVOffloadStore: a disk tier under the prefix cache (`kv_offload_dir`).
+
+    BlockPool.allocate evicts a hashed block ─► save(): memcpy its bytes into a staging buffer
+        ─► queue ─► writer thread: file (kv_offload_files.py), LRU by size
+    KVCacheManager.get_computed_blocks misses RAM ─► load(): read + verify the file
+        ─► ModelRunner.load_kv_blocks copies it into a fresh block before the forward
+
+Eviction happens while the scheduler allocates, before the next forward overwrites the block,
+so the memcpy at that moment sees the block's final bytes; the step never waits on the disk
+for a write (a full staging area drops the write and counts it). The KV pool is handled as
+raw bytes, whatever its dtype and row layout: `kv.view(torch.uint8)[:, :, block_id]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pkv.core.sched.block_pool import BlockKey
+from pkv.core.sched.kv_offload_files import OffloadFiles, encode_key, file_id
+
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".json")
+
+
+def model_fingerprint(model_path: Path, layout: dict[str, Any]) -> bytes:
+    """What makes two processes' KV of the same tokens identical: the weights' files (name,
+    size, mtime), the model's path, and `layout` (dtypes, quantization, KV shape, ...)."""
+    h = hashlib.sha256()
+    path = Path(model_path).resolve()
+    h.update(str(path).encode())
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    for f in files:
+        st = f.stat()
+        h.update(f"\n{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(json.dumps(layout, sort_keys=True, default=str).encode())
+    return h.digest()
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    """The disk tier's counters (bytes_used and files are current values)."""
+
+    hits: int = 0  # blocks read back from disk into the pool
+    saved_tokens: int = 0  # prefill tokens those blocks spared
+    writes: int = 0
+    drops: int = 0  # evicted blocks not saved: staging full
+    corrupt: int = 0  # torn or damaged files found (deleted, counted as misses)
+    evictions: int = 0  # files deleted to stay under kv_offload_size
+    bytes_used: int = 0
+    files: int = 0
+
+
+class _Staging:
+    """Reusable host buffers of one block each, at most `limit` in use, and the file ids
+    queued for writing. Shared by the engine thread and the writer thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.free: list[torch.Tensor] = []
+        self.num_buffers = 0
+        self.pending: set[str] = set()
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor | None:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+            if self.num_buffers >= self.limit:
+                return None
+            self.num_buffers += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def give_back(self, fid: str, buf: torch.Tensor) -> None:
+        with self.lock:
+            self.pending.discard(fid)
+            self.free.append(buf)
+
+
+def _write_loop(files: OffloadFiles, jobs: queue.Queue, staging: _Staging) -> None:
+    """The writer thread: one job is (file id, key bytes, staged bytes, CUDA event or None)."""
+    while True:
+        job = jobs.get()
+        try:
+            if job is None:
+                return
+            fid, key, buf, event = job
+            if event is not None:
+                event.synchronize()  # the device-to-host copy has landed
+            files.write(fid, key, memoryview(buf.numpy()))
+            staging.give_back(fid, buf)
+        finally:
+            jobs.task_done()
+
+
+class KVOffloadStore:
+    """Saves evicted blocks to `directory` and reads them back, keyed by model fingerprint
+    and chained block hash, confirmed against the block's full key."""
+
+    def __init__(self, directory: str | Path, max_bytes: int, fingerprint: bytes,
+                 kv: Callable[[], torch.Tensor], max_pending: int = 256) -> None:
+        """`kv` returns the runner's KV pool [layers, 2, num_blocks, block_size, heads, row]
+        (asked each time: the pool may be reallocated); `max_pending` staging buffers of
+        one block each bound the host memory waiting for the disk."""
+        self.files = OffloadFiles(directory, max_bytes)
+        self.fingerprint = fingerprint
+        self._kv = kv
+        self._staging = _Staging(max(1, max_pending))
+        self._jobs: queue.Queue = queue.Queue()
+        self.hits = self.saved_tokens = self.drops = 0
+        self._closed = False
+        # The thread holds the files, the queue and the staging area, never this object, so
+        # a dropped store (and the engine its `kv` closes over) is collected and stops it.
+        self._thread = threading.Thread(target=_write_loop, name="pkv-kv-offload",
+                                        args=(self.files, self._jobs, self._staging),
+                                        daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, self._jobs.put, None)
+
+    def _pool(self) -> torch.Tensor:
+        return self._kv().view(torch.uint8)  # [L, 2, N, block_size, heads, row bytes]
+
+    def save(self, block_hash: bytes, key: BlockKey, block_id: int, wait: bool = False) -> None:
+        """Stage block `block_id` (holding `key`) for writing. The step's path never waits on
+        the disk: with the staging area full the write is dropped, unless `wait` (shutdown)."""
+        fid = file_id(self.fingerprint, block_hash)
+        if self._closed or fid in self.files or fid in self._staging.pending:
+            return
+        kv = self._pool()
+        block = kv[:, :, block_id]
+        buf = self._staging.take(block.numel(), pin=kv.is_cuda)
+        while buf is None and wait and self._thread.is_alive():
+            self.flush()
+            buf = self._staging.take(block.numel(), pin=kv.is_cuda)
+        if buf is None:
+            self.drops += 1
+            return
+        buf.view(block.shape).copy_(block, non_blocking=kv.is_cuda)
+        event = None
+        if kv.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        with self._staging.lock:
+            self._staging.pending.add(fid)
+        self._jobs.put((fid, encode_key(self.fingerprint, block_hash, key), buf, event))
+
+    def load(self, block_hash: bytes, key: BlockKey) -> torch.Tensor | None:
+        """The block's bytes (pinned on a GPU machine) if a whole file holds exactly `key`."""
+        fid = file_id(self.fingerprint, block_hash)
+        if fid not in self.files:
+            return None
+        kv = self._pool()
+        buf = torch.empty(kv[:, :, 0].numel(), dtype=torch.uint8, pin_memory=kv.is_cuda)
+        encoded = encode_key(self.fingerprint, block_hash, key)
+        if not self.files.read_into(fid, encoded, memoryview(buf.numpy())):
+            return None
+        return buf
+
+    def load_chain(self, blocks: Iterable[tuple[bytes, BlockKey]]) -> list[torch.Tensor]:
+        """Bytes of the leading blocks found on disk, up to the first miss."""
+        found = []
+        for block_hash, key in blocks:
+            buf = self.load(block_hash, key)
+            if buf is None:
+                break
+            found.append(buf)
+        return found
+
+    def record_hits(self, num_blocks: int, num_tokens: int) -> None:
+        """Count blocks that went into the pool from disk and the prefill they spared."""
+        self.hits += num_blocks
+        self.saved_tokens += num_tokens
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait (at most `timeout` seconds) until every staged write is on disk."""
+        with self._jobs.all_tasks_done:
+            return self._jobs.all_tasks_done.wait_for(lambda: not self._jobs.unfinished_tasks,
+                                                      timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish pending writes and stop the writer thread."""
+        self._closed = True
+        if self._thread.is_alive():
+            self.flush(timeout)
+            self._finalizer()  # puts the stop marker, once
+            self._thread.join(timeout)
+
+    @property
+    def stats(self) -> OffloadStats:
+        f = self.files.stats
+        return OffloadStats(self.hits, self.saved_tokens, f.writes, self.drops, f.corrupt,
+                            f.evictions, f.bytes_used, len(self.files))

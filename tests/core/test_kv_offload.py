@@ -1,0 +1,312 @@
+"""The disk tier of the prefix cache: the store alone (round trip, LRU bound, torn and
+corrupt files, tenants, restart) and an engine on a tiny random Llama (same greedy tokens as
+without the tier, hits after a restart)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pkv.core.sched.kv_offload import KVOffloadStore, model_fingerprint
+from pkv.core.sched.kv_offload_files import HEADER, SUFFIX, file_id
+from pkv.core.sched.request import hash_block
+
+FP = b"f" * 32
+# [layers, 2, num_blocks, block_size, heads, row]
+SHAPE = (2, 2, 8, 4, 2, 3)
+
+
+def _kv(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(SHAPE, generator=g).to(dtype)
+
+
+def _block(i: int, salt: bytes = b"") -> tuple[bytes, tuple]:
+    tokens = [10 * i + j for j in range(SHAPE[3])]
+    return hash_block(None, tokens, salt), (None, tuple(tokens), salt)
+
+
+def _store(path: Path, kv: torch.Tensor, max_bytes: int = 1 << 20, **kw) -> KVOffloadStore:
+    return KVOffloadStore(path, max_bytes, FP, lambda: kv, **kw)
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.glob("*" + SUFFIX))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_round_trip_as_raw_bytes(tmp_path: Path, dtype: torch.dtype) -> None:
+    kv = _kv(dtype)
+    store = _store(tmp_path, kv)
+    h, key = _block(1)
+    store.save(h, key, 3)
+    assert store.flush(10)
+    data = store.load(h, key)
+    assert data is not None
+    want = kv.view(torch.uint8)[:, :, 3]
+    assert torch.equal(data.view(want.shape), want)
+    assert store.stats.writes == 1 and store.stats.files == 1
+    store.close()
+
+
+def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
+    kv = _kv()
+    probe = _store(tmp_path / "probe", kv)
+    probe.save(*_block(0), 0)
+    probe.flush(10)
+    size = probe.stats.bytes_used
+    probe.close()
+    store = _store(tmp_path / "lru", kv, max_bytes=3 * size)
+    for i in range(3):
+        store.save(*_block(i), i)
+    store.flush(10)
+    assert store.load(*_block(0)) is not None  # block 0 is now the most recently used
+    store.save(*_block(3), 3)
+    store.flush(10)
+    s = store.stats
+    assert s.files == 3 and s.bytes_used <= 3 * size and s.evictions == 1
+    assert store.load(*_block(1)) is None  # the least recently used went
+    assert all(store.load(*_block(i)) is not None for i in (0, 2, 3))
+    store.close()
+
+
+def _one_file(tmp_path: Path) -> tuple[KVOffloadStore, Path]:
+    store = _store(tmp_path, _kv())
+    store.save(*_block(1), 2)
+    store.flush(10)
+    (path,) = _files(tmp_path)
+    return store, path
+
+
+def test_torn_write_is_a_miss_and_deleted(tmp_path: Path) -> None:
+    store, path = _one_file(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    assert store.load(*_block(1)) is None
+    assert not path.exists() and store.stats.corrupt == 1 and store.stats.files == 0
+    store.close()
+
+
+def test_checksum_corruption_is_a_miss(tmp_path: Path) -> None:
+    store, path = _one_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one payload byte
+    path.write_bytes(bytes(data))
+    assert store.load(*_block(1)) is None
+    assert not path.exists() and store.stats.corrupt == 1
+    store.close()
+
+
+def test_bad_header_is_a_miss(tmp_path: Path) -> None:
+    store, path = _one_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[:HEADER.size] = b"\0" * HEADER.size
+    path.write_bytes(bytes(data))
+    assert store.load(*_block(1)) is None
+    store.close()
+
+
+def test_tenants_never_read_each_other(tmp_path: Path) -> None:
+    store = _store(tmp_path, _kv())
+    h_a, key_a = _block(1, b"tenant-a:")
+    store.save(h_a, key_a, 1)
+    store.flush(10)
+    h_b, key_b = _block(1, b"tenant-b:")
+    assert h_b != h_a and store.load(h_b, key_b) is None
+    # Even a lookup by tenant A's hash (a collision) is refused: the stored key differs.
+    assert store.load(h_a, key_b) is None
+    assert store.load(h_a, (None, key_a[1][::-1], key_a[2])) is None
+    assert store.load(h_a, key_a) is not None
+    store.close()
+
+
+def test_restart_rebuilds_the_index(tmp_path: Path) -> None:
+    kv = _kv()
+    store = _store(tmp_path, kv)
+    for i in range(3):
+        store.save(*_block(i), i)
+    store.close()
+    (tmp_path / ("0" * 64 + ".1.2.tmp")).write_bytes(b"half a write")
+    again = _store(tmp_path, kv)
+    assert again.stats.files == 3 and not list(tmp_path.glob("*.tmp"))
+    data = again.load(*_block(2))
+    assert data is not None and torch.equal(data.view(kv.view(torch.uint8)[:, :, 2].shape),
+                                            kv.view(torch.uint8)[:, :, 2])
+    other = KVOffloadStore(tmp_path, 1 << 20, b"g" * 32, lambda: kv)  # another model
+    assert other.load(*_block(2)) is None
+    again.close()
+    other.close()
+
+
+def test_full_staging_drops_instead_of_waiting(tmp_path: Path) -> None:
+    store = _store(tmp_path, _kv(), max_pending=1)
+    store._staging.take(1, False)  # the one buffer is busy
+    store.save(*_block(1), 1)
+    assert store.stats.drops == 1
+    store.close()
+
+
+def test_fingerprint_follows_the_weights(tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a")
+    first = model_fingerprint(tmp_path, {"dtype": "float32"})
+    assert model_fingerprint(tmp_path, {"dtype": "bfloat16"}) != first
+    os.utime(weights, ns=(1, 1))
+    assert model_fingerprint(tmp_path, {"dtype": "float32"}) != first
+    assert file_id(first, b"h") != file_id(model_fingerprint(tmp_path, {}), b"h")
+
+
+def test_config_checks() -> None:
+    from pkv.core.config.engine import EngineConfig
+
+    assert EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size="1GiB").kv_offload_size == 2**30
+    with pytest.raises(ValueError, match="kv_offload_size"):
+        EngineConfig(kv_offload_size="lots")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(kv_offload_dir="/tmp/x", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineConfig(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+DOC_LEN = 96  # tokens per document: 6 blocks of 16
+
+
+def _engine(model_dir: Path, offload: Path | None, kv_cache_dtype: str = "auto") -> Any:
+    """An LLMEngine whose pool holds about two documents, so documents evict each other."""
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+
+    # 2 layers, K and V, 16 slots, 2 heads, rows of head_dim 16 (int8: + a 4-byte scale)
+    row_bytes = 16 + 4 if kv_cache_dtype == "int8" else 16 * 4
+    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * 2 * 2 * 16 * 2 * row_bytes,
+                          max_model_len=200, kv_offload_dir=str(offload) if offload else None,
+                          max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
+    engine = LLMEngine(config, show_progress=False)
+    assert engine.runner.num_blocks == 16
+    return engine
+
+
+def _prompts(num_docs: int, rounds: int) -> list[tuple[str, list[int]]]:
+    docs = [[100 + (d * 997 + 31 * i) % 5000 for i in range(DOC_LEN)] for d in range(num_docs)]
+    out = []
+    for r in range(rounds):
+        for d in range(num_docs):
+            out.append((f"r{r}d{d}", docs[d] + [7000 + r, 7100 + d, 7200]))
+    return out
+
+
+def _run(engine: Any, prompts: list[tuple[str, list[int]]],
+         salt: str | None = None) -> dict[str, list[int]]:
+    from pkv.core.sample.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = {}
+    for request_id, prompt in prompts:  # one at a time: the pool holds one document
+        engine.add_request(request_id, prompt, params, cache_salt=salt)
+        for o in engine.generate_until_done():
+            out[o.request_id] = o.outputs[0].token_ids
+    return out
+
+
+def _tenant_salt(api_key: str) -> str:
+    """The salt the server gives a request made with `api_key` (no cache_salt of its own)."""
+    from pkv.core.server.middleware import tenant_id
+
+    return f"{tenant_id(api_key)}:"
+
+
+def test_engine_same_tokens_with_the_tier_and_hits_after_restart(tiny_llama_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    prompts = _prompts(num_docs=3, rounds=2)
+    tenant_a, tenant_b = _tenant_salt("key-a"), _tenant_salt("key-b")
+    plain = _engine(tiny_llama_dir, None)
+    want = _run(plain, prompts, tenant_a)
+    plain_prefill = plain.scheduler.num_prefill_tokens
+    plain.shutdown()
+
+    engine = _engine(tiny_llama_dir, tmp_path / "kv")
+    got = _run(engine, prompts, tenant_a)
+    assert got == want
+    stats = engine.get_stats().kv_offload
+    assert stats is not None and stats.writes > 0 and stats.hits > 0
+    # RAM behaves as without the tier; every disk hit is a block not prefilled.
+    assert engine.scheduler.num_prefill_tokens == plain_prefill - stats.saved_tokens
+    engine.shutdown()  # saves the blocks still in RAM and flushes the writer
+
+    restarted = _engine(tiny_llama_dir, tmp_path / "kv")
+    assert restarted.get_stats().kv_offload.files > 0
+    first_id, first_prompt = prompts[0]
+    # Another API key asking for the same document computes it: it never reads A's files.
+    other = _run(restarted, [("b", first_prompt)], tenant_b)
+    assert other["b"] == want[first_id]
+    assert restarted.get_stats().kv_offload.hits == 0
+    again = _run(restarted, [(first_id, first_prompt)], tenant_a)
+    assert again == {first_id: want[first_id]}
+    after = restarted.get_stats().kv_offload
+    assert after.hits == DOC_LEN // 16 and after.saved_tokens == DOC_LEN
+
+    from pkv.core.server.metrics import ServerMetrics
+
+    text = ServerMetrics(restarted).render().decode()
+    assert f"pkv:kv_offload_hits_total {float(after.hits)}" in text
+    assert "pkv:kv_offload_bytes " in text and "pkv:kv_offload_drops_total 0.0" in text
+    restarted.shutdown()
+
+
+def test_engine_int8_cache_round_trips_as_bytes(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = _prompts(num_docs=3, rounds=2)
+    plain = _engine(tiny_llama_dir, None, "int8")
+    want = _run(plain, prompts)
+    plain.shutdown()
+    engine = _engine(tiny_llama_dir, tmp_path / "kv", "int8")
+    assert _run(engine, prompts) == want
+    assert engine.get_stats().kv_offload.hits > 0
+    engine.shutdown()
+
+
+def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = _prompts(num_docs=2, rounds=1)
+    engine = _engine(tiny_llama_dir, tmp_path / "kv")
+    want = _run(engine, prompts)
+    engine.shutdown()
+    for path in _files(tmp_path / "kv"):  # damage every file: each must read as a miss
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x55
+        path.write_bytes(bytes(data))
+    restarted = _engine(tiny_llama_dir, tmp_path / "kv")
+    assert _run(restarted, prompts[:1]) == {prompts[0][0]: want[prompts[0][0]]}
+    stats = restarted.get_stats().kv_offload
+    assert stats.hits == 0 and stats.corrupt >= 1
+    restarted.shutdown()
+
+
+def test_a_hybrid_model_is_refused_in_one_line(smol_hf_dir: Path, tmp_path: Path) -> None:
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.tests.helpers import build_tiny_model
+
+    hybrid = build_tiny_model(tmp_path / "qwen2", smol_hf_dir, "qwen2", use_sliding_window=True,
+                              sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match="mixes sliding-window and global layers"):
+        LLMEngine(EngineConfig(model=str(hybrid), kv_cache_memory="4MiB", max_model_len=64,
+                               kv_offload_dir=str(tmp_path / "kv")), show_progress=False)
+    assert not _files(tmp_path / "kv")
+
+
+def test_bench_offload_runs(tiny_llama_dir: Path) -> None:
+    from pkv.cli.bench.offload import offload_table, run_offload_bench
+
+    result = run_offload_bench(str(tiny_llama_dir), num_docs=3, doc_tokens=64, num_requests=6,
+                               pool_docs=2, question_tokens=16, max_tokens=2, seed=0,
+                               offload_dir=None)
+    s = result["summary"]
+    assert s["restart_hit"] and s["restart_disk_hit_tokens"] == 64
+    assert s["prefill_tokens_disk"] < s["prefill_tokens_none"]
+    assert s["num_disk_hit_requests"] > 0
+    offload_table(result)  # renders
