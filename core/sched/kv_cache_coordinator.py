@@ -44,7 +44,8 @@ class KVCacheCoordinator:
                        for g, window in enumerate(windows)]
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
-        assert offload is None or len(windows) == 1, "the disk tier takes one KV group"
+        if offload is not None and len(windows) > 1:
+            raise ValueError(f"a KV disk tier serves one KV group, not {len(windows)}")
         self.offload = offload
         # Blocks read from disk for the request at the head of the queue, kept until it is
         # allocated (a request that must wait for blocks is not read again every step):
@@ -131,8 +132,7 @@ class KVCacheCoordinator:
             group.add_hits(request, h)
         for group, h in zip(self.groups, hits):
             group.add_new_blocks(request, num_new_tokens, len(h))
-        if from_disk:
-            assert self.offload is not None  # from_disk comes from it
+        if from_disk and self.offload is not None:  # (from_disk comes from the tier)
             fresh = self.groups[0].req_blocks[request.request_id][len(hits[0]):]
             self.pending_loads += [(b.block_id, data) for b, data in zip(fresh, from_disk)]
             self._disk_found = None
@@ -158,8 +158,8 @@ class KVCacheCoordinator:
             return 0
         blocks = self.pool.free_cached_blocks()
         for block in blocks:
-            assert block.block_hash is not None and block.key is not None
-            self.offload.save(block.block_hash, block.key, block.block_id, wait=True)
+            if block.block_hash is not None and block.key is not None:
+                self.offload.save(block.block_hash, block.key, block.block_id, wait=True)
         return len(blocks)
 
     def block_ids(self, request_id: str) -> list[list[int]]:

@@ -61,15 +61,24 @@ class OffloadStats:
 
 
 class _Staging:
-    """Reusable host buffers of one block each, at most `limit` in use, and the file ids
-    queued for writing. Shared by the engine thread and the writer thread."""
+    """Reusable host buffers of one block each, at most `limit` in use, and the blocks queued
+    for writing (file id -> encoded key, staged bytes: a lookup before the write lands reads
+    them). Shared by the engine thread and the writer thread."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.lock = threading.Lock()
         self.free: list[torch.Tensor] = []
         self.num_buffers = 0
-        self.pending: set[str] = set()
+        self.pending: dict[str, tuple[bytes, torch.Tensor]] = {}
+
+    def copy_pending(self, fid: str, encoded_key: bytes) -> torch.Tensor | None:
+        """A copy of a staged block's bytes if it holds exactly this key."""
+        with self.lock:
+            staged = self.pending.get(fid)
+            if staged is None or staged[0] != encoded_key:
+                return None
+            return staged[1].clone()
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor | None:
         with self.lock:
@@ -82,20 +91,18 @@ class _Staging:
 
     def give_back(self, fid: str, buf: torch.Tensor) -> None:
         with self.lock:
-            self.pending.discard(fid)
+            self.pending.pop(fid, None)
             self.free.append(buf)
 
 
 def _write_loop(files: OffloadFiles, jobs: queue.Queue, staging: _Staging) -> None:
-    """The writer thread: one job is (file id, key bytes, staged bytes, CUDA event or None)."""
+    """The writer thread: one job is (file id, key bytes, staged bytes)."""
     while True:
         job = jobs.get()
         try:
             if job is None:
                 return
-            fid, key, buf, event = job
-            if event is not None:
-                event.synchronize()  # the device-to-host copy has landed
+            fid, key, buf = job
             files.write(fid, key, memoryview(buf.numpy()))
             staging.give_back(fid, buf)
         finally:
@@ -144,23 +151,23 @@ class KVOffloadStore:
         if buf is None:
             self.drops += 1
             return
-        buf.view(block.shape).copy_(block, non_blocking=kv.is_cuda)
-        event = None
-        if kv.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
+        # A blocking copy: a lookup may read the staged bytes before the writer does (the
+        # step that evicts has not launched its forward yet, so a GPU has nothing to wait on).
+        buf.view(block.shape).copy_(block)
+        encoded = encode_key(self.fingerprint, block_hash, key)
         with self._staging.lock:
-            self._staging.pending.add(fid)
-        self._jobs.put((fid, encode_key(self.fingerprint, block_hash, key), buf, event))
+            self._staging.pending[fid] = (encoded, buf)
+        self._jobs.put((fid, encoded, buf))
 
     def load(self, block_hash: bytes, key: BlockKey) -> torch.Tensor | None:
         """The block's bytes (pinned on a GPU machine) if a whole file holds exactly `key`."""
         fid = file_id(self.fingerprint, block_hash)
-        if fid not in self.files:
-            return None
+        encoded = encode_key(self.fingerprint, block_hash, key)
+        staged = self._staging.copy_pending(fid, encoded)
+        if staged is not None or fid not in self.files:
+            return staged  # (evicted so recently that its write has not landed yet)
         kv = self._pool()
         buf = torch.empty(kv[:, :, 0].numel(), dtype=torch.uint8, pin_memory=kv.is_cuda)
-        encoded = encode_key(self.fingerprint, block_hash, key)
         if not self.files.read_into(fid, encoded, memoryview(buf.numpy())):
             return None
         return buf

@@ -53,6 +53,28 @@ def test_round_trip_as_raw_bytes(tmp_path: Path, dtype: torch.dtype) -> None:
     store.close()
 
 
+def test_a_block_still_staged_is_read_from_staging(tmp_path: Path) -> None:
+    import threading
+
+    kv = _kv()
+    store = _store(tmp_path, kv)
+    release = threading.Event()
+    write = store.files.write
+    store.files.write = lambda *a: (release.wait(10), write(*a))  # hold the writer back
+    h, key = _block(1)
+    store.save(h, key, 5)
+    kv.zero_()  # the pool reuses the block at once
+    data = store.load(h, key)
+    other_salt = store.load(h, (key[0], key[1], b"tenant-b"))  # same hash, another key
+    release.set()
+    assert store.flush(10) and store.stats.files == 1
+    want = _kv().view(torch.uint8)[:, :, 5]
+    assert data is not None and torch.equal(data.view(want.shape), want)
+    assert other_salt is None  # staged bytes answer only their own key
+    assert torch.equal(store.load(h, key).view(want.shape), want)  # and now from the file
+    store.close()
+
+
 def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
     kv = _kv()
     probe = _store(tmp_path / "probe", kv)
