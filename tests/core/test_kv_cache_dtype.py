@@ -83,6 +83,31 @@ def test_batching_preemption_and_prefix_caching_on_an_int8_cache(int8_llm: LLM) 
     assert tight.llm_engine.kv_cache.prefix_hits > hits
 
 
+def test_a_hybrid_model_keeps_its_groups_on_an_int8_cache(tmp_path: Path,
+                                                          smol_hf_dir: Path) -> None:
+    from pkv.tests.helpers import build_tiny_model, parity_prompts
+
+    # Gemma 2's alternation, window 8: a global group and a windowed one share the pool.
+    model = build_tiny_model(tmp_path / "gemma2", smol_hf_dir, "gemma2", head_dim=32,
+                             sliding_window=8, num_hidden_layers=2, query_pre_attn_scalar=24)
+    prompts = parity_prompts()
+    roomy = LLM(str(model), kv_cache_dtype="int8", kv_cache_memory="8MiB", max_model_len=96,
+                show_progress=False)
+    assert len(roomy.llm_engine.runner.kv_groups.groups) == 2
+    want = _greedy(roomy, prompts)
+    runner = roomy.llm_engine.runner
+    least = runner._blocks_per_seq(96)  # what one sequence may hold at once, in steps of 16
+    tight = LLM(str(model), kv_cache_dtype="int8", max_model_len=96, block_size=16,
+                max_num_batched_tokens=16, kv_cache_memory=least * runner.kv_bytes_per_block,
+                show_progress=False)
+    _assert_same_or_near_tie(roomy, prompts, _greedy(tight, prompts))
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.kv_cache.pool.num_used_blocks == 0
+    tight.generate(prompts[-1:], GREEDY)
+    again = tight.generate(prompts[-1:], GREEDY)[0]  # every group's blocks of it hit
+    assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == want[-1]
+
+
 def test_speculative_decoding_on_an_fp8_cache_keeps_greedy_tokens() -> None:
     prompt = "one two three four five one two three four five one two three four"
     plain = LLM(kv_cache_dtype="fp8_e4m3", kv_cache_memory="32MiB", max_model_len=256,
