@@ -16,6 +16,8 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, never instal
 
 _EXPORTS = {
     "LLM": "pkv.core.engine.llm",
+    "TextPrompt": "pkv.core.engine.llm",
+    "TokensPrompt": "pkv.core.engine.llm",
     "LLMEngine": "pkv.core.engine.llm_engine",
     "EngineConfig": "pkv.core.config.engine",
     "SamplingParams": "pkv.core.sample.sampling_params",
@@ -27,7 +29,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from pkv.core.config.engine import EngineConfig
-    from pkv.core.engine.llm import LLM
+    from pkv.core.engine.llm import LLM, TextPrompt, TokensPrompt
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.engine.outputs import CompletionOutput, RequestOutput
     from pkv.core.lora.adapter import LoRARequest

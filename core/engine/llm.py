@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.llm_engine import LLMEngine
@@ -12,8 +12,46 @@ from pkv.core.lora.adapter import LoRARequest
 from pkv.core.progress import make_progress
 from pkv.core.sample.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+
+
+class _Salted(TypedDict, total=False):
+    cache_salt: str  # keeps this prompt's prefix-cache blocks apart from other salts'
+
+
+class TextPrompt(_Salted):
+    """vLLM's text prompt: `{"prompt": "..."}`, optionally with its own `cache_salt`."""
+
+    prompt: str
+
+
+class TokensPrompt(_Salted):
+    """vLLM's token prompt: `{"prompt_token_ids": [...]}`, optionally with a `cache_salt`."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 Conversation = list[dict[str, Any]]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def resolve_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache salt) of a prompt in any of the forms `generate` takes."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - _PROMPT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dicts take prompt or prompt_token_ids (and cache_salt); "
+                         f"not {', '.join(unknown)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of prompt and prompt_token_ids")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise ValueError("prompt must be a string (token ids go in prompt_token_ids)")
+    body = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt must be a string")
+    return body, salt
 
 
 class LLM:
@@ -49,7 +87,8 @@ class LLM:
                  use_tqdm: bool | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+        """Generate for each prompt (text, token ids, or vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}`); outputs come back in prompt order.
         `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         prompts = self._as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -58,7 +97,8 @@ class LLM:
         ids = []
         try:
             for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(engine.add_request(None, prompt, p, lora_request=lora))
+                body, salt = resolve_prompt(prompt)
+                ids.append(engine.add_request(None, body, p, cache_salt=salt, lora_request=lora))
         except Exception:
             engine.abort_request(ids)  # all or nothing: a bad prompt leaves the engine as it was
             raise
@@ -84,7 +124,7 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             return [prompts]
         prompts = list(prompts)
         if prompts and isinstance(prompts[0], int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pkv import LLM, SamplingParams
+from pkv import LLM, SamplingParams, TextPrompt, TokensPrompt
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -113,6 +113,9 @@ def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
     ("hi " * 600, SamplingParams(), "max_model_len"),
     ("hi", SamplingParams(max_tokens=600), "max_model_len"),
     ([10**9], SamplingParams(), "token ids"),
+    ({"prompt": [1, 2]}, SamplingParams(), "prompt must be a string"),
+    ({"prompt": "a", "prompt_token_ids": [1]}, SamplingParams(), "exactly one of prompt"),
+    ({"prompt": "a", "multi_modal_data": {}}, SamplingParams(), "not multi_modal_data"),
 ])
 def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, message):
     engine = smol_llm.llm_engine
@@ -147,3 +150,22 @@ def test_bfloat16_weights_run(tiny_llama_dir):
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6,
                                                       ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_vllm_prompt_dicts_are_prompts(smol_llm: LLM):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    ids = smol_llm.get_tokenizer().encode(PROMPT)
+    plain = smol_llm.generate([PROMPT, ids], greedy)
+    dicts = smol_llm.generate([TextPrompt(prompt=PROMPT), TokensPrompt(prompt_token_ids=ids)],
+                              greedy)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == PROMPT and dicts[1].prompt_token_ids == ids
+    one = smol_llm.generate({"prompt_token_ids": ids}, greedy)  # a single dict is one prompt
+    assert len(one) == 1 and one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    # A dict's cache_salt keeps its blocks apart: the same long prompt under another salt
+    # computes its prefix again instead of reading the unsalted one's blocks.
+    long_ids = smol_llm.get_tokenizer().encode(" ".join([PROMPT] * 4))  # full blocks
+    smol_llm.generate([long_ids], greedy)
+    salted = smol_llm.generate({"prompt_token_ids": long_ids, "cache_salt": "tenant-x"}, greedy)
+    again = smol_llm.generate({"prompt_token_ids": long_ids, "cache_salt": "tenant-x"}, greedy)
+    assert salted[0].num_cached_tokens == 0 and again[0].num_cached_tokens >= 48
