@@ -15,10 +15,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pkv.core.engine.async_engine import AsyncLLM
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.registry import select_tool_parser
+from pkv.core.server.anthropic_messages import AnthropicServingMessages, MessagesRequest
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.memory_report import HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics
-from pkv.core.server.middleware import AuthMiddleware, BodyLimitMiddleware, split_keys
+from pkv.core.server.middleware import (AuthMiddleware, BodyLimitMiddleware,
+                                        EndpointCounterMiddleware, split_keys)
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       LoadLoRAAdapterRequest, TokenizeRequest,
                                       UnloadLoRAAdapterRequest)
@@ -76,6 +78,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                                      reasoning_parser(config.reasoning_parser))
     serving_completion = OpenAIServingCompletion(async_llm, config.served_model_name,
                                                  config.limits)
+    serving_messages = AnthropicServingMessages(serving_chat)
     created = int(time.time())
     tracer = HeapTracer()
     tracer.start()
@@ -84,6 +87,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving_chat.chat(body, raw)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        return await serving_messages.messages(body, raw)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -196,4 +203,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
                        body_timeout=config.body_timeout)
+    routes = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{"))
+    app.add_middleware(EndpointCounterMiddleware, endpoints=routes,
+                       count=lambda endpoint, status: metrics.http.labels(endpoint,
+                                                                          str(status)).inc())
     return app

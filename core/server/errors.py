@@ -59,9 +59,24 @@ def error_body(status: int, message: str, param: str | None = None,
                       "code": code}}
 
 
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code),
-                        status_code=err.status, headers=err.headers)
+def error_response(err: OpenAIError, request: Request | None = None) -> JSONResponse:
+    """The error as OpenAI's error object, or Anthropic's on its Messages route."""
+    body = error_body(err.status, err.message, err.param, err.code)
+    if request is not None and request.url.path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_error(body)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error(body: dict) -> dict:
+    """An OpenAI error body in Anthropic's shape ({"type": "error", "error": {...}})."""
+    error = body["error"]
+    kind = {"internal_server_error": "api_error",
+            "service_unavailable": "overloaded_error"}.get(error["type"], error["type"])
+    return {"type": "error", "error": {"type": kind, "message": error["message"],
+                                       "param": error.get("param")}}
 
 
 def error_bytes(status: int, message: str, param: str | None = None,
@@ -83,23 +98,23 @@ def _param(loc: list[str | int]) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = _param([p for p in first.get("loc", ()) if p != "body"])
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
             first.get("msg", "invalid request body"))
-        return error_response(OpenAIError(400, message, param))
+        return error_response(OpenAIError(400, message, param), request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(OpenAIError(exc.status_code, str(exc.detail)))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(OpenAIError(exc.status_code, str(exc.detail)), request)
 
-    async def _engine(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(engine_error(exc))  # type: ignore[arg-type]
+    async def _engine(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(engine_error(exc), request)  # type: ignore[arg-type]
 
     # Each by its own type: a handler of Exception runs in Starlette's outermost middleware,
     # which re-raises after answering (a traceback in the log for a mere refusal).
@@ -107,6 +122,6 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(kind, _engine)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(OpenAIError(500, "internal server error"))
+        return error_response(OpenAIError(500, "internal server error"), request)

@@ -138,6 +138,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.success = Counter("pkv:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
+        self.http = Counter("pkv:http_requests", "HTTP requests by API endpoint and status.",
+                            ["endpoint", "status"], registry=self.registry)
 
     def observe(self, timings: RequestTimings) -> None:
         if timings.first_token is not None:

@@ -47,9 +47,9 @@ def request_tenant(scope: Scope) -> str | None:
 
 
 class AuthMiddleware:
-    """Require `Authorization: Bearer <key>` on every path but /health, for any of the keys;
-    the request is then its key's tenant (prefix-cache blocks are never shared across
-    tenants)."""
+    """Require `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every
+    path but /health, for any of the keys; the request is then its key's tenant (prefix-cache
+    blocks are never shared across tenants)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
@@ -57,7 +57,10 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not given and b"x-api-key" in headers:  # Anthropic's clients send this
+                given = b"Bearer " + headers[b"x-api-key"]
             tenant = None
             for expected, tid in self.expected:  # every key compared: the time says nothing
                 if hmac.compare_digest(given, expected):
@@ -136,3 +139,32 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
+
+
+class EndpointCounterMiddleware:
+    """Count every request by endpoint (one of `endpoints`, else "other": a bounded label)
+    and the status it was answered with, rejections by outer layers included."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None],
+                 endpoints: frozenset[str]) -> None:
+        self.app = app
+        self.count = count
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        status = 500  # if the app fails before it answers
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.count(endpoint, status)

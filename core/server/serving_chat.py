@@ -47,6 +47,26 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chat(self, body: ChatCompletionRequest, raw: Request
                    ) -> JSONResponse | StreamingResponse:
+        prepared, stream, shapers = await self.start(body, raw)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.stream:
+            return EngineStreamingResponse(self._chat_stream(body, prepared, stream, shapers),
+                                            [stream])
+        final = await self._collect(stream, raw)
+        choices = []
+        for c in final.outputs:
+            message, finish = shapers[c.index].message(c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
+                            if body.logprobs else None, "finish_reason": finish})
+        return JSONResponse({"id": prepared.request_id, "object": "chat.completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": usage([final])})
+
+    async def start(self, body: ChatCompletionRequest, raw: Request
+                    ) -> tuple[PreparedRequest, RequestStream, list[ChoiceShaper]]:
+        """Render, validate and queue a chat request: its engine request, the stream of its
+        outputs and a shaper per choice (other APIs built on chat share this)."""
         top = body.top_logprobs
         self._check_common(body, top, "top_logprobs")
         top = (top or 0) if body.logprobs else None
@@ -70,21 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         # Queued (all or none) before any response starts: a full queue or a stopped engine
         # is a 503 (engine_error), never an error inside a started response.
         [stream] = self.llm.submit([prepared])
-        shapers = [ChoiceShaper(plan.extractor, self.reasoning_parser)
-                   for _ in prepared.children]
-        if body.stream:
-            return EngineStreamingResponse(self._chat_stream(body, prepared, stream, shapers),
-                                            [stream])
-        final = await self._collect(stream, raw)
-        choices = []
-        for c in final.outputs:
-            message, finish = shapers[c.index].message(c.text, c.finish_reason)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
-                            if body.logprobs else None, "finish_reason": finish})
-        return JSONResponse({"id": request_id, "object": "chat.completion",
-                             "created": int(time.time()), "model": self.model_name,
-                             "choices": choices, "usage": usage([final])})
+        return prepared, stream, [ChoiceShaper(plan.extractor, self.reasoning_parser)
+                                  for _ in prepared.children]
 
     def _thinks(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer opens with a thinking block to leave unconstrained."""

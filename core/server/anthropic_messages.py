@@ -1,0 +1,303 @@
+"""`POST /v1/messages`: Anthropic's Messages API on the chat machinery.
+
+A request becomes a chat completion request (system prompt, text, `tool_use` and
+`tool_result` blocks, tools and `tool_choice` mapped to OpenAI's), runs through
+OpenAIServingChat's template, tools and reasoning parser, and its answer comes back as
+Anthropic content blocks (`thinking`, `text`, `tool_use`), whole or as Anthropic's event
+stream:
+
+    message_start, (content_block_start, content_block_delta..., content_block_stop)...,
+    message_delta (stop_reason, usage), message_stop
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from pkv.core.engine.async_engine import RequestStream
+from pkv.core.engine.outputs import CompletionOutput, RequestOutput
+from pkv.core.server.chat_choice import ChoiceShaper
+from pkv.core.server.errors import OpenAIError
+from pkv.core.server.protocol import STRICT, ChatCompletionRequest
+from pkv.core.server.serving_chat import OpenAIServingChat
+from pkv.core.server.serving_engine import DeltaTracker, EngineStreamingResponse, stream_error
+
+
+class AnthropicTool(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicThinking(BaseModel):
+    model_config = STRICT
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(BaseModel):
+    """The body of POST /v1/messages (fields pkv does not use are accepted and ignored)."""
+
+    model_config = STRICT
+    model: str | None = None
+    max_tokens: int
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    thinking: AnthropicThinking | None = None
+
+
+def _text(content: str | list[dict[str, Any]], where: str) -> str:
+    """The text of a string or a list of text blocks."""
+    if isinstance(content, str):
+        return content
+    for i, block in enumerate(content):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise OpenAIError(400, f"{where}[{i}]: expected a text block", where)
+    return "".join(block["text"] for block in content)
+
+
+def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """A user turn's blocks as OpenAI messages: each tool result its own `tool` message
+    (first, as they answer the previous turn's calls), then the text."""
+    out: list[dict[str, Any]] = []
+    text = []
+    for i, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            result = _text(block.get("content") or "", f"{where}[{i}].content")
+            if block.get("is_error"):
+                result = f"Error: {result}"
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+        else:
+            raise OpenAIError(400, f"{where}[{i}]: a user turn takes text and tool_result "
+                              "blocks (with tool_use_id)", f"{where}[{i}]")
+    if text:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _assistant_message(content: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    """An assistant turn's blocks as one OpenAI message with text and tool calls (earlier
+    thinking is not shown to the model again)."""
+    text, calls = [], []
+    for i, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_use":
+            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                    and isinstance(block.get("input"), dict)):
+                raise OpenAIError(400, f"{where}[{i}]: a tool_use block needs id, name and an "
+                                  "input object", f"{where}[{i}]")
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block["input"])}})
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise OpenAIError(400, f"{where}[{i}]: an assistant turn takes text, tool_use and "
+                              "thinking blocks", f"{where}[{i}]")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat completion request that asks the same."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system, "system")})
+    for i, turn in enumerate(body.messages):
+        where = f"messages[{i}].content"
+        if isinstance(turn.content, str):
+            messages.append({"role": turn.role, "content": turn.content})
+        elif turn.role == "user":
+            messages += _user_messages(turn.content, where)
+        else:
+            messages.append(_assistant_message(turn.content, where))
+    chat: dict[str, Any] = {
+        "model": body.model, "messages": messages, "max_tokens": body.max_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+        "stop": body.stop_sequences, "stream": body.stream}
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.input_schema}}
+            for t in body.tools]
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise OpenAIError(400, "tool_choice: type tool needs a name", "tool_choice")
+        chat["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
+                               if choice.type == "tool"
+                               else {"any": "required"}.get(choice.type, choice.type))
+        chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    if body.thinking is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ()))
+        raise OpenAIError(400, f"{field}: {first.get('msg')}", field or None) from None
+
+
+def stop_reason(finish: str | None, c: CompletionOutput) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished choice."""
+    if finish == "tool_calls":
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Anthropic content blocks."""
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"],
+                       "signature": ""})
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                       "input": json.loads(call["function"]["arguments"])})
+    return blocks
+
+
+def _usage(final: RequestOutput) -> dict[str, int]:
+    return {"input_tokens": len(final.prompt_token_ids or []),
+            "output_tokens": sum(len(c.token_ids) for c in final.outputs)}
+
+
+def _event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n".encode()
+
+
+class AnthropicServingMessages:
+    """POST /v1/messages on an OpenAIServingChat."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def messages(self, body: MessagesRequest, raw: Request
+                       ) -> JSONResponse | StreamingResponse:
+        prepared, stream, [shaper] = await self.chat.start(to_chat_request(body), raw)
+        message_id = "msg_" + prepared.request_id.removeprefix("chatcmpl-")
+        base = {"id": message_id, "type": "message", "role": "assistant",
+                "model": self.chat.model_name}
+        if body.stream:
+            prompt_tokens = prepared.children[0].num_prompt_tokens
+            return EngineStreamingResponse(self._stream(base, prompt_tokens, stream, shaper),
+                                            [stream])
+        final = await self.chat._collect(stream, raw)
+        c = final.outputs[0]
+        message, finish = shaper.message(c.text, c.finish_reason)
+        reason, sequence = stop_reason(finish, c)
+        return JSONResponse({**base, "content": content_blocks(message), "stop_reason": reason,
+                             "stop_sequence": sequence, "usage": _usage(final)})
+
+    async def _stream(self, base: dict[str, Any], prompt_tokens: int, stream: RequestStream,
+                      shaper: ChoiceShaper) -> AsyncIterator[bytes]:
+        yield _event("message_start", {"message": {
+            **base, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+        blocks = _BlockStream()
+        tracker, final = DeltaTracker(), None
+        try:
+            async for output in stream.outputs():
+                final = output
+                c = output.outputs[0]
+                if tracker.advance(0, c) is None:
+                    continue
+                for chunk in blocks.feed(shaper.delta(c.text, c.finish_reason is not None)):
+                    yield chunk
+        except Exception as exc:
+            yield _event("error", {"error": stream_error(exc)["error"]})
+            return
+        for chunk in blocks.close():
+            yield chunk
+        if final is not None:
+            c = final.outputs[0]
+            finish = "tool_calls" if c.finish_reason == "stop" and shaper.called \
+                else c.finish_reason
+            reason, sequence = stop_reason(finish, c)
+            yield _event("message_delta", {"delta": {"stop_reason": reason,
+                                                     "stop_sequence": sequence},
+                                           "usage": _usage(final)})
+        yield _event("message_stop", {})
+
+
+class _BlockStream:
+    """OpenAI chat deltas in, Anthropic content-block events out: a new block opens when
+    the kind of delta changes (thinking, text, each tool call)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "thinking", "text" or a tool call's index
+
+    def _start(self, key: str, block: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.open = key
+        return out + [_event("content_block_start", {"index": self.index,
+                                                     "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def feed(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self._start("thinking", {"type": "thinking", "thinking": ""})
+            out.append(self._delta({"type": "thinking_delta",
+                                    "thinking": delta["reasoning_content"]}))
+        if delta.get("content"):
+            if self.open != "text":
+                out += self._start("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls") or []:
+            key = f"tool{call['index']}"
+            function = call.get("function") or {}
+            if self.open != key:
+                out += self._start(key, {"type": "tool_use", "id": call.get("id", ""),
+                                         "name": function.get("name", ""), "input": {}})
+            if function.get("arguments"):
+                out.append(self._delta({"type": "input_json_delta",
+                                        "partial_json": function["arguments"]}))
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"index": self.index})]

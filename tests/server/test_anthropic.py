@@ -1,0 +1,131 @@
+"""Anthropic's Messages API (`POST /v1/messages`) driven by the official `anthropic` client
+against a real `pkv serve` with the bundled model: plain, streamed (the events in order and
+the same answer), a tool_use round trip, `x-api-key` auth, and Anthropic-shaped errors."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from pkv.tests.server.conftest import RunningServer
+from pkv.tests.server.test_http import MODEL, _post
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}  # (this client version has no sampling arguments of its own)
+
+
+@pytest.fixture(scope="module")
+def claude(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key,
+                               max_retries=0, timeout=120)
+
+
+def test_plain_and_streamed_agree(claude: anthropic.Anthropic):
+    message = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                     system="Answer in one short sentence.", messages=ASK)
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.model == MODEL
+    [block] = message.content
+    assert block.type == "text" and block.text.strip()
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens > 10 and 0 < message.usage.output_tokens <= 24
+
+    events = []
+    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                system="Answer in one short sentence.", messages=ASK) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert events[1] == "content_block_start" and "content_block_delta" in events
+    assert events.index("content_block_stop") < events.index("message_delta")
+    assert [b.text for b in final.content] == [block.text]
+    assert final.stop_reason == message.stop_reason
+    assert final.usage.output_tokens == message.usage.output_tokens
+
+
+def test_stop_sequence_is_reported(claude: anthropic.Anthropic):
+    first = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK)
+    word = first.content[0].text.split()[1]  # a word the answer reaches
+    stopped = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK,
+                                     stop_sequences=[word])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    assert word not in stopped.content[0].text
+
+
+def test_tool_use_round_trip(claude: anthropic.Anthropic):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = claude.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=[WEATHER],
+                                    tool_choice={"type": "tool", "name": "get_weather"},
+                                    messages=ask)
+    assert called.stop_reason == "tool_use"
+    [use] = [b for b in called.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+
+    streamed = claude.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY,
+                                      tools=[WEATHER], tool_choice={"type": "any"},
+                                      messages=ask, stream=True)
+    starts, partial = [], ""
+    for event in streamed:
+        if event.type == "content_block_start":
+            starts.append(event.content_block.type)
+        elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+            partial += event.delta.partial_json
+        elif event.type == "message_delta":
+            assert event.delta.stop_reason == "tool_use"
+    assert starts == ["tool_use"]
+    jsonschema.validate(json.loads(partial), WEATHER["input_schema"])
+
+    answer = claude.messages.create(
+        model=MODEL, max_tokens=24, extra_body=GREEDY, tools=[WEATHER],
+        messages=[*ask, {"role": "assistant", "content": called.content},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": use.id,
+                       "content": "Sunny, 24 degrees."},
+                      {"type": "text", "text": "Tell me in a sentence."}]}])
+    assert answer.content and answer.content[0].type == "text"
+    assert answer.usage.input_tokens > called.usage.input_tokens  # the result was read
+
+
+def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
+    url = server.base_url + "/v1/messages"
+    body = {"model": MODEL, "max_tokens": 4, "messages": ASK}
+    ok = httpx.post(url, json=body, headers={"x-api-key": server.api_key}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["content"]
+    assert httpx.post(url, json=body, headers={"x-api-key": "wrong"}, timeout=60
+                      ).status_code == 401
+    cases = [({**body, "max_tokens": "4"}, "max_tokens"),
+             ({"model": MODEL, "messages": ASK}, "max_tokens"),
+             ({**body, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+              "messages[0].content[0]"),
+             ({**body, "tool_choice": {"type": "tool"}}, "tool_choice")]
+    for bad, param in cases:
+        response = _post(server, "/v1/messages", bad)
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["param"] == param and error["error"]["message"]
+    assert _post(server, "/v1/messages", body).status_code == 200  # still serving
+    text = httpx.get(server.base_url + "/metrics", headers=server.headers).text
+    counts = {status: _counter(text, "/v1/messages", status) for status in (200, 400, 401)}
+    assert counts[200] >= 2 and counts[400] >= len(cases) and counts[401] >= 1
+
+
+def _counter(text: str, endpoint: str, status: int) -> float:
+    """pkv:http_requests_total{endpoint, status} from a /metrics page."""
+    labels = f'endpoint="{endpoint}",status="{status}"'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pkv:http_requests_total{") and labels in line)
+
+
+def test_the_client_raises_on_a_bad_request(claude: anthropic.Anthropic):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=0, messages=ASK)
+    assert "max_tokens" in str(caught.value)
