@@ -36,6 +36,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # A cap on the thinking block (core/sched/thinking_budget.py): its tokens by id, set by
+    # whoever knows the model (the server, from its reasoning parser and tokenizer).
+    thinking_token_budget: int | None = None
+    think_start_token_ids: list[int] | None = None  # empty or None: opened by the prompt
+    think_end_token_ids: list[int] | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +89,10 @@ class SamplingParams:
               "logit_bias must map token ids to numbers in [-100, 100]")
         check(all(isinstance(s, str) and s for s in self._stop),
               "stop must be a non-empty string or a list of non-empty strings")
+        check(self.thinking_token_budget is None or self.thinking_token_budget >= 0,
+              f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}")
+        check(self.thinking_token_budget is None or bool(self.think_end_token_ids),
+              "thinking_token_budget needs think_end_token_ids (the end-of-thinking tokens)")
 
     @property
     def stop_strings(self) -> list[str]:

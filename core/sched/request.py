@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.sched.thinking_budget import ThinkingBudget
 
 
 class RequestStatus(enum.Enum):
@@ -68,10 +69,16 @@ class Request:
     guided: Any = None  # the grammar state of a structured-output request
     lora: Any = None  # the LoRAAdapter it runs with (None: the base model)
     lora_slot: int = -1  # the adapter's slot while running
+    thinking: ThinkingBudget | None = field(default=None, init=False)  # its thinking cap
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self._update_block_hashes()
+        p = self.sampling_params
+        if p.thinking_token_budget is not None:
+            self.thinking = ThinkingBudget(p.thinking_token_budget,
+                                           list(p.think_start_token_ids or []),
+                                           list(p.think_end_token_ids or []))
 
     @property
     def num_tokens(self) -> int:

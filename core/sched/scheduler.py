@@ -216,16 +216,28 @@ class Scheduler:
 
     def _append(self, request: Request, tokens: list[int],
                 failures: dict[str, Exception] | None) -> RequestStatus | None:
-        """Append tokens until one stops the request (the rest are dropped)."""
+        """Append tokens until one stops the request (the rest are dropped). A thinking
+        budget may put its own token in place of the sampled one: the tokens after it (drafts
+        that followed the sampled one) are dropped, and its K/V is computed next step."""
         for token in tokens:
+            forced = request.thinking.forced() if request.thinking is not None else None
+            replaced = forced is not None and forced != token
+            token = forced if forced is not None else token
             try:
                 request.append_output_token(token)
             except Exception as exc:
                 record_failure(failures, request.request_id, exc)
                 return None
+            if request.thinking is not None:
+                request.thinking.observe(token)
             status = self._check_stop(request, token)
             if status is not None:
                 return status
+            if replaced:
+                last = request.num_tokens - 1
+                request.num_computed_tokens = min(request.num_computed_tokens, last)
+                request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, last)
+                return None
         return None
 
     def _crossed_long_rope(self, request: Request, num_new: int) -> bool:

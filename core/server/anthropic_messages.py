@@ -160,6 +160,8 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if body.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+        if body.thinking.type == "enabled" and body.thinking.budget_tokens is not None:
+            chat["thinking_token_budget"] = body.thinking.budget_tokens
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pkv.core.engine.async_engine import AsyncLLM, RequestStream
 from pkv.core.engine.llm_engine import PreparedRequest
+from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
@@ -25,7 +26,9 @@ from pkv.core.server.serving_engine import (DeltaTracker, EngineStreamingRespons
 from pkv.core.server.tools import (ToolPlan, check_tool_messages, plan_tools, template_knows_tools,
                                    template_messages)
 from pkv.core.structured_output.params import StructuredOutputsParams
+from pkv.core.structured_output.reasoning import EFFORT_BUDGETS
 from pkv.core.structured_output.reasoning import END as REASONING_END
+from pkv.core.structured_output.reasoning import START as REASONING_START
 from pkv.core.structured_output.reasoning import ReasoningParser
 from pkv.core.structured_output.tool_calls import ToolParser
 
@@ -81,6 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
                                                             starts_after=REASONING_END)
         params.skip_special_tokens = plan.skip_special_tokens
+        self._cap_thinking(body, params)
         self._check_tools_fit(plan)
         text = await self._render_chat(body, plan.tools)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -92,6 +96,26 @@ class OpenAIServingChat(OpenAIServing):
         [stream] = self.llm.submit([prepared])
         return prepared, stream, [ChoiceShaper(plan.extractor, self.reasoning_parser)
                                   for _ in prepared.children]
+
+    def _cap_thinking(self, body: ChatCompletionRequest, params: SamplingParams) -> None:
+        """`thinking_token_budget`, or `reasoning_effort`'s budget, as the end-of-thinking
+        tokens the engine writes once the block reaches it (core/sched/thinking_budget.py)."""
+        budget = body.thinking_token_budget
+        if budget is not None and self.reasoning_parser is None:
+            raise OpenAIError(400, "thinking_token_budget needs a server started with "
+                              "--reasoning-parser", "thinking_token_budget")
+        if budget is not None and budget < 0:
+            raise OpenAIError(400, f"thinking_token_budget must be >= 0, got {budget}",
+                              "thinking_token_budget")
+        if budget is None and body.reasoning_effort is not None and self.reasoning_parser:
+            budget = EFFORT_BUDGETS[body.reasoning_effort]
+        if budget is None or self.reasoning_parser is None:
+            return  # (an effort without a reasoning parser has nothing to cap)
+        encode = self.tokenizer.encode
+        params.thinking_token_budget = budget
+        params.think_start_token_ids = ([] if self.reasoning_parser.implicit_start
+                                        else encode(REASONING_START, add_special_tokens=False))
+        params.think_end_token_ids = encode(REASONING_END, add_special_tokens=False)
 
     def _thinks(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer opens with a thinking block to leave unconstrained."""

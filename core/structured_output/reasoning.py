@@ -9,6 +9,9 @@ from pkv.core.structured_output.tool_calls import partial_marker
 
 START, END = "<think>", "</think>"
 
+# Thinking tokens each `reasoning_effort` allows (OpenAI names the efforts, not their sizes).
+EFFORT_BUDGETS = {"low": 512, "medium": 2048, "high": 8192}
+
 
 @dataclass(frozen=True)
 class ReasoningParser:

@@ -39,7 +39,8 @@ BAD = {
     "/v1/completions": {**COMMON, "logprobs": [-1, 21, 1.5, "2", True],
                         "prompt": [[1.5], [-1], [10**9], [NAN]]},
     "/v1/chat/completions": {**COMMON, "max_completion_tokens": [0, -1, 1.5, "16"],
-                             "top_logprobs": [-1, 21, 1.5, "2"]},
+                             "top_logprobs": [-1, 21, 1.5, "2"],
+                             "thinking_token_budget": [-1, 1.5, "8", True]},
 }
 # A valid value of every number field: strictness must not refuse what is right.
 GOOD = {"max_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0.0, "n": 1,

@@ -1,0 +1,62 @@
+"""Reasoning budgets over HTTP: `thinking_token_budget` (and `reasoning_effort`'s budget)
+ends the thinking block where it says, streamed and non-streamed agree, and Anthropic's
+`thinking.budget_tokens` does the same; a budget without a reasoning parser is a 400."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from pkv.tests.server.conftest import RunningServer, start_server, stop_server
+from pkv.tests.server.test_http import MODEL, _assert_error, _post
+
+ASK = [{"role": "user", "content": "How many legs do three spiders have?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # DeepSeek-R1's parser: the output is thinking until </think> (the template opened it).
+    running = start_server(str(tmp_path_factory.mktemp("thinking")), "--reasoning-parser",
+                           "deepseek_r1")
+    yield running
+    stop_server(running)
+
+
+def test_the_budget_ends_thinking_streamed_or_not(thinking_server: RunningServer):
+    client = openai.OpenAI(base_url=f"{thinking_server.base_url}/v1",
+                           api_key=thinking_server.api_key, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=24)
+    free = client.chat.completions.create(**kw).choices[0].message
+    assert free.content in (None, "")  # the model never closes the block on its own
+    capped = client.chat.completions.create(**kw, extra_body={"thinking_token_budget": 6})
+    message = capped.choices[0].message
+    assert message.reasoning_content and message.content
+    assert free.reasoning_content.startswith(message.reasoning_content)
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**kw, stream=True,
+                                                extra_body={"thinking_token_budget": 6}):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+    low = client.chat.completions.create(**kw, reasoning_effort="low").choices[0].message
+    assert low.content in (None, "")  # 512 thinking tokens: more than this answer has
+
+    response = _post(thinking_server, "/v1/messages", {
+        "model": MODEL, "max_tokens": 24, "messages": ASK, "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 6}})
+    assert response.status_code == 200, response.text
+    blocks = response.json()["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "text"]
+    assert (blocks[0]["thinking"], blocks[1]["text"]) == (message.reasoning_content,
+                                                          message.content)
+
+
+def test_a_budget_needs_a_reasoning_parser(server: RunningServer):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4}
+    _assert_error(_post(server, "/v1/chat/completions", {**body, "thinking_token_budget": 8}),
+                  400, "thinking_token_budget")
+    assert _post(server, "/v1/chat/completions",
+                 {**body, "reasoning_effort": "high"}).status_code == 200  # nothing to cap
