@@ -16,6 +16,7 @@ from pkv.core.engine.async_engine import AsyncLLM
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.registry import select_tool_parser
 from pkv.core.server.anthropic_messages import AnthropicServingMessages, MessagesRequest
+from pkv.core.server.responses_api import OpenAIServingResponses, ResponsesRequest
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.memory_report import HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics
@@ -79,6 +80,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     serving_completion = OpenAIServingCompletion(async_llm, config.served_model_name,
                                                  config.limits)
     serving_messages = AnthropicServingMessages(serving_chat)
+    serving_responses = OpenAIServingResponses(serving_chat)
     created = int(time.time())
     tracer = HeapTracer()
     tracer.start()
@@ -87,6 +89,14 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving_chat.chat(body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await serving_responses.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request) -> dict:
+        return serving_responses.retrieve(response_id, raw)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request) -> Response:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from pkv.tests.server.conftest import RunningServer, start_server, stop_server
+from pkv.tests.server.test_http import MODEL
 
 KEYS = ("tenant-a-key", "tenant-b-key-longer")
 # Over two 16-token blocks, so a repeat can hit the cache.
@@ -56,3 +57,19 @@ def test_only_the_configured_keys_get_in(tenant_server: RunningServer):
     assert _complete(tenant_server, ",".join(KEYS)).status_code == 401
     for key in KEYS:
         assert _complete(tenant_server, key).status_code == 200
+
+
+def test_stored_responses_are_their_tenants_own(tenant_server: RunningServer):
+    import openai
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{tenant_server.base_url}/v1", api_key=key,
+                             max_retries=0, timeout=120)
+
+    first = client(KEYS[0]).responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+    assert client(KEYS[0]).responses.retrieve(first.id).id == first.id
+    with pytest.raises(openai.NotFoundError):
+        client(KEYS[1]).responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client(KEYS[1]).responses.create(model=MODEL, input="And?", max_output_tokens=4,
+                                         previous_response_id=first.id)

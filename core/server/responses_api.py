@@ -1,0 +1,419 @@
+"""`POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API on the chat
+machinery.
+
+`input` (a string, or items: messages, `function_call`, `function_call_output`), after the
+`instructions` and the stored conversation of `previous_response_id`, becomes a chat
+completion request; its answer comes back as output items (`reasoning`, `message` with
+`output_text`, `function_call`), whole or as the Responses event stream:
+
+    response.created, response.in_progress,
+      response.output_item.added, response.content_part.added,
+        response.output_text.delta..., response.output_text.done,
+      response.content_part.done, response.output_item.done,      (per message item)
+      response.output_item.added, response.function_call_arguments.delta...,
+        response.function_call_arguments.done, response.output_item.done   (per call)
+    response.completed
+
+Stored responses (`store`, on by default) live in a bounded per-tenant LRU with a TTL: one
+API key never reads another's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from pkv.core.engine.async_engine import RequestStream
+from pkv.core.engine.outputs import RequestOutput
+from pkv.core.server.chat_choice import ChoiceShaper
+from pkv.core.server.errors import OpenAIError
+from pkv.core.server.middleware import request_tenant
+from pkv.core.server.protocol import STRICT, ChatCompletionRequest
+from pkv.core.server.serving_chat import OpenAIServingChat
+from pkv.core.server.serving_engine import DeltaTracker, EngineStreamingResponse, stream_error
+
+
+class ResponsesRequest(BaseModel):
+    """The body of POST /v1/responses (fields pkv does not use are accepted and ignored)."""
+
+    model_config = STRICT
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+@dataclass
+class _Stored:
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]  # chat messages through this response's answer
+    created: float
+
+
+class ResponseStore:
+    """Responses by (tenant, id): at most `max_items`, each for `ttl` seconds."""
+
+    def __init__(self, max_items: int = 1024, ttl: float = 3600.0) -> None:
+        self.max_items, self.ttl = max_items, ttl
+        self._items: OrderedDict[tuple[str | None, str], _Stored] = OrderedDict()
+
+    def put(self, tenant: str | None, stored: _Stored) -> None:
+        key = (tenant, stored.response["id"])
+        self._items[key] = stored
+        self._items.move_to_end(key)
+        while len(self._items) > self.max_items:
+            self._items.popitem(last=False)
+
+    def get(self, tenant: str | None, response_id: str) -> _Stored | None:
+        stored = self._items.get((tenant, response_id))
+        if stored is None or time.time() - stored.created > self.ttl:
+            self._items.pop((tenant, response_id), None)
+            return None
+        self._items.move_to_end((tenant, response_id))
+        return stored
+
+
+def _item_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(400, f"{where}: content must be a string or a list of parts", where)
+    for i, part in enumerate(content):
+        if part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"{where}[{i}]: expected an input_text part", f"{where}[{i}]")
+    return "".join(part["text"] for part in content)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: consecutive function calls become one assistant turn."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in ("user", "assistant", "system",
+                                                        "developer"):
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role,
+                             "content": _item_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call" and all(isinstance(item.get(k), str)
+                                             for k in ("call_id", "name", "arguments")):
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str)
+                             else json.dumps(output)})
+        elif kind == "reasoning":
+            continue  # earlier thinking is not shown to the model again
+        else:
+            raise OpenAIError(400, f"{where}: expected a message, function_call or "
+                              "function_call_output item", where)
+    return messages
+
+
+# Chat fields by the Responses field that gave them (errors name what the client sent).
+_CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text",
+                      "reasoning_effort": "reasoning", "messages": "input"}
+
+
+def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion request that asks the same, after `history`."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions
+                else []) + history + input_messages(body.input)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages,
+                            "max_tokens": body.max_output_tokens,
+                            "temperature": body.temperature, "top_p": body.top_p,
+                            "parallel_tool_calls": body.parallel_tool_calls}
+    if body.tools:
+        for i, tool in enumerate(body.tools):
+            if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                raise OpenAIError(400, f"tools[{i}]: pkv serves function tools (with a name)",
+                                  f"tools[{i}]")
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description"),
+            "parameters": t.get("parameters")}} for t in body.tools]
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise OpenAIError(400, "tool_choice: a function choice needs a name", "tool_choice")
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+    fmt = (body.text or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ()))
+        param = _CHAT_TO_RESPONSES.get(field.split(".")[0], field)
+        raise OpenAIError(400, f"{param}: {first.get('msg')}", param or None) from None
+
+
+
+def output_items(message: dict[str, Any], ids: _Ids) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Responses output items."""
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "id": ids.new("rs"), "summary": [],
+                      "content": [{"type": "reasoning_text",
+                                   "text": message["reasoning_content"]}]})
+    if message.get("content"):
+        items.append({"type": "message", "id": ids.new("msg"), "status": "completed",
+                      "role": "assistant", "content": [
+                          {"type": "output_text", "text": message["content"],
+                           "annotations": [], "logprobs": []}]})
+    for call in message.get("tool_calls") or []:
+        items.append({"type": "function_call", "id": ids.new("fc"), "call_id": call["id"],
+                      "name": call["function"]["name"],
+                      "arguments": call["function"]["arguments"], "status": "completed"})
+    return items
+
+
+class _Ids:
+    def __init__(self, response_id: str) -> None:
+        self.base, self.n = response_id.removeprefix("resp_"), 0
+
+    def new(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}_{self.base}{self.n:02d}"
+
+
+def _usage(final: RequestOutput) -> dict[str, Any]:
+    prompt = len(final.prompt_token_ids or [])
+    output = sum(len(c.token_ids) for c in final.outputs)
+    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+            "input_tokens_details": {"cached_tokens": max(0, final.num_cached_tokens)},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+class OpenAIServingResponses:
+    """POST /v1/responses and GET /v1/responses/{id} on an OpenAIServingChat."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
+        self.chat = chat
+        self.store = store or ResponseStore()
+
+    def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
+        stored = self.store.get(request_tenant(raw.scope), response_id)
+        if stored is None:
+            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
+                              "not_found")
+        return stored.response
+
+    async def create(self, body: ResponsesRequest, raw: Request
+                     ) -> JSONResponse | StreamingResponse:
+        tenant = request_tenant(raw.scope)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = self.store.get(tenant, body.previous_response_id)
+            if previous is None:
+                raise OpenAIError(404, f"no stored response {body.previous_response_id!r}",
+                                  "previous_response_id", "not_found")
+            history = previous.conversation
+        chat_body = to_chat_request(body, history)
+        try:
+            prepared, stream, [shaper] = await self.chat.start(chat_body, raw)
+        except OpenAIError as exc:
+            exc.param = _CHAT_TO_RESPONSES.get(exc.param or "", exc.param)
+            raise
+        response_id = "resp_" + prepared.request_id.removeprefix("chatcmpl-")
+        base = self._skeleton(body, response_id)
+        # What a follow-up continues: this turn's messages and its answer (the instructions
+        # are each request's own).
+        messages = chat_body.model_dump(exclude_none=True)["messages"]
+        conversation = messages[1:] if body.instructions else messages
+        if body.stream:
+            return EngineStreamingResponse(
+                self._stream(body, base, stream, shaper, tenant, conversation), [stream])
+        final = await self.chat._collect(stream, raw)
+        response = self._finish(body, base, final, shaper, tenant, conversation)
+        return JSONResponse(response)
+
+    def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
+        return {"id": response_id, "object": "response", "created_at": int(time.time()),
+                "status": "in_progress", "model": self.chat.model_name, "output": [],
+                "instructions": body.instructions, "tools": body.tools or [],
+                "tool_choice": body.tool_choice or "auto",
+                "parallel_tool_calls": body.parallel_tool_calls,
+                "temperature": body.temperature, "top_p": body.top_p,
+                "max_output_tokens": body.max_output_tokens,
+                "previous_response_id": body.previous_response_id,
+                "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
+                "store": body.store, "metadata": body.metadata or {}, "error": None,
+                "incomplete_details": None, "usage": None}
+
+    def _finish(self, body: ResponsesRequest, base: dict[str, Any], final: RequestOutput,
+                shaper: ChoiceShaper, tenant: str | None,
+                conversation: list[dict[str, Any]],
+                items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The completed response (stored when asked); `items` when a stream built them."""
+        c = final.outputs[0]
+        message, _ = shaper.message(c.text, c.finish_reason)
+        length = c.finish_reason == "length"
+        response = {**base, "status": "incomplete" if length else "completed",
+                    "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+                    "output": items if items is not None
+                    else output_items(message, _Ids(base["id"])),
+                    "usage": _usage(final)}
+        if body.store:
+            answer = {k: v for k, v in message.items() if k != "reasoning_content"}
+            self.store.put(tenant, _Stored(response, conversation + [answer], time.time()))
+        return response
+
+    async def _stream(self, body: ResponsesRequest, base: dict[str, Any], stream: RequestStream,
+                      shaper: ChoiceShaper, tenant: str | None,
+                      conversation: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+        events = _EventStream(base["id"])
+        yield events.emit("response.created", {"response": base})
+        yield events.emit("response.in_progress", {"response": base})
+        tracker, final = DeltaTracker(), None
+        try:
+            async for output in stream.outputs():
+                final = output
+                c = output.outputs[0]
+                if tracker.advance(0, c) is None:
+                    continue
+                for chunk in events.feed(shaper.delta(c.text, c.finish_reason is not None)):
+                    yield chunk
+        except Exception as exc:
+            yield events.emit("error", stream_error(exc)["error"])
+            return
+        for chunk in events.close():
+            yield chunk
+        if final is not None:
+            response = self._finish(body, base, final, shaper, tenant, conversation,
+                                    events.items)
+            kind = "response.completed" if response["status"] == "completed" \
+                else "response.incomplete"
+            yield events.emit(kind, {"response": response})
+
+
+class _EventStream:
+    """Chat deltas in, Responses events out: an item opens when the kind of delta changes
+    (reasoning, message text, each function call) and is done when the next one opens."""
+
+    def __init__(self, response_id: str) -> None:
+        self.ids = _Ids(response_id)
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self.open: str | None = None
+
+    def emit(self, kind: str, payload: dict[str, Any]) -> bytes:
+        self.sequence += 1
+        data = {"type": kind, "sequence_number": self.sequence - 1, **payload}
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    @property
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    def _start(self, key: str, item: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.items.append(item)
+        self.open = key
+        out.append(self.emit("response.output_item.added", {"output_index": self._index,
+                                                            "item": item}))
+        if item["type"] == "message":
+            out.append(self.emit("response.content_part.added", {
+                "item_id": item["id"], "output_index": self._index, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []}}))
+        return out
+
+    def feed(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if delta.get("reasoning_content"):
+            if self.open != "reasoning":
+                out += self._start("reasoning", {
+                    "type": "reasoning", "id": self.ids.new("rs"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]})
+            item = self.items[-1]
+            item["content"][0]["text"] += delta["reasoning_content"]
+            out.append(self.emit("response.reasoning_text.delta", {
+                "item_id": item["id"], "output_index": self._index, "content_index": 0,
+                "delta": delta["reasoning_content"]}))
+        if delta.get("content"):
+            if self.open != "message":
+                out += self._start("message", {
+                    "type": "message", "id": self.ids.new("msg"), "status": "in_progress",
+                    "role": "assistant", "content": [{"type": "output_text", "text": "",
+                                                      "annotations": [], "logprobs": []}]})
+            item = self.items[-1]
+            item["content"][0]["text"] += delta["content"]
+            out.append(self.emit("response.output_text.delta", {
+                "item_id": item["id"], "output_index": self._index, "content_index": 0,
+                "delta": delta["content"], "logprobs": []}))
+        for call in delta.get("tool_calls") or []:
+            key = f"call{call['index']}"
+            function = call.get("function") or {}
+            if self.open != key:
+                out += self._start(key, {
+                    "type": "function_call", "id": self.ids.new("fc"),
+                    "call_id": call.get("id", ""), "name": function.get("name", ""),
+                    "arguments": "", "status": "in_progress"})
+            if function.get("arguments"):
+                item = self.items[-1]
+                item["arguments"] += function["arguments"]
+                out.append(self.emit("response.function_call_arguments.delta", {
+                    "item_id": item["id"], "output_index": self._index,
+                    "delta": function["arguments"]}))
+        return out
+
+    def close(self) -> list[bytes]:
+        """The open item's closing events."""
+        if self.open is None:
+            return []
+        self.open = None
+        item, index = self.items[-1], self._index
+        out: list[bytes] = []
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            out.append(self.emit("response.output_text.done", {
+                "item_id": item["id"], "output_index": index, "content_index": 0, "text": text,
+                "logprobs": []}))
+            out.append(self.emit("response.content_part.done", {
+                "item_id": item["id"], "output_index": index, "content_index": 0,
+                "part": item["content"][0]}))
+        elif item["type"] == "function_call":
+            out.append(self.emit("response.function_call_arguments.done", {
+                "item_id": item["id"], "output_index": index, "arguments": item["arguments"]}))
+        if "status" in item:
+            item["status"] = "completed"
+        out.append(self.emit("response.output_item.done", {"output_index": index,
+                                                           "item": item}))
+        return out

@@ -1,0 +1,105 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`) driven by the
+official `openai` client against a real `pkv serve`: plain, streamed (events in order, the
+final response equal to the non-streamed one at temperature 0), a function tool round trip,
+`previous_response_id`, `text.format` json_schema, and 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from pkv.tests.server.conftest import RunningServer
+from pkv.tests.server.test_http import MODEL, _assert_error, _post
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}
+
+
+def test_plain_and_streamed_agree(client: openai.OpenAI):
+    kw = dict(model=MODEL, input="What is the capital of France?", temperature=0,
+              max_output_tokens=16, instructions="Answer in one short sentence.")
+    plain = client.responses.create(**kw)
+    assert plain.object == "response" and plain.id.startswith("resp_")
+    assert plain.status in ("completed", "incomplete") and plain.output_text.strip()
+    assert plain.usage.input_tokens > 10 and 0 < plain.usage.output_tokens <= 16
+    kinds, final = [], None
+    for event in client.responses.create(**kw, stream=True):
+        kinds.append(event.type)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == final.status.join(
+        ["response.", ""])
+    assert kinds.index("response.output_text.done") < kinds.index("response.output_item.done")
+    assert [e for e in kinds if e.endswith(".done")] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert final.output_text == plain.output_text and final.status == plain.status
+    assert final.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
+    ask = "What is the weather in Paris?"
+    called = client.responses.create(model=MODEL, input=ask, tools=[WEATHER],
+                                     tool_choice={"type": "function", "name": "get_weather"},
+                                     temperature=0, max_output_tokens=48)
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    streamed_args, kinds = "", []
+    for event in client.responses.create(model=MODEL, input=ask, tools=[WEATHER],
+                                         tool_choice="required", temperature=0,
+                                         max_output_tokens=48, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.function_call_arguments.delta":
+            streamed_args += event.delta
+    assert "response.function_call_arguments.done" in kinds
+    jsonschema.validate(json.loads(streamed_args), WEATHER["parameters"])
+
+    # The result goes back by previous_response_id: the stored turn is the history.
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=called.id, tools=[WEATHER], temperature=0,
+        max_output_tokens=16, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                      "output": "Sunny, 24 degrees."}])
+    assert answer.output_text.strip() and answer.previous_response_id == called.id
+    assert answer.usage.input_tokens > called.usage.input_tokens
+    # The same, with the history sent as items instead.
+    explicit = client.responses.create(
+        model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=16, input=[
+            {"role": "user", "content": ask},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id,
+             "output": "Sunny, 24 degrees."}])
+    assert explicit.output_text == answer.output_text
+    assert client.responses.retrieve(answer.id).output_text == answer.output_text
+
+
+def test_json_schema_format(client: openai.OpenAI):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    response = client.responses.create(
+        model=MODEL, input="Name a city in JSON.", max_output_tokens=40, temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
+def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenAI):
+    base = {"model": MODEL, "input": "Hi"}
+    for body, param in [({**base, "max_output_tokens": 0}, "max_output_tokens"),
+                        ({**base, "input": [{"type": "image"}]}, "input[0]"),
+                        ({**base, "tools": [{"type": "web_search"}]}, "tools[0]"),
+                        ({**base, "previous_response_id": "resp_nope"}, "previous_response_id"),
+                        ({**base, "temperature": "hot"}, "temperature")]:
+        response = _post(server, "/v1/responses", body)
+        _assert_error(response, 404 if param == "previous_response_id" else 400, param)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                       store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
