@@ -26,7 +26,8 @@ from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
 from pkv.core.server.serving_chat import OpenAIServingChat
-from pkv.core.server.serving_engine import DeltaTracker, EngineStreamingResponse, stream_error
+from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
+                                            stream_error)
 
 
 class AnthropicTool(BaseModel):
@@ -220,7 +221,7 @@ class AnthropicServingMessages:
             prompt_tokens = prepared.children[0].num_prompt_tokens
             return EngineStreamingResponse(self._stream(base, prompt_tokens, stream, shaper),
                                             [stream])
-        final = await self.chat._collect(stream, raw)
+        final = await self.chat.collect(stream, raw)
         c = final.outputs[0]
         message, finish = shaper.message(c.text, c.finish_reason)
         reason, sequence = stop_reason(finish, c)
@@ -233,14 +234,10 @@ class AnthropicServingMessages:
             **base, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
         blocks = _BlockStream()
-        tracker, final = DeltaTracker(), None
+        final = None
         try:
-            async for output in stream.outputs():
-                final = output
-                c = output.outputs[0]
-                if tracker.advance(0, c) is None:
-                    continue
-                for chunk in blocks.feed(shaper.delta(c.text, c.finish_reason is not None)):
+            async for final, delta in single_choice_deltas(stream, shaper):
+                for chunk in blocks.feed(delta):
                     yield chunk
         except Exception as exc:
             yield _event("error", {"error": stream_error(exc)["error"]})

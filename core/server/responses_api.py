@@ -38,7 +38,8 @@ from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
 from pkv.core.server.serving_chat import OpenAIServingChat
-from pkv.core.server.serving_engine import DeltaTracker, EngineStreamingResponse, stream_error
+from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
+                                            stream_error)
 
 
 class ResponsesRequest(BaseModel):
@@ -261,7 +262,7 @@ class OpenAIServingResponses:
         if body.stream:
             return EngineStreamingResponse(
                 self._stream(body, base, stream, shaper, tenant, conversation), [stream])
-        final = await self.chat._collect(stream, raw)
+        final = await self.chat.collect(stream, raw)
         response = self._finish(body, base, final, shaper, tenant, conversation)
         return JSONResponse(response)
 
@@ -302,14 +303,10 @@ class OpenAIServingResponses:
         events = _EventStream(base["id"])
         yield events.emit("response.created", {"response": base})
         yield events.emit("response.in_progress", {"response": base})
-        tracker, final = DeltaTracker(), None
+        final = None
         try:
-            async for output in stream.outputs():
-                final = output
-                c = output.outputs[0]
-                if tracker.advance(0, c) is None:
-                    continue
-                for chunk in events.feed(shaper.delta(c.text, c.finish_reason is not None)):
+            async for final, delta in single_choice_deltas(stream, shaper):
+                for chunk in events.feed(delta):
                     yield chunk
         except Exception as exc:
             yield events.emit("error", stream_error(exc)["error"])

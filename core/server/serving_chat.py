@@ -55,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         if body.stream:
             return EngineStreamingResponse(self._chat_stream(body, prepared, stream, shapers),
                                             [stream])
-        final = await self._collect(stream, raw)
+        final = await self.collect(stream, raw)
         choices = []
         for c in final.outputs:
             message, finish = shapers[c.index].message(c.text, c.finish_reason)

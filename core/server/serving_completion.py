@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.stream:
             return EngineStreamingResponse(self._completion_stream(body, base_id, streams),
                                             streams)
-        tasks = [asyncio.ensure_future(self._collect(s, raw)) for s in streams]
+        tasks = [asyncio.ensure_future(self.collect(s, raw)) for s in streams]
         try:
             finals = await asyncio.gather(*tasks)
         finally:

@@ -23,6 +23,7 @@ from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
 from pkv.core.engine.outputs import CompletionOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
 from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError, engine_error, error_body
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import _SamplingFields
@@ -128,7 +129,7 @@ class OpenAIServing:
                               f"{', '.join(map(repr, names))}", "model", "model_not_found")
         return LoRARequest(adapter.name, adapter.uid, adapter.path)
 
-    async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
+    async def collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
         """Run to the end; abort if the client disconnects while we wait."""
         async def last() -> RequestOutput:
             final = None
@@ -192,6 +193,17 @@ class DeltaTracker:
             self.done.add(index)
         lps = c.logprobs[tokens:] if c.logprobs is not None else None
         return text, lps, c.token_ids[tokens:]
+
+
+async def single_choice_deltas(stream: RequestStream, shaper: ChoiceShaper
+                               ) -> AsyncIterator[tuple[RequestOutput, dict[str, Any]]]:
+    """A one-choice stream's outputs, each with what is new in its choice (the shaper's
+    delta: reasoning_content, content, tool_calls; empty when nothing is)."""
+    tracker = DeltaTracker()
+    async for output in stream.outputs():
+        c = output.outputs[0]
+        new = tracker.advance(0, c) is not None
+        yield output, shaper.delta(c.text, c.finish_reason is not None) if new else {}
 
 
 def usage(finals: list[RequestOutput]) -> dict[str, int]:
