@@ -316,6 +316,17 @@ class LLMEngine:
                 kept.append(output)
         return kept
 
+    def _fail_unplaceable(self) -> list[RequestOutput]:
+        """Fail the first waiting request if an idle engine cannot place it (its blocks
+        exceed what the pool can free): waiting would spin forever."""
+        s = self.scheduler
+        if s.running or not s.waiting:
+            return []
+        pool = self.kv_cache.pool
+        exc = RuntimeError(f"the request does not fit in the KV cache: {pool.num_free_blocks} "
+                           f"of {pool.num_blocks} blocks can be freed")
+        return self._fail_requests({s.waiting[0].request_id: exc}, [])
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -328,7 +339,7 @@ class LLMEngine:
         self.timer.start()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return [] if sched.preempted else self._fail_unplaceable()
         self.timer.lap("schedule")
         loads = self.kv_cache.take_loads()
         if loads:  # prefix blocks read from the disk tier, before the forward reads them

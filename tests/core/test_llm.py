@@ -169,3 +169,20 @@ def test_vllm_prompt_dicts_are_prompts(smol_llm: LLM):
     salted = smol_llm.generate({"prompt_token_ids": long_ids, "cache_salt": "tenant-x"}, greedy)
     again = smol_llm.generate({"prompt_token_ids": long_ids, "cache_salt": "tenant-x"}, greedy)
     assert salted[0].num_cached_tokens == 0 and again[0].num_cached_tokens >= 48
+
+
+def test_a_request_an_idle_engine_cannot_place_fails_instead_of_waiting(smol_llm: LLM):
+    engine = smol_llm.llm_engine
+    pool = engine.kv_cache.pool
+    pool.reset_prefix_cache()
+    held = pool.allocate(pool.num_free_blocks - 1)  # blocks nobody will give back soon
+    try:
+        engine.add_request("stuck", PROMPT * 4, SamplingParams(max_tokens=4))
+        (out,) = engine.step()
+        assert out.request_id == "stuck" and out.finished
+        assert "does not fit in the KV cache: 1 of" in out.error
+        assert not engine.has_unfinished_requests()
+    finally:
+        pool.free(held)
+    assert engine.get_stats().num_blocks_used == 0
+    assert _text(smol_llm, "Hello", temperature=0, max_tokens=3)  # still serving
