@@ -98,6 +98,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def get_response(response_id: str, raw: Request) -> dict:
         return serving_responses.retrieve(response_id, raw)
 
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request) -> dict:
+        return serving_responses.delete(response_id, raw)
+
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await serving_messages.messages(body, raw)

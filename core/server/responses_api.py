@@ -1,5 +1,5 @@
-"""`POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API on the chat
-machinery.
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API on
+the chat machinery.
 
 `input` (a string, or items: messages, `function_call`, `function_call_output`), after the
 `instructions` and the stored conversation of `previous_response_id`, becomes a chat
@@ -83,6 +83,9 @@ class ResponseStore:
         self._items.move_to_end(key)
         while len(self._items) > self.max_items:
             self._items.popitem(last=False)
+
+    def delete(self, tenant: str | None, response_id: str) -> bool:
+        return self._items.pop((tenant, response_id), None) is not None
 
     def get(self, tenant: str | None, response_id: str) -> _Stored | None:
         stored = self._items.get((tenant, response_id))
@@ -236,6 +239,12 @@ class OpenAIServingResponses:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
                               "not_found")
         return stored.response
+
+    def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
+        if not self.store.delete(request_tenant(raw.scope), response_id):
+            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
+                              "not_found")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def create(self, body: ResponsesRequest, raw: Request
                      ) -> JSONResponse | StreamingResponse:

@@ -77,6 +77,11 @@ def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
              "output": "Sunny, 24 degrees."}])
     assert explicit.output_text == answer.output_text
     assert client.responses.retrieve(answer.id).output_text == answer.output_text
+    client.responses.delete(answer.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(answer.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(answer.id)
 
 
 def test_json_schema_format(client: openai.OpenAI):

@@ -71,5 +71,8 @@ def test_stored_responses_are_their_tenants_own(tenant_server: RunningServer):
     with pytest.raises(openai.NotFoundError):
         client(KEYS[1]).responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
+        client(KEYS[1]).responses.delete(first.id)
+    assert client(KEYS[0]).responses.retrieve(first.id).id == first.id  # still its owner's
+    with pytest.raises(openai.NotFoundError):
         client(KEYS[1]).responses.create(model=MODEL, input="And?", max_output_tokens=4,
                                          previous_response_id=first.id)
