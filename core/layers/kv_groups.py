@@ -19,6 +19,7 @@ A model whose layers all attend alike has one group of all its layers: one table
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,16 @@ class KVGroups:
     groups: tuple[KVGroup, ...]
     slots: int  # layers a block id holds: the largest group's size
 
-    @property
+    @cached_property
     def group_of(self) -> list[int]:
-        """The group of each layer."""
+        """The group of each layer (built once: the runner hands it to every step)."""
         out = [0] * sum(len(g.layers) for g in self.groups)
         for gi, group in enumerate(self.groups):
             for layer in group.layers:
                 out[layer] = gi
         return out
 
-    @property
+    @cached_property
     def slot_of(self) -> list[int]:
         """The cache slot of each layer (its place within its group)."""
         out = [0] * sum(len(g.layers) for g in self.groups)

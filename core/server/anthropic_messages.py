@@ -18,14 +18,14 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from pkv.core.engine.async_engine import RequestStream
 from pkv.core.engine.outputs import CompletionOutput, RequestOutput
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
-from pkv.core.server.serving_chat import OpenAIServingChat
+from pkv.core.server.serving_chat import OpenAIServingChat, chat_request_from
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
 
@@ -163,12 +163,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
         if body.thinking.type == "enabled" and body.thinking.budget_tokens is not None:
             chat["thinking_token_budget"] = body.thinking.budget_tokens
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first.get("loc", ()))
-        raise OpenAIError(400, f"{field}: {first.get('msg')}", field or None) from None
+    return chat_request_from(chat)
 
 
 def stop_reason(finish: str | None, c: CompletionOutput) -> tuple[str, str | None]:

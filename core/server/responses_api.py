@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from pkv.core.engine.async_engine import RequestStream
 from pkv.core.engine.outputs import RequestOutput
@@ -37,7 +37,7 @@ from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
-from pkv.core.server.serving_chat import OpenAIServingChat
+from pkv.core.server.serving_chat import OpenAIServingChat, chat_request_from
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
 
@@ -180,13 +180,7 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Ch
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first.get("loc", ()))
-        param = _CHAT_TO_RESPONSES.get(field.split(".")[0], field)
-        raise OpenAIError(400, f"{param}: {first.get('msg')}", param or None) from None
+    return chat_request_from(chat, _CHAT_TO_RESPONSES)
 
 
 

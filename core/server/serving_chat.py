@@ -10,9 +10,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from pkv.core.engine.async_engine import AsyncLLM, RequestStream
 from pkv.core.engine.llm_engine import PreparedRequest
@@ -201,6 +203,20 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(400, f"the rendered conversation exceeds {MAX_RENDERED_CHARS} "
                               "characters", "messages")
         return text
+
+
+def chat_request_from(fields: dict[str, Any], renames: dict[str, str] | None = None
+                      ) -> ChatCompletionRequest:
+    """The chat request another API (Responses, Messages) builds from its own body; a value
+    chat refuses is a 400 naming the field as that API calls it (`renames`: chat's name ->
+    the API's)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ()))
+        param = (renames or {}).get(field.split(".")[0], field)
+        raise OpenAIError(400, f"{param}: {first.get('msg')}", param or None) from None
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
