@@ -21,6 +21,8 @@ _EXPORTS = {
     "LLMEngine": "pkv.core.engine.llm_engine",
     "EngineConfig": "pkv.core.config.engine",
     "SamplingParams": "pkv.core.sample.sampling_params",
+    "PoolingParams": "pkv.core.pooling.params",
+    "PoolingRequestOutput": "pkv.core.engine.outputs",
     "RequestOutput": "pkv.core.engine.outputs",
     "CompletionOutput": "pkv.core.engine.outputs",
     "LoRARequest": "pkv.core.lora.adapter",
@@ -31,8 +33,9 @@ if TYPE_CHECKING:
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm import LLM, TextPrompt, TokensPrompt
     from pkv.core.engine.llm_engine import LLMEngine
-    from pkv.core.engine.outputs import CompletionOutput, RequestOutput
+    from pkv.core.engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from pkv.core.lora.adapter import LoRARequest
+    from pkv.core.pooling.params import PoolingParams
     from pkv.core.sample.sampling_params import SamplingParams
     from pkv.core.structured_output.params import StructuredOutputsParams
 

@@ -25,6 +25,7 @@ RANKS: dict[str, int] = {
     "pkv.core.layers": 2,
     "pkv.core.models": 3,
     "pkv.core.lora": 4, "pkv.core.sample": 4, "pkv.core.structured_output": 4,
+    "pkv.core.pooling": 4,
     "pkv.core.model_loader": 4,
     "pkv.core.sched": 5, "pkv.core.worker": 5, "pkv.core.spec_decode": 5,
     "pkv.plugins": 5,

@@ -12,6 +12,7 @@ from typing import Any
 from pkv.core.config.speculative import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+TASKS = ("auto", "generate", "embed", "classify", "score")
 _LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
 _AWQ_ACTIVATIONS = ("float32", "int16", "int8")
 # `fp8` is vLLM's spelling of fp8_e4m3.
@@ -52,6 +53,10 @@ class EngineConfig:
                              "default: bundled SmolLM2.")
     revision: str | None = _opt(None, "Branch, tag or commit of a Hub id (default: main).")
     gguf_file: str | None = _opt(None, "The .gguf file to load from a Hub id or folder.")
+    task: str = _opt(
+        "auto", "What the model serves: auto (from the checkpoint), generate, embed (an "
+        "embedding model: /v1/embeddings) or classify / score (a cross-encoder: /v1/rerank, "
+        "/score).")
     dtype: str = _opt("auto", "Compute dtype: auto, float32, bfloat16, float16 "
                       "(auto: float32 on CPU, the checkpoint's dtype on GPU; a GGUF's "
                       "weights stay in its blocks unless float32 is asked for).")
@@ -105,6 +110,8 @@ class EngineConfig:
         "also prompt_lookup_min/max, disable_by_batch_size.")
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

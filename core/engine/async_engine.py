@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pkv.core.engine.llm_engine import LLMEngine, PreparedRequest
-from pkv.core.engine.outputs import RequestOutput
+from pkv.core.engine.outputs import PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
+from pkv.core.pooling.params import PoolingParams
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.worker.memory import release_free_memory
 
@@ -168,7 +169,8 @@ class AsyncLLM:
             raise QueueFullError(f"{waiting} sequences are already waiting (the limit is "
                                  f"{self.max_waiting_requests}); retry later")
 
-    async def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def prepare(self, request_id: str, prompt: str | list[int] | tuple[str, str],
+                      params: SamplingParams | PoolingParams,
                       cache_salt: str | None = None,
                       lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate off the event loop; raises ValueError on bad input."""
@@ -234,8 +236,14 @@ class AsyncLLM:
         self._commands.put((kind, payload))
         self._wakeup.set()
 
-    def _record(self, output: RequestOutput, timings: RequestTimings) -> None:
+    def _record(self, output: RequestOutput | PoolingRequestOutput,
+                timings: RequestTimings) -> None:
         now = time.monotonic()
+        if isinstance(output, PoolingRequestOutput):  # one output, with no tokens
+            timings.first_token = timings.finished = now
+            timings.finish_reasons = ["stop"]
+            self._report(timings)
+            return
         tokens = sum(len(c.token_ids) for c in output.outputs)
         if tokens and timings.first_token is None:
             timings.first_token = now

@@ -7,11 +7,14 @@ from typing import Any, TypedDict
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.llm_engine import LLMEngine
-from pkv.core.engine.outputs import RequestOutput
+import torch
+
+from pkv.core.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
+from pkv.core.pooling.params import PoolingParams
+from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.progress import make_progress
 from pkv.core.sample.sampling_params import SamplingParams
-
 
 
 class _Salted(TypedDict, total=False):
@@ -104,7 +107,7 @@ class LLM:
             raise
         show = self.show_progress if use_tqdm is None else use_tqdm
         finals = self._run(ids, sum(p.n * (p.max_tokens or 0) for p in params), show)
-        return [finals[i] for i in ids]
+        return [finals[i] for i in ids]  # type: ignore[misc]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -121,6 +124,52 @@ class LLM:
                                                  **(chat_template_kwargs or {}))
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), in prompt order; an embedding
+        model's (task=embed)."""
+        bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
+        return self._pool(bodies, pooling_params or PoolingParams(), use_tqdm)
+
+    def classify(self, prompts: Prompt | Sequence[Prompt],
+                 use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """A classifier's scores per label (`outputs.probs`) for each prompt."""
+        bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
+        return self._pool(bodies, PoolingParams(), use_tqdm)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """`outputs.score` of each pair: one text_1 against every text_2, or pair by pair.
+        A cross-encoder reads each pair whole; an embedding model scores the cosine of the
+        two texts' embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        if self.llm_engine.task == "classify":
+            return self._pool(list(pairs), PoolingParams(), use_tqdm)
+        texts = sorted({t for pair in pairs for t in pair})
+        vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm)))
+        outputs = []
+        for i, (a, b) in enumerate(pairs):
+            va, vb = vectors[a], vectors[b]
+            score = torch.tensor([cosine(va.outputs.data, vb.outputs.data)])
+            outputs.append(PoolingRequestOutput(
+                str(i), None, va.prompt_token_ids + vb.prompt_token_ids, PoolingOutput(score)))
+        return outputs
+
+    def _pool(self, bodies: list[str | list[int] | tuple[str, str]], params: PoolingParams,
+              use_tqdm: bool | None) -> list[PoolingRequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for body in bodies:
+                ids.append(engine.add_prepared(engine.prepare_request(None, body, params)))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        show = self.show_progress if use_tqdm is None else use_tqdm
+        finals = self._run(ids, 0, show)
+        return [finals[i] for i in ids]  # type: ignore[misc]
 
     @staticmethod
     def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -149,9 +198,10 @@ class LLM:
             raise ValueError(f"got {len(value)} {what} for {n} prompts")
         return list(value)
 
-    def _run(self, ids: list[str], expected_tokens: int, show: bool) -> dict[str, RequestOutput]:
+    def _run(self, ids: list[str], expected_tokens: int, show: bool
+             ) -> dict[str, RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, RequestOutput | PoolingRequestOutput] = {}
         with make_progress(transient=True) as progress:
             task = progress.add_task("Generating", total=len(ids), info="", visible=show)
             generated = 0
@@ -160,6 +210,7 @@ class LLM:
                     if output.finished:
                         finals[output.request_id] = output
                         progress.advance(task)
-                generated = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+                generated = sum(len(c.token_ids) for o in finals.values()
+                                if isinstance(o, RequestOutput) for c in o.outputs)
                 progress.update(task, info=f"{generated}/{expected_tokens or '?'} tokens")
         return finals

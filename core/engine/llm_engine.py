@@ -17,10 +17,11 @@ import torch
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.output_processor import OutputProcessor
-from pkv.core.engine.outputs import RequestOutput
+from pkv.core.engine.outputs import PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRAAdapter, LoRARequest
 from pkv.core.lora.manager import LoRAManager
 from pkv.core.lora.slots import LoRASlotTable
+from pkv.core.pooling.params import PoolingParams
 from pkv.core.registry import select_guided_backend
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
@@ -87,6 +88,7 @@ class LLMEngine:
         source = setup.source
         self.model_name = source.name
         self.model_config = source.config
+        self.task = setup.task  # generate, embed or classify
         self.tokenizer = source.tokenizer
         self.max_model_len = setup.max_model_len
         self.max_num_batched_tokens = config.token_budget(self.max_model_len)
@@ -185,13 +187,22 @@ class LLMEngine:
         return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt,
                                                       lora_request))
 
-    def prepare_request(self, request_id: str | None, prompt: str | list[int],
-                        params: SamplingParams | None = None,
+    def prepare_request(self, request_id: str | None, prompt: str | list[int] | tuple[str, str],
+                        params: SamplingParams | PoolingParams | None = None,
                         cache_salt: str | None = None,
                         lora_request: LoRARequest | None = None) -> PreparedRequest:
-        """Tokenize and validate without touching engine state (safe from another thread)."""
-        params = params or SamplingParams()
+        """Tokenize and validate without touching engine state (safe from another thread).
+        PoolingParams make an embedding / scoring request (a pair of texts: a cross-encoder's
+        query and document)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if isinstance(params, PoolingParams):
+            return self._prepare_pooling(request_id, prompt, params)
+        if self.runner.pooler is not None:
+            raise ValueError(f"this model serves task={self.task} (embeddings or scores), "
+                             "not text generation")
+        if isinstance(prompt, tuple):
+            raise ValueError("a pair of texts is a cross-encoder's input, not a prompt")
+        params = params or SamplingParams()
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
         adapter = self._adapter(lora_request)
@@ -208,6 +219,32 @@ class LLMEngine:
             for i in range(params.n)
         ]
         return PreparedRequest(request_id, prompt_text, children)
+
+    def _prepare_pooling(self, request_id: str, prompt: str | list[int] | tuple[str, str],
+                         params: PoolingParams) -> PreparedRequest:
+        pooler = self.runner.pooler
+        if pooler is None:
+            raise ValueError("this model generates text; embeddings and scores need a pooling "
+                             "model (pkv serve MODEL --task embed)")
+        pooler.check(params)
+        types = None
+        if isinstance(prompt, tuple):
+            if not pooler.classifies:
+                raise ValueError("a pair of texts is a cross-encoder's input; this model "
+                                 "embeds one text at a time")
+            if not all(isinstance(t, str) and t for t in prompt) or len(prompt) != 2:
+                raise ValueError("a pair must be two non-empty texts")
+            text: str | None = None
+            ids, types = self.tokenizer.encode_pair(*prompt)
+        else:
+            text, ids = self._tokenize(prompt)
+        limit = min(self.max_model_len, self.max_num_batched_tokens)
+        if len(ids) > limit:
+            raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
+                                     f"{limit}")
+        request = Request(request_id, ids, SamplingParams(max_tokens=None), frozenset(),
+                          self.config.block_size, pooling=params, token_type_ids=types)
+        return PreparedRequest(request_id, text, [request])
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         if lora_request is None:
@@ -332,7 +369,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
         if self.workers is not None:
             self.workers.check()  # a dead rank would make the step wait forever
@@ -354,7 +391,7 @@ class LLMEngine:
             self._propose(sched, tables, failures)
             self.timer.lap("propose")
         try:
-            sampled_reqs, result = self.runner.execute_model(
+            sampled_reqs, result, pooled = self.runner.execute_model(
                 sched, tables, self.kv_cache.pool.high_watermark, failures)
         except RuntimeError as exc:
             if self.workers is None:
@@ -371,10 +408,24 @@ class LLMEngine:
         for request in stopped:  # stop strings end a request in the same step
             if request.request_id not in failures:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        outputs += self._finish_pooled(sched, pooled)
         if failures:
             outputs = self._fail_requests(failures, outputs)
         self.num_steps += 1
         self.timer.end_step()
+        return outputs
+
+    def _finish_pooled(self, sched: SchedulerOutput, pooled: dict[str, torch.Tensor]
+                       ) -> list[PoolingRequestOutput]:
+        """End the pooling requests of the step (their whole prompt ran): free their blocks
+        and return their vectors."""
+        outputs = []
+        for request in sched.scheduled:
+            vector = pooled.get(request.request_id)
+            if vector is not None:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                # (a copy made outside inference mode: callers may compute with it freely)
+                outputs.append(self.output_processor.finish_pooled(request, vector.clone()))
         return outputs
 
     def _propose(self, sched: SchedulerOutput, tables: dict[str, list[list[int]]],

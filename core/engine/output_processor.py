@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pkv.core.engine.outputs import CompletionOutput, Logprob, RequestOutput
+import torch
+
+from pkv.core.engine.outputs import (CompletionOutput, Logprob, PoolingOutput,
+                                     PoolingRequestOutput, RequestOutput)
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.request import Request, record_failure
 from pkv.core.tokenizer.detokenizer import IncrementalDetokenizer
@@ -141,6 +144,14 @@ class OutputProcessor:
         cached = max(0, min(s.request.num_cached_tokens for s in state.samples))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
                              state.finished, num_cached_tokens=cached)
+
+    def finish_pooled(self, request: Request, data: torch.Tensor) -> PoolingRequestOutput:
+        """The final output of a pooling request, which its vector ends."""
+        parent_id, _ = self.child_to_parent[request.request_id]
+        state = self.parents[parent_id]
+        self._forget(state)
+        return PoolingRequestOutput(parent_id, state.prompt, state.prompt_token_ids,
+                                    PoolingOutput(data))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished sample aborted; return the final output."""

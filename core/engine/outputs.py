@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -45,3 +49,39 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set (with finished) when this request alone failed
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """What a pooling model made of one prompt: an embedding, or a classifier's scores."""
+
+    data: torch.Tensor  # float32, 1-D
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def probs(self) -> list[float]:
+        """A classifier's scores per label (after its activation)."""
+        return self.data.tolist()
+
+    @property
+    def score(self) -> float:
+        """A one-label cross-encoder's score (or a cosine similarity, from `LLM.score`)."""
+        if self.data.numel() != 1:
+            raise ValueError(f"this output holds {self.data.numel()} values, not one score")
+        return float(self.data.item())
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The result of one embedding / scoring request (finished when returned)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -194,7 +194,10 @@ class CausalLM(nn.Module):
         return expected
 
     def _renamed(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        headless = self.config.headless
         for name, tensor in weights:
+            if headless and not name.startswith("model."):
+                name = f"model.{name}"  # saved as the bare decoder (`Qwen3Model`)
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:

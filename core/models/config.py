@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pkv.core.layers.rotary import ROPE_TYPES, RopeSpec
-from pkv.core.models.registry import ARCHITECTURES, family_of
+from pkv.core.models.registry import ARCHITECTURES, HEADLESS_DECODERS, family_of
 
 # Config fields that change the computation, the families that implement them, and the
 # values that mean "off" (accepted anywhere).
@@ -77,7 +77,15 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    # config.json's architecture that pkv matched ("" for other formats): a decoder saved
+    # as `Qwen3Model` & co. has no LM head and no `model.` prefix on its tensor names.
+    hf_architecture: str = ""
     hf: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def headless(self) -> bool:
+        """A decoder saved without its LM head (an embedding model)."""
+        return self.hf_architecture in HEADLESS_DECODERS
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -127,8 +135,11 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
             partial_rotary_factor=float(rope.get("partial_rotary_factor") or 1.0),
+            hf_architecture=arch,
             hf=cfg,
         )
+        if config.headless:  # its (unused) LM head shares the embedding: no memory of its own
+            config.tie_word_embeddings = True
         model_cls.configure(config, cfg)
         config.validate()
         return config

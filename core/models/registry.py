@@ -19,7 +19,21 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
+    # pooling checkpoints: encoders, and decoders saved without their LM head
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert_classifier",
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
+
+# Decoders saved without their LM head (embedding checkpoints: tensor names lack `model.`).
+HEADLESS_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+# The architectures above that are not text generators, and the task each serves by default
+# (`EngineConfig.task`): embeddings, or a cross-encoder's scores.
+POOLING_TASKS = {"BertModel": "embed", "BertForSequenceClassification": "classify",
+                 **{arch: "embed" for arch in HEADLESS_DECODERS}}
 
 # family -> "module:class" under pkv.core.models
 FAMILIES = {
@@ -35,6 +49,8 @@ FAMILIES = {
     "olmo2": "olmo2:Olmo2ForCausalLM",
     "granite": "granite:GraniteForCausalLM",
     "smollm3": "smollm3:SmolLM3ForCausalLM",
+    "bert": "bert:BertEmbeddingModel",
+    "bert_classifier": "bert:BertForSequenceClassification",
 }
 
 # family -> transformers' model_type (config.json "model_type")
@@ -42,6 +58,7 @@ MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3_text",
     "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
+    "bert": "bert", "bert_classifier": "bert",
 }
 
 

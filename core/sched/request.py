@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pkv.core.pooling.params import PoolingParams
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.thinking_budget import ThinkingBudget
 
@@ -69,6 +70,11 @@ class Request:
     guided: Any = None  # the grammar state of a structured-output request
     lora: Any = None  # the LoRAAdapter it runs with (None: the base model)
     lora_slot: int = -1  # the adapter's slot while running
+    # A pooling request (an embedding or a score): its prompt runs whole in one step, from
+    # its first token (no prefix-cache hit: every row's hidden state is needed), and it
+    # finishes with its pooled vector instead of sampling.
+    pooling: PoolingParams | None = None
+    token_type_ids: list[int] | None = None  # a cross-encoder pair's segments
     thinking: ThinkingBudget | None = field(default=None, init=False)  # its thinking cap
 
     def __post_init__(self) -> None:

@@ -56,6 +56,12 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """A cross-encoder's input: the pair's ids as the tokenizer joins them (BERT:
+        [CLS] a [SEP] b [SEP]) and each token's segment (0: `text`, 1: `pair`)."""
+        encoding = self.backend.encode(text, pair)
+        return encoding.ids, encoding.type_ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 

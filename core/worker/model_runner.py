@@ -25,6 +25,8 @@ from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
 from pkv.core.model_loader.loader import ModelSource, build_model, open_model
 from pkv.core.model_loader.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
 from pkv.core.models.config import ModelConfig
+from pkv.core.pooling.pooler import Pooler
+from pkv.core.pooling.tasks import build_pooler, resolve_task
 from pkv.core.registry import PluginRegistry, discover, select_attention_backend
 from pkv.core.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from pkv.core.sample.sampler import Sampler, SamplingRow
@@ -93,6 +95,7 @@ class ModelSetup:
     backend: AttentionBackend
     loader: WeightLoader | None
     registry: PluginRegistry
+    task: str = "generate"  # generate, embed or classify (see core/pooling/tasks.py)
 
     @classmethod
     def prepare(cls, config: EngineConfig) -> ModelSetup:
@@ -106,8 +109,23 @@ class ModelSetup:
         loader = resolve_weight_loader(config.quantization, source, registry)
         if config.tensor_parallel_size > 1:
             check_tp_size(source.config, config.tensor_parallel_size)
+        task = resolve_task(config.task, source.config,
+                            source.path if source.path.is_dir() else None)
+        if task != "generate":
+            check_pooling_config(config, task)
         return cls(source, resolve_max_model_len(config, source.config.max_position_embeddings),
-                   device, backend, loader, registry)
+                   device, backend, loader, registry, task)
+
+
+def check_pooling_config(config: EngineConfig, task: str) -> None:
+    """What an embedding or scoring model does not run with, each in one line."""
+    off = [(config.tensor_parallel_size > 1, "tensor parallelism"),
+           (config.enable_lora, "LoRA adapters"),
+           (config.speculative_config is not None, "speculative decoding"),
+           (config.kv_offload_dir is not None, "a KV disk tier")]
+    for on, what in off:
+        if on:
+            raise ValueError(f"task={task} (a pooling model) does not run with {what}")
 
 
 class ModelRunner:
@@ -143,6 +161,13 @@ class ModelRunner:
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
                                  self.device, method, show_progress and self.tp.rank == 0,
                                  self.plan)
+        # An encoder attends within each prompt and keeps no KV: its pool is bookkeeping.
+        self.keeps_kv = getattr(self.model, "keeps_kv", True)
+        self.pooler: Pooler | None = None
+        if setup.task != "generate":
+            self.pooler = build_pooler(setup.task, source.config,
+                                       source.path if source.path.is_dir() else None,
+                                       self.model)
         if int8_lm_head(config.lm_head_quantization, setup.loader, self.device):
             from pkv.core.layers.int8_linear import Int8LinearMethod
 
@@ -154,7 +179,7 @@ class ModelRunner:
                                         self.lora_batch, self.dtype, self.device)
                             if config.enable_lora else {})
         ops = None
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.keeps_kv:
             ops = cpp_build.kernels_or_none()
             self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
         release_free_memory()  # what loading and repacking the weights left behind
@@ -198,6 +223,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
+        if not self.keeps_kv:
+            return 0
         return (2 * self.kv_groups.slots * self.block_size * self.plan.kv_heads[1]
                 * self.kv_format.row_bytes)
 
@@ -209,6 +236,8 @@ class ModelRunner:
     def _num_kv_blocks(self, max_model_len: int) -> int:
         per_block = self.kv_bytes_per_block + self.extra_block_bytes
         blocks_per_seq = self._blocks_per_seq(max_model_len)
+        if per_block == 0:  # blocks that cost nothing: enough for every sequence at once
+            return self.config.max_num_seqs * blocks_per_seq
         if self.config.kv_cache_memory is not None:
             budget = int(self.config.kv_cache_memory)
             num_blocks = budget // per_block
@@ -246,21 +275,24 @@ class ModelRunner:
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the KV pool with `num_blocks` blocks."""
         cfg = self.model_config
+        self.num_blocks = num_blocks
+        self._num_zeroed_blocks = 0
+        if not self.keeps_kv:
+            self.kv_cache, self.kv_caches = torch.empty(0, device=self.device), []
+            return
         # One allocation for all layers; blocks are zeroed on first use (see _zero_new_blocks),
         # so a large pool costs no memory until it is used.
         # A block id holds `slots` layers: each layer uses its slot of its group's blocks.
         shape = (self.kv_groups.slots, 2, num_blocks, self.block_size,
                  self.plan.kv_heads[1], self.kv_format.row)
-        self.num_blocks = num_blocks
         self.kv_cache = torch.empty(shape, dtype=self.kv_format.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[s, 0], self.kv_cache[s, 1])
                           for s in self.kv_groups.slot_of[:cfg.num_hidden_layers]]
-        self._num_zeroed_blocks = 0
 
     def _zero_new_blocks(self, high_watermark: int) -> None:
         # Attention reads whole blocks and masks the unused slots; masked slots must still hold
         # finite numbers (0 * NaN is NaN), so blocks are zeroed before their first use.
-        if high_watermark > self._num_zeroed_blocks:
+        if high_watermark > self._num_zeroed_blocks and self.keeps_kv:
             # As bytes: float8 tensors have no fill kernel.
             self.kv_cache.view(torch.uint8)[:, :, self._num_zeroed_blocks:high_watermark].zero_()
             self._num_zeroed_blocks = high_watermark
@@ -278,11 +310,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
                       high_watermark: int, failures: dict[str, Exception] | None = None
-                      ) -> tuple[list[Request], VerifyOutput]:
+                      ) -> tuple[list[Request], VerifyOutput, dict[str, torch.Tensor]]:
         """Run one step; return the requests that sampled and, per request, the tokens it
         gains (one, or with drafts the accepted ones and one more). A request whose sampling
         setup fails (e.g. its grammar) is recorded in `failures` and sampled greedily, for
-        the engine to end."""
+        the engine to end. Pooling requests (whole prompts) get their pooled vector instead,
+        by request id."""
         chunks, sampling = self._chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
@@ -292,14 +325,18 @@ class ModelRunner:
             self.lora_batch.segments = segments
             if self.model.model.fused is not None:
                 self.model.model.fused.set_lora_segments(segments)
-        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        pooling = [(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
+        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
+                          token_types(sched.scheduled, self.device) if pooling else None)
         self.timer.lap("prepare_inputs")
         if self.tp.enabled:
             broadcast(step)
-        logits = self.run_step(step)
+        hidden = self.forward(step)
+        logits = self.logits(hidden, step.logits_idx)
+        pooled = self._pool(hidden, meta.query_start_loc_cpu, pooling) if pooling else {}
         self.timer.lap("forward")
         if logits is None:
-            return [], VerifyOutput([], [], [])
+            return [], VerifyOutput([], [], []), pooled
         drafts = [sched.spec_token_ids.get(r.request_id, []) for r in sampling]
         rows = self._sampling_rows(sampling, drafts, failures)
         if any(drafts):
@@ -310,7 +347,16 @@ class ModelRunner:
                                   [None if e is None else [e] for e in plain.logprobs],
                                   [0] * len(rows))
         self.timer.lap("sample")
-        return sampling, result
+        return sampling, result, pooled
+
+    def _pool(self, hidden: torch.Tensor, starts: list[int],
+              pooling: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:
+        """Each pooling request's vector, from its rows of the step (its whole prompt)."""
+        if self.pooler is None:
+            raise RuntimeError("a pooling request reached a model that generates text")
+        spans = [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
+        vectors = self.pooler(hidden, spans, [r.pooling for r, _ in pooling])
+        return {r.request_id: v.cpu() for (r, _), v in zip(pooling, vectors)}
 
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter's weights into `slot` of every LoRA linear."""
@@ -320,14 +366,23 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass every rank runs in lockstep; logits of the sampling rows."""
+        return self.logits(self.forward(step), step.logits_idx)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The model's last hidden states of every row of the step."""
         self._zero_new_blocks(step.high_watermark)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        num_logits = step.logits_idx.numel()
+        extra = {} if step.token_type_ids is None else {"token_type_ids": step.token_type_ids}
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
+
+    def logits(self, hidden: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the rows `logits_idx` (None when no row samples)."""
+        num_logits = logits_idx.numel()
         if num_logits == 0:
             return None
         # The rows are increasing, so as many as there are rows are all of them (every
         # decode step): no gather.
-        rows = hidden if num_logits == hidden.shape[0] else hidden[step.logits_idx]
+        rows = hidden if num_logits == hidden.shape[0] else hidden[logits_idx]
         return self.model.compute_logits(rows)
 
     @torch.inference_mode()
@@ -347,7 +402,7 @@ class ModelRunner:
             drafts = sched.spec_token_ids.get(request.request_id, [])
             n = sched.num_scheduled_tokens[request.request_id] - len(drafts)
             start = request.num_computed_tokens
-            samples = sched.samples(request)
+            samples = sched.samples(request) and request.pooling is None
             chunks.append(SeqChunk(request.all_token_ids[start:start + n] + drafts, start,
                                    block_tables[request.request_id],
                                    request.num_tokens + len(drafts),
@@ -380,6 +435,17 @@ class ModelRunner:
         outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
         return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
                            banned, allowed)
+
+
+def token_types(requests: list[Request], device: torch.device) -> torch.Tensor | None:
+    """The step's token type ids (a cross-encoder's pair segments; 0 elsewhere), or None
+    when every one is 0. Pooling requests run whole, so their types line up with rows."""
+    if all(r.token_type_ids is None for r in requests):
+        return None
+    types: list[int] = []
+    for r in requests:
+        types += r.token_type_ids or [0] * r.num_tokens
+    return torch.tensor(types, dtype=torch.long, device=device)
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_idx: torch.Tensor
     high_watermark: int
+    token_type_ids: torch.Tensor | None = None  # an encoder's segments (cross-encoder pairs)
 
 
 def broadcast(obj: Any = None) -> Any:

@@ -1,0 +1,234 @@
+"""BERT encoders: embedding models (`BertModel`) and cross-encoders
+(`BertForSequenceClassification`), as a textbook.
+
+    x = LayerNorm(word + position + token_type embeddings)
+    N x [x = LayerNorm(x + attn(x)); x = LayerNorm(x + ffn(x))]      (post-norm, GELU)
+
+Attention is bidirectional within each prompt, so an encoder keeps no KV cache: every
+prompt runs whole in one step, and a step's prompts are padded into one batch for SDPA.
+Parameter names are Hugging Face's, so a checkpoint loads by name (with or without the
+`bert.` prefix that the classification checkpoints carry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.layers.linear import LinearMethod, as_tensor, check_shape
+from pkv.core.models.config import ModelConfig
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: ModelConfig, eps: float) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.hf.get("type_vocab_size", 2),
+                                                  cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+             + self.position_embeddings(positions))
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        shape = (x.shape[0], self.heads, -1)
+        q, k, v = (proj(x).view(shape) for proj in (self.query, self.key, self.value))
+        return bidirectional_attention(q, k, v, seq_lens).reshape(x.shape[0], -1)
+
+
+class BertOutput(nn.Module):
+    """LayerNorm(residual + dense(x)): both sub-layers end so (post-norm)."""
+
+    def __init__(self, d_in: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_in, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(residual + self.dense(x))
+
+
+class BertAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(hidden, heads)
+        self.output = BertOutput(hidden, hidden, eps)
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        return self.output(self.self(x, seq_lens), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, intermediate)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, eps: float) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.attention = BertAttention(h, cfg.num_attention_heads, eps)
+        self.intermediate = BertIntermediate(h, cfg.intermediate_size, cfg.hidden_act)
+        self.output = BertOutput(cfg.intermediate_size, h, eps)
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        x = self.attention(x, seq_lens)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, eps: float) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg, eps) for _ in range(cfg.num_hidden_layers))
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(CLS row)): the classifier's input."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+
+    def forward(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls_rows))
+
+
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            seq_lens: list[int]) -> torch.Tensor:
+    """Each prompt's rows attend to all of its own rows: [tokens, heads, dim] in and out.
+    The prompts are padded into one [batch, heads, longest, dim] batch, padding masked."""
+    if len(seq_lens) == 1:
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)))
+        return out.transpose(0, 1)
+    longest = max(seq_lens)
+    lens = torch.tensor(seq_lens, device=q.device)
+    valid = torch.arange(longest, device=q.device)[None, :] < lens[:, None]  # [batch, longest]
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(len(seq_lens), longest, *t.shape[1:])
+        out[valid] = t
+        return out.transpose(1, 2)  # [batch, heads, longest, dim]
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v),
+                                         attn_mask=valid[:, None, None, :])
+    return out.transpose(1, 2)[valid]
+
+
+class BertEmbeddingModel(nn.Module):
+    """`BertModel`: the encoder's last hidden states, for the pooler to pool."""
+
+    keeps_kv = False  # bidirectional: no KV cache, every prompt whole in one step
+    default_pooling = "cls"
+    required_fields: tuple[str, ...] = ("intermediate_size",)
+    default_rope_theta = 10000.0
+    default_tie_word_embeddings = False
+    qkv_bias = False
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
+                 method: LinearMethod | None = None, plan: ShardPlan | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        eps = float(cfg.hf.get("layer_norm_eps", 1e-12))
+        self.embeddings = BertEmbeddings(cfg, eps)
+        self.encoder = BertEncoder(cfg, eps)
+
+    @classmethod
+    def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
+        kind = hf.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(f"config field position_embedding_type={kind!r} is not supported "
+                             "(pkv runs absolute positions)")
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"config field hidden_act={config.hidden_act!r} is not one of "
+                             f"{', '.join(_ACTIVATIONS)}")
+        if hf.get("is_decoder") or hf.get("add_cross_attention"):
+            raise ValueError("a BERT decoder (is_decoder / add_cross_attention) is not an "
+                             "encoder pkv runs")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        starts = meta.query_start_loc_cpu
+        seq_lens = [b - a for a, b in zip(starts, starts[1:])]
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.encoder.layer:
+            x = layer(x, seq_lens)
+        return x
+
+    # --- what the runner and loader call on every model ---------------------------------
+
+    def tie_weights(self) -> None:
+        """Nothing is tied in an encoder."""
+
+    def reset_buffers(self) -> None:
+        """An encoder has no derived buffers."""
+
+    def _renamed(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.startswith("pooler.") and not hasattr(self, "pooler"):
+                continue  # BertModel checkpoints carry a pooler that embeddings do not use
+            if name.endswith("position_ids"):
+                continue  # an old checkpoint's buffer, recomputed here
+            yield name, tensor
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors into place by name; every parameter must be set once."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in self._renamed(weights):
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            tensor = as_tensor(tensor)
+            check_shape(param, tensor, name)
+            param.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
+                             f"{sorted(missing)[:3]}")
+
+
+class BertForSequenceClassification(BertEmbeddingModel):
+    """A cross-encoder: the pair's CLS row -> pooler -> classifier logits."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int,
+                 method: LinearMethod | None = None, plan: ShardPlan | None = None) -> None:
+        super().__init__(cfg, backend, max_len, method, plan)
+        self.pooler = BertPooler(cfg.hidden_size)
+        labels = cfg.hf.get("num_labels") or len(cfg.hf.get("id2label") or {}) or 2
+        self.classifier = nn.Linear(cfg.hidden_size, labels)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, labels] of the pooled CLS rows."""
+        return self.classifier(self.pooler(cls_rows))

@@ -1,0 +1,22 @@
+"""PoolingParams: what one embedding / scoring request asks of the pooler (vLLM's name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """`dimensions`: keep the first N values of the embedding and renormalize (Matryoshka
+    models only); `normalize`: None follows the model (sentence-transformers' Normalize
+    module); `activation`: apply the classifier's activation (sigmoid for one label,
+    softmax for several) to a cross-encoder's logits."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    activation: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
