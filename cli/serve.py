@@ -46,6 +46,7 @@ def serve(
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Require this Bearer key (comma-separated: one per tenant; tenants never share prefix-cache blocks).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name clients use.")] = None,
+    task: Annotated[str, typer.Option(help="auto (from the checkpoint), generate, embed (/v1/embeddings) or classify / score (a cross-encoder: /v1/rerank, /score).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache storage: auto (the compute dtype), float32, bfloat16, float16, int8, fp8_e4m3 (fp8): 8-bit rows hold ~3.8x the tokens of float32.")] = "auto",
@@ -89,7 +90,8 @@ def serve(
     reasoning_parser: Annotated[Optional[str], typer.Option(help="deepseek_r1 or qwen3: <think> blocks go to reasoning_content.")] = None,
     check: Annotated[bool, typer.Option("--check", help="Validate the options and exit, without loading weights.")] = False,
 ) -> None:
-    """Serve a model over the OpenAI API (chat, completions, streaming)."""
+    """Serve a model over the OpenAI API (chat, completions, responses, streaming; embeddings,
+    rerank and score for pooling models) and Anthropic's Messages API."""
     with user_errors(console):
         options = _merge_options(ctx, config)
         if check:

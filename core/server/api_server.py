@@ -23,11 +23,12 @@ from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import (AuthMiddleware, BodyLimitMiddleware,
                                         EndpointCounterMiddleware, split_keys)
 from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      LoadLoRAAdapterRequest, TokenizeRequest,
-                                      UnloadLoRAAdapterRequest)
+                                      EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest,
+                                      ScoreRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from pkv.core.server.serving_chat import OpenAIServingChat, check_messages
 from pkv.core.server.serving_completion import OpenAIServingCompletion
 from pkv.core.server.serving_engine import ServerLimits
+from pkv.core.server.serving_pooling import OpenAIServingPooling
 from pkv.core.structured_output.reasoning import reasoning_parser
 from pkv.core.worker.memory import native_heap, resident_by_kind
 
@@ -81,6 +82,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                                                  config.limits)
     serving_messages = AnthropicServingMessages(serving_chat)
     serving_responses = OpenAIServingResponses(serving_chat)
+    serving_pooling = OpenAIServingPooling(async_llm, config.served_model_name, config.limits)
     created = int(time.time())
     tracer = HeapTracer()
     tracer.start()
@@ -105,6 +107,21 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await serving_messages.messages(body, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> dict:
+        return await serving_pooling.embeddings(body, raw)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request) -> dict:
+        return await serving_pooling.rerank(body, raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, raw: Request) -> dict:
+        return await serving_pooling.score(body, raw)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -261,3 +261,44 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = STRICT
 
     lora_name: str = Field(min_length=1, max_length=256)
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's body; `normalize` is vLLM's extra)."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    model_config = STRICT
+
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """POST /v1/rerank (Jina's and Cohere's body, as vLLM and llama.cpp accept it)."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = None
+    return_documents: bool = True
+
+
+class ScoreRequest(BaseModel):
+    """POST /score (vLLM's body): text_1 against each text_2, or pair by pair."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]

@@ -40,12 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.stream:
             return EngineStreamingResponse(self._completion_stream(body, base_id, streams),
                                             streams)
-        tasks = [asyncio.ensure_future(self.collect(s, raw)) for s in streams]
-        try:
-            finals = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # one failed (client gone): stop the others with it
-                task.cancel()
+        finals = await self.collect_all(streams, raw)
         choices = []
         for i, final in enumerate(finals):
             prefix = self._prompt_text(final) if body.echo else ""

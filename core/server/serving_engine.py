@@ -40,6 +40,7 @@ class ServerLimits:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     max_prompts: int = 64  # prompts in one completions request
+    max_pooling_inputs: int = 512  # inputs (or documents) in one embeddings / rerank request
     max_cache_salt_length: int = 256
 
 
@@ -128,6 +129,15 @@ class OpenAIServing:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
                               f"{', '.join(map(repr, names))}", "model", "model_not_found")
         return LoRARequest(adapter.name, adapter.uid, adapter.path)
+
+    async def collect_all(self, streams: list[RequestStream], raw: Request) -> list[Any]:
+        """Every stream's final output; the first failure (or a client gone) stops the rest."""
+        tasks = [asyncio.ensure_future(self.collect(s, raw)) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
         """Run to the end; abort if the client disconnects while we wait."""

@@ -1,0 +1,154 @@
+"""The pooling endpoints: `POST /v1/embeddings` (OpenAI), `POST /v1/rerank` (Jina / Cohere)
+and `POST /score` (vLLM).
+
+Every input is one engine request (PoolingParams), all of a body's inputs queued at once so
+that the scheduler packs them into as few steps as the token budget allows. A cross-encoder
+(task=classify) reads each (query, document) pair whole; an embedding model scores a pair
+by the cosine of the two embeddings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.engine.outputs import PoolingRequestOutput
+from pkv.core.pooling.params import PoolingParams
+from pkv.core.pooling.scoring import cosine, score_pairs
+from pkv.core.server.errors import OpenAIError
+from pkv.core.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from pkv.core.server.serving_engine import OpenAIServing
+
+PoolingInput = str | list[int] | tuple[str, str]
+
+
+class OpenAIServingPooling(OpenAIServing):
+    """Embeddings, rerank and score on a pooling model (pkv serve --task embed / classify)."""
+
+    async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
+        self._check_model(body.model, "embed")
+        try:
+            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "dimensions") from None
+        inputs = _embedding_inputs(body.input)
+        finals = await self._run(inputs, params, "input", raw)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encode(f.outputs.data, body.encoding_format)}
+                for i, f in enumerate(finals)]
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.model_name, "data": data, "usage": _usage(finals)}
+
+    async def rerank(self, body: RerankRequest, raw: Request) -> dict[str, Any]:
+        self._check_model(body.model, None)
+        documents = [d if isinstance(d, str) else d.text for d in body.documents]
+        if not documents:
+            raise OpenAIError(400, "documents must not be empty", "documents")
+        if body.top_n is not None and body.top_n < 1:
+            raise OpenAIError(400, "top_n must be >= 1", "top_n")
+        scores, finals = await self._scores([(body.query, d) for d in documents], raw,
+                                            ("query", "documents"))
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n]
+        results = [{"index": i, "relevance_score": scores[i],
+                    **({"document": {"text": documents[i]}} if body.return_documents else {})}
+                   for i in order]
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.model_name,
+                "usage": {"total_tokens": _usage(finals)["total_tokens"]}, "results": results}
+
+    async def score(self, body: ScoreRequest, raw: Request) -> dict[str, Any]:
+        self._check_model(body.model, None)
+        try:
+            pairs = score_pairs(body.text_1, body.text_2)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "text_2" if "text_2" in str(exc) else "text_1"
+                              ) from None
+        scores, finals = await self._scores(pairs, raw, ("text_1", "text_2"))
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.model_name, "data": data, "usage": _usage(finals)}
+
+    # --- shared ---------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None, task: str | None) -> None:
+        """404 for another model's name; 400 where this model cannot serve the endpoint
+        (`task`: the one it needs; None: embed or classify)."""
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
+                              f"{self.model_name!r}", "model", "model_not_found")
+        served = self.llm.engine.task
+        if served == "generate" or (task is not None and served != task):
+            needs = "an embedding model (--task embed)" if task else "a pooling model"
+            raise OpenAIError(400, f"this endpoint needs {needs}; {self.model_name!r} serves "
+                              f"task={served}", "model")
+
+    async def _scores(self, pairs: list[tuple[str, str]], raw: Request,
+                      params: tuple[str, str]) -> tuple[list[float], list[PoolingRequestOutput]]:
+        """Each pair's score: a cross-encoder's, or the cosine of the texts' embeddings."""
+        if self.llm.engine.task == "classify":
+            finals = await self._run(list(pairs), PoolingParams(), params[1], raw)
+            return [_one_score(f) for f in finals], finals
+        texts = sorted({t for pair in pairs for t in pair})
+        finals = await self._run(list(texts), PoolingParams(), params[1], raw)
+        vectors = {t: f.outputs.data for t, f in zip(texts, finals)}
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs], finals
+
+    async def _run(self, inputs: list[PoolingInput], params: PoolingParams, param: str,
+                   raw: Request) -> list[PoolingRequestOutput]:
+        if not inputs:
+            raise OpenAIError(400, f"{param} must not be empty", param)
+        if len(inputs) > self.limits.max_pooling_inputs:
+            raise OpenAIError(400, f"at most {self.limits.max_pooling_inputs} inputs per "
+                              "request", param)
+        base_id = f"pool-{uuid.uuid4().hex}"
+        prepared = await asyncio.to_thread(self._prepare_all, base_id, inputs, params, param)
+        return await self.collect_all(self.llm.submit(prepared), raw)
+
+    def _prepare_all(self, base_id: str, inputs: list[PoolingInput], params: PoolingParams,
+                     param: str) -> list[PreparedRequest]:
+        engine = self.llm.engine
+        prepared = []
+        for i, item in enumerate(inputs):
+            try:
+                prepared.append(engine.prepare_request(f"{base_id}-{i}", item, params))
+            except ContextLengthError as exc:
+                raise OpenAIError(400, f"{param}[{i}]: {exc}", param,
+                                  "context_length_exceeded") from None
+            except ValueError as exc:
+                field = "dimensions" if str(exc).startswith("dimensions") else param
+                raise OpenAIError(400, str(exc), field) from None
+        return prepared
+
+
+def _embedding_inputs(value: str | list[str] | list[int] | list[list[int]]
+                      ) -> list[PoolingInput]:
+    """One text, texts, one prompt's token ids, or several prompts' ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
+
+
+def _encode(vector: Any, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # little-endian float32, as OpenAI sends it
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()
+
+
+def _one_score(final: PoolingRequestOutput) -> float:
+    data = final.outputs.data
+    if data.numel() != 1:
+        raise OpenAIError(400, f"this classifier has {data.numel()} labels; rerank and score "
+                          "need one relevance score per pair", "model")
+    return float(data.item())
+
+
+def _usage(finals: list[PoolingRequestOutput]) -> dict[str, int]:
+    tokens = sum(len(f.prompt_token_ids) for f in finals)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}

@@ -1,0 +1,169 @@
+"""The pooling endpoints on real `pkv serve` processes: `/v1/embeddings` driven by the
+official `openai` client (float and base64, `dimensions`) and raw HTTP (token ids, errors),
+`/v1/rerank` and `/score` on a cross-encoder and on an embedding model, all against
+transformers on the same random weights."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from pkv.cli.bench.embed import write_random_bert
+from pkv.tests.server.conftest import RunningServer, start_server, stop_server
+from pkv.tests.server.test_anthropic import _counter
+
+SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+             vocab_size=1000, max_position_embeddings=128)
+TEXTS = ["hello world", "w1 w2 w3 w4 w5 w6", "a, b and c!"]
+QUERY, DOCS = "what is w5", ["nothing here", "w5 is a word", "w5 w5, again w5", "w7 w8"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pooling-models")
+    return {"embed": write_random_bert(root / "embed", SHAPE, "mean", matryoshka=True),
+            "cross": write_random_bert(root / "cross", SHAPE, classifier=True, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def embed_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[RunningServer]:
+    running = start_server(str(tmp_path_factory.mktemp("embed-server")), str(models["embed"]),
+                           "--served-model-name", "embedder", "--max-model-len", "128")
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def cross_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[RunningServer]:
+    running = start_server(str(tmp_path_factory.mktemp("cross-server")), str(models["cross"]),
+                           "--served-model-name", "reranker", "--max-model-len", "128")
+    yield running
+    stop_server(running)
+
+
+@torch.no_grad()
+def _reference(folder: Path, texts: list[str]) -> list[torch.Tensor]:
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.BertModel.from_pretrained(folder).eval()
+    return [F.normalize(model(**tok(t, return_tensors="pt")).last_hidden_state[0].mean(0), dim=0)
+            for t in texts]
+
+
+def _cos(a: list[float] | torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(torch.as_tensor(a, dtype=torch.float32), b, dim=0))
+
+
+def _post(server: RunningServer, path: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60,
+                      headers=kwargs.pop("headers", server.headers), **kwargs)
+
+
+def test_openai_client_embeddings_equal_transformers(embed_server: RunningServer,
+                                                     models: dict[str, Path]):
+    client = openai.OpenAI(base_url=f"{embed_server.base_url}/v1", api_key=embed_server.api_key,
+                           max_retries=0, timeout=60)
+    ref = _reference(models["embed"], TEXTS)
+    for fmt in ("float", "base64"):  # base64 asked for: the client hands back the string
+        result = client.embeddings.create(model="embedder", input=TEXTS, encoding_format=fmt)
+        assert [d.index for d in result.data] == [0, 1, 2]
+        vectors = [np.frombuffer(base64.b64decode(d.embedding), "<f4").copy()
+                   if fmt == "base64" else d.embedding for d in result.data]
+        assert min(_cos(v, r) for v, r in zip(vectors, ref)) >= 0.9999
+    # Not told, the client asks for base64 itself and decodes it.
+    default = client.embeddings.create(model="embedder", input=TEXTS[0])
+    assert _cos(default.data[0].embedding, ref[0]) >= 0.9999
+    tok = transformers.AutoTokenizer.from_pretrained(models["embed"])
+    tokens = sum(len(tok(t)["input_ids"]) for t in TEXTS)
+    assert result.usage.prompt_tokens == result.usage.total_tokens == tokens
+    short = client.embeddings.create(model="embedder", input=TEXTS[1], dimensions=16,
+                                     encoding_format="float").data[0].embedding
+    assert len(short) == 16 and abs(np.linalg.norm(short) - 1) < 1e-5
+    assert _cos(short, F.normalize(ref[1][:16], dim=0)) >= 0.9999
+
+
+def test_raw_http_base64_and_token_ids(embed_server: RunningServer, models: dict[str, Path]):
+    floats = _post(embed_server, "/v1/embeddings", {"input": TEXTS[1]}).json()
+    b64 = _post(embed_server, "/v1/embeddings",
+                {"input": TEXTS[1], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.tolist() == pytest.approx(floats["data"][0]["embedding"], abs=1e-7)
+    assert floats["object"] == "list" and floats["model"] == "embedder"
+    ids = transformers.AutoTokenizer.from_pretrained(models["embed"])(TEXTS[1])["input_ids"]
+    for body in ({"input": ids}, {"input": [ids, ids]}):
+        data = _post(embed_server, "/v1/embeddings", body).json()["data"]
+        assert all(_cos(d["embedding"], torch.tensor(floats["data"][0]["embedding"])) > 0.99999
+                   for d in data)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "w1", "dimensions": 0}, 400, "dimensions"),
+    ({"input": "w1", "dimensions": 65}, 400, "dimensions"),
+    ({"input": []}, 400, "input"),
+    ({"input": " ".join(["w1"] * 200)}, 400, "input"),
+    ({"input": [[5, 10**6]]}, 400, "input"),
+    ({"input": "w1", "encoding_format": "hex"}, 400, "encoding_format"),
+    ({"input": "w1", "model": "other"}, 404, "model"),
+])
+def test_bad_embedding_requests_name_the_field(embed_server: RunningServer, body: dict,
+                                               status: int, param: str):
+    r = _post(embed_server, "/v1/embeddings", body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_pooling_model_refuses_generation_and_needs_the_key(embed_server: RunningServer):
+    r = _post(embed_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 400 and "task=embed" in r.json()["error"]["message"]
+    assert _post(embed_server, "/v1/embeddings", {"input": "w1"}, headers={}).status_code == 401
+    metrics = httpx.get(embed_server.base_url + "/metrics", headers=embed_server.headers).text
+    assert _counter(metrics, "/v1/embeddings", 200) >= 1
+    assert _counter(metrics, "/v1/embeddings", 401) >= 1
+    values = embed_server.metrics()
+    assert values["pkv:num_requests_running"] == 0
+    assert values["pkv:kv_blocks_free"] == values["pkv:kv_blocks_total"]
+
+
+@torch.no_grad()
+def test_rerank_and_score_on_a_cross_encoder(cross_server: RunningServer,
+                                             models: dict[str, Path]):
+    tok = transformers.AutoTokenizer.from_pretrained(models["cross"])
+    model = transformers.BertForSequenceClassification.from_pretrained(models["cross"]).eval()
+    ref = [torch.sigmoid(model(**tok(QUERY, d, return_tensors="pt")).logits)[0, 0].item()
+           for d in DOCS]
+    ranked = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 3})
+    body = ranked.json()
+    assert [r["index"] for r in body["results"]] == sorted(range(4), key=lambda i: -ref[i])[:3]
+    for r in body["results"]:
+        assert r["relevance_score"] == pytest.approx(ref[r["index"]], abs=1e-5)
+        assert r["document"]["text"] == DOCS[r["index"]]
+    bare = _post(cross_server, "/rerank", {"query": QUERY, "documents": [{"text": DOCS[1]}],
+                                           "return_documents": False}).json()
+    assert "document" not in bare["results"][0] and bare["usage"]["total_tokens"] > 0
+    scored = _post(cross_server, "/score", {"text_1": QUERY, "text_2": DOCS}).json()
+    assert [d["score"] for d in scored["data"]] == pytest.approx(ref, abs=1e-5)
+    r = _post(cross_server, "/v1/embeddings", {"input": "w1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    r = _post(cross_server, "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text_2"
+    r = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
+def test_rerank_on_an_embedding_model_is_cosine(embed_server: RunningServer,
+                                                models: dict[str, Path]):
+    vectors = _reference(models["embed"], [QUERY, *DOCS])
+    expected = [float(torch.dot(vectors[0], v)) for v in vectors[1:]]
+    body = _post(embed_server, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()
+    assert {r["index"]: r["relevance_score"] for r in body["results"]} == pytest.approx(
+        dict(enumerate(expected)), abs=1e-4)
