@@ -20,6 +20,7 @@ from pkv.cli.bench.commands.guided import guided
 from pkv.cli.bench.commands.kernels import kernels
 from pkv.cli.bench.commands.lora import lora
 from pkv.cli.bench.commands.moe import moe
+from pkv.cli.bench.commands.embed import embed
 from pkv.cli.bench.commands.offload import offload
 from pkv.cli.bench.commands.random_gguf import random_gguf
 from pkv.cli.bench.commands.run import run
@@ -53,6 +54,7 @@ bench_app.command("serve")(serve)
 bench_app.command("families")(families)
 bench_app.command("window")(window)
 bench_app.command("offload")(offload)
+bench_app.command("embed")(embed)
 bench_app.command("soak")(soak)
 bench_app.command("burst")(burst)
 bench_app.command("tools")(tools)

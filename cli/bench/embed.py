@@ -1,8 +1,9 @@
-"""`pkv bench embed`: embedding throughput, the same inputs sent one by one and batched.
+"""`pkv bench embed`: embedding throughput, the same inputs sent one by one and batched,
+offline (`LLM.embed`) and over HTTP (`/v1/embeddings`).
 
-One by one, each input is its own engine run (a step of one prompt: what a client that
-sends one request at a time gets); batched, every input is queued at once and the scheduler
-packs as many prompts as the token budget allows into each step. Without a model it runs a
+One by one, each input is its own request (a step of one prompt: what a client that sends
+one input at a time gets); batched, every input goes in one request, and the scheduler packs
+as many prompts as the token budget allows into each step. Without a model it runs a
 random-weight BERT at all-MiniLM-L6-v2's shapes (`write_random_bert`), whose tokenizer maps
 each word `w<N>` to one token, so an input's length is exactly its word count (+2).
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,31 +142,89 @@ class EmbedRun:
     def inputs_per_s(self) -> float:
         return self.inputs / self.seconds
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+
+Embedder = Callable[[list[str]], int]  # embeds the texts in one request; returns their tokens
 
 
-def one_by_one_vs_batched(llm: Any, inputs: list[str], repeats: int) -> list[EmbedRun]:
-    """Each way `repeats` times, alternating (a noisy machine drifts alike for both); the
-    best time of each."""
-    llm.embed(inputs[:4], use_tqdm=False)  # warm-up: first-touch allocations, kernel choice
+def one_by_one_vs_batched(embed: Embedder, inputs: list[str], repeats: int,
+                          where: str) -> list[EmbedRun]:
+    """One request per input, then one request of them all, `repeats` times alternating (a
+    noisy machine drifts alike for both); the best time of each."""
+    embed(inputs[:4])  # warm-up: first-touch allocations, kernel choice
     best: dict[str, EmbedRun] = {}
     for _ in range(repeats):
-        for name, run in (("one by one", _one_by_one), ("batched", _batched)):
-            tokens, seconds = run(llm, inputs)
-            if name not in best or seconds < best[name].seconds:
-                best[name] = EmbedRun(name, len(inputs), tokens, seconds)
+        for name, batches in (("one by one", [[t] for t in inputs]), ("batched", [inputs])):
+            start = time.perf_counter()
+            tokens = sum(embed(batch) for batch in batches)
+            run = EmbedRun(f"{where}, {name}", len(inputs), tokens, time.perf_counter() - start)
+            if name not in best or run.seconds < best[name].seconds:
+                best[name] = run
     return [best["one by one"], best["batched"]]
 
 
-def _one_by_one(llm: Any, inputs: list[str]) -> tuple[int, float]:
-    start = time.perf_counter()
-    outs = [llm.embed(text, use_tqdm=False)[0] for text in inputs]
-    return sum(len(o.prompt_token_ids) for o in outs), time.perf_counter() - start
+def run_embed_bench(model: str | None, num_inputs: int, min_words: int, max_words: int,
+                    repeats: int, seed: int) -> dict[str, Any]:
+    """The runs of `pkv bench embed` on `model` or a random MiniLM-shaped BERT: offline
+    (`LLM.embed`), then over HTTP (`/v1/embeddings` of a `pkv serve` on loopback)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pkv-bench-embed-") as tmp:
+        path = model or str(write_random_bert(Path(tmp) / "minilm-random", seed=seed))
+        inputs = random_inputs(num_inputs, min_words, max_words, seed)
+        runs, budget = _offline_runs(path, inputs, repeats)
+        runs += _server_runs(path, inputs, repeats)
+    return {"model": model or "random BERT, all-MiniLM-L6-v2's shapes", "token_budget": budget,
+            "runs": [{**asdict(r), "inputs_per_s": r.inputs_per_s} for r in runs],
+            "speedup_offline": runs[0].seconds / runs[1].seconds,
+            "speedup_server": runs[2].seconds / runs[3].seconds}
 
 
-def _batched(llm: Any, inputs: list[str]) -> tuple[int, float]:
-    start = time.perf_counter()
-    outs = llm.embed(inputs, use_tqdm=False)
-    return sum(len(o.prompt_token_ids) for o in outs), time.perf_counter() - start
+def _offline_runs(path: str, inputs: list[str], repeats: int) -> tuple[list[EmbedRun], int]:
+    from pkv import LLM
+
+    llm = LLM(path, show_progress=False)
+    if llm.llm_engine.task != "embed":
+        raise ValueError(f"{path} is not an embedding model (it serves "
+                         f"task={llm.llm_engine.task})")
+
+    def embed(texts: list[str]) -> int:
+        return sum(len(o.prompt_token_ids) for o in llm.embed(texts, use_tqdm=False))
+
+    runs = one_by_one_vs_batched(embed, inputs, repeats, "offline")
+    budget = llm.llm_engine.max_num_batched_tokens
+    llm.shutdown()
+    return runs, budget
+
+
+def _server_runs(path: str, inputs: list[str], repeats: int) -> list[EmbedRun]:
+    import secrets
+
+    import httpx
+
+    from pkv.cli.serve_process import start_pkv_serve
+
+    key = secrets.token_hex(8)
+    with start_pkv_serve([path], key) as (base, _), httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=300) as client:
+        def embed(texts: list[str]) -> int:
+            r = client.post("/v1/embeddings", json={"input": texts})
+            r.raise_for_status()
+            return r.json()["usage"]["prompt_tokens"]
+
+        return one_by_one_vs_batched(embed, inputs, repeats, "server")
+
+
+def embed_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    runs = result["runs"]
+    table = Table(title=f"embeddings: {runs[0]['inputs']} inputs, {runs[0]['tokens']} tokens, "
+                        f"{result['model']} (token budget {result['token_budget']})")
+    for column in ("requests", "seconds", "inputs/s", "tokens/s"):
+        table.add_column(column, justify="right" if column != "requests" else "left")
+    for r in runs:
+        table.add_row(r["name"], f"{r['seconds']:.3f}", f"{r['inputs_per_s']:.1f}",
+                      f"{r['tokens'] / r['seconds']:.0f}")
+    table.caption = (f"batched / one by one: offline {result['speedup_offline']:.2f}x, server "
+                     f"{result['speedup_server']:.2f}x (target >= 3x)")
+    return table
