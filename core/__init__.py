@@ -1,7 +1,7 @@
 """The engine, in rooms by concern (vLLM's names). Data flows one way:
 
-    server -> engine -> sched / worker / spec_decode -> sample, structured_output, lora,
-    model_loader -> models -> layers -> distributed, config, tokenizer -> kernels (pkv.csrc)
+    server -> engine -> sched / worker / spec_decode -> sample, pooling, structured_output,
+    lora, model_loader -> models -> layers -> distributed, config, tokenizer -> kernels (pkv.csrc)
 
 A room imports only from rooms below it, or from its peers on one line where no two modules
 import each other. Nothing here imports `pkv.plugins`: plugins register into the interfaces
