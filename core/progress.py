@@ -11,10 +11,10 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 T = TypeVar("T")
 
 
-def make_progress(transient: bool = True) -> Progress:
+def make_progress(transient: bool = True, disable: bool = False) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                    transient=transient)
+                    transient=transient, disable=disable)
 
 
 def progress_bar(items: Iterable[T], total: int, description: str,

@@ -180,7 +180,7 @@ def run_embed_bench(model: str | None, num_inputs: int, min_words: int, max_word
 
 
 def _offline_runs(path: str, inputs: list[str], repeats: int) -> tuple[list[EmbedRun], int]:
-    from pkv import LLM
+    from pkv.core.engine.llm import LLM
 
     llm = LLM(path, show_progress=False)
     if llm.llm_engine.task != "embed":

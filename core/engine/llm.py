@@ -202,7 +202,8 @@ class LLM:
              ) -> dict[str, RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         finals: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        with make_progress(transient=True) as progress:
+        # (disabled, not only hidden: a hidden bar still draws a blank line per call)
+        with make_progress(transient=True, disable=not show) as progress:
             task = progress.add_task("Generating", total=len(ids), info="", visible=show)
             generated = 0
             while engine.has_unfinished_requests():

@@ -34,22 +34,24 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "cross": write_random_bert(root / "cross", SHAPE, classifier=True, seed=3)}
 
 
+def _serve(folder: Path, name: str, factory: pytest.TempPathFactory
+           ) -> Iterator[RunningServer]:
+    running = start_server(str(factory.mktemp(name)), str(folder), "--served-model-name", name,
+                           "--max-model-len", "128")
+    yield running
+    stop_server(running)
+
+
 @pytest.fixture(scope="module")
 def embed_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[RunningServer]:
-    running = start_server(str(tmp_path_factory.mktemp("embed-server")), str(models["embed"]),
-                           "--served-model-name", "embedder", "--max-model-len", "128")
-    yield running
-    stop_server(running)
+    yield from _serve(models["embed"], "embedder", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def cross_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[RunningServer]:
-    running = start_server(str(tmp_path_factory.mktemp("cross-server")), str(models["cross"]),
-                           "--served-model-name", "reranker", "--max-model-len", "128")
-    yield running
-    stop_server(running)
+    yield from _serve(models["cross"], "reranker", tmp_path_factory)
 
 
 @torch.no_grad()
