@@ -104,6 +104,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def delete_response(response_id: str, raw: Request) -> dict:
         return serving_responses.delete(response_id, raw)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, raw: Request) -> dict:
+        return serving_responses.cancel(response_id, raw)
+
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await serving_messages.messages(body, raw)

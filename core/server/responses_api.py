@@ -1,5 +1,5 @@
-"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API on
-the chat machinery.
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `POST
+/v1/responses/{id}/cancel`: OpenAI's Responses API on the chat machinery.
 
 `input` (a string, or items: messages, `function_call`, `function_call_output`), after the
 `instructions` and the stored conversation of `previous_response_id`, becomes a chat
@@ -15,11 +15,14 @@ completion request; its answer comes back as output items (`reasoning`, `message
     response.completed
 
 Stored responses (`store`, on by default) live in a bounded per-tenant LRU with a TTL: one
-API key never reads another's.
+API key never reads another's. A `background` response answers at once (`queued`) and runs
+on; GET polls it (`in_progress` ... `completed`), cancel stops it (`cancelled`) and its
+engine request with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -59,6 +62,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
 
@@ -226,6 +230,8 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store or ResponseStore()
+        # Background responses still running: their task and engine stream.
+        self._background: dict[tuple[str | None, str], tuple[asyncio.Task, RequestStream]] = {}
 
     def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
         stored = self.store.get(request_tenant(raw.scope), response_id)
@@ -240,6 +246,27 @@ class OpenAIServingResponses:
                               "not_found")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
+    def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
+        """Stop a background response (its engine request is aborted); a finished one is
+        returned as it is."""
+        tenant = request_tenant(raw.scope)
+        stored = self.store.get(tenant, response_id)
+        if stored is None:
+            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
+                              "not_found")
+        if not stored.response.get("background"):
+            raise OpenAIError(400, "only background responses can be cancelled",
+                              "response_id")
+        running = self._background.pop((tenant, response_id), None)
+        if running is None:
+            return stored.response
+        cancelled = {**stored.response, "status": "cancelled"}
+        self.store.put(tenant, _Stored(cancelled, stored.conversation, time.time()))
+        task, stream = running
+        task.cancel()
+        stream.close()  # aborts the engine request (also if the task never started)
+        return cancelled
+
     async def create(self, body: ResponsesRequest, raw: Request
                      ) -> JSONResponse | StreamingResponse:
         tenant = request_tenant(raw.scope)
@@ -250,6 +277,9 @@ class OpenAIServingResponses:
                 raise OpenAIError(404, f"no stored response {body.previous_response_id!r}",
                                   "previous_response_id", "not_found")
             history = previous.conversation
+        if body.background and (body.stream or not body.store):
+            raise OpenAIError(400, "background responses need store=true and stream=false "
+                              "(poll GET /v1/responses/{id})", "background")
         chat_body = to_chat_request(body, history)
         try:
             prepared, stream, [shaper] = await self.chat.start(chat_body, raw)
@@ -265,6 +295,13 @@ class OpenAIServingResponses:
         if body.stream:
             return EngineStreamingResponse(
                 self._stream(body, base, stream, shaper, tenant, conversation), [stream])
+        if body.background:
+            queued = {**base, "status": "queued"}
+            self.store.put(tenant, _Stored(queued, conversation, time.time()))
+            task = asyncio.ensure_future(
+                self._run_background(body, base, stream, shaper, tenant, conversation))
+            self._background[(tenant, response_id)] = (task, stream)
+            return JSONResponse(queued)
         final = await self.chat.collect(stream, raw)
         response = self._finish(body, base, final, shaper, tenant, conversation)
         return JSONResponse(response)
@@ -279,7 +316,8 @@ class OpenAIServingResponses:
                 "max_output_tokens": body.max_output_tokens,
                 "previous_response_id": body.previous_response_id,
                 "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
-                "store": body.store, "metadata": body.metadata or {}, "error": None,
+                "store": body.store, "background": body.background,
+                "metadata": body.metadata or {}, "error": None,
                 "incomplete_details": None, "usage": None}
 
     def _finish(self, body: ResponsesRequest, base: dict[str, Any], final: RequestOutput,
@@ -299,6 +337,30 @@ class OpenAIServingResponses:
             answer = {k: v for k, v in message.items() if k != "reasoning_content"}
             self.store.put(tenant, _Stored(response, conversation + [answer], time.time()))
         return response
+
+    async def _run_background(self, body: ResponsesRequest, base: dict[str, Any],
+                              stream: RequestStream, shaper: ChoiceShaper, tenant: str | None,
+                              conversation: list[dict[str, Any]]) -> None:
+        """Run a background response to its end, storing where it stands; nobody waits on
+        it, so the client going away does not stop it (cancel does)."""
+        key = (tenant, base["id"])
+        self.store.put(tenant, _Stored({**base, "status": "in_progress"}, conversation,
+                                       time.time()))
+        try:
+            final = None
+            async for final in stream.outputs():
+                pass
+            if final is not None:
+                self._finish(body, base, final, shaper, tenant, conversation)
+        except Exception as exc:  # the engine failed it: the stored response says so
+            known = stream_error(exc)["error"]
+            failed = {**base, "status": "failed",
+                      "error": {"code": known.get("code") or "server_error",
+                                "message": known["message"]}}
+            self.store.put(tenant, _Stored(failed, conversation, time.time()))
+        finally:
+            stream.close()
+            self._background.pop(key, None)
 
     async def _stream(self, body: ResponsesRequest, base: dict[str, Any], stream: RequestStream,
                       shaper: ChoiceShaper, tenant: str | None,

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`) driven by the
+"""OpenAI's Responses API (`POST /v1/responses`, `GET`, cancel) driven by the
 official `openai` client against a real `pkv serve`: plain, streamed (events in order, the
 final response equal to the non-streamed one at temperature 0), a function tool round trip,
 `previous_response_id`, `text.format` json_schema, and 400s naming the field."""
@@ -6,6 +6,7 @@ final response equal to the non-streamed one at temperature 0), a function tool 
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -108,3 +109,44 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                                        store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def _wait_for(client: openai.OpenAI, response_id: str, done: tuple[str, ...]) -> object:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        response = client.responses.retrieve(response_id)
+        if response.status in done:
+            return response
+        time.sleep(0.2)
+    raise AssertionError(f"{response_id} never reached {done}")
+
+
+def test_background_response_runs_on_and_a_cancel_stops_it(server: RunningServer,
+                                                            client: openai.OpenAI):
+    plain = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=8,
+                                    temperature=0)
+    queued = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=8,
+                                     temperature=0, background=True)
+    assert queued.status == "queued" and queued.background is True
+    done = _wait_for(client, queued.id, ("completed", "incomplete"))
+    assert done.output_text == plain.output_text and done.usage.output_tokens > 0
+
+    long = client.responses.create(model=MODEL, input="Write a very long story.",
+                                   max_output_tokens=900, background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while server.metrics()["pkv:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)  # the abort reaches the engine between steps
+    values = server.metrics()
+    assert values["pkv:num_requests_running"] == 0
+    assert values["pkv:kv_blocks_free"] == values["pkv:kv_blocks_total"]
+    assert client.responses.cancel(done.id).status == done.status  # finished: as it was
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)  # not a background response
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+    _assert_error(_post(server, "/v1/responses", {"model": MODEL, "input": "Hi",
+                                                  "background": True, "stream": True}),
+                  400, "background")
