@@ -84,6 +84,12 @@ class EngineConfig:
         "4GiB", "Most bytes kv_offload_dir may hold (e.g. 20GiB); least recently used "
         "blocks are deleted past it.")
     tensor_parallel_size: int = _opt(1, "Devices to split the model over.")
+    pipeline_parallel_size: int = _opt(
+        1, "Pipeline stages: each process holds a contiguous run of layers (and their KV), "
+        "hidden states pass from stage to stage.")
+    pp_layer_partition: str | None = _opt(
+        None, "Layers per pipeline stage, comma-separated (e.g. 10,12); default: as even as "
+        "the stages' bytes allow.")
     attention_backend: str = _opt("auto", "Attention backend: auto or a name from "
                                   "`pkv plugins` (cpu, torch, ...).")
     quantization: str | None = _opt(
@@ -161,6 +167,7 @@ class EngineConfig:
         if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
             raise ValueError("max_lora_rank must be an integer in [1, 512], got "
                              f"{self.max_lora_rank!r}")
+        self._check_pipeline()
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters do not run with tensor parallelism yet")
         if self.speculative_config is not None:
@@ -172,6 +179,27 @@ class EngineConfig:
             if self.kv_offload_dir is not None and self.speculative_config.get("model"):
                 # A draft model's KV lives in its own pool, which the disk tier does not fill.
                 raise ValueError("kv_offload_dir does not run with a draft model yet")
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine runs on: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline(self) -> None:
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        if self.pp_layer_partition is not None and pp == 1:
+            raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
+        if pp == 1:
+            return
+        off = [(self.tensor_parallel_size > 1, "tensor parallelism"),
+               (self.enable_lora, "LoRA adapters"),
+               (self.speculative_config is not None, "speculative decoding"),
+               (self.kv_offload_dir is not None, "a KV disk tier")]
+        for on, what in off:
+            if on:
+                raise ValueError(f"pipeline_parallel_size > 1 does not run with {what} yet")
 
     def _check_kv_offload(self) -> None:
         if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:

@@ -31,7 +31,7 @@ from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
 from pkv.core.structured_output.params import DelayedGuidedState
-from pkv.core.worker.model_runner import ModelRunner, ModelSetup
+from pkv.core.worker.model_runner import ModelRunner, ModelSetup, parallel_groups
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
@@ -104,12 +104,13 @@ class LLMEngine:
                            show_progress) if spec else None)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.workers: WorkerGroup | None = None
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             self.workers = WorkerGroup.start(asdict(config), setup.device.type)
             weakref.finalize(self, self.workers.shutdown)  # also when the LLM is dropped
         try:
+            tp, stage = parallel_groups(config, source.config, 0)
             self.runner = ModelRunner(
-                config, setup, show_progress, self.workers.tp if self.workers else None,
+                config, setup, show_progress, tp, stage=stage,
                 extra_block_bytes=self.proposer.kv_bytes_per_block if self.proposer else 0)
         except BaseException:
             self.shutdown()

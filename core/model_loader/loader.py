@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.distributed.pipeline import PipelineStage
 from pkv.core.layers.attention_backend import AttentionBackend
 from pkv.core.layers.linear import LinearMethod
 from pkv.core.models.base import CausalLM
@@ -187,8 +188,10 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
                 dtype: torch.dtype, device: torch.device, method: LinearMethod | None = None,
-                show_progress: bool = True, plan: ShardPlan | None = None) -> CausalLM:
-    """Build the model on `device` without a float copy in between, and load its weights."""
+                show_progress: bool = True, plan: ShardPlan | None = None,
+                stage: PipelineStage | None = None) -> CausalLM:
+    """Build the model on `device` without a float copy in between, and load its weights
+    (a pipeline `stage`: only what that stage holds)."""
     # Parameters are created in the compute dtype; quantized ones choose their own.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -196,6 +199,9 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
         with torch.device("meta"):
             model_cls = family_of(source.config.architecture)
             model = model_cls(source.config, backend, max_len, method, plan)
+            if stage is not None and stage.enabled:
+                model.keep_stage(stage.layers(source.config.num_hidden_layers),
+                                 stage.is_first, stage.is_last)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)

@@ -69,7 +69,17 @@ class DecoderModel(nn.Module):
         self.embed_scale = embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; a pipeline stage's layers only (see `keep_stage`) start
+        from the previous stage's (hidden, residual) and, but on the last stage, return
+        theirs."""
+        if intermediate is not None:
+            h, residual = intermediate
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                h, residual = layer(h, residual, positions, kv_cache, meta.for_layer(i))
+            return (h, residual) if self.norm is None else self.norm.add_forward(h, residual)[0]
         h = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             # transformers rounds the factor to the compute dtype first (Gemma)
@@ -83,6 +93,8 @@ class DecoderModel(nn.Module):
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer(h, residual, positions, kv_cache, meta.for_layer(i))
+        if self.norm is None:  # a first pipeline stage that is not the last
+            return h, residual
         return self.norm.add_forward(h, residual)[0]
 
 
@@ -126,12 +138,29 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the LM head where the config says so (again after
         `to_empty`, which unties)."""
-        if self.config.tie_word_embeddings:
+        if (self.config.tie_word_embeddings and self.lm_head is not None
+                and self.model.embed_tokens is not None):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def keep_stage(self, layers: range, first: bool, last: bool) -> None:
+        """Keep what one pipeline stage holds (on the meta device, before anything is
+        allocated): `layers` of the decoder; the embedding and the LM head on the first
+        stage (the driver computes the logits: a tied head is not held twice), the final
+        norm on the last."""
+        inner = self.model
+        self.stage_layers = layers
+        inner.layers = nn.ModuleList(list(inner.layers)[layers.start:layers.stop])
+        if not first:
+            inner.embed_tokens = None
+            self.lm_head = None
+        if not last:
+            inner.norm = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def use_kernels(self, ops: Any, fused: Any = None) -> None:
         """Compute norms, RoPE, the MLP activation (csrc/layer_ops_cpu.cpp) and float32
@@ -202,7 +231,26 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            yield from self.checkpoint_tensors(name, tensor)
+            for renamed, part in self.checkpoint_tensors(name, tensor):
+                renamed = self._stage_name(renamed)
+                if renamed is not None:
+                    yield renamed, part
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint name as this pipeline stage holds it (its layers numbered from 0), or
+        None for what another stage holds."""
+        layers = getattr(self, "stage_layers", None)
+        if layers is None:
+            return name
+        if name.startswith("model.layers."):
+            index, _, rest = name[len("model.layers."):].partition(".")
+            i = int(index)
+            return f"model.layers.{i - layers.start}.{rest}" if i in layers else None
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return name if self.lm_head is not None else None
+        if name.startswith("model.norm."):
+            return name if self.model.norm is not None else None
+        return name
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -244,7 +292,7 @@ class CausalLM(nn.Module):
         names += [f"{p}.experts {m}" for p, module in moe.items() for m in module.missing()]
         if names:
             raise ValueError(f"checkpoint lacks {len(names)} tensor(s), e.g. {names[:3]}")
-        table = self.model.embed_tokens.table
+        table = self.model.embed_tokens.table if self.model.embed_tokens is not None else None
         if self.config.tie_word_embeddings and table is not None:
             use_ggml(self.lm_head)
             self.lm_head.parts = [table]  # this rank's rows already

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
+from pkv.core.distributed.pipeline import PipelineStage, partition_layers, stage_of
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
@@ -113,6 +114,8 @@ class ModelSetup:
                             source.path if source.path.is_dir() else None)
         if task != "generate":
             check_pooling_config(config, task)
+        if config.pipeline_parallel_size > 1:
+            check_pipeline_model(config, source.config)
         return cls(source, resolve_max_model_len(config, source.config.max_position_embeddings),
                    device, backend, loader, registry, task)
 
@@ -122,10 +125,38 @@ def check_pooling_config(config: EngineConfig, task: str) -> None:
     off = [(config.tensor_parallel_size > 1, "tensor parallelism"),
            (config.enable_lora, "LoRA adapters"),
            (config.speculative_config is not None, "speculative decoding"),
-           (config.kv_offload_dir is not None, "a KV disk tier")]
+           (config.kv_offload_dir is not None, "a KV disk tier"),
+           (config.pipeline_parallel_size > 1, "pipeline parallelism")]
     for on, what in off:
         if on:
             raise ValueError(f"task={task} (a pooling model) does not run with {what}")
+
+
+def check_pipeline_model(config: EngineConfig, model: ModelConfig) -> None:
+    """What a pipeline of this model needs, each in one line (and its partition parses)."""
+    if len(plan_kv_groups(list(model.layer_windows)).groups) > 1:
+        raise ValueError("pipeline parallelism does not run models that mix sliding-window and "
+                         "global layers yet")
+    pipeline_stage(config, model, 0)
+
+
+def parallel_groups(config: EngineConfig, model: ModelConfig,
+                    rank: int) -> tuple[TPGroup, PipelineStage]:
+    """This world rank's tensor-parallel group and pipeline stage."""
+    if config.pipeline_parallel_size > 1:
+        return TPGroup(), pipeline_stage(config, model, rank)
+    return TPGroup(rank, config.tensor_parallel_size), PipelineStage()
+
+
+def pipeline_stage(config: EngineConfig, model: ModelConfig, rank: int) -> PipelineStage:
+    """Stage `rank`'s layers: `pp_layer_partition`, or as even as the stages' weights allow
+    (the first also holds the embedding and the LM head)."""
+    table = model.vocab_size * model.hidden_size
+    head = 0 if model.tie_word_embeddings else table
+    layer = (model.num_parameters - table - head - model.hidden_size) / model.num_hidden_layers
+    counts = partition_layers(model.num_hidden_layers, config.pipeline_parallel_size,
+                              config.pp_layer_partition, layer, table + head)
+    return stage_of(rank, counts)
 
 
 class ModelRunner:
@@ -134,14 +165,19 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, setup: ModelSetup, show_progress: bool = True,
                  tp: TPGroup | None = None, num_blocks: int | None = None,
-                 extra_block_bytes: int = 0, one_kv_group: bool = False) -> None:
+                 extra_block_bytes: int = 0, one_kv_group: bool = False,
+                 stage: PipelineStage | None = None) -> None:
         """`num_blocks` fixes the KV pool's size (0: allocate later, `allocate_kv`);
         otherwise it comes from the memory settings, each block also paying for
         `extra_block_bytes` elsewhere (a draft model's KV of the same block).
         `one_kv_group`: every layer reads one block table (a draft model, which reads the
-        target's first group's tables), whatever its windows."""
+        target's first group's tables), whatever its windows. `stage`: the pipeline stage
+        this rank runs (its layers and their KV only)."""
         self.config = config
         self.tp = tp or TPGroup()
+        self.stage = stage or PipelineStage()
+        # Ranks that run every step in lockstep, fed by the driver's broadcast.
+        self.distributed = self.tp.enabled or self.stage.enabled
         source = setup.source
         self.model_config = source.config
         self.plan = ShardPlan.build(source.config, self.tp)
@@ -149,7 +185,8 @@ class ModelRunner:
         self.device = setup.device
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
         self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, source.config.head_dim)
-        windows = source.config.layer_windows
+        layers = self.stage.layers(source.config.num_hidden_layers)
+        windows = source.config.layer_windows[layers.start:layers.stop]
         self.kv_groups = plan_kv_groups([None] * len(windows) if one_kv_group else windows)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
@@ -158,9 +195,10 @@ class ModelRunner:
             method = GGMLLinearMethod()  # 16-bit weights held as ggml's F16 / BF16
         if config.awq_activations != "float32":
             (method or UnquantizedLinearMethod()).set_activations(config.awq_activations)
+        first_rank = self.tp.rank == 0 and self.stage.is_first
         self.model = build_model(source, setup.backend, setup.max_model_len, self.dtype,
-                                 self.device, method, show_progress and self.tp.rank == 0,
-                                 self.plan)
+                                 self.device, method, show_progress and first_rank,
+                                 self.plan, self.stage)
         # An encoder attends within each prompt and keeps no KV: its pool is bookkeeping.
         self.keeps_kv = getattr(self.model, "keeps_kv", True)
         self.pooler: Pooler | None = None
@@ -168,7 +206,8 @@ class ModelRunner:
             self.pooler = build_pooler(setup.task, source.config,
                                        source.path if source.path.is_dir() else None,
                                        self.model)
-        if int8_lm_head(config.lm_head_quantization, setup.loader, self.device):
+        if (int8_lm_head(config.lm_head_quantization, setup.loader, self.device)
+                and self.model.lm_head is not None):
             from pkv.core.layers.int8_linear import Int8LinearMethod
 
             Int8LinearMethod.convert(self.model.lm_head, self.model.lm_head.weight)
@@ -181,12 +220,14 @@ class ModelRunner:
         ops = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.keeps_kv:
             ops = cpp_build.kernels_or_none()
-            self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
+            # (the C++ stack runs a whole decoder: embedding in, final norm out)
+            fused = None if self.stage.enabled else build_fused_decoder(self.model, ops)
+            self.model.use_kernels(ops, fused)
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:
             num_blocks = self._num_kv_blocks(setup.max_model_len)
-        if self.tp.enabled:  # every rank's pool has the driver's number of blocks
+        if self.distributed:  # every rank's pool has the driver's number of blocks
             num_blocks = broadcast(num_blocks)
         self.allocate_kv(num_blocks)
         generator = torch.Generator(device=self.device)
@@ -195,8 +236,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.timer = StepTimer(sync_cuda=self.device.type == "cuda")
         self.rank_weight_bytes = [self.weight_bytes]
-        if self.tp.enabled:
-            self.rank_weight_bytes = [0] * self.tp.size
+        if self.distributed:
+            self.rank_weight_bytes = [0] * dist.get_world_size()
             dist.all_gather_object(self.rank_weight_bytes, self.weight_bytes)
 
     @property
@@ -329,11 +370,14 @@ class ModelRunner:
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
                           token_types(sched.scheduled, self.device) if pooling else None)
         self.timer.lap("prepare_inputs")
-        if self.tp.enabled:
+        if self.distributed:
             broadcast(step)
-        hidden = self.forward(step)
-        logits = self.logits(hidden, step.logits_idx)
-        pooled = self._pool(hidden, meta.query_start_loc_cpu, pooling) if pooling else {}
+        if self.stage.enabled:  # (pooling models do not run in a pipeline)
+            logits, pooled = self.run_step(step), {}
+        else:
+            hidden = self.forward(step)
+            logits = self.logits(hidden, step.logits_idx)
+            pooled = self._pool(hidden, meta.query_start_loc_cpu, pooling) if pooling else {}
         self.timer.lap("forward")
         if logits is None:
             return [], VerifyOutput([], [], []), pooled
@@ -365,8 +409,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward pass every rank runs in lockstep; logits of the sampling rows."""
+        """The forward pass every rank runs in lockstep; logits of the sampling rows (on the
+        driver; None on other pipeline stages)."""
+        if self.stage.enabled:
+            return self._run_stage(step)
         return self.logits(self.forward(step), step.logits_idx)
+
+    def _run_stage(self, step: StepInputs) -> torch.Tensor | None:
+        """This pipeline stage's share of a step: (hidden, residual) in from the previous
+        stage, out to the next; the last stage sends the sampling rows' final hidden states
+        to the driver (the first stage), whose LM head makes the logits."""
+        stage = self.stage
+        self._zero_new_blocks(step.high_watermark)
+        intermediate = None
+        if not stage.is_first:
+            shape = (step.input_ids.shape[0], self.model_config.hidden_size)
+            intermediate = stage.recv_prev(shape, self.dtype, self.device)
+        out = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
+                         intermediate)
+        num_logits = step.logits_idx.numel()
+        if stage.is_last:
+            if num_logits:
+                stage.send_rows(out[step.logits_idx])
+            return None
+        stage.send_next(out)
+        if not stage.is_first or not num_logits:
+            return None
+        rows = stage.recv_rows((num_logits, self.model_config.hidden_size), self.dtype,
+                               self.device)
+        return self.model.compute_logits(rows)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -522,6 +593,8 @@ def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device,
     return ids_t, positions_t, meta, logits_t
 
 
-def build_runner(config: EngineConfig, tp: TPGroup) -> ModelRunner:
+def build_runner(config: EngineConfig, rank: int) -> ModelRunner:
     """A worker rank's runner (the driver's is built by the engine)."""
-    return ModelRunner(config, ModelSetup.prepare(config), show_progress=False, tp=tp)
+    setup = ModelSetup.prepare(config)
+    tp, stage = parallel_groups(config, setup.source.config, rank)
+    return ModelRunner(config, setup, show_progress=False, tp=tp, stage=stage)

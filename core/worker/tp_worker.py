@@ -1,5 +1,6 @@
-"""A tensor-parallel worker rank's process: die with the driver, join the process group, load
-this rank's shard, then run the forward passes the driver broadcasts until told to stop.
+"""A worker rank's process (tensor-parallel shard or pipeline stage): die with the driver,
+join the process group, load this rank's part, then run the forward passes the driver
+broadcasts until told to stop.
 
 Started by `WorkerGroup.start` (`python -m pkv.core.worker.tp_worker RANK`, settings in the
 environment) or, for ranks other than 0, by `pkv serve` under torchrun.
@@ -19,10 +20,9 @@ from typing import Any
 import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
-from pkv.core.distributed.parallel import TPGroup
 from pkv.core.worker.model_runner import build_runner
 from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, broadcast, dist_backend,
-                                     share_cores, use_local_gpu)
+                                     share_cores, use_local_gpu, world_size)
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,7 +53,7 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
     dist.init_process_group(dist_backend(config.device), init_method=init, rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
     try:
-        runner = build_runner(config, TPGroup(rank, size))
+        runner = build_runner(config, rank)
         while (step := broadcast()) is not None:
             runner.run_step(step)
     finally:
@@ -64,9 +64,9 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
 def torchrun_worker(config_dict: dict[str, Any]) -> None:
     """Ranks other than 0 under torchrun: the same loop, the group from the environment."""
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if size != config_dict["tensor_parallel_size"]:
-        raise ValueError(f"torchrun started {size} processes but tensor_parallel_size is "
-                         f"{config_dict['tensor_parallel_size']}")
+    if size != world_size(config_dict):
+        raise ValueError(f"torchrun started {size} processes but tensor x pipeline parallel "
+                         f"size is {world_size(config_dict)}")
     worker_main(rank, size, "env://", config_dict, None)
 
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pkv.core.distributed.parallel import TPGroup
 from pkv.core.layers.attention_backend import AttentionMetadata
 
 logger = logging.getLogger("pkv.workers")
@@ -62,6 +61,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_size(config_dict: dict[str, Any]) -> int:
+    """Processes of one engine: tensor x pipeline parallel (EngineConfig.world_size)."""
+    return config_dict["tensor_parallel_size"] * config_dict.get("pipeline_parallel_size", 1)
+
+
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
@@ -84,9 +88,9 @@ def share_cores(world: int) -> None:
 class WorkerGroup:
     """The driver's handle on the other ranks."""
 
-    def __init__(self, tp: TPGroup, processes: list[subprocess.Popen],
+    def __init__(self, size: int, processes: list[subprocess.Popen],
                  threads_before: int) -> None:
-        self.tp = tp
+        self.size = size  # ranks, the driver included
         self.processes = processes
         self._threads_before = threads_before
         self.error: str | None = None
@@ -97,13 +101,13 @@ class WorkerGroup:
     @classmethod
     def start(cls, config_dict: dict[str, Any], device: str) -> WorkerGroup:
         """Start ranks 1..N-1 here (or join the group torchrun made), then rendezvous."""
-        size = config_dict["tensor_parallel_size"]
+        size = world_size(config_dict)
         processes: list[subprocess.Popen] = []
         threads_before = torch.get_num_threads()
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != size or os.environ["RANK"] != "0":
                 raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but "
-                                 f"tensor_parallel_size is {size}")
+                                 f"tensor x pipeline parallel size is {size}")
             init = "env://"
         else:
             init = f"tcp://127.0.0.1:{free_port()}"
@@ -118,7 +122,7 @@ class WorkerGroup:
             share_cores(size)
         use_local_gpu(device, 0)
         _rendezvous(device, init, size, processes)
-        return cls(TPGroup(0, size), processes, threads_before)
+        return cls(size, processes, threads_before)
 
     @property
     def pids(self) -> list[int]:
@@ -129,7 +133,7 @@ class WorkerGroup:
             for rank, proc in enumerate(self.processes, start=1):
                 code = proc.poll()
                 if code is not None and not self._closing and self.error is None:
-                    self.error = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited "
+                    self.error = (f"worker rank {rank} (pid {proc.pid}) exited "
                                   f"with code {code}")
                     logger.error("%s; the engine stops", self.error)
             time.sleep(0.2)
@@ -190,7 +194,7 @@ def _rendezvous(device: str, init: str, size: int, processes: list[subprocess.Po
             if proc.poll() is not None:
                 for other in processes:
                     other.kill()
-                raise RuntimeError(f"tensor-parallel worker rank {rank} exited with code "
+                raise RuntimeError(f"worker rank {rank} exited with code "
                                    f"{proc.returncode} while starting (its error is above)")
         thread.join(0.2)
     if failure:

@@ -1,0 +1,118 @@
+"""Pipeline parallelism on torch.distributed: which layers each stage holds, and how a step's
+hidden states travel from stage to stage.
+
+Stage k holds layers [start, end): the first also the embedding and the LM head (a tied head
+is the embedding: held once), the last the final norm. Every rank gets the step's inputs
+(positions, block tables) from the driver; the first stage embeds and runs its layers, sends
+(hidden, residual) to the next, and so on; the last sends the final hidden states of the rows
+that sample back to the driver (rank 0, the first stage), which computes their logits and
+samples. One send per stage boundary per step, where tensor parallelism all-reduces every
+layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This process's stage: its index of `size` and its layers [start, end)."""
+
+    rank: int = 0
+    size: int = 1
+    start: int = 0
+    end: int | None = None  # None: to the last layer (one stage holds them all)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return range(self.start, num_layers if self.end is None else self.end)
+
+    def send_next(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The step's (hidden, residual) to the next stage."""
+        for t in tensors:
+            dist.send(t.contiguous(), self.rank + 1)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  count: int = 2) -> tuple[torch.Tensor, ...]:
+        """The previous stage's (hidden, residual) of this step."""
+        out = tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(count))
+        for t in out:
+            dist.recv(t, self.rank - 1)
+        return out
+
+    def send_rows(self, rows: torch.Tensor) -> None:
+        """The last stage's final hidden states of the sampling rows, to the driver."""
+        dist.send(rows.contiguous(), 0)
+
+    def recv_rows(self, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        rows = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(rows, self.size - 1)
+        return rows
+
+
+def partition_layers(num_layers: int, stages: int, spec: str | None = None,
+                     layer_bytes: float = 1.0, first_extra: float = 0.0,
+                     last_extra: float = 0.0) -> list[int]:
+    """Layers per stage: `spec` ("10,12") as given, or contiguous runs that make the largest
+    stage's bytes (its layers, plus the embedding on the first and the head on the last)
+    as small as they can be."""
+    if stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's {num_layers} "
+                         "layers: each stage needs at least one")
+    if spec is not None:
+        try:
+            counts = [int(part) for part in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"pp_layer_partition must be comma-separated integers, got "
+                             f"{spec!r}") from None
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != num_layers:
+            raise ValueError(f"pp_layer_partition={spec} must give {stages} stages of >= 1 "
+                             f"layer summing to the model's {num_layers}")
+        return counts
+    return _balanced(num_layers, stages, layer_bytes, first_extra, last_extra)
+
+
+def _balanced(num_layers: int, stages: int, layer_bytes: float, first_extra: float,
+              last_extra: float) -> list[int]:
+    """Dynamic programming over (stages used, layers placed): the least largest-stage cost
+    of placing the first i layers on the first k stages."""
+    def cost(k: int, n: int) -> float:
+        return (n * layer_bytes + (first_extra if k == 0 else 0.0)
+                + (last_extra if k == stages - 1 else 0.0))
+
+    inf = float("inf")
+    # best[k][i]: (cost, layers of stage k) placing layers [0, i) on stages 0..k
+    best = [[(inf, 0)] * (num_layers + 1) for _ in range(stages)]
+    for i in range(1, num_layers + 1):
+        best[0][i] = (cost(0, i), i)
+    for k in range(1, stages):
+        for i in range(k + 1, num_layers + 1):
+            best[k][i] = min((max(best[k - 1][i - n][0], cost(k, n)), n)
+                             for n in range(1, i - k + 1))
+    counts, i = [], num_layers
+    for k in range(stages - 1, -1, -1):
+        n = best[k][i][1]
+        counts.append(n)
+        i -= n
+    return counts[::-1]
+
+
+def stage_of(rank: int, counts: list[int]) -> PipelineStage:
+    start = sum(counts[:rank])
+    return PipelineStage(rank, len(counts), start, start + counts[rank])
