@@ -225,10 +225,8 @@ class ModelRunner:
             self.model.use_kernels(ops, fused)
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
-        if num_blocks is None:
+        if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
             num_blocks = self._num_kv_blocks(setup.max_model_len)
-        if self.distributed:  # every rank's pool has the driver's number of blocks
-            num_blocks = broadcast(num_blocks)
         self.allocate_kv(num_blocks)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
@@ -288,6 +286,10 @@ class ModelRunner:
             # More than every running sequence at full length could use is never needed.
             num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
             source = f"memory_utilization={self.config.memory_utilization}"
+        if self.distributed:  # one pool size for all ranks: what the tightest one holds
+            counts = torch.tensor([num_blocks], dtype=torch.long)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            num_blocks = int(counts.item())
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"{source} gives {num_blocks} KV blocks of {self.block_size} tokens, fewer than "

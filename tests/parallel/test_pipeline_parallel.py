@@ -1,0 +1,103 @@
+"""Pipeline parallelism over gloo on CPU: two stages give the same greedy tokens as one
+(batched, chunked prefill, preemption, prefix-cache hits), each stage holds its share of the
+weights, partitions are checked, and a dead stage fails the engine instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pkv import LLM, SamplingParams
+from pkv.core.distributed.pipeline import partition_layers
+from pkv.tests.conftest import PROMPTS
+from pkv.tests.helpers import build_tiny_model, kv_block_bytes
+from pkv.tests.parallel.test_tensor_parallel import _gone
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPT_IDS = [[1, 2, 3, 4], list(range(200, 260)), [7] * 9, list(range(300, 341))]
+
+
+def _greedy(llm: LLM, prompts: list) -> list[list[int]]:  # noqa: ANN001
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_pp2_equals_pp1_on_the_bundled_model(smol_llm: LLM) -> None:
+    pp = LLM(pipeline_parallel_size=2, kv_cache_memory="128MiB", max_model_len=512,
+             show_progress=False)
+    try:
+        assert _greedy(pp, PROMPTS) == _greedy(smol_llm, PROMPTS)
+        # prefix-cache hits on the second pass, in both stages' KV alike
+        again = pp.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in again] == _greedy(smol_llm, PROMPTS)
+        assert any(o.num_cached_tokens for o in again)
+        runner = pp.llm_engine.runner
+        whole = smol_llm.llm_engine.runner.weight_bytes
+        assert len(runner.rank_weight_bytes) == 2
+        assert all(b <= 0.55 * whole for b in runner.rank_weight_bytes), (
+            runner.rank_weight_bytes, whole)
+        assert runner.stage.layers(30) == range(0, runner.stage.end or 30)
+        pids = pp.llm_engine.workers.pids
+    finally:
+        pp.shutdown()
+    assert _gone(pids, 5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_pp2_equals_pp1_on_tiny_models_chunked_and_preempted(family: str, tmp_path: Path,
+                                                            smol_hf_dir: Path) -> None:
+    """Four layers split 1 + 3 (pp_layer_partition); a 4-token prefill chunk and a pool too
+    small for every sequence at once (preemption recomputes across both stages)."""
+    model = build_tiny_model(tmp_path / family, smol_hf_dir, family, num_hidden_layers=4)
+    options = dict(max_model_len=128, block_size=4, max_num_batched_tokens=16,
+                   show_progress=False)
+    expected = _greedy(LLM(str(model), kv_cache_memory="1MiB", **options), PROMPT_IDS)
+    # 40 blocks of the second stage's 3 layers: one sequence of max_model_len (32 blocks),
+    # not all four at once.
+    per_layer = kv_block_bytes(model, 4)[0] // 4
+    pp = LLM(str(model), pipeline_parallel_size=2, pp_layer_partition="1,3",
+             kv_cache_memory=40 * 3 * per_layer, **options)
+    try:
+        assert pp.llm_engine.runner.stage.end == 1
+        assert _greedy(pp, PROMPT_IDS) == expected
+        assert pp.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        pp.shutdown()
+
+
+def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_dir: Path
+                                                                   ) -> None:
+    assert partition_layers(30, 2) == [15, 15]
+    # the first stage also holds the embedding and head: it takes fewer layers
+    assert partition_layers(30, 3, layer_bytes=1, first_extra=9) == [4, 13, 13]
+    for bad, match in [("1,1,1", "must give 2 stages"), ("2,x", "comma-separated integers"),
+                       ("0,2", "must give 2 stages")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(str(tiny_llama_dir), pipeline_parallel_size=2, pp_layer_partition=bad,
+                show_progress=False)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        LLM(str(tiny_llama_dir), pipeline_parallel_size=3, show_progress=False)
+    with pytest.raises(ValueError, match="does not run with tensor parallelism yet"):
+        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2,
+            show_progress=False)
+    with pytest.raises(ValueError, match="pp_layer_partition needs pipeline_parallel_size"):
+        LLM(str(tiny_llama_dir), pp_layer_partition="1,1", show_progress=False)
+
+
+def test_a_dead_stage_fails_the_engine_instead_of_hanging(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128, show_progress=False)
+    try:
+        [pid] = llm.llm_engine.workers.pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 1 .* exited with code -9"):
+            for _ in range(50):
+                llm.generate([[1, 2, 3]], GREEDY)
+                time.sleep(0.1)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.shutdown()
