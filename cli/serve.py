@@ -60,6 +60,8 @@ def serve(
     kv_offload_dir: Annotated[Optional[str], typer.Option(help="Folder for a disk tier of the prefix cache: evicted blocks are saved there and read back on a hit, also after a restart (one server per folder).")] = None,
     kv_offload_size: Annotated[str, typer.Option(help="Most bytes --kv-offload-dir may hold, e.g. 20GiB (least recently used blocks go first).")] = "4GiB",
     tensor_parallel_size: Annotated[int, typer.Option(help="Devices to split the model over.")] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="Pipeline stages: each rank holds a run of layers and their KV (local ranks, or torchrun --nnodes for several machines).")] = 1,
+    pp_layer_partition: Annotated[Optional[str], typer.Option(help="Layers per pipeline stage, e.g. 10,12 (default: balanced by bytes).")] = None,
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto (int8 with 4-bit weights on CPU), none, int8.")] = "auto",
@@ -169,6 +171,10 @@ def _check(options: dict[str, Any]) -> None:
     if config.model is None or Path(config.model).expanduser().exists():
         source = open_model(config.model)
         check_tp_size(source.config, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            from pkv.core.worker.model_runner import check_pipeline_model
+
+            check_pipeline_model(config, source.config)
         model = f"{source.name} ({source.config.architecture}, read without weights)"
         spec = config.speculative
         if spec is not None and spec.model and Path(spec.model).expanduser().exists():
@@ -179,7 +185,8 @@ def _check(options: dict[str, Any]) -> None:
     else:
         model = f"{config.model} (not on this machine; checked again when serving)"
     console.print(f"[bold green]config OK[/]: model {model}, tensor_parallel_size "
-                  f"{config.tensor_parallel_size}, quantization {config.quantization}",
+                  f"{config.tensor_parallel_size}, pipeline_parallel_size "
+                  f"{config.pipeline_parallel_size}, quantization {config.quantization}",
                   highlight=False, soft_wrap=True)
 
 

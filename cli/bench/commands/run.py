@@ -49,6 +49,8 @@ def run(
     lm_head_quantization: Annotated[str, typer.Option(help="auto, none, int8.")] = "auto",
     awq_activations: Annotated[str, typer.Option(help="AWQ decode activations: float32, int16 or int8.")] = "float32",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="Pipeline stages (ranks holding a run of layers each).")] = 1,
+    pp_layer_partition: Annotated[Optional[str], typer.Option(help="Layers per pipeline stage, e.g. 10,20.")] = None,
     speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = None,
     workload: Annotated[str, typer.Option(help="synthetic (random-token prompts) or repeat (copy a ~300-token passage: where prompt lookup shines).")] = "synthetic",
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="NAME=PATH of a LoRA adapter (repeat the flag); requests use the first, or all with --lora-mix.")] = None,
@@ -104,6 +106,8 @@ def _run_offline(o: dict[str, Any]) -> None:
         attention_backend=o["attention_backend"], quantization=o["quantization"],
         lm_head_quantization=o["lm_head_quantization"], awq_activations=o["awq_activations"],
         tensor_parallel_size=o["tensor_parallel_size"],
+        pipeline_parallel_size=o["pipeline_parallel_size"],
+        pp_layer_partition=o["pp_layer_partition"],
         speculative_config=o["speculative_config"], **lora_options(o["lora_modules"])))
     lora_requests = add_adapters(engine, o["lora_modules"])
     if not o["lora_mix"]:
@@ -182,8 +186,11 @@ def _run_offline(o: dict[str, Any]) -> None:
         console.print(report.prefill_roofline_table([r for r, _ in runs]))
     if engine.workers is not None:
         ranks = [os.getpid(), *engine.workers.pids]
-        console.print("per-rank peak RSS: " + ", ".join(
-            f"rank {i} {off.peak_rss(pid) / 2**20:.0f} MiB" for i, pid in enumerate(ranks)))
+        whole = sum(engine.runner.rank_weight_bytes)
+        console.print("per-rank weights and peak RSS: " + ", ".join(
+            f"rank {i} {w / 2**20:.0f} MiB of weights ({w / whole:.2f}x the sum), peak RSS "
+            f"{off.peak_rss(pid) / 2**20:.0f} MiB"
+            for i, (pid, w) in enumerate(zip(ranks, engine.runner.rank_weight_bytes))))
         engine.shutdown()
     if o["json_path"]:
         report.write_json(o["json_path"], report.offline_json(runs), console)
