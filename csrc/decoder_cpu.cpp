@@ -18,6 +18,8 @@
 //              x = residual + h; a = mlp_in_norm(x)   (OLMo 2: a = x)
 //              h = down(act(gate) * up); h = mlp_out_norm(h) * multiplier
 //   return final_norm(h + residual)
+// A pipeline stage (forward_stage) starts from the previous stage's (h, residual) and, but on
+// the last stage, returns (h, residual) without the final norm.
 // Built inside csrc/kernels_cpu.cpp, after the kernels it calls.
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -132,13 +134,12 @@ struct Workspace {
 
 class CpuDecoder {
  public:
+  // `norm`: the final norm's weight (none on a pipeline stage but the last).
   CpuDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
-             int64_t max_gemv_rows, int64_t activation_bits, at::Tensor norm)
+             int64_t max_gemv_rows, int64_t activation_bits, const OptTensor& norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
         max_gemv_rows_(max_gemv_rows), activation_bits_(activation_bits),
-        norm_(norm_weight(norm)), cpus_(team::usable_cpus()) {
-    TORCH_CHECK(norm_, "CpuDecoder: the final norm's weight is required");
-  }
+        norm_(norm_weight(norm)), cpus_(team::usable_cpus()) {}
 
   // One layer: its norms (in, attn_out, mlp_in, mlp_out, q, k; None where absent) and
   // options, then per linear (qkv, o, gate_up, down) its weights (AWQ: codes, scales, zs;
@@ -207,6 +208,20 @@ class CpuDecoder {
                      const std::vector<at::Tensor>& block_tables,
                      const std::vector<int64_t>& layer_groups, const at::Tensor& seq_ids,
                      const at::Tensor& kv_lens) {
+    return std::get<0>(forward_stage(h, std::nullopt, positions, kv_caches, slot_mappings,
+                                     block_tables, layer_groups, seq_ids, kv_lens, true));
+  }
+
+  // A pipeline stage's layers: from the previous stage's (h, residual) (none on the first
+  // stage: h is the embeddings), to this stage's (h, residual), or with `final_norm` (the
+  // last stage) to the final hidden states and the residual stream.
+  std::tuple<at::Tensor, at::Tensor> forward_stage(
+      at::Tensor h, const OptTensor& residual_in, const at::Tensor& positions,
+      const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
+      const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
+      const std::vector<int64_t>& layer_groups, const at::Tensor& seq_ids,
+      const at::Tensor& kv_lens, bool final_norm) {
+    TORCH_CHECK(!final_norm || norm_, "CpuDecoder: a final norm was asked for but not given");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache per layer expected");
     TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size() &&
                     (layer_groups.empty() || layer_groups.size() == layers_.size()),
@@ -214,29 +229,31 @@ class CpuDecoder {
     for (int64_t g : layer_groups)
       TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(slot_mappings.size()),
                   "CpuDecoder: a layer's KV group is out of range");
+    at::Tensor residual = residual_in ? *residual_in : at::Tensor();
     const int threads = at::get_num_threads();
     if (threads < 2 || threads > cpus_ || at::in_parallel_region() ||
-        h.size(0) > std::min(max_gemv_rows_, gemv::kMaxRows))
-      return layers(h, positions, kv_caches, slot_mappings, block_tables, layer_groups, seq_ids,
-                    kv_lens);
-    at::Tensor out;
+        h.size(0) > std::min(max_gemv_rows_, gemv::kMaxRows)) {
+      h = layers(h, residual, positions, kv_caches, slot_mappings, block_tables, layer_groups,
+                 seq_ids, kv_lens, final_norm);
+      return {h, residual};
+    }
     team::with_team(threads, [&] {
-      out = layers(h, positions, kv_caches, slot_mappings, block_tables, layer_groups, seq_ids,
-                   kv_lens);
+      h = layers(h, residual, positions, kv_caches, slot_mappings, block_tables, layer_groups,
+                 seq_ids, kv_lens, final_norm);
     });
-    return out;
+    return {h, residual};
   }
 
  private:
-  at::Tensor layers(at::Tensor h, const at::Tensor& positions,
+  // `residual`: the stream so far (undefined before the first layer), advanced in place.
+  at::Tensor layers(at::Tensor h, at::Tensor& residual, const at::Tensor& positions,
                     const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
                     const std::vector<at::Tensor>& slot_mappings,
                     const std::vector<at::Tensor>& block_tables,
                     const std::vector<int64_t>& layer_groups, const at::Tensor& seq_ids,
-                    const at::Tensor& kv_lens) const {
+                    const at::Tensor& kv_lens, bool final_norm) const {
     const int64_t T = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     Workspace ws;
-    at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       h = enter(h, residual, layer.in_norm);
@@ -276,7 +293,7 @@ class CpuDecoder {
       h = leave(linear(act, layer.down, ws.rows(ws.h, T, layer.down.n, h)), layer.mlp_out_norm,
                 layer.multiplier);
     }
-    add_norm(h, residual, norm_);
+    if (final_norm) add_norm(h, residual, norm_);
     return h;
   }
 

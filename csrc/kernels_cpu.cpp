@@ -76,9 +76,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_peak_gflops", &fma_peak_gflops, "float32 multiply-add peak of all threads");
 
   pybind11::class_<CpuDecoder>(m, "CpuDecoder", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, at::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t,
+                          const OptTensor&>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("set_lora", &CpuDecoder::set_lora)
       .def("set_lora_segments", &CpuDecoder::set_lora_segments)
-      .def("forward", &CpuDecoder::forward);
+      .def("forward", &CpuDecoder::forward)
+      .def("forward_stage", &CpuDecoder::forward_stage);
 }

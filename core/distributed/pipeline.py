@@ -8,10 +8,15 @@ is the embedding: held once), the last the final norm. Every rank gets the step'
 that sample back to the driver (rank 0, the first stage), which computes their logits and
 samples. One send per stage boundary per step, where tensor parallelism all-reduces every
 layer.
+
+The step's inputs travel down the pipeline too (each stage passes them on), point to point
+and without waiting, so the driver can start the next micro-batch on its own layers while
+later stages still run the previous one (core/engine/llm_engine.py keeps P in flight).
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +47,13 @@ class PipelineStage:
     def layers(self, num_layers: int) -> range:
         return range(self.start, num_layers if self.end is None else self.end)
 
-    def send_next(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        """The step's (hidden, residual) to the next stage."""
+    def send_next(self, tensors: tuple[torch.Tensor, ...]) -> list[_Sent]:
+        """The step's (hidden, residual) to the next stage, without waiting."""
+        sent = []
         for t in tensors:
-            dist.send(t.contiguous(), self.rank + 1)
+            t = t.contiguous()
+            sent.append(_Sent(dist.isend(t, self.rank + 1), t))
+        return sent
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                   count: int = 2) -> tuple[torch.Tensor, ...]:
@@ -55,9 +63,10 @@ class PipelineStage:
             dist.recv(t, self.rank - 1)
         return out
 
-    def send_rows(self, rows: torch.Tensor) -> None:
+    def send_rows(self, rows: torch.Tensor) -> list[_Sent]:
         """The last stage's final hidden states of the sampling rows, to the driver."""
-        dist.send(rows.contiguous(), 0)
+        rows = rows.contiguous()
+        return [_Sent(dist.isend(rows, 0), rows)]
 
     def recv_rows(self, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
@@ -116,3 +125,29 @@ def _balanced(num_layers: int, stages: int, layer_bytes: float, first_extra: flo
 def stage_of(rank: int, counts: list[int]) -> PipelineStage:
     start = sum(counts[:rank])
     return PipelineStage(rank, len(counts), start, start + counts[rank])
+
+
+def send_object(obj: object, dst: int) -> list[dist.Work]:
+    """A step's inputs (or None: stop) to another rank without waiting: its pickled bytes'
+    length, then the bytes. The caller keeps the returned works until they are done."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    return [_Sent(dist.isend(size, dst), size), _Sent(dist.isend(data, dst), data)]
+
+
+def recv_object(src: int) -> object:
+    size = torch.empty(1, dtype=torch.long)
+    dist.recv(size, src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src)
+    return pickle.loads(data.numpy().tobytes())
+
+
+class _Sent:
+    """A send in flight and the tensor it reads (which must live until it is done)."""
+
+    def __init__(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()

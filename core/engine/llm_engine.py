@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import os
 import weakref
@@ -31,7 +32,8 @@ from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
 from pkv.core.structured_output.params import DelayedGuidedState
-from pkv.core.worker.model_runner import ModelRunner, ModelSetup, parallel_groups
+from pkv.core.sample.rejection_sampler import VerifyOutput
+from pkv.core.worker.model_runner import ModelRunner, ModelSetup, PendingStep, parallel_groups
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
@@ -130,6 +132,7 @@ class LLMEngine:
                                    source.config.rope_spec().long_threshold, spec,
                                    LoRASlotTable(config.max_loras) if self.lora else None)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._in_flight: deque[PendingStep] = deque()  # pipeline micro-batches not sampled
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -372,6 +375,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
+        if self.runner.stage.enabled:
+            return self._pipelined_step()
         if self.workers is not None:
             self.workers.check()  # a dead rank would make the step wait forever
         self.timer.start()
@@ -398,6 +403,49 @@ class LLMEngine:
             if self.workers is None:
                 raise
             raise RuntimeError(self.workers.explain(exc)) from exc
+        return self._complete(sched, sampled_reqs, result, pooled, failures)
+
+    def _pipelined_step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """A step under pipeline parallelism: launch a micro-batch of requests that no batch
+        in flight holds; once P are in flight (or nothing more can start), finish the oldest.
+        While stage k runs one micro-batch, stage k + 1 runs the one before it."""
+        assert self.workers is not None
+        self.workers.check()
+        self.timer.start()
+        in_flight = {r.request_id for p in self._in_flight for r in p.sched.scheduled}
+        # Each micro-batch takes its share of the requests, so that P of them keep every
+        # stage busy.
+        stages = self.config.pipeline_parallel_size
+        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        sched = self.scheduler.schedule(in_flight, max(1, -(-live // stages)))
+        self.timer.lap("schedule")
+        try:
+            if sched.scheduled:
+                tables = {r.request_id: self.kv_cache.block_ids(r.request_id)
+                          for r in sched.scheduled}
+                self._in_flight.append(self.runner.launch(sched, tables,
+                                                          self.kv_cache.pool.high_watermark))
+                if len(self._in_flight) < self.config.pipeline_parallel_size:
+                    return []
+            elif not self._in_flight:
+                return [] if sched.preempted else self._fail_unplaceable()
+            pending = self._in_flight.popleft()
+            failures: dict[str, Exception] = {}
+            sampled_reqs, result = self.runner.complete(pending, failures)
+        except RuntimeError as exc:
+            self._in_flight.clear()
+            raise RuntimeError(self.workers.explain(exc)) from exc
+        # Requests aborted while their micro-batch was in flight have no output left.
+        kept = [(r, t, lp) for r, t, lp in zip(sampled_reqs, result.token_ids, result.logprobs)
+                if not r.status.finished]
+        result = VerifyOutput([t for _, t, _ in kept], [lp for _, _, lp in kept],
+                              [0] * len(kept))
+        return self._complete(pending.sched, [r for r, _, _ in kept], result, {}, failures)
+
+    def _complete(self, sched: SchedulerOutput, sampled_reqs: list[Request],
+                  result: VerifyOutput, pooled: dict[str, torch.Tensor],
+                  failures: dict[str, Exception]) -> list[RequestOutput | PoolingRequestOutput]:
+        """Advance the step's requests by what it sampled (or pooled) and build outputs."""
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
         before = sum(r.num_output_tokens for r in sampled_reqs)

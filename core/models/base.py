@@ -72,28 +72,28 @@ class DecoderModel(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states; a pipeline stage's layers only (see `keep_stage`) start
-        from the previous stage's (hidden, residual) and, but on the last stage, return
-        theirs."""
+        """The final hidden states. A pipeline stage's layers only (see `keep_stage`): from
+        the previous stage's (hidden, residual) where given, and, but on the last stage (the
+        one with the final norm), to this stage's."""
+        residual: torch.Tensor | None = None
         if intermediate is not None:
             h, residual = intermediate
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-                h, residual = layer(h, residual, positions, kv_cache, meta.for_layer(i))
-            return (h, residual) if self.norm is None else self.norm.add_forward(h, residual)[0]
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.embed_scale is not None:
-            # transformers rounds the factor to the compute dtype first (Gemma)
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        else:
+            h = self.embed_tokens(input_ids)  # [T, hidden]
+            if self.embed_scale is not None:
+                # transformers rounds the factor to the compute dtype first (Gemma)
+                h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        last = self.norm is not None
         if self.fused is not None:
             groups = meta.groups or (meta,)
-            return self.fused.forward(h, positions, kv_caches,
-                                      [g.slot_mapping for g in groups],
-                                      [g.block_tables for g in groups], list(meta.layer_groups),
-                                      meta.seq_ids, meta.kv_lens)
-        residual = None
+            h, residual = self.fused.forward_stage(
+                h, residual, positions, kv_caches, [g.slot_mapping for g in groups],
+                [g.block_tables for g in groups], list(meta.layer_groups), meta.seq_ids,
+                meta.kv_lens, last)
+            return h if last else (h, residual)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer(h, residual, positions, kv_cache, meta.for_layer(i))
-        if self.norm is None:  # a first pipeline stage that is not the last
+        if not last:
             return h, residual
         return self.norm.add_forward(h, residual)[0]
 

@@ -80,6 +80,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._step_seqs = max_num_seqs  # requests the step being scheduled may take
         self.num_prefill_tokens = 0  # prompt tokens computed (cache hits excluded)
 
     def add_request(self, request: Request) -> None:
@@ -91,25 +92,37 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[str] | set[str] = frozenset(),
+                 max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step's requests. `in_flight`: ids of requests in a pipeline micro-batch
+        not yet sampled; they are neither scheduled again nor preempted until it is.
+        `max_seqs`: at most this many requests this step (a micro-batch's share)."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._step_seqs = max_seqs or self.max_num_seqs
+        budget = self._schedule_running(out, self.max_num_batched_tokens, in_flight)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.order()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          in_flight: frozenset[str] | set[str]) -> int:
         speculate = (self.speculative is not None
                      and self.speculative.speculates_with(len(self.running)))
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self._step_seqs:
             request = self.running[i]
+            if request.request_id in in_flight:
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             decoding = request.num_tokens - request.num_computed_tokens == 1
             lookahead = self._lookahead(request, budget - n) if speculate and decoding else 0
             while not self.kv_cache.allocate_slots(request, n + lookahead):
-                victim = self.running.pop()
+                victim = self._victim(i, in_flight)
+                if victim is None:  # only requests in flight could give blocks back
+                    return budget
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -121,6 +134,14 @@ class Scheduler:
             budget -= n + lookahead
             i += 1
         return budget
+
+    def _victim(self, first: int, in_flight: frozenset[str] | set[str]) -> Request | None:
+        """The most recently admitted running request from index `first` on (those before it
+        are scheduled this step) that no micro-batch in flight holds."""
+        for request in reversed(self.running[first:]):
+            if request.request_id not in in_flight:
+                return request
+        return None
 
     def _lookahead(self, request: Request, budget: int) -> int:
         """How many drafts a decoding request may verify this step: the configured number,
@@ -136,7 +157,8 @@ class Scheduler:
         return max(0, room)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.scheduled) < self._step_seqs):
             request = self.waiting[0]
             if not self._acquire_lora(request, out):
                 break  # every LoRA slot is pinned by running requests of other adapters
@@ -199,6 +221,8 @@ class Scheduler:
         own state fails to advance (its grammar) goes into `failures`."""
         finished = []
         for request in out.scheduled:
+            if request.status.finished:
+                continue  # aborted while its pipeline micro-batch was in flight
             tokens = sampled.get(request.request_id)
             n = out.num_scheduled_tokens[request.request_id]
             drafts = len(out.spec_token_ids.get(request.request_id, ()))

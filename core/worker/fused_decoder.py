@@ -67,8 +67,10 @@ def build_fused_decoder(model: CausalLM, ops: Any) -> Any | None:
         return None
     attn: Attention = layers[0].self_attn
     bits = min(op.activation_bits for group in operands for op in group)
+    # (a pipeline stage but the last has no final norm: the layers' eps is the config's)
+    eps = inner.norm.eps if inner.norm is not None else model.config.rms_norm_eps
     decoder = ext.CpuDecoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             inner.norm.eps, ext.awq_gemv_max_rows, bits, _weight(inner.norm))
+                             eps, ext.awq_gemv_max_rows, bits, _weight(inner.norm))
     for layer, group, ops_of_group in zip(layers, linears, operands):
         norms, multiplier = layer.fused_norms()
         a: Attention = layer.self_attn

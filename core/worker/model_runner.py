@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
-from pkv.core.distributed.pipeline import PipelineStage, partition_layers, stage_of
+from pkv.core.distributed.pipeline import (PipelineStage, partition_layers, recv_object,
+                                           send_object, stage_of)
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
@@ -220,9 +221,7 @@ class ModelRunner:
         ops = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.keeps_kv:
             ops = cpp_build.kernels_or_none()
-            # (the C++ stack runs a whole decoder: embedding in, final norm out)
-            fused = None if self.stage.enabled else build_fused_decoder(self.model, ops)
-            self.model.use_kernels(ops, fused)
+            self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
@@ -372,17 +371,18 @@ class ModelRunner:
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
                           token_types(sched.scheduled, self.device) if pooling else None)
         self.timer.lap("prepare_inputs")
-        if self.distributed:
+        if self.tp.enabled:
             broadcast(step)
-        if self.stage.enabled:  # (pooling models do not run in a pipeline)
-            logits, pooled = self.run_step(step), {}
-        else:
-            hidden = self.forward(step)
-            logits = self.logits(hidden, step.logits_idx)
-            pooled = self._pool(hidden, meta.query_start_loc_cpu, pooling) if pooling else {}
+        hidden = self.forward(step)
+        logits = self.logits(hidden, step.logits_idx)
+        pooled = self._pool(hidden, meta.query_start_loc_cpu, pooling) if pooling else {}
         self.timer.lap("forward")
+        return sampling, self._sample(logits, sched, sampling, failures), pooled
+
+    def _sample(self, logits: torch.Tensor | None, sched: SchedulerOutput,
+                sampling: list[Request], failures: dict[str, Exception] | None) -> VerifyOutput:
         if logits is None:
-            return [], VerifyOutput([], [], []), pooled
+            return VerifyOutput([], [], [])
         drafts = [sched.spec_token_ids.get(r.request_id, []) for r in sampling]
         rows = self._sampling_rows(sampling, drafts, failures)
         if any(drafts):
@@ -393,7 +393,69 @@ class ModelRunner:
                                   [None if e is None else [e] for e in plain.logprobs],
                                   [0] * len(rows))
         self.timer.lap("sample")
-        return sampling, result, pooled
+        return result
+
+    # --- pipeline parallelism: the driver's stage ------------------------------------------
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
+               high_watermark: int) -> PendingStep:
+        """Start a micro-batch down the pipeline: its inputs to the next stage, this stage's
+        layers over it, its hidden states after them; return without waiting for the rest
+        of the pipeline (`complete` does)."""
+        chunks, sampling = self._chunks(sched, block_tables)
+        input_ids, positions, meta, logits_idx = flatten_batch(
+            chunks, self.block_size, self.device, self.kv_groups.group_of)
+        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        sent = send_object(step, 1)
+        self._zero_new_blocks(high_watermark)
+        out = self.model(input_ids, positions, self.kv_caches, meta)
+        sent += self.stage.send_next(out)
+        self.timer.lap("forward")
+        return PendingStep(sched, sampling, logits_idx.numel(), sent)
+
+    @torch.inference_mode()
+    def complete(self, pending: PendingStep, failures: dict[str, Exception] | None = None
+                 ) -> tuple[list[Request], VerifyOutput]:
+        """Wait for a launched micro-batch's final hidden states (from the last stage), make
+        their logits and sample them."""
+        for sent in pending.sent:
+            sent.wait()
+        logits = None
+        if pending.num_logits:
+            rows = self.stage.recv_rows((pending.num_logits, self.model_config.hidden_size),
+                                        self.dtype, self.device)
+            logits = self.model.compute_logits(rows)
+        self.timer.lap("forward")  # the later stages ran it
+        return pending.sampling, self._sample(logits, pending.sched, pending.sampling, failures)
+
+    # --- pipeline parallelism: the other stages --------------------------------------------
+
+    @torch.inference_mode()
+    def serve_stage(self) -> None:
+        """A later stage's loop: each step's inputs from the previous stage (passed on to the
+        next), its hidden states in, this stage's layers, out to the next stage or, from the
+        last, the sampling rows' final states to the driver; until a None step."""
+        stage, sent = self.stage, []
+        while True:
+            step = recv_object(stage.rank - 1)
+            for done in sent:  # the previous step's sends, before their tensors go
+                done.wait()
+            sent = [] if stage.is_last else send_object(step, stage.rank + 1)
+            if step is None:
+                break
+            assert isinstance(step, StepInputs)
+            self._zero_new_blocks(step.high_watermark)
+            shape = (step.input_ids.shape[0], self.model_config.hidden_size)
+            intermediate = stage.recv_prev(shape, self.dtype, self.device)
+            out = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
+                             intermediate)
+            if not stage.is_last:
+                sent += stage.send_next(out)
+            elif step.logits_idx.numel():
+                sent += stage.send_rows(out[step.logits_idx])
+        for done in sent:
+            done.wait()
 
     def _pool(self, hidden: torch.Tensor, starts: list[int],
               pooling: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:
@@ -411,35 +473,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward pass every rank runs in lockstep; logits of the sampling rows (on the
-        driver; None on other pipeline stages)."""
-        if self.stage.enabled:
-            return self._run_stage(step)
+        """The forward pass every tensor-parallel rank runs in lockstep; logits of the
+        sampling rows."""
         return self.logits(self.forward(step), step.logits_idx)
-
-    def _run_stage(self, step: StepInputs) -> torch.Tensor | None:
-        """This pipeline stage's share of a step: (hidden, residual) in from the previous
-        stage, out to the next; the last stage sends the sampling rows' final hidden states
-        to the driver (the first stage), whose LM head makes the logits."""
-        stage = self.stage
-        self._zero_new_blocks(step.high_watermark)
-        intermediate = None
-        if not stage.is_first:
-            shape = (step.input_ids.shape[0], self.model_config.hidden_size)
-            intermediate = stage.recv_prev(shape, self.dtype, self.device)
-        out = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
-                         intermediate)
-        num_logits = step.logits_idx.numel()
-        if stage.is_last:
-            if num_logits:
-                stage.send_rows(out[step.logits_idx])
-            return None
-        stage.send_next(out)
-        if not stage.is_first or not num_logits:
-            return None
-        rows = stage.recv_rows((num_logits, self.model_config.hidden_size), self.dtype,
-                               self.device)
-        return self.model.compute_logits(rows)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -519,6 +555,16 @@ def token_types(requests: list[Request], device: torch.device) -> torch.Tensor |
     for r in requests:
         types += r.token_type_ids or [0] * r.num_tokens
     return torch.tensor(types, dtype=torch.long, device=device)
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A micro-batch launched down the pipeline, not yet sampled."""
+
+    sched: SchedulerOutput
+    sampling: list[Request]
+    num_logits: int
+    sent: list  # the sends in flight (pkv.core.distributed.pipeline._Sent)
 
 
 @dataclass(slots=True)

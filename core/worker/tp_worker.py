@@ -54,8 +54,11 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
     try:
         runner = build_runner(config, rank)
-        while (step := broadcast()) is not None:
-            runner.run_step(step)
+        if runner.stage.enabled:
+            runner.serve_stage()
+        else:
+            while (step := broadcast()) is not None:
+                runner.run_step(step)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

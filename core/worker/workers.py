@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pkv.core.distributed.pipeline import send_object
 from pkv.core.layers.attention_backend import AttentionMetadata
 
 logger = logging.getLogger("pkv.workers")
@@ -89,8 +90,9 @@ class WorkerGroup:
     """The driver's handle on the other ranks."""
 
     def __init__(self, size: int, processes: list[subprocess.Popen],
-                 threads_before: int) -> None:
+                 threads_before: int, pipeline: bool = False) -> None:
         self.size = size  # ranks, the driver included
+        self.pipeline = pipeline  # ranks are pipeline stages (else tensor-parallel shards)
         self.processes = processes
         self._threads_before = threads_before
         self.error: str | None = None
@@ -122,7 +124,8 @@ class WorkerGroup:
             share_cores(size)
         use_local_gpu(device, 0)
         _rendezvous(device, init, size, processes)
-        return cls(size, processes, threads_before)
+        return cls(size, processes, threads_before,
+                   config_dict.get("pipeline_parallel_size", 1) > 1)
 
     @property
     def pids(self) -> list[int]:
@@ -162,7 +165,11 @@ class WorkerGroup:
                 proc.kill()
         elif self.error is None:
             try:
-                broadcast(None)
+                if self.pipeline:  # stages wait on the previous one: a None step stops each
+                    for sent in send_object(None, 1):
+                        sent.wait()
+                else:
+                    broadcast(None)
             except Exception:  # a dead peer: nothing left to tell
                 pass
         for proc in self.processes:
