@@ -1,0 +1,72 @@
+"""`pkv serve` with pipeline parallelism: a stage spawned by pkv, and two "machines" on one
+host (two torchrun node agents on loopback, one stage each; rank 0 serves HTTP). Answers
+equal one rank's; a dead stage turns /health to 503; SIGKILL of the driver leaves no
+process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from pkv.cli.serve_process import wait_healthy
+from pkv.tests.parallel.test_tensor_parallel import _gone
+from pkv.tests.parallel.test_tp_server import _complete, _expected_text, _worker_pids
+from pkv.tests.server.conftest import free_port, start_server, stop_server
+
+
+def test_pp_server_answers_and_turns_unhealthy_when_a_stage_dies(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    expected = _expected_text(tiny_llama_dir)
+    server = start_server(str(tmp_path), str(tiny_llama_dir), "--pipeline-parallel-size", "2",
+                          "--served-model-name", "m", "--max-model-len", "256",
+                          "--kv-cache-memory", "16MiB", api_key=None)
+    try:
+        assert _complete(server.base_url)["text"] == expected
+        [pid] = _worker_pids(server.process.pid)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.base_url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health stayed 200 with a dead stage"
+            time.sleep(0.2)
+    finally:
+        stop_server(server)
+
+
+def _node(rank: int, master_port: int, http_port: int, model: Path, log: Path
+          ) -> subprocess.Popen:
+    """One "machine": a torchrun agent for node `rank` of two, one process each."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+           "--master-port", str(master_port), "-m", "pkv.cli.main", "serve", str(model),
+           "--pipeline-parallel-size", "2", "--port", str(http_port),
+           "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--served-model-name", "m",
+           "--log-level", "warning"]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_two_nodes_serve_a_request_and_die_with_the_driver(tmp_path: Path,
+                                                           tiny_llama_dir: Path) -> None:
+    master, port = free_port(), free_port()
+    nodes = [_node(rank, master, port, tiny_llama_dir, tmp_path / f"node{rank}.log")
+             for rank in (0, 1)]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_healthy(base, nodes[0], 120), (tmp_path / "node0.log").read_text()
+        ranks = [child for node in nodes for child in psutil.Process(node.pid).children()]
+        assert len(ranks) == 2
+        assert _complete(base)["text"] == _expected_text(tiny_llama_dir)
+        driver = psutil.Process(nodes[0].pid).children()[0]
+        driver.kill()  # SIGKILL: no shutdown of its own; the rest must notice and go
+        every = [n.pid for n in nodes] + [r.pid for r in ranks]
+        assert _gone(every, 60), [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
+    finally:
+        for node in nodes:
+            node.kill()
