@@ -416,7 +416,8 @@ class LLMEngine:
         # Each micro-batch takes its share of the requests, so that P of them keep every
         # stage busy.
         stages = self.config.pipeline_parallel_size
-        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        live = min(len(self.scheduler.running) + len(self.scheduler.waiting),
+                   self.config.max_num_seqs)
         sched = self.scheduler.schedule(in_flight, max(1, -(-live // stages)))
         self.timer.lap("schedule")
         try:
