@@ -193,8 +193,7 @@ class EngineConfig:
             raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
         if pp == 1:
             return
-        off = [(self.tensor_parallel_size > 1, "tensor parallelism"),
-               (self.enable_lora, "LoRA adapters"),
+        off = [(self.enable_lora, "LoRA adapters"),
                (self.speculative_config is not None, "speculative decoding"),
                (self.kv_offload_dir is not None, "a KV disk tier")]
         for on, what in off:

@@ -8,8 +8,8 @@ Splits need not be even: SmolLM2's 3 KV heads go 2 + 1 over two ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    # The group's process group (None: the whole world; a pipeline stage has its own).
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -46,7 +48,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -56,7 +58,7 @@ class TPGroup:
         width = max(sizes)
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 

@@ -25,12 +25,28 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """This process's stage: its index of `size` and its layers [start, end)."""
+    """This process's stage: its index of `size` and its layers [start, end). With tensor
+    parallelism inside stages, a stage is `width` ranks (world ranks stage * width + member)
+    and member m of one stage talks to member m of the next."""
 
     rank: int = 0
     size: int = 1
     start: int = 0
     end: int | None = None  # None: to the last layer (one stage holds them all)
+    width: int = 1
+    member: int = 0
+
+    def world(self, stage: int, member: int | None = None) -> int:
+        """The world rank of `member` (default: this one's) of `stage`."""
+        return stage * self.width + (self.member if member is None else member)
+
+    @property
+    def next(self) -> int:
+        return self.world(self.rank + 1)
+
+    @property
+    def prev(self) -> int:
+        return self.world(self.rank - 1)
 
     @property
     def enabled(self) -> bool:
@@ -52,7 +68,7 @@ class PipelineStage:
         sent = []
         for t in tensors:
             t = t.contiguous()
-            sent.append(_Sent(dist.isend(t, self.rank + 1), t))
+            sent.append(_Sent(dist.isend(t, self.next), t))
         return sent
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -60,18 +76,19 @@ class PipelineStage:
         """The previous stage's (hidden, residual) of this step."""
         out = tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(count))
         for t in out:
-            dist.recv(t, self.rank - 1)
+            dist.recv(t, self.prev)
         return out
 
     def send_rows(self, rows: torch.Tensor) -> list[_Sent]:
-        """The last stage's final hidden states of the sampling rows, to the driver."""
+        """The last stage's final hidden states of the sampling rows, to the driver (member
+        m to the first stage's member m, whose share of the LM head they feed)."""
         rows = rows.contiguous()
-        return [_Sent(dist.isend(rows, 0), rows)]
+        return [_Sent(dist.isend(rows, self.world(0)), rows)]
 
     def recv_rows(self, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
         rows = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(rows, self.size - 1)
+        dist.recv(rows, self.world(self.size - 1))
         return rows
 
 
@@ -122,9 +139,9 @@ def _balanced(num_layers: int, stages: int, layer_bytes: float, first_extra: flo
     return counts[::-1]
 
 
-def stage_of(rank: int, counts: list[int]) -> PipelineStage:
+def stage_of(rank: int, counts: list[int], width: int = 1, member: int = 0) -> PipelineStage:
     start = sum(counts[:rank])
-    return PipelineStage(rank, len(counts), start, start + counts[rank])
+    return PipelineStage(rank, len(counts), start, start + counts[rank], width, member)
 
 
 def send_object(obj: object, dst: int) -> list[dist.Work]:

@@ -117,6 +117,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        if self.workers is not None and self.workers.pipeline:
+            self.workers.stop_stages = self.runner.stop_stages
         if self.proposer is not None:
             self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,

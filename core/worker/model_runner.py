@@ -143,21 +143,31 @@ def check_pipeline_model(config: EngineConfig, model: ModelConfig) -> None:
 
 def parallel_groups(config: EngineConfig, model: ModelConfig,
                     rank: int) -> tuple[TPGroup, PipelineStage]:
-    """This world rank's tensor-parallel group and pipeline stage."""
-    if config.pipeline_parallel_size > 1:
-        return TPGroup(), pipeline_stage(config, model, rank)
-    return TPGroup(rank, config.tensor_parallel_size), PipelineStage()
+    """This world rank's tensor-parallel group and pipeline stage. With both, world rank
+    r is member r % T of stage r // T, and each stage's members are a process group of
+    their own (made here on every rank, in the same order, as torch.distributed needs)."""
+    width = config.tensor_parallel_size
+    if config.pipeline_parallel_size == 1:
+        return TPGroup(rank, width), PipelineStage()
+    stage, member = divmod(rank, width)
+    tp = TPGroup()
+    if width > 1:
+        groups = [dist.new_group(list(range(s * width, (s + 1) * width)))
+                  for s in range(config.pipeline_parallel_size)]
+        tp = TPGroup(member, width, groups[stage])
+    return tp, pipeline_stage(config, model, stage, member)
 
 
-def pipeline_stage(config: EngineConfig, model: ModelConfig, rank: int) -> PipelineStage:
-    """Stage `rank`'s layers: `pp_layer_partition`, or as even as the stages' weights allow
+def pipeline_stage(config: EngineConfig, model: ModelConfig, stage: int,
+                   member: int = 0) -> PipelineStage:
+    """Stage `stage`'s layers: `pp_layer_partition`, or as even as the stages' weights allow
     (the first also holds the embedding and the LM head)."""
     table = model.vocab_size * model.hidden_size
     head = 0 if model.tie_word_embeddings else table
     layer = (model.num_parameters - table - head - model.hidden_size) / model.num_hidden_layers
     counts = partition_layers(model.num_hidden_layers, config.pipeline_parallel_size,
                               config.pp_layer_partition, layer, table + head)
-    return stage_of(rank, counts)
+    return stage_of(stage, counts, config.tensor_parallel_size, member)
 
 
 class ModelRunner:
@@ -407,7 +417,9 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
-        sent = send_object(step, 1)
+        if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
+            broadcast(("step", step), self.tp.group)
+        sent = send_object(step, self.stage.next)
         self._zero_new_blocks(high_watermark)
         out = self.model(input_ids, positions, self.kv_caches, meta)
         sent += self.stage.send_next(out)
@@ -423,31 +435,55 @@ class ModelRunner:
             sent.wait()
         logits = None
         if pending.num_logits:
-            rows = self.stage.recv_rows((pending.num_logits, self.model_config.hidden_size),
-                                        self.dtype, self.device)
-            logits = self.model.compute_logits(rows)
+            if self.tp.enabled:  # their shares of the LM head, gathered
+                broadcast(("rows", pending.num_logits), self.tp.group)
+            logits = self._head_of_rows(pending.num_logits)
         self.timer.lap("forward")  # the later stages ran it
         return pending.sampling, self._sample(logits, pending.sched, pending.sampling, failures)
 
     # --- pipeline parallelism: the other stages --------------------------------------------
 
+    def _head_of_rows(self, num_rows: int) -> torch.Tensor:
+        """Logits of the last stage's final hidden states of `num_rows` sampling rows."""
+        rows = self.stage.recv_rows((num_rows, self.model_config.hidden_size), self.dtype,
+                                    self.device)
+        return self.model.compute_logits(rows)
+
+    def stop_stages(self) -> None:
+        """The driver's last word to the other ranks: a None step down the pipeline (and
+        to this stage's tensor-parallel ranks)."""
+        if self.tp.enabled:
+            broadcast(None, self.tp.group)
+        for sent in send_object(None, self.stage.next):
+            sent.wait()
+
     @torch.inference_mode()
     def serve_stage(self) -> None:
-        """A later stage's loop: each step's inputs from the previous stage (passed on to the
-        next), its hidden states in, this stage's layers, out to the next stage or, from the
-        last, the sampling rows' final states to the driver; until a None step."""
+        """A worker rank's loop under pipeline parallelism: each step's inputs (from the
+        previous stage, or on the first stage from the driver), passed on to the next stage;
+        the hidden states in, this stage's layers, out to the next stage or, from the last,
+        the sampling rows' final states to the driver; until a None step."""
         stage, sent = self.stage, []
         while True:
-            step = recv_object(stage.rank - 1)
+            if stage.is_first:  # a tensor-parallel rank of the driver's stage
+                message = broadcast(None, self.tp.group)
+                if message is not None and message[0] == "rows":
+                    self._head_of_rows(message[1])
+                    continue
+                step = message[1] if message is not None else None
+            else:
+                step = recv_object(stage.prev)
             for done in sent:  # the previous step's sends, before their tensors go
                 done.wait()
-            sent = [] if stage.is_last else send_object(step, stage.rank + 1)
+            sent = [] if stage.is_last else send_object(step, stage.next)
             if step is None:
                 break
             assert isinstance(step, StepInputs)
             self._zero_new_blocks(step.high_watermark)
-            shape = (step.input_ids.shape[0], self.model_config.hidden_size)
-            intermediate = stage.recv_prev(shape, self.dtype, self.device)
+            intermediate = None
+            if not stage.is_first:
+                shape = (step.input_ids.shape[0], self.model_config.hidden_size)
+                intermediate = stage.recv_prev(shape, self.dtype, self.device)
             out = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
                              intermediate)
             if not stage.is_last:

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pkv.core.distributed.pipeline import send_object
 from pkv.core.layers.attention_backend import AttentionMetadata
 
 logger = logging.getLogger("pkv.workers")
@@ -49,10 +48,12 @@ class StepInputs:
     token_type_ids: torch.Tensor | None = None  # an encoder's segments (cross-encoder pairs)
 
 
-def broadcast(obj: Any = None) -> Any:
-    """Rank 0 sends `obj`; every rank returns it."""
+def broadcast(obj: Any = None, group: Any = None) -> Any:
+    """Rank 0 (of the world, or of `group`: its first rank) sends `obj`; every rank of the
+    group returns it."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -93,6 +94,8 @@ class WorkerGroup:
                  threads_before: int, pipeline: bool = False) -> None:
         self.size = size  # ranks, the driver included
         self.pipeline = pipeline  # ranks are pipeline stages (else tensor-parallel shards)
+        # How the driver tells pipeline stages to stop (the runner sets it: it knows them).
+        self.stop_stages: Any = None
         self.processes = processes
         self._threads_before = threads_before
         self.error: str | None = None
@@ -166,8 +169,8 @@ class WorkerGroup:
         elif self.error is None:
             try:
                 if self.pipeline:  # stages wait on the previous one: a None step stops each
-                    for sent in send_object(None, 1):
-                        sent.wait()
+                    if self.stop_stages is not None:
+                        self.stop_stages()
                 else:
                     broadcast(None)
             except Exception:  # a dead peer: nothing left to tell

@@ -1,6 +1,7 @@
-"""Pipeline parallelism over gloo on CPU: two stages give the same greedy tokens as one
-(batched, chunked prefill, preemption, prefix-cache hits), each stage holds its share of the
-weights, partitions are checked, and a dead stage fails the engine instead of hanging."""
+"""Pipeline parallelism over gloo on CPU: two stages (and two stages of two tensor-parallel
+ranks) give the same greedy tokens as one rank (batched, chunked prefill, preemption,
+prefix-cache hits), each stage holds its share of the weights, partitions are checked, and a
+dead stage fails the engine instead of hanging."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def test_pp2_equals_pp1_on_the_bundled_model(smol_llm: LLM) -> None:
     assert _gone(pids, 5)
 
 
+def test_tp2_x_pp2_equals_one_rank_on_the_bundled_model(smol_llm: LLM) -> None:
+    """Four ranks: two stages of two tensor-parallel ranks each (a process group per
+    stage); each stage's ranks share its layers' heads and the driver's stage the LM head."""
+    llm = LLM(pipeline_parallel_size=2, tensor_parallel_size=2, kv_cache_memory="128MiB",
+              max_model_len=512, show_progress=False)
+    try:
+        assert _greedy(llm, PROMPTS) == _greedy(smol_llm, PROMPTS)
+        per_rank = llm.llm_engine.runner.rank_weight_bytes
+        whole = smol_llm.llm_engine.runner.weight_bytes
+        assert len(per_rank) == 4 and max(per_rank) <= 0.3 * whole, (per_rank, whole)
+        pids = llm.llm_engine.workers.pids
+    finally:
+        llm.shutdown()
+    assert _gone(pids, 10)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_pp2_equals_pp1_on_tiny_models_chunked_and_preempted(family: str, tmp_path: Path,
                                                             smol_hf_dir: Path) -> None:
@@ -80,8 +97,8 @@ def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_di
                 show_progress=False)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM(str(tiny_llama_dir), pipeline_parallel_size=3, show_progress=False)
-    with pytest.raises(ValueError, match="does not run with tensor parallelism yet"):
-        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2,
+    with pytest.raises(ValueError, match="does not run with LoRA adapters yet"):
+        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, enable_lora=True,
             show_progress=False)
     with pytest.raises(ValueError, match="pp_layer_partition needs pipeline_parallel_size"):
         LLM(str(tiny_llama_dir), pp_layer_partition="1,1", show_progress=False)
