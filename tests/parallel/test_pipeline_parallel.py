@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv import LLM, SamplingParams
+from pkv import LLM, SamplingParams, StructuredOutputsParams
 from pkv.core.distributed.pipeline import partition_layers
 from pkv.tests.conftest import PROMPTS
 from pkv.tests.helpers import build_tiny_model, kv_block_bytes
@@ -35,6 +35,11 @@ def test_pp2_equals_pp1_on_the_bundled_model(smol_llm: LLM) -> None:
         again = pp.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in again] == _greedy(smol_llm, PROMPTS)
         assert any(o.num_cached_tokens for o in again)
+        # guided decoding lives in the driver: the same constrained answers
+        guided = SamplingParams(max_tokens=12, temperature=0, structured_outputs=(
+            StructuredOutputsParams(regex=r"(yes|no), [a-z]{2,8}\.")))
+        assert ([o.outputs[0].text for o in pp.generate(PROMPTS[:3], guided)]
+                == [o.outputs[0].text for o in smol_llm.generate(PROMPTS[:3], guided)])
         runner = pp.llm_engine.runner
         whole = smol_llm.llm_engine.runner.weight_bytes
         assert len(runner.rank_weight_bytes) == 2
