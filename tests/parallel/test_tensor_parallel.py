@@ -69,9 +69,12 @@ def test_splits_that_cannot_work_are_clear_errors(tiny_llama_dir: Path) -> None:
         LLM(str(tiny_llama_dir), tensor_parallel_size=0, show_progress=False)
 
 
-def test_a_dead_worker_fails_the_engine_instead_of_hanging(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, kv_cache_memory="16MiB",
-              max_model_len=128, show_progress=False)
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_dead_worker_fails_the_engine_instead_of_hanging(tiny_llama_dir: Path,
+                                                           split: str) -> None:
+    """A shard or a pipeline stage alike."""
+    llm = LLM(str(tiny_llama_dir), **{split: 2}, kv_cache_memory="16MiB", max_model_len=128,
+              show_progress=False)
     try:
         [pid] = llm.llm_engine.workers.pids
         os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""`pkv serve` with tensor parallelism: workers spawned by pkv, and ranks started by torchrun
+"""`pkv serve` with tensor parallelism (and a pipeline stage): workers spawned by pkv, ranks started by torchrun
 (rank 0 serves HTTP). A dead rank turns /health to 503; nothing outlives the server."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from pkv import LLM, SamplingParams
 from pkv.cli.serve_process import wait_healthy
@@ -41,10 +42,12 @@ def _worker_pids(root: int) -> list[int]:
             if "pkv.core.worker.tp_worker" in " ".join(p.cmdline())]
 
 
-def test_tp_server_answers_and_turns_unhealthy_when_a_rank_dies(
-        tmp_path: Path, tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_server_answers_and_turns_unhealthy_when_a_rank_dies(
+        tmp_path: Path, tiny_llama_dir: Path, split: str) -> None:
+    """A tensor-parallel shard or a pipeline stage alike."""
     expected = _expected_text(tiny_llama_dir)
-    server = start_server(str(tmp_path), str(tiny_llama_dir), "--tensor-parallel-size", "2",
+    server = start_server(str(tmp_path), str(tiny_llama_dir), split, "2",
                           "--served-model-name", "m", "--max-model-len", "256",
                           "--kv-cache-memory", "16MiB", api_key=None)
     try:
