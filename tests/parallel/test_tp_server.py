@@ -1,5 +1,6 @@
-"""`pkv serve` with tensor parallelism (and a pipeline stage): workers spawned by pkv, ranks started by torchrun
-(rank 0 serves HTTP). A dead rank turns /health to 503; nothing outlives the server."""
+"""`pkv serve` with tensor parallelism (and a pipeline stage): workers spawned by pkv, and
+ranks started by torchrun (rank 0 serves HTTP). A dead rank turns /health to 503; nothing
+outlives the server."""
 
 from __future__ import annotations
 
