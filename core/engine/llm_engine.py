@@ -389,7 +389,7 @@ class LLMEngine:
         loads = self.kv_cache.take_loads()
         if loads:  # prefix blocks read from the disk tier, before the forward reads them
             self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)
-            self.timer.lap("kv_load")
+            self.timer.lap("prepare_inputs")  # (the blocks are the step's inputs)
         for slot, adapter in sched.lora_loads:
             self.runner.load_lora(slot, adapter)
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
