@@ -428,7 +428,7 @@ class LLMEngine:
                           for r in sched.scheduled}
                 self._in_flight.append(self.runner.launch(sched, tables,
                                                           self.kv_cache.pool.high_watermark))
-                if len(self._in_flight) < self.config.pipeline_parallel_size:
+                if len(self._in_flight) < stages:
                     return []
             elif not self._in_flight:
                 return [] if sched.preempted else self._fail_unplaceable()
