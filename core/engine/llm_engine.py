@@ -411,8 +411,10 @@ class LLMEngine:
         """A step under pipeline parallelism: launch a micro-batch of requests that no batch
         in flight holds; once P are in flight (or nothing more can start), finish the oldest.
         While stage k runs one micro-batch, stage k + 1 runs the one before it."""
-        assert self.workers is not None
-        self.workers.check()
+        workers = self.workers
+        if workers is None:
+            raise RuntimeError("a pipelined step needs the pipeline's worker ranks")
+        workers.check()
         self.timer.start()
         in_flight = {r.request_id for p in self._in_flight for r in p.sched.scheduled}
         # Each micro-batch takes its share of the requests, so that P of them keep every
@@ -437,7 +439,7 @@ class LLMEngine:
             sampled_reqs, result = self.runner.complete(pending, failures)
         except RuntimeError as exc:
             self._in_flight.clear()
-            raise RuntimeError(self.workers.explain(exc)) from exc
+            raise RuntimeError(workers.explain(exc)) from exc
         # Requests aborted while their micro-batch was in flight have no output left.
         kept = [(r, t, lp) for r, t, lp in zip(sampled_reqs, result.token_ids, result.logprobs)
                 if not r.status.finished]

@@ -476,9 +476,8 @@ class ModelRunner:
             for done in sent:  # the previous step's sends, before their tensors go
                 done.wait()
             sent = [] if stage.is_last else send_object(step, stage.next)
-            if step is None:
-                break
-            assert isinstance(step, StepInputs)
+            if not isinstance(step, StepInputs):
+                break  # None: the driver stops
             self._zero_new_blocks(step.high_watermark)
             intermediate = None
             if not stage.is_first:
