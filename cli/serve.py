@@ -171,9 +171,14 @@ def _check(options: dict[str, Any]) -> None:
     if config.model is None or Path(config.model).expanduser().exists():
         source = open_model(config.model)
         check_tp_size(source.config, config.tensor_parallel_size)
-        if config.pipeline_parallel_size > 1:
-            from pkv.core.worker.model_runner import check_pipeline_model
+        from pkv.core.pooling.tasks import resolve_task
+        from pkv.core.worker.model_runner import check_pipeline_model, check_pooling_config
 
+        task = resolve_task(config.task, source.config,
+                            source.path if source.path.is_dir() else None)
+        if task != "generate":
+            check_pooling_config(config, task)
+        if config.pipeline_parallel_size > 1:
             check_pipeline_model(config, source.config)
         model = f"{source.name} ({source.config.architecture}, read without weights)"
         spec = config.speculative

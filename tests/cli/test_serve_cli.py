@@ -74,3 +74,14 @@ def test_check_rejects_bad_configs_without_loading(tmp_path: Path, tiny_llama_di
 def test_check_rejects_unknown_parsers_and_backends(flag: str, value: str, says: str) -> None:
     result = _serve(flag, value, "--check")
     assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--task", "classify"], "not a sequence classifier"),
+    (["--task", "embed", "--pipeline-parallel-size", "2"], "does not run with pipeline"),
+    (["--pipeline-parallel-size", "2", "--pp-layer-partition", "10,10"], "summing to the model's 30"),
+])
+def test_check_rejects_tasks_and_partitions_the_model_cannot_take(args: list[str],
+                                                                  says: str) -> None:
+    result = _serve(*args, "--check")
+    assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output
