@@ -145,7 +145,8 @@ class BertEmbeddingModel(nn.Module):
     """`BertModel`: the encoder's last hidden states, for the pooler to pool."""
 
     keeps_kv = False  # bidirectional: no KV cache, every prompt whole in one step
-    default_pooling = "cls"
+    default_pooling = "cls"  # without sentence-transformers' files (see core/pooling)
+    # What ModelConfig.from_hf_dict asks every family (RoPE and ties do not apply here).
     required_fields: tuple[str, ...] = ("intermediate_size",)
     default_rope_theta = 10000.0
     default_tie_word_embeddings = False
