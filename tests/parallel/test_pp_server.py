@@ -1,20 +1,24 @@
 """`pkv serve` over two "machines" on one host: two torchrun node agents on loopback, one
 pipeline stage each (rank 0 serves HTTP). The answer equals one rank's; SIGKILL of the driver
-leaves no process behind. (A stage that pkv spawns: tests/parallel/test_tp_server.py.)"""
+leaves no process behind. A pipeline that pkv spawns drains on SIGTERM and its stage goes with
+it (a dead stage: tests/parallel/test_tp_server.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 
 from pkv.cli.serve_process import wait_healthy
 from pkv.tests.parallel.test_tensor_parallel import _gone
-from pkv.tests.parallel.test_tp_server import _complete, _expected_text
-from pkv.tests.server.conftest import free_port
+from pkv.tests.parallel.test_tp_server import _complete, _expected_text, _worker_pids
+from pkv.tests.server.conftest import free_port, start_server, stop_server
 
 
 def _node(rank: int, master_port: int, http_port: int, model: Path, log: Path
@@ -48,3 +52,28 @@ def test_two_nodes_serve_a_request_and_die_with_the_driver(tmp_path: Path,
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_sigterm_drains_a_pipeline_and_its_stage_goes_with_it(tmp_path: Path,
+                                                              tiny_llama_dir: Path) -> None:
+    server = start_server(str(tmp_path), str(tiny_llama_dir), "--pipeline-parallel-size", "2",
+                          "--served-model-name", "m", "--max-model-len", "256",
+                          "--kv-cache-memory", "16MiB", "--shutdown-timeout", "30",
+                          api_key=None)
+    try:
+        [stage] = _worker_pids(server.process.pid)
+        body = {"model": "m", "prompt": [5, 17, 99], "max_tokens": 64, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                          timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)
+            server.process.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest
+                  if x.startswith("data: {")][-1]
+        assert finish == "length"  # the request in flight ran to its end
+        assert server.process.wait(40) == 0
+        assert _gone([stage], 10)
+    finally:
+        stop_server(server)
