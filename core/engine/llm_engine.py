@@ -175,14 +175,25 @@ class LLMEngine:
         return self.runner.timer
 
     def shutdown(self, force: bool = False) -> None:
-        """Stop tensor-parallel workers (a no-op on one rank); the engine is unusable after.
-        `force` kills them without a last broadcast (when a step may still be running)."""
+        """Stop worker ranks (a no-op on one rank); the engine is unusable after. `force`
+        kills them without a last word (when a step may still be running)."""
         if self.workers is not None:
+            if not force:
+                self._drain_pipeline()
             self.workers.shutdown(force)
         if getattr(self, "kv_offload", None) is not None:
             if not force:  # (with `force` a step may be running: the pool is not settled)
                 self.kv_cache.save_cached_blocks()  # for a restart to find them
             self.kv_offload.close()  # writes still staged reach the disk
+
+    def _drain_pipeline(self) -> None:
+        """Take back the final rows of micro-batches still in flight (requests aborted in
+        them): until they are, the last stage's sends of them never finish."""
+        while getattr(self, "_in_flight", None):
+            try:
+                self.runner.complete(self._in_flight.popleft())
+            except RuntimeError:  # a dead stage: nothing more will come back
+                self._in_flight.clear()
 
     # ---- requests ------------------------------------------------------------------------
 

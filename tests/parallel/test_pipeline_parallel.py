@@ -5,6 +5,7 @@ dead stage: tests/parallel/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,31 @@ def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_di
             show_progress=False)
     with pytest.raises(ValueError, match="pp_layer_partition needs pipeline_parallel_size"):
         LLM(str(tiny_llama_dir), pp_layer_partition="1,1", show_progress=False)
+
+
+def test_requests_aborted_in_flight_leave_nothing_behind(tiny_llama_dir: Path) -> None:
+    """Aborting requests whose micro-batch is still in the pipeline: the engine serves on
+    with the same answers, and shutdown takes their rows back instead of waiting on them."""
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=128, show_progress=False)
+    engine = llm.llm_engine
+    try:
+        expected = _greedy(llm, PROMPT_IDS[:2])
+        for i in range(4):
+            engine.add_request(f"gone{i}", [1, 2, 3, 4 + i], GREEDY)
+        while not engine._in_flight:
+            engine.step()
+        engine.abort_request([f"gone{i}" for i in range(4)])
+        assert _greedy(llm, PROMPT_IDS[:2]) == expected
+        for i in range(4):
+            engine.add_request(f"again{i}", [1, 2, 3, 4 + i], GREEDY)
+        while not engine._in_flight:
+            engine.step()
+        engine.abort_request([f"again{i}" for i in range(4)])
+        assert engine.get_stats().num_blocks_used == 0
+        pids = engine.workers.pids
+        start = time.monotonic()
+    finally:
+        llm.shutdown()
+    assert time.monotonic() - start < 5  # (without taking the rows back: a 10 s kill)
+    assert _gone(pids, 5)
