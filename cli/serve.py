@@ -148,7 +148,6 @@ def _engine_config(options: dict[str, Any]) -> Any:
 def _check(options: dict[str, Any]) -> None:
     """Validate every option, and the model's config and tokenizer where the path exists
     here; never load weights."""
-    from pkv.core.distributed.parallel import check_tp_size
     from pkv.core.model_loader.loader import open_model
 
     config = _engine_config(options)
@@ -169,17 +168,10 @@ def _check(options: dict[str, Any]) -> None:
         raise ValueError(f"log_level must be debug, info, warning or error, got "
                          f"{options['log_level']!r}")
     if config.model is None or Path(config.model).expanduser().exists():
-        source = open_model(config.model)
-        check_tp_size(source.config, config.tensor_parallel_size)
-        from pkv.core.pooling.tasks import resolve_task
-        from pkv.core.worker.model_runner import check_pipeline_model, check_pooling_config
+        from pkv.core.worker.model_runner import check_model
 
-        task = resolve_task(config.task, source.config,
-                            source.path if source.path.is_dir() else None)
-        if task != "generate":
-            check_pooling_config(config, task)
-        if config.pipeline_parallel_size > 1:
-            check_pipeline_model(config, source.config)
+        source = open_model(config.model)
+        check_model(config, source)
         model = f"{source.name} ({source.config.architecture}, read without weights)"
         spec = config.speculative
         if spec is not None and spec.model and Path(spec.model).expanduser().exists():

@@ -163,7 +163,7 @@ class LLM:
         ids: list[str] = []
         try:
             for body in bodies:
-                ids.append(engine.add_prepared(engine.prepare_request(None, body, params)))
+                ids.append(engine.add_request(None, body, params))
         except Exception:
             engine.abort_request(ids)
             raise

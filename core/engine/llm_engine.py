@@ -197,10 +197,12 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None,
+    def add_request(self, request_id: str | None, prompt: str | list[int] | tuple[str, str],
+                    params: SamplingParams | PoolingParams | None = None,
+                    cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        """Validate and queue a request (see `prepare_request`); returns its id. Raises
+        ValueError on bad input."""
         return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt,
                                                       lora_request))
 
@@ -473,7 +475,8 @@ class LLMEngine:
         for request in stopped:  # stop strings end a request in the same step
             if request.request_id not in failures:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        outputs += self._finish_pooled(sched, pooled)
+        if pooled:
+            outputs += self._finish_pooled(sched, pooled)
         if failures:
             outputs = self._fail_requests(failures, outputs)
         self.num_steps += 1

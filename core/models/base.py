@@ -118,6 +118,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, [self.plan.vocab[1]], False,
                               split=tp_split(self.plan, "column", self.plan.vocab))
         self._logits_buffer: torch.Tensor | None = None  # see _lm_head
+        self.stage_layers: range | None = None  # a pipeline stage's layers (keep_stage)
         self.tie_weights()
 
     # --- what a family says -----------------------------------------------------------
@@ -239,7 +240,7 @@ class CausalLM(nn.Module):
     def _stage_name(self, name: str) -> str | None:
         """A checkpoint name as this pipeline stage holds it (its layers numbered from 0), or
         None for what another stage holds."""
-        layers = getattr(self, "stage_layers", None)
+        layers = self.stage_layers
         if layers is None:
             return name
         if name.startswith("model.layers."):

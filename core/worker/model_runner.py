@@ -109,16 +109,22 @@ class ModelSetup:
         device = resolve_device(config.device)
         backend = select_attention_backend(config.attention_backend, device.type, registry)
         loader = resolve_weight_loader(config.quantization, source, registry)
-        if config.tensor_parallel_size > 1:
-            check_tp_size(source.config, config.tensor_parallel_size)
-        task = resolve_task(config.task, source.config,
-                            source.path if source.path.is_dir() else None)
-        if task != "generate":
-            check_pooling_config(config, task)
-        if config.pipeline_parallel_size > 1:
-            check_pipeline_model(config, source.config)
+        task = check_model(config, source)
         return cls(source, resolve_max_model_len(config, source.config.max_position_embeddings),
                    device, backend, loader, registry, task)
+
+
+def check_model(config: EngineConfig, source: ModelSource) -> str:
+    """What the model and the settings must agree on before any weights load (the split,
+    the task, a pooling model's limits, the pipeline's partition); returns the task."""
+    if config.tensor_parallel_size > 1:
+        check_tp_size(source.config, config.tensor_parallel_size)
+    task = resolve_task(config.task, source.config, source.folder)
+    if task != "generate":
+        check_pooling_config(config, task)
+    if config.pipeline_parallel_size > 1:
+        check_pipeline_model(config, source.config)
+    return task
 
 
 def check_pooling_config(config: EngineConfig, task: str) -> None:
@@ -214,9 +220,7 @@ class ModelRunner:
         self.keeps_kv = getattr(self.model, "keeps_kv", True)
         self.pooler: Pooler | None = None
         if setup.task != "generate":
-            self.pooler = build_pooler(setup.task, source.config,
-                                       source.path if source.path.is_dir() else None,
-                                       self.model)
+            self.pooler = build_pooler(setup.task, source.config, source.folder, self.model)
         if (int8_lm_head(config.lm_head_quantization, setup.loader, self.device)
                 and self.model.lm_head is not None):
             from pkv.core.layers.int8_linear import Int8LinearMethod
@@ -377,7 +381,8 @@ class ModelRunner:
             self.lora_batch.segments = segments
             if self.model.model.fused is not None:
                 self.model.model.fused.set_lora_segments(segments)
-        pooling = [(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
+        pooling = ([(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
+                   if self.pooler is not None else [])
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
                           token_types(sched.scheduled, self.device) if pooling else None)
         self.timer.lap("prepare_inputs")
