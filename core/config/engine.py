@@ -194,7 +194,6 @@ class EngineConfig:
         if pp == 1:
             return
         off = [(self.enable_lora, "LoRA adapters"),
-               (self.speculative_config is not None, "speculative decoding"),
                (self.kv_offload_dir is not None, "a KV disk tier")]
         for on, what in off:
             if on:

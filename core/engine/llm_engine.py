@@ -439,26 +439,33 @@ class LLMEngine:
         self.timer.lap("schedule")
         try:
             if sched.scheduled:
-                tables = {r.request_id: self.kv_cache.block_ids(r.request_id)
-                          for r in sched.scheduled}
-                self._in_flight.append(self.runner.launch(sched, tables,
-                                                          self.kv_cache.pool.high_watermark))
+                self._launch(sched)
                 if len(self._in_flight) < stages:
                     return []
             elif not self._in_flight:
                 return [] if sched.preempted else self._fail_unplaceable()
             pending = self._in_flight.popleft()
-            failures: dict[str, Exception] = {}
-            sampled_reqs, result = self.runner.complete(pending, failures)
+            sampled_reqs, result = self.runner.complete(pending, pending.failures)
         except RuntimeError as exc:
             self._in_flight.clear()
             raise RuntimeError(workers.explain(exc)) from exc
         # Requests aborted while their micro-batch was in flight have no output left.
-        kept = [(r, t, lp) for r, t, lp in zip(sampled_reqs, result.token_ids, result.logprobs)
-                if not r.status.finished]
-        result = VerifyOutput([t for _, t, _ in kept], [lp for _, _, lp in kept],
-                              [0] * len(kept))
-        return self._complete(pending.sched, [r for r, _, _ in kept], result, {}, failures)
+        kept = [i for i, r in enumerate(sampled_reqs) if not r.status.finished]
+        result = VerifyOutput([result.token_ids[i] for i in kept],
+                              [result.logprobs[i] for i in kept],
+                              [result.num_drafts[i] for i in kept])
+        return self._complete(pending.sched, [sampled_reqs[i] for i in kept], result, {},
+                              pending.failures)
+
+    def _launch(self, sched: SchedulerOutput) -> None:
+        """Start a micro-batch down the pipeline, its drafts proposed first."""
+        tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
+        failures: dict[str, Exception] = {}
+        if sched.spec_lookahead:
+            self._propose(sched, tables, failures)
+            self.timer.lap("propose")
+        self._in_flight.append(self.runner.launch(sched, tables,
+                                                  self.kv_cache.pool.high_watermark, failures))
 
     def _complete(self, sched: SchedulerOutput, sampled_reqs: list[Request],
                   result: VerifyOutput, pooled: dict[str, torch.Tensor],

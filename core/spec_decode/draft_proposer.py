@@ -48,9 +48,12 @@ class DraftModelProposer:
              vocab_size: int, show_progress: bool) -> DraftModelProposer:
         """Open and load the draft (its KV pool is sized later, `allocate_kv`); any problem
         is a one-line ValueError naming the draft."""
+        # The draft runs whole on the driver, whatever the target's split.
         draft_config = replace(config, model=spec.model, quantization=spec.quantization,
                                revision=None, gguf_file=None, max_model_len=max_model_len,
-                               speculative_config=None, enable_lora=False)
+                               speculative_config=None, enable_lora=False,
+                               tensor_parallel_size=1, pipeline_parallel_size=1,
+                               pp_layer_partition=None)
         try:
             setup = ModelSetup.prepare(draft_config)
             check_draft_vocab(spec, setup.source.config.vocab_size, vocab_size)

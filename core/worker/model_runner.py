@@ -414,10 +414,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
-               high_watermark: int) -> PendingStep:
+               high_watermark: int, failures: dict[str, Exception] | None = None
+               ) -> PendingStep:
         """Start a micro-batch down the pipeline: its inputs to the next stage, this stage's
         layers over it, its hidden states after them; return without waiting for the rest
-        of the pipeline (`complete` does)."""
+        of the pipeline (`complete` does). `failures`: what already failed for its requests
+        (a draft model's step), for `complete` to add to."""
         chunks, sampling = self._chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
@@ -429,7 +431,8 @@ class ModelRunner:
         out = self.model(input_ids, positions, self.kv_caches, meta)
         sent += self.stage.send_next(out)
         self.timer.lap("forward")
-        return PendingStep(sched, sampling, logits_idx.numel(), sent)
+        return PendingStep(sched, sampling, logits_idx.numel(), sent,
+                           {} if failures is None else failures)
 
     @torch.inference_mode()
     def complete(self, pending: PendingStep, failures: dict[str, Exception] | None = None
@@ -605,6 +608,7 @@ class PendingStep:
     sampling: list[Request]
     num_logits: int
     sent: list  # the sends in flight (pkv.core.distributed.pipeline._Sent)
+    failures: dict[str, Exception]  # its requests' failures so far, by request id
 
 
 @dataclass(slots=True)
