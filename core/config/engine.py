@@ -193,11 +193,8 @@ class EngineConfig:
             raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
         if pp == 1:
             return
-        off = [(self.enable_lora, "LoRA adapters"),
-               (self.kv_offload_dir is not None, "a KV disk tier")]
-        for on, what in off:
-            if on:
-                raise ValueError(f"pipeline_parallel_size > 1 does not run with {what} yet")
+        if self.kv_offload_dir is not None:
+            raise ValueError("pipeline_parallel_size > 1 does not run with a KV disk tier yet")
 
     def _check_kv_offload(self) -> None:
         if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:

@@ -127,7 +127,7 @@ class LLMEngine:
         self.kv_cache = KVCacheCoordinator(self.runner.num_blocks, config.block_size,
                                            config.enable_prefix_caching,
                                            self.runner.kv_groups.windows, self.kv_offload)
-        self.lora = (LoRAManager(self.runner.lora_layers, config.max_lora_rank)
+        self.lora = (LoRAManager(self.runner.lora_targets, config.max_lora_rank)
                      if config.enable_lora else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
@@ -404,7 +404,7 @@ class LLMEngine:
             self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)
             self.timer.lap("prepare_inputs")  # (the blocks are the step's inputs)
         for slot, adapter in sched.lora_loads:
-            self.runner.load_lora(slot, adapter)
+            self.runner.load_lora(slot, adapter.weights)
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
         # What fails for one request alone (its grammar, its text) ends that request only.
         failures: dict[str, Exception] = {}

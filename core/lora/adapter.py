@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pkv.core.lora.layers import LoRASlots
+from pkv.core.lora.layers import LoRATarget
 from pkv.core.model_loader.hub import resolve_adapter
 from pkv.core.models.base import STACKED
 
@@ -65,8 +65,8 @@ class LoRAAdapter:
                           for ws in self.weights.values() for w in ws)
 
 
-def load_adapter(name: str, path: str | Path, targets: dict[str, LoRASlots], max_rank: int,
-                 uid: int) -> LoRAAdapter:
+def load_adapter(name: str, path: str | Path, targets: dict[str, LoRATarget],
+                 max_rank: int, uid: int) -> LoRAAdapter:
     """Read and check the adapter in `path` against the model's LoRA-able linears
     (`targets`, by module path); every problem is a one-line ValueError naming the adapter.
     `uid` tells this load apart from any other."""
@@ -128,7 +128,7 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
-def _place(config: dict, tensors: dict[str, torch.Tensor], targets: dict[str, LoRASlots],
+def _place(config: dict, tensors: dict[str, torch.Tensor], targets: dict[str, LoRATarget],
            max_rank: int) -> tuple[dict[str, list[LoRAWeight]], int]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -168,7 +168,8 @@ def _place(config: dict, tensors: dict[str, torch.Tensor], targets: dict[str, Lo
     return weights, top_rank
 
 
-def _target_for(targets: dict[str, LoRASlots], module: str) -> tuple[str, int | None, LoRASlots]:
+def _target_for(targets: dict[str, LoRATarget],
+                module: str) -> tuple[str, int | None, LoRATarget]:
     """The model's linear (and fused shard) for a PEFT module path."""
     parent, _, leaf = module.rpartition(".")
     fused, shard = STACKED.get(leaf, (leaf, None))

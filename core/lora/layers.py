@@ -27,6 +27,16 @@ class LoRABatch:
     segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LoRATarget:
+    """What an adapter's pairs must fit on one linear: its input width and its fused
+    outputs' widths (a linear of this rank's or, under pipeline parallelism, of another
+    stage's)."""
+
+    in_features: int
+    out_sizes: tuple[int, ...]
+
+
 class LoRASlots:
     """One linear's adapter slots."""
 
@@ -58,14 +68,20 @@ class LoRASlots:
             y[start:end].addmm_(xs @ self.a[slot], self.b[slot])
 
     @property
+    def target(self) -> LoRATarget:
+        return LoRATarget(self.in_features, tuple(self.out_sizes))
+
+    @property
     def nbytes_per_slot(self) -> int:
         return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int, batch: LoRABatch,
-                dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
+                dtype: torch.dtype, device: torch.device,
+                first_layer: int = 0) -> dict[str, LoRASlots]:
     """Give every linear of the decoder layers adapter slots; returns them by module path
-    (what adapters' target modules map to)."""
+    (what adapters' target modules map to). `first_layer`: the model's first decoder layer
+    is the whole model's layer `first_layer` (a pipeline stage's), and paths say so."""
     from pkv.core.layers.linear import Linear
 
     layers = {}
@@ -73,8 +89,17 @@ def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int, batch: Lo
         if isinstance(module, Linear) and ".layers." in f".{path}":
             module.lora = LoRASlots(module.in_features, module.out_sizes, max_loras, max_rank,
                                     batch, dtype, device)
-            layers[path] = module.lora
+            layers[_renumbered(path, first_layer)] = module.lora
     return layers
+
+
+def _renumbered(path: str, first_layer: int) -> str:
+    """`...layers.<i>.rest` as `...layers.<i + first_layer>.rest`."""
+    if not first_layer:
+        return path
+    head, sep, rest = f".{path}".partition(".layers.")
+    index, dot, tail = rest.partition(".")
+    return f"{head}{sep}{int(index) + first_layer}{dot}{tail}"[1:]
 
 
 def lora_segments(slots_and_lengths: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

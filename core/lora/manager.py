@@ -12,7 +12,7 @@ import itertools
 from pathlib import Path
 
 from pkv.core.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
-from pkv.core.lora.layers import LoRASlots
+from pkv.core.lora.layers import LoRATarget
 
 
 def parse_lora_modules(items: list[str]) -> list[tuple[str, str]]:
@@ -29,7 +29,7 @@ def parse_lora_modules(items: list[str]) -> list[tuple[str, str]]:
 class LoRAManager:
     """Named adapters for one model."""
 
-    def __init__(self, targets: dict[str, LoRASlots], max_rank: int) -> None:
+    def __init__(self, targets: dict[str, LoRATarget], max_rank: int) -> None:
         self.targets = targets
         self.max_rank = max_rank
         self.adapters: dict[str, LoRAAdapter] = {}

@@ -22,7 +22,7 @@ from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
 from pkv.core.layers.kv_groups import plan_kv_groups
 from pkv.core.layers.linear import UnquantizedLinearMethod
-from pkv.core.lora.adapter import LoRAAdapter
+from pkv.core.lora.adapter import LoRAWeight
 from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
 from pkv.core.model_loader.loader import ModelSource, build_model, open_model
 from pkv.core.model_loader.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
@@ -230,7 +230,8 @@ class ModelRunner:
             move_weights_to_huge_pages(self.model)  # before the C++ decoder takes pointers
         self.lora_batch = LoRABatch()
         self.lora_layers = (attach_lora(self.model, config.max_loras, config.max_lora_rank,
-                                        self.lora_batch, self.dtype, self.device)
+                                        self.lora_batch, self.dtype, self.device,
+                                        layers.start)
                             if config.enable_lora else {})
         ops = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.keeps_kv:
@@ -247,9 +248,15 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.timer = StepTimer(sync_cuda=self.device.type == "cuda")
         self.rank_weight_bytes = [self.weight_bytes]
+        # What adapters are checked against: every stage's LoRA linears.
+        self.lora_targets = {path: slots.target for path, slots in self.lora_layers.items()}
         if self.distributed:
             self.rank_weight_bytes = [0] * dist.get_world_size()
             dist.all_gather_object(self.rank_weight_bytes, self.weight_bytes)
+            if self.lora_layers:
+                stages: list[dict] = [{}] * dist.get_world_size()
+                dist.all_gather_object(stages, self.lora_targets)
+                self.lora_targets = {k: v for targets in stages for k, v in targets.items()}
 
     @property
     def weight_bytes(self) -> int:
@@ -376,11 +383,7 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         if self.lora_layers:
-            segments = lora_segments([(r.lora_slot, len(c.token_ids))
-                                      for r, c in zip(sched.scheduled, chunks)])
-            self.lora_batch.segments = segments
-            if self.model.model.fused is not None:
-                self.model.model.fused.set_lora_segments(segments)
+            self._use_lora_segments(self._lora_segments(sched, chunks))
         pooling = ([(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
                    if self.pooler is not None else [])
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
@@ -424,6 +427,10 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        if self.lora_layers:  # each stage loads the adapters' pairs of its own layers
+            step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
+            step.lora_segments = self._lora_segments(sched, chunks)
+            self._use_lora(step)
         if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
             broadcast(("step", step), self.tp.group)
         sent = send_object(step, self.stage.next)
@@ -487,6 +494,8 @@ class ModelRunner:
             if not isinstance(step, StepInputs):
                 break  # None: the driver stops
             self._zero_new_blocks(step.high_watermark)
+            if self.lora_layers:
+                self._use_lora(step)
             intermediate = None
             if not stage.is_first:
                 shape = (step.input_ids.shape[0], self.model_config.hidden_size)
@@ -509,10 +518,30 @@ class ModelRunner:
         vectors = self.pooler(hidden, spans, [r.pooling for r, _ in pooling])
         return {r.request_id: v.cpu() for (r, _), v in zip(pooling, vectors)}
 
-    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy an adapter's weights into `slot` of every LoRA linear."""
+    def load_lora(self, slot: int, weights: dict[str, list[LoRAWeight]]) -> None:
+        """Copy an adapter's weights (`LoRAAdapter.weights`) into `slot` of every LoRA
+        linear of this rank (a linear it does not adapt gets none)."""
         for path, layer in self.lora_layers.items():
-            layer.set(slot, adapter.weights.get(path, []))
+            layer.set(slot, weights.get(path, []))
+
+    @staticmethod
+    def _lora_segments(sched: SchedulerOutput,
+                       chunks: list[SeqChunk]) -> list[tuple[int, int, int]]:
+        return lora_segments([(r.lora_slot, len(c.token_ids))
+                              for r, c in zip(sched.scheduled, chunks)])
+
+    def _use_lora_segments(self, segments: list[tuple[int, int, int]]) -> None:
+        self.lora_batch.segments = segments
+        if self.model.model.fused is not None:
+            self.model.model.fused.set_lora_segments(segments)
+
+    def _use_lora(self, step: StepInputs) -> None:
+        """A pipelined step's adapter loads and runs of rows, on this stage's layers (the
+        loads before the step's forward: micro-batches reach a stage in order, so none
+        still running here can read a slot being refilled)."""
+        for slot, weights in step.lora_loads:
+            self.load_lora(slot, weights)
+        self._use_lora_segments(step.lora_segments)
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:

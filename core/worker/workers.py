@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +46,10 @@ class StepInputs:
     logits_idx: torch.Tensor
     high_watermark: int
     token_type_ids: torch.Tensor | None = None  # an encoder's segments (cross-encoder pairs)
+    # Pipeline stages with adapters: (slot, LoRAAdapter.weights) to load before the
+    # forward, and the step's runs of rows by slot.
+    lora_loads: list[tuple[int, dict]] = field(default_factory=list)
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def broadcast(obj: Any = None, group: Any = None) -> Any:

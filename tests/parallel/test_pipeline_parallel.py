@@ -13,6 +13,7 @@ import pytest
 from pkv import LLM, SamplingParams, StructuredOutputsParams
 from pkv.core.distributed.pipeline import partition_layers
 from pkv.tests.conftest import PROMPTS
+from pkv.tests.core.test_lora import _adapters
 from pkv.tests.core.test_spec_decode import COPY, NGRAM
 from pkv.tests.helpers import build_tiny_model, kv_block_bytes
 from pkv.tests.parallel.test_tensor_parallel import _gone
@@ -125,6 +126,32 @@ def test_speculation_under_pp_keeps_the_greedy_tokens(smol_llm: LLM, tmp_path: P
         pp.shutdown()
 
 
+def test_adapters_under_pp_equal_one_rank(tmp_path: Path, smol_hf_dir: Path) -> None:
+    """Adapters on a 1 + 3 split: the driver checks them against every stage's linears and
+    each stage loads its layers' pairs when a micro-batch brings them. One slot for two
+    adapters: the slot is refilled while another micro-batch is in flight."""
+    model = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama", num_hidden_layers=4)
+    adapters = _adapters(model, tmp_path)
+    loras = [[None, adapters[0][0], adapters[1][0]][i % 3] for i in range(6)]
+    prompts = [PROMPT_IDS[i % 4] + [i] for i in range(6)]
+    options = dict(max_model_len=128, block_size=4, kv_cache_memory="4MiB", enable_lora=True,
+                   max_loras=1, max_lora_rank=8, show_progress=False)
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=loras)]
+
+    expected = run(LLM(str(model), **options))
+    assert expected[1] != _greedy(LLM(str(model), **options), [prompts[1]])[0]
+    pp = LLM(str(model), pipeline_parallel_size=2, pp_layer_partition="1,3", **options)
+    try:
+        assert run(pp) == expected
+        assert "model.layers.3.mlp.down_proj" in pp.llm_engine.lora.targets
+        assert "model.layers.3.mlp.down_proj" not in pp.llm_engine.runner.lora_layers
+        assert pp.llm_engine.get_stats().num_blocks_used == 0
+    finally:
+        pp.shutdown()
+
+
 def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_dir: Path
                                                                    ) -> None:
     assert partition_layers(30, 2) == [15, 15]
@@ -137,8 +164,8 @@ def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_di
                 show_progress=False)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM(str(tiny_llama_dir), pipeline_parallel_size=3, show_progress=False)
-    with pytest.raises(ValueError, match="does not run with LoRA adapters yet"):
-        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, enable_lora=True,
+    with pytest.raises(ValueError, match="does not run with a KV disk tier yet"):
+        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, kv_offload_dir=str(tiny_llama_dir),
             show_progress=False)
     with pytest.raises(ValueError, match="pp_layer_partition needs pipeline_parallel_size"):
         LLM(str(tiny_llama_dir), pp_layer_partition="1,1", show_progress=False)
