@@ -14,6 +14,8 @@ layers, not all of them (layer i uses slot `slot_of[i]` of the blocks its group 
       windowed ones: 454 blocks of 4 layers, where one table for all 26 layers held 256 of 26.
 
 A model whose layers all attend alike has one group of all its layers: one table, as before.
+Under pipeline parallelism the groups are the whole model's (the driver's block tables), and
+each stage's blocks hold only its own layers of them (`KVGroups.for_layers`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class KVGroups:
     @property
     def windows(self) -> list[int | None]:
         return [g.window for g in self.groups]
+
+    def for_layers(self, layers: range) -> KVGroups:
+        """The groups as a pipeline stage holding `layers` sees them: every group kept (the
+        driver keeps one block table per group of the whole model), each with its layers
+        among those, numbered from the stage's first; a block id holds the stage's largest
+        share of one group (a stage's KV is its own layers' only)."""
+        if layers == range(len(self.group_of)):
+            return self
+        groups = tuple(KVGroup(g.window, tuple(i - layers.start for i in g.layers
+                                               if i in layers)) for g in self.groups)
+        return KVGroups(groups, max(1, *(len(g.layers) for g in groups)))
 
 
 def plan_kv_groups(layer_windows: list[int | None] | tuple[int | None, ...]) -> KVGroups:

@@ -140,10 +140,8 @@ def check_pooling_config(config: EngineConfig, task: str) -> None:
 
 
 def check_pipeline_model(config: EngineConfig, model: ModelConfig) -> None:
-    """What a pipeline of this model needs, each in one line (and its partition parses)."""
-    if len(plan_kv_groups(list(model.layer_windows)).groups) > 1:
-        raise ValueError("pipeline parallelism does not run models that mix sliding-window and "
-                         "global layers yet")
+    """The pipeline's partition of this model parses and gives every stage a layer (a
+    one-line error if not)."""
     pipeline_stage(config, model, 0)
 
 
@@ -203,8 +201,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, source.config, self.device)
         self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, source.config.head_dim)
         layers = self.stage.layers(source.config.num_hidden_layers)
-        windows = source.config.layer_windows[layers.start:layers.stop]
-        self.kv_groups = plan_kv_groups([None] * len(windows) if one_kv_group else windows)
+        windows = source.config.layer_windows
+        self.kv_groups = plan_kv_groups([None] * len(windows) if one_kv_group
+                                        else windows).for_layers(layers)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
             method = None  # asked for float32: a GGUF's blocks are dequantized as they load
@@ -496,11 +495,14 @@ class ModelRunner:
             self._zero_new_blocks(step.high_watermark)
             if self.lora_layers:
                 self._use_lora(step)
+            meta = step.meta
+            if meta.groups:  # (the driver numbered its own layers' groups)
+                meta = replace(meta, layer_groups=tuple(self.kv_groups.group_of))
             intermediate = None
             if not stage.is_first:
                 shape = (step.input_ids.shape[0], self.model_config.hidden_size)
                 intermediate = stage.recv_prev(shape, self.dtype, self.device)
-            out = self.model(step.input_ids, step.positions, self.kv_caches, step.meta,
+            out = self.model(step.input_ids, step.positions, self.kv_caches, meta,
                              intermediate)
             if not stage.is_last:
                 sent += stage.send_next(out)

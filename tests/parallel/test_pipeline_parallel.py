@@ -16,6 +16,7 @@ from pkv.tests.conftest import PROMPTS
 from pkv.tests.core.test_lora import _adapters
 from pkv.tests.core.test_spec_decode import COPY, NGRAM
 from pkv.tests.helpers import build_tiny_model, kv_block_bytes
+from pkv.tests.models.test_gemma import GEMMA3
 from pkv.tests.parallel.test_tensor_parallel import _gone
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -147,6 +148,30 @@ def test_adapters_under_pp_equal_one_rank(tmp_path: Path, smol_hf_dir: Path) -> 
         assert run(pp) == expected
         assert "model.layers.3.mlp.down_proj" in pp.llm_engine.lora.targets
         assert "model.layers.3.mlp.down_proj" not in pp.llm_engine.runner.lora_layers
+        assert pp.llm_engine.get_stats().num_blocks_used == 0
+    finally:
+        pp.shutdown()
+
+
+@pytest.mark.parametrize("partition", ["1,3", "2,2"])
+def test_hybrid_window_models_under_pp_equal_one_rank(partition: str, tmp_path: Path,
+                                                      smol_hf_dir: Path) -> None:
+    """A Gemma-3-shaped model (windowed, global, windowed, global; window 8, shorter than
+    the prompts): the driver keeps the whole model's KV groups; a stage's blocks hold its
+    own layers of them (1 + 3: the first stage has no global layer)."""
+    model = build_tiny_model(tmp_path / "gemma3", smol_hf_dir, "gemma3",
+                             **{**GEMMA3, "num_hidden_layers": 4})
+    options = dict(max_model_len=128, block_size=4, max_num_batched_tokens=16,
+                   kv_cache_memory="2MiB", show_progress=False)
+    one = LLM(str(model), **options)
+    expected = _greedy(one, PROMPT_IDS)
+    assert len(one.llm_engine.runner.kv_groups.groups) == 2
+    pp = LLM(str(model), pipeline_parallel_size=2, pp_layer_partition=partition, **options)
+    try:
+        runner = pp.llm_engine.runner
+        assert runner.kv_groups.windows == [None, 8]
+        assert runner.kv_groups.slots == 1  # the driver holds one layer of each group at most
+        assert _greedy(pp, PROMPT_IDS) == expected
         assert pp.llm_engine.get_stats().num_blocks_used == 0
     finally:
         pp.shutdown()
