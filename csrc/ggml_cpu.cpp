@@ -339,17 +339,9 @@ inline void dequantize_run(const Part& p, const uint8_t* row, int64_t v0, int64_
 }
 
 // acc[r] += w[0, count) * x[r * ldx + (0, count)] lane-wise for R rows of x: each vector of
-// w is loaded once for the R rows (R accumulators, w and x fit the registers of AVX2).
+// w is loaded once for the R rows (RowSums, below).
 template <int R>
-inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc) {
-  vf16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = acc[r];
-  for (int64_t i = 0; i < count; i += 16) {
-    const vf16 wv = load16(w + i);
-    for (int r = 0; r < R; ++r) a[r] += wv * load16(x + r * ldx + i);
-  }
-  for (int r = 0; r < R; ++r) acc[r] = a[r];
-}
+inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc);
 
 // y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x, the block
 // dequantizer `deq` inlined. Each row of x keeps a vector of partial sums over the whole
@@ -377,24 +369,50 @@ void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, i
 }
 
 // The partial sums of R rows of x against one weight row, held in registers while the row's
-// blocks are decoded (taken from and given back to the caller's accumulators).
-template <int R>
+// blocks are decoded (taken from and given back to the caller's accumulators). With one
+// accumulator a row, every FMA of a one-row GEMV waits for the one before (4 cycles): the
+// 8B Q6_K down projection ran at 10 GB/s so, one row as slow as four. Below four rows each
+// row keeps kChains accumulators, which callers fill in turn (add<C>), summed at the end.
+template <int R, int kMaxChains = 4>
 struct RowSums {
-  vf16 a[R];
+  static constexpr int kChains = std::min(kMaxChains, R == 1 ? 4 : (R == 2 ? 2 : 1));
+  vf16 a[R][kChains];
   const float* x;
   int64_t ldx;
 
   RowSums(const vf16* acc, const float* x_, int64_t ldx_) : x(x_), ldx(ldx_) {
-    for (int r = 0; r < R; ++r) a[r] = acc[r];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = acc[r];
+      for (int c = 1; c < kChains; ++c) a[r][c] = vf16{};
+    }
   }
-  // Every row: a[r] += w * x[r][at, at + 16).
+  // Every row: its chain C += w * x[r][at, at + 16).
+  template <int C = 0>
   void add(const vf16& w, int64_t at) {
-    for (int r = 0; r < R; ++r) a[r] += w * load16(x + r * ldx + at);
+    for (int r = 0; r < R; ++r) a[r][C % kChains] += w * load16(x + r * ldx + at);
   }
   void store(vf16* acc) const {
-    for (int r = 0; r < R; ++r) acc[r] = a[r];
+    for (int r = 0; r < R; ++r) {
+      vf16 sum = a[r][0];
+      for (int c = 1; c < kChains; ++c) sum += a[r][c];
+      acc[r] = sum;
+    }
   }
 };
+
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc) {
+  RowSums<R> sums(acc, x, ldx);
+  int64_t i = 0;
+  for (; i + 64 <= count; i += 64) {
+    sums.template add<0>(load16(w + i), i);
+    sums.template add<1>(load16(w + i + 16), i + 16);
+    sums.template add<2>(load16(w + i + 32), i + 32);
+    sums.template add<3>(load16(w + i + 48), i + 48);
+  }
+  for (; i < count; i += 16) sums.add(load16(w + i), i);
+  sums.store(acc);
+}
 
 // 16 int8 values widened to floats in registers.
 inline vf16 widen_i8(const int8_t* p) {
@@ -423,8 +441,13 @@ inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t
   for (int64_t i = 0; i < blocks; ++i, row += 34) {
     const float d = half(row);
     const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
-    sums.add(widen_i8(q) * d, 32 * i);
-    sums.add(widen_i8(q + 16) * d, 32 * i + 16);
+    if (i % 2 == 0) {
+      sums.template add<0>(widen_i8(q) * d, 32 * i);
+      sums.template add<1>(widen_i8(q + 16) * d, 32 * i + 16);
+    } else {
+      sums.template add<2>(widen_i8(q) * d, 32 * i);
+      sums.template add<3>(widen_i8(q + 16) * d, 32 * i + 16);
+    }
   }
   sums.store(acc);
 }
@@ -450,38 +473,158 @@ inline vf16 to_floats(vu16 a) {
   return f;
 }
 
-// Q6_K without the buffer: per run of 16 values, the low 4 bits (ql) and high 2 (qh) of four
-// runs 32 apart are combined in 32-bit lanes, converted and scaled by d * sc in registers
-// (ggml's (d sc) q, q = code - 32), then taken through R rows of x.
-template <int R>
-inline void q6_k_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
-  RowSums<R> sums(acc, x, ldx);
-  for (int64_t i = 0; i < blocks; ++i, b += 210) {
-    const float d = half(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+// Bytes as GCC vectors: 32 at a time, what one AVX2 register holds (two SSE2 / NEON ones).
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+
+inline vb32 load32b(const uint8_t* p) {
+  vb32 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+
+inline void store32b(uint8_t* p, vb32 v) { std::memcpy(p, &v, 32); }
+
+// Bytes shifted left by N within 16-bit lanes (one instruction; the caller masks the bits
+// that crossed into the next byte). GCC shifts byte vectors left by adding them to themselves
+// N times.
+template <int N>
+inline vb32 shl16(vb32 v) {
+  typedef uint16_t vh16 __attribute__((vector_size(32)));
+  return reinterpret_cast<vb32>(reinterpret_cast<vh16>(v) << N);
+}
+
+// The K-quants without a float buffer. A block's codes are put together 32 bytes at a time
+// (a few byte operations per 32 values, where 32-bit lanes took as many per 16) into a
+// 256-byte buffer in L1 and its scales widened in one vector (one by one in scalar registers
+// they took more instructions than the values); then each run of 16 values is widened,
+// scaled and multiplied in registers. A decoder type says how its blocks read:
+//   kBytes          bytes a block
+//   kRunsPerScale   runs of 16 values under one scale (and offset)
+//   kOffset         weight = code * s + o (ggml's (d sc) q - (dmin m)); otherwise the codes
+//                   are signed and weight = code * s (Q6_K's (d sc) (q - 32))
+//   decode(b, q, s, o)  the block's 256 codes in value order, its scales and offsets
+struct KQuantBuffers {
+  alignas(64) uint8_t q[256];
+  alignas(64) float s[16];
+  alignas(64) float o[16];
+};
+
+// Run j's 16 weights from a decoded block.
+template <typename Codes>
+inline vf16 run_weights(const KQuantBuffers& k, int j) {
+  constexpr int kPer = Codes::kRunsPerScale;
+  if constexpr (Codes::kOffset)
+    return to_floats(widen_u8(k.q + 16 * j)) * k.s[j / kPer] + k.o[j / kPer];
+  else
+    return widen_i8(reinterpret_cast<const int8_t*>(k.q + 16 * j)) * k.s[j / kPer];
+}
+
+// Read the decoded buffers back from memory (a widening load and a broadcast load a run):
+// left to itself GCC kept them in registers and took every run out with two or three
+// shuffles (vextracti64x2, vpermd and the index it permutes by), on the port the widening
+// needs too.
+inline void reload_buffers() { asm volatile("" ::: "memory"); }
+
+// Q6_K: per 128 values, the low 4 bits (ql) of runs 0 and 64 share bytes, as do those of 32
+// and 96; qh holds the top 2 bits of all four; (d sc) per 16 values, q - 32.
+struct Q6KCodes {
+  static constexpr int64_t kBytes = 210;
+  static constexpr int kRunsPerScale = 1;
+  static constexpr bool kOffset = false;
+  static void decode(const uint8_t* b, KQuantBuffers& k) {
     for (int n = 0; n < 2; ++n) {
-      const uint8_t* ql = b + 64 * n;
-      const uint8_t* qh = b + 128 + 32 * n;
-      const int64_t at = 256 * i + 128 * n;
-      for (int h = 0; h < 2; ++h) {
-        const vu16 lo = widen_u8(ql + 16 * h), hi = widen_u8(ql + 32 + 16 * h);
-        const vu16 top = widen_u8(qh + 16 * h);
-        const int s = 8 * n + h;
-        const vf16 w1 = (to_floats((lo & 0xF) | ((top & 3) << 4)) - 32.0f) * (d * sc[s]);
-        const vf16 w2 =
-            (to_floats((hi & 0xF) | (((top >> 2) & 3) << 4)) - 32.0f) * (d * sc[s + 2]);
-        const vf16 w3 =
-            (to_floats((lo >> 4) | (((top >> 4) & 3) << 4)) - 32.0f) * (d * sc[s + 4]);
-        const vf16 w4 =
-            (to_floats((hi >> 4) | (((top >> 6) & 3) << 4)) - 32.0f) * (d * sc[s + 6]);
-        sums.add(w1, at + 16 * h);
-        sums.add(w2, at + 16 * h + 32);
-        sums.add(w3, at + 16 * h + 64);
-        sums.add(w4, at + 16 * h + 96);
+      const vb32 lo = load32b(b + 64 * n), hi = load32b(b + 64 * n + 32);
+      const vb32 top = load32b(b + 128 + 32 * n);
+      uint8_t* out = k.q + 128 * n;
+      store32b(out, ((lo & 0xF) | (shl16<4>(top) & 0x30)) - 32);
+      store32b(out + 32, ((hi & 0xF) | (shl16<2>(top) & 0x30)) - 32);
+      store32b(out + 64, ((lo >> 4) | (top & 0x30)) - 32);
+      store32b(out + 96, ((hi >> 4) | ((top >> 2) & 0x30)) - 32);
+    }
+    store16(k.s, widen_i8(reinterpret_cast<const int8_t*>(b + 192)) * half(b + 208));
+  }
+};
+
+// Q4_K's and Q5_K's packed 6-bit scales and mins (12 bytes), as ggml unpacks them a word at
+// a time: s[j] = d sc_j, o[j] = -dmin m_j for the 8 sub-blocks.
+inline void k4_scales(const uint8_t* packed, float d, float dmin, float* s, float* o) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  const uint32_t mins = u[1] & 0x3f3f3f3f;
+  u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  u[2] = mins;
+  u[0] &= 0x3f3f3f3f;
+  // d for the 8 scales, -dmin for the 8 mins (exact: products by 1 and 0)
+  static constexpr float kHalves[2][16] = {{1, 1, 1, 1, 1, 1, 1, 1},
+                                           {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}};
+  const vf16 factor = load16(kHalves[0]) * d - load16(kHalves[1]) * dmin;
+  alignas(64) float both[16];
+  store16(both, to_floats(widen_u8(reinterpret_cast<const uint8_t*>(u))) * factor);
+  std::memcpy(s, both, 32);
+  std::memcpy(o, both + 8, 32);
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32 values under 6-bit scales and mins; per 64 values the
+// low nibbles of 32 bytes, then their high nibbles (Q5_K: the fifth bits in qh, bits 2j and
+// 2j + 1 of byte l for the pair j).
+template <bool kFifth>
+struct K4Codes {
+  static constexpr int64_t kBytes = kFifth ? 176 : 144;
+  static constexpr int kRunsPerScale = 2;
+  static constexpr bool kOffset = true;
+  static void decode(const uint8_t* b, KQuantBuffers& k) {
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    const vb32 qh = load32b(b + 16);
+    for (int j = 0; j < 4; ++j) {
+      vb32 low = load32b(qs + 32 * j) & 0xF, high = load32b(qs + 32 * j) >> 4;
+      if constexpr (kFifth) {
+        low |= shl16<4>((qh >> (2 * j)) & 1);
+        high |= shl16<4>((qh >> (2 * j + 1)) & 1);
       }
+      store32b(k.q + 64 * j, low);
+      store32b(k.q + 64 * j + 32, high);
+    }
+    k4_scales(b + 4, half(b), half(b + 2), k.s, k.o);
+  }
+};
+
+// One weight row through R rows of x, a block decoded once for all of them (RowSums' chains
+// taking four runs in turn).
+template <int R, typename Codes>
+inline void kquant_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx,
+                       vf16* acc) {
+  RowSums<R> sums(acc, x, ldx);
+  KQuantBuffers k;
+  for (int64_t i = 0; i < blocks; ++i, b += Codes::kBytes) {
+    Codes::decode(b, k);
+    reload_buffers();
+    for (int j = 0; j < 16; j += 4) {
+      sums.template add<0>(run_weights<Codes>(k, j), 256 * i + 16 * j);
+      sums.template add<1>(run_weights<Codes>(k, j + 1), 256 * i + 16 * j + 16);
+      sums.template add<2>(run_weights<Codes>(k, j + 2), 256 * i + 16 * j + 32);
+      sums.template add<3>(run_weights<Codes>(k, j + 3), 256 * i + 16 * j + 48);
     }
   }
   sums.store(acc);
+}
+
+// W weight rows through one row of x (a decode step): each vector of x is loaded once for
+// the W rows, and the W accumulators are independent chains. One weight row at a time read
+// x again per row, from L2 where it outgrows L1 (the 8B down projection's 14336 inputs:
+// 57 KB of x per 11 KB of Q6_K).
+template <int W, typename Codes>
+inline void kquant_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
+                            vf16* acc) {
+  KQuantBuffers k[W];
+  for (int64_t i = 0; i < blocks; ++i, row += Codes::kBytes) {
+    for (int w = 0; w < W; ++w) Codes::decode(row + w * stride, k[w]);
+    reload_buffers();
+    for (int j = 0; j < 16; ++j) {
+      const vf16 xv = load16(x + 256 * i + 16 * j);
+      for (int w = 0; w < W; ++w) acc[w] += run_weights<Codes>(k[w], j) * xv;
+    }
+  }
 }
 
 // Q5_0 / Q5_1 without the buffer: value j of a block takes bit j of qh as its fifth bit
@@ -492,7 +635,7 @@ inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx
   vu16 lane;
   for (int i = 0; i < kParts; ++i)
     for (int j = 0; j < kLanes; ++j) lane.p[i][j] = i * kLanes + j;
-  RowSums<R> sums(acc, x, ldx);
+  RowSums<R, 1> sums(acc, x, ldx);  // (more chains left AVX2 short of registers: 0.6-0.9x)
   for (int64_t i = 0; i < blocks; ++i, b += kBytes) {
     const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
     const uint32_t qh = word(b + (kOffset ? 4 : 2));
@@ -554,8 +697,15 @@ inline vf16 widen_f16(const uint8_t* p) {
 template <int R, bool kBf16>
 inline void half_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
   RowSums<R> sums(acc, x, ldx);
-  for (int64_t i = 0; i < 2 * blocks; ++i, b += 32)  // 16 values a step
-    sums.add(kBf16 ? widen_bf16(b) : widen_f16(b), 16 * i);
+  auto widen = [](const uint8_t* p) { return kBf16 ? widen_bf16(p) : widen_f16(p); };
+  int64_t i = 0;  // 16 values a step
+  for (; i + 4 <= 2 * blocks; i += 4, b += 128) {
+    sums.template add<0>(widen(b), 16 * i);
+    sums.template add<1>(widen(b + 32), 16 * i + 16);
+    sums.template add<2>(widen(b + 64), 16 * i + 32);
+    sums.template add<3>(widen(b + 96), 16 * i + 48);
+  }
+  for (; i < 2 * blocks; ++i, b += 32) sums.add(widen(b), 16 * i);
   sums.store(acc);
 }
 
@@ -585,6 +735,36 @@ void register_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, i
   }
 }
 
+// A K-quant's GEMV: at one row of x, kWeightRows weight rows at a time (kquant_rows_dot);
+// at more, register_gemv_rows.
+#if defined(__AVX512F__)
+constexpr int kWeightRows = 8;
+#else
+constexpr int kWeightRows = 2;  // (a vf16 is two AVX2 registers: 16 hold 2 rows' work)
+#endif
+
+template <typename Codes, typename Dot>
+void kquant_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M,
+                      int64_t K, const float* bias, float* y, int64_t ldy) {
+  if (M > 1) return register_gemv_rows<256, Dot>(p, n0, n1, x, M, K, bias, y, ldy);
+  auto finish = [&](int64_t n, const vf16& acc) {
+    y[n] = hsum(acc) + (bias != nullptr ? bias[n] : 0.0f);
+  };
+  int64_t n = n0;
+  for (; n + kWeightRows <= n1; n += kWeightRows) {
+    vf16 acc[kWeightRows];
+    zero(acc);
+    kquant_rows_dot<kWeightRows, Codes>(p.data + n * p.stride, p.stride, K / 256, x, acc);
+    for (int w = 0; w < kWeightRows; ++w) finish(n + w, acc[w]);
+  }
+  for (; n < n1; ++n) {
+    vf16 acc[1];
+    zero(acc);
+    kquant_rows_dot<1, Codes>(p.data + n * p.stride, p.stride, K / 256, x, acc);
+    finish(n, acc[0]);
+  }
+}
+
 // The register-level decoders as types, for register_gemv_rows.
 #define PKV_GGML_DOT(NAME, ...)                                                 \
   struct NAME {                                                                \
@@ -595,7 +775,9 @@ void register_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, i
     }                                                                          \
   };
 PKV_GGML_DOT(Q8Dot, q8_0_dot<R>)
-PKV_GGML_DOT(Q6KDot, q6_k_dot<R>)
+PKV_GGML_DOT(Q6KDot, (kquant_dot<R, Q6KCodes>))
+PKV_GGML_DOT(Q4KDot, (kquant_dot<R, K4Codes<false>>))
+PKV_GGML_DOT(Q5KDot, (kquant_dot<R, K4Codes<true>>))
 PKV_GGML_DOT(Q50Dot, q5_dot<R, false>)
 PKV_GGML_DOT(Q51Dot, q5_dot<R, true>)
 PKV_GGML_DOT(Bf16Dot, half_dot<R, true>)
@@ -614,15 +796,17 @@ void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float*
     PKV_GGML_CASE(Q4_0, q4_0)
     PKV_GGML_CASE(Q4_1, q4_1)
     case Q8_0: return register_gemv_rows<32, Q8Dot>(p, n0, n1, x, M, K, bias, y, ldy);
-    case Q6_K: return register_gemv_rows<256, Q6KDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q6_K: return kquant_gemv_rows<Q6KCodes, Q6KDot>(p, n0, n1, x, M, K, bias, y, ldy);
     case BF16: return register_gemv_rows<32, Bf16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
     case F16: return register_gemv_rows<32, F16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
     case Q5_0: return register_gemv_rows<32, Q50Dot>(p, n0, n1, x, M, K, bias, y, ldy);
     case Q5_1: return register_gemv_rows<32, Q51Dot>(p, n0, n1, x, M, K, bias, y, ldy);
     PKV_GGML_CASE(Q2_K, q2_k)
     PKV_GGML_CASE(Q3_K, q3_k)
-    PKV_GGML_CASE(Q4_K, q4_k)
-    PKV_GGML_CASE(Q5_K, q5_k)
+    case Q4_K:
+      return kquant_gemv_rows<K4Codes<false>, Q4KDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_K:
+      return kquant_gemv_rows<K4Codes<true>, Q5KDot>(p, n0, n1, x, M, K, bias, y, ldy);
 #undef PKV_GGML_CASE
     default: TORCH_CHECK(false, "ggml_linear: ggml type ", type, " is not one the kernels read");
   }
