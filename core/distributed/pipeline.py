@@ -17,7 +17,8 @@ later stages still run the previous one (core/engine/llm_engine.py keeps P in fl
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ class PipelineStage:
     end: int | None = None  # None: to the last layer (one stage holds them all)
     width: int = 1
     member: int = 0
+    # The group a step's pickled inputs travel in: None for the default (gloo); a gloo
+    # group of all ranks where the default is NCCL, which sends GPU tensors only.
+    objects: Any = field(default=None, compare=False)
 
     def world(self, stage: int, member: int | None = None) -> int:
         """The world rank of `member` (default: this one's) of `stage`."""
@@ -144,20 +148,31 @@ def stage_of(rank: int, counts: list[int], width: int = 1, member: int = 0) -> P
     return PipelineStage(rank, len(counts), start, start + counts[rank], width, member)
 
 
-def send_object(obj: object, dst: int) -> list[dist.Work]:
+def send_object(obj: object, dst: int, group: Any = None) -> list[_Sent]:
     """A step's inputs (or None: stop) to another rank without waiting: its pickled bytes'
-    length, then the bytes. The caller keeps the returned works until they are done."""
+    length, then the bytes (CPU tensors: `group` must be a gloo one). The caller keeps the
+    returned works until they are done."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
-    return [_Sent(dist.isend(size, dst), size), _Sent(dist.isend(data, dst), data)]
+    return [_Sent(dist.isend(size, dst, group=group), size),
+            _Sent(dist.isend(data, dst, group=group), data)]
 
 
-def recv_object(src: int) -> object:
+def recv_object(src: int, group: Any = None) -> object:
     size = torch.empty(1, dtype=torch.long)
-    dist.recv(size, src)
+    dist.recv(size, src, group=group)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src)
+    dist.recv(data, src, group=group)
     return pickle.loads(data.numpy().tobytes())
+
+
+def object_group() -> Any:
+    """The group for pickled objects between stages: None (the default group) under gloo, a
+    gloo group of every rank under NCCL. Every rank calls it, in the same order as its
+    other groups."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 class _Sent:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
-from pkv.core.distributed.pipeline import (PipelineStage, partition_layers, recv_object,
-                                           send_object, stage_of)
+from pkv.core.distributed.pipeline import (PipelineStage, object_group, partition_layers,
+                                           recv_object, send_object, stage_of)
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
@@ -159,7 +159,7 @@ def parallel_groups(config: EngineConfig, model: ModelConfig,
         groups = [dist.new_group(list(range(s * width, (s + 1) * width)))
                   for s in range(config.pipeline_parallel_size)]
         tp = TPGroup(member, width, groups[stage])
-    return tp, pipeline_stage(config, model, stage, member)
+    return tp, replace(pipeline_stage(config, model, stage, member), objects=object_group())
 
 
 def pipeline_stage(config: EngineConfig, model: ModelConfig, stage: int,
@@ -432,7 +432,7 @@ class ModelRunner:
             self._use_lora(step)
         if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
             broadcast(("step", step), self.tp.group)
-        sent = send_object(step, self.stage.next)
+        sent = send_object(step, self.stage.next, self.stage.objects)
         self._zero_new_blocks(high_watermark)
         out = self.model(input_ids, positions, self.kv_caches, meta)
         sent += self.stage.send_next(out)
@@ -468,7 +468,7 @@ class ModelRunner:
         to this stage's tensor-parallel ranks)."""
         if self.tp.enabled:
             broadcast(None, self.tp.group)
-        for sent in send_object(None, self.stage.next):
+        for sent in send_object(None, self.stage.next, self.stage.objects):
             sent.wait()
 
     @torch.inference_mode()
@@ -486,10 +486,10 @@ class ModelRunner:
                     continue
                 step = message[1] if message is not None else None
             else:
-                step = recv_object(stage.prev)
+                step = recv_object(stage.prev, stage.objects)
             for done in sent:  # the previous step's sends, before their tensors go
                 done.wait()
-            sent = [] if stage.is_last else send_object(step, stage.next)
+            sent = [] if stage.is_last else send_object(step, stage.next, stage.objects)
             if not isinstance(step, StepInputs):
                 break  # None: the driver stops
             self._zero_new_blocks(step.high_watermark)
