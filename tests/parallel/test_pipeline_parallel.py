@@ -1,7 +1,8 @@
 """Pipeline parallelism over gloo on CPU: two stages (and two stages of two tensor-parallel
 ranks) give the same greedy tokens as one rank (batched, chunked prefill, preemption,
-prefix-cache hits), each stage holds its share of the weights, and partitions are checked (a
-dead stage: tests/parallel/test_tensor_parallel.py)."""
+prefix-cache hits, speculative decoding, LoRA adapters, hybrid-window models), each stage
+holds its share of the weights, and partitions are checked (a dead stage:
+tests/parallel/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
