@@ -206,11 +206,15 @@ class EngineConfig:
             raise ValueError("kv_offload_dir does not run with tensor parallelism yet (each "
                              "rank holds a slice of every block)")
 
-    def token_budget(self, max_model_len: int) -> int:
+    def token_budget(self, max_model_len: int, encoder: bool = False) -> int:
         """Most tokens one step computes: max_num_batched_tokens, or by default 2048 (at
-        most max_model_len, at least max_num_seqs)."""
-        return (self.max_num_batched_tokens
-                or min(DEFAULT_MAX_NUM_BATCHED_TOKENS, max(max_model_len, self.max_num_seqs)))
+        most max_model_len, at least max_num_seqs; an encoder, which keeps no KV, 2048
+        whatever its max_model_len: a step's many short prompts run as one batch)."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        if encoder:
+            return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        return min(DEFAULT_MAX_NUM_BATCHED_TOKENS, max(max_model_len, self.max_num_seqs))
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -93,7 +93,6 @@ class LLMEngine:
         self.task = setup.task  # generate, embed or classify
         self.tokenizer = source.tokenizer
         self.max_model_len = setup.max_model_len
-        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         logger.info("attention backend: %s", setup.backend.name)
         self.attention_backend = setup.backend.name
         self.quantization = setup.loader.name if setup.loader else None
@@ -117,6 +116,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        self.max_num_batched_tokens = config.token_budget(self.max_model_len,
+                                                          encoder=not self.runner.keeps_kv)
         if self.workers is not None and self.workers.pipeline:
             self.workers.stop_stages = self.runner.stop_stages
         if self.proposer is not None:

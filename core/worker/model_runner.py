@@ -233,9 +233,12 @@ class ModelRunner:
                                         layers.start)
                             if config.enable_lora else {})
         ops = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and self.keeps_kv:
+        if self.device.type == "cpu" and self.dtype == torch.float32:
             ops = cpp_build.kernels_or_none()
-            self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
+            if self.keeps_kv:
+                self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
+            else:  # an encoder: its linears only
+                self.model.use_kernels(ops)
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
