@@ -430,9 +430,13 @@ class ModelRunner:
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
         if self.lora_layers:  # each stage loads the adapters' pairs of its own layers
-            step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
-            step.lora_segments = self._lora_segments(sched, chunks)
-            self._use_lora(step)
+            self._use_lora_segments(self._lora_segments(sched, chunks))
+            for slot, adapter in sched.lora_loads:
+                self.load_lora(slot, adapter.weights)
+            step.lora_segments = self.lora_batch.segments
+            step.lora_loads = [(slot, {path: pairs for path, pairs in adapter.weights.items()
+                                       if path not in self.lora_layers})
+                               for slot, adapter in sched.lora_loads]
         if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
             broadcast(("step", step), self.tp.group)
         sent = send_object(step, self.stage.next, self.stage.objects)
