@@ -170,3 +170,21 @@ def make_lora_adapter(base_dir: Path, out: Path, rank: int, targets: list[str], 
                 param.normal_(0, 0.5 / rank ** 0.5)
     model.save_pretrained(out)
     return model.merge_and_unload().eval()
+
+
+def save_headless_qwen3(out: Path, tokenizer_dir: Path, num_hidden_layers: int = 2) -> Path:
+    """A tiny random Qwen3 saved as the bare decoder (`Qwen3Model`: no LM head, no
+    `model.`), as embedding checkpoints are, with `tokenizer_dir`'s tokenizer."""
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(7)
+    transformers.Qwen3Model(config).eval().save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out

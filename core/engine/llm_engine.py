@@ -446,16 +446,18 @@ class LLMEngine:
             elif not self._in_flight:
                 return [] if sched.preempted else self._fail_unplaceable()
             pending = self._in_flight.popleft()
-            sampled_reqs, result = self.runner.complete(pending, pending.failures)
+            sampled_reqs, result, pooled = self.runner.complete(pending, pending.failures)
         except RuntimeError as exc:
             self._in_flight.clear()
             raise RuntimeError(workers.explain(exc)) from exc
         # Requests aborted while their micro-batch was in flight have no output left.
-        kept = [i for i, r in enumerate(sampled_reqs) if not r.status.finished]
+        gone = {r.request_id for r in pending.sched.scheduled if r.status.finished}
+        kept = [i for i, r in enumerate(sampled_reqs) if r.request_id not in gone]
         result = VerifyOutput([result.token_ids[i] for i in kept],
                               [result.logprobs[i] for i in kept],
                               [result.num_drafts[i] for i in kept])
-        return self._complete(pending.sched, [sampled_reqs[i] for i in kept], result, {},
+        pooled = {rid: v for rid, v in pooled.items() if rid not in gone}
+        return self._complete(pending.sched, [sampled_reqs[i] for i in kept], result, pooled,
                               pending.failures)
 
     def _launch(self, sched: SchedulerOutput) -> None:

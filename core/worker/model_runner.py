@@ -7,6 +7,7 @@ only for the rows that sample, and samples them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import psutil
@@ -27,6 +28,7 @@ from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
 from pkv.core.model_loader.loader import ModelSource, build_model, open_model
 from pkv.core.model_loader.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
 from pkv.core.models.config import ModelConfig
+from pkv.core.models.registry import family_of
 from pkv.core.pooling.pooler import Pooler
 from pkv.core.pooling.tasks import build_pooler, resolve_task
 from pkv.core.registry import PluginRegistry, discover, select_attention_backend
@@ -121,19 +123,21 @@ def check_model(config: EngineConfig, source: ModelSource) -> str:
         check_tp_size(source.config, config.tensor_parallel_size)
     task = resolve_task(config.task, source.config, source.folder)
     if task != "generate":
-        check_pooling_config(config, task)
+        check_pooling_config(config, task, source.config)
     if config.pipeline_parallel_size > 1:
         check_pipeline_model(config, source.config)
     return task
 
 
-def check_pooling_config(config: EngineConfig, task: str) -> None:
-    """What an embedding or scoring model does not run with, each in one line."""
+def check_pooling_config(config: EngineConfig, task: str, model: ModelConfig) -> None:
+    """What an embedding or scoring model does not run with, each in one line (a decoder
+    saved for embeddings runs in pipeline stages; an encoder has none)."""
+    encoder = not getattr(family_of(model.architecture), "keeps_kv", True)
     off = [(config.tensor_parallel_size > 1, "tensor parallelism"),
            (config.enable_lora, "LoRA adapters"),
            (config.speculative_config is not None, "speculative decoding"),
            (config.kv_offload_dir is not None, "a KV disk tier"),
-           (config.pipeline_parallel_size > 1, "pipeline parallelism")]
+           (config.pipeline_parallel_size > 1 and encoder, "pipeline parallelism")]
     for on, what in off:
         if on:
             raise ValueError(f"task={task} (a pooling model) does not run with {what}")
@@ -386,8 +390,7 @@ class ModelRunner:
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         if self.lora_layers:
             self._use_lora_segments(self._lora_segments(sched, chunks))
-        pooling = ([(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
-                   if self.pooler is not None else [])
+        pooling = self._pooling(sched)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
                           token_types(sched.scheduled, self.device) if pooling else None)
         self.timer.lap("prepare_inputs")
@@ -395,7 +398,9 @@ class ModelRunner:
             broadcast(step)
         hidden = self.forward(step)
         logits = self.logits(hidden, step.logits_idx)
-        pooled = self._pool(hidden, meta.query_start_loc_cpu, pooling) if pooling else {}
+        starts = meta.query_start_loc_cpu
+        spans = [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
+        pooled = self._pool(hidden, spans, pooling) if pooling else {}
         self.timer.lap("forward")
         return sampling, self._sample(logits, sched, sampling, failures), pooled
 
@@ -429,6 +434,12 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        pooling = self._pooling(sched)
+        starts = meta.query_start_loc_cpu
+        if pooling:  # the last stage sends their rows back too, after the sampling rows
+            step.pool_idx = torch.tensor([j for _, i in pooling
+                                          for j in range(starts[i], starts[i + 1])],
+                                         dtype=torch.long, device=self.device)
         if self.lora_layers:  # each stage loads the adapters' pairs of its own layers
             self._use_lora_segments(self._lora_segments(sched, chunks))
             for slot, adapter in sched.lora_loads:
@@ -445,22 +456,29 @@ class ModelRunner:
         sent += self.stage.send_next(out)
         self.timer.lap("forward")
         return PendingStep(sched, sampling, logits_idx.numel(), sent,
-                           {} if failures is None else failures)
+                           {} if failures is None else failures, pooling,
+                           [starts[i + 1] - starts[i] for _, i in pooling])
 
     @torch.inference_mode()
     def complete(self, pending: PendingStep, failures: dict[str, Exception] | None = None
-                 ) -> tuple[list[Request], VerifyOutput]:
+                 ) -> tuple[list[Request], VerifyOutput, dict[str, torch.Tensor]]:
         """Wait for a launched micro-batch's final hidden states (from the last stage), make
-        their logits and sample them."""
+        their logits and sample them; pool the pooling requests' rows (as execute_model)."""
         for sent in pending.sent:
             sent.wait()
-        logits = None
+        logits, pooled = None, {}
         if pending.num_logits:
             if self.tp.enabled:  # their shares of the LM head, gathered
                 broadcast(("rows", pending.num_logits), self.tp.group)
             logits = self._head_of_rows(pending.num_logits)
+        if pending.pooling:
+            rows = self.stage.recv_rows((sum(pending.pool_lens), self.model_config.hidden_size),
+                                        self.dtype, self.device)
+            offsets = itertools.accumulate(pending.pool_lens, initial=0)
+            pooled = self._pool(rows, list(zip(offsets, pending.pool_lens)), pending.pooling)
         self.timer.lap("forward")  # the later stages ran it
-        return pending.sampling, self._sample(logits, pending.sched, pending.sampling, failures)
+        return (pending.sampling,
+                self._sample(logits, pending.sched, pending.sampling, failures), pooled)
 
     # --- pipeline parallelism: the other stages --------------------------------------------
 
@@ -513,17 +531,26 @@ class ModelRunner:
                              intermediate)
             if not stage.is_last:
                 sent += stage.send_next(out)
-            elif step.logits_idx.numel():
-                sent += stage.send_rows(out[step.logits_idx])
+            else:
+                if step.logits_idx.numel():
+                    sent += stage.send_rows(out[step.logits_idx])
+                if step.pool_idx is not None:
+                    sent += stage.send_rows(out[step.pool_idx])
         for done in sent:
             done.wait()
 
-    def _pool(self, hidden: torch.Tensor, starts: list[int],
+    def _pooling(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
+        """The step's pooling requests and their places in it."""
+        if self.pooler is None:
+            return []
+        return [(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
+
+    def _pool(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
               pooling: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:
-        """Each pooling request's vector, from its rows of the step (its whole prompt)."""
+        """Each pooling request's vector, from its rows (its whole prompt: `spans`, first
+        row and count, in `hidden`)."""
         if self.pooler is None:
             raise RuntimeError("a pooling request reached a model that generates text")
-        spans = [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
         vectors = self.pooler(hidden, spans, [r.pooling for r, _ in pooling])
         return {r.request_id: v.cpu() for (r, _), v in zip(pooling, vectors)}
 
@@ -647,6 +674,8 @@ class PendingStep:
     num_logits: int
     sent: list  # the sends in flight (pkv.core.distributed.pipeline._Sent)
     failures: dict[str, Exception]  # its requests' failures so far, by request id
+    pooling: list[tuple[Request, int]]  # its pooling requests and their places in it
+    pool_lens: list[int]  # their rows, which come back after the sampling rows
 
 
 @dataclass(slots=True)

@@ -50,6 +50,8 @@ class StepInputs:
     # forward, and the step's runs of rows by slot.
     lora_loads: list[tuple[int, dict]] = field(default_factory=list)
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
+    # Pipeline stages: the pooling requests' rows, which the last stage sends back.
+    pool_idx: torch.Tensor | None = None
 
 
 def broadcast(obj: Any = None, group: Any = None) -> Any:

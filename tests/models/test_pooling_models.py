@@ -13,7 +13,7 @@ import transformers
 
 from pkv import LLM, PoolingParams
 from pkv.cli.bench.embed import write_random_bert
-from pkv.tests.helpers import TOKENIZER_FILES
+from pkv.tests.helpers import save_headless_qwen3
 
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
              vocab_size=1000, max_position_embeddings=128)
@@ -141,20 +141,7 @@ def test_embedding_model_scores_by_cosine(bert_dirs: dict[str, Path]):
 
 @pytest.fixture(scope="module")
 def headless_qwen3(tmp_path_factory: pytest.TempPathFactory, smol_hf_dir: Path) -> Path:
-    """A tiny Qwen3 saved as the bare decoder (`Qwen3Model`: no LM head, no `model.`)."""
-    import shutil
-
-    out = tmp_path_factory.mktemp("qwen3-embed")
-    config = transformers.Qwen3Config(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(7)
-    transformers.Qwen3Model(config).eval().save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (smol_hf_dir / name).is_file():
-            shutil.copy(smol_hf_dir / name, out / name)
-    return out
+    return save_headless_qwen3(tmp_path_factory.mktemp("qwen3-embed"), smol_hf_dir)
 
 
 @torch.no_grad()

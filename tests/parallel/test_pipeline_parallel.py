@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pkv import LLM, SamplingParams, StructuredOutputsParams
 from pkv.core.distributed.pipeline import partition_layers
 from pkv.tests.conftest import PROMPTS
 from pkv.tests.core.test_lora import _adapters
 from pkv.tests.core.test_spec_decode import COPY, NGRAM
-from pkv.tests.helpers import build_tiny_model, kv_block_bytes
+from pkv.cli.bench.embed import write_random_bert
+from pkv.tests.helpers import build_tiny_model, kv_block_bytes, save_headless_qwen3
 from pkv.tests.models.test_gemma import GEMMA3
 from pkv.tests.parallel.test_tensor_parallel import _gone
 
@@ -176,6 +178,27 @@ def test_hybrid_window_models_under_pp_equal_one_rank(partition: str, tmp_path: 
         assert pp.llm_engine.get_stats().num_blocks_used == 0
     finally:
         pp.shutdown()
+
+
+def test_a_decoder_embedding_model_under_pp_equals_one_rank(tmp_path: Path,
+                                                            smol_hf_dir: Path) -> None:
+    """A headless Qwen3 (an embedding checkpoint) in two stages: the last stage sends the
+    pooling prompts' rows back to the driver, whose pooler makes the same vectors."""
+    model = save_headless_qwen3(tmp_path / "qwen3-embed", smol_hf_dir, num_hidden_layers=4)
+    prompts = [PROMPT_IDS[i % 4] + [i] for i in range(6)]
+    one = LLM(str(model), kv_cache_memory="16MiB", show_progress=False)
+    expected = [o.outputs.data for o in one.embed(prompts)]
+    pp = LLM(str(model), pipeline_parallel_size=2, pp_layer_partition="1,3",
+             kv_cache_memory="16MiB", show_progress=False)
+    try:
+        got = [o.outputs.data for o in pp.embed(prompts)]
+        assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(got, expected))
+        assert pp.llm_engine.get_stats().num_blocks_used == 0
+    finally:
+        pp.shutdown()
+    with pytest.raises(ValueError, match="does not run with pipeline parallelism"):
+        LLM(str(write_random_bert(tmp_path / "bert")), pipeline_parallel_size=2,
+            show_progress=False)
 
 
 def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_dir: Path
