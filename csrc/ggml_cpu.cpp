@@ -338,36 +338,6 @@ inline void dequantize_run(const Part& p, const uint8_t* row, int64_t v0, int64_
   for (int64_t v = 0; v < count; v += p.fmt.values, b += p.fmt.bytes) p.fn(b, out + v);
 }
 
-// acc[r] += w[0, count) * x[r * ldx + (0, count)] lane-wise for R rows of x: each vector of
-// w is loaded once for the R rows (RowSums, below).
-template <int R>
-inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc);
-
-// y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x, the block
-// dequantizer `deq` inlined. Each row of x keeps a vector of partial sums over the whole
-// weight row (one horizontal sum at its end).
-template <typename Deq>
-void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, int64_t M,
-               int64_t K, const float* bias, float* y, int64_t ldy) {
-  alignas(64) float w[kChunk];
-  vf16 acc[kMaxRows];
-  const int64_t per_chunk = kChunk / p.fmt.values;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* b = p.data + n * p.stride;
-    for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
-    for (int64_t v0 = 0; v0 < K; v0 += kChunk) {
-      const int64_t count = std::min(kChunk, K - v0);
-      for (int64_t i = 0; i < std::min(per_chunk, count / p.fmt.values); ++i, b += p.fmt.bytes)
-        deq(b, w + i * p.fmt.values);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) dot_rows<4>(w, x + m * K + v0, K, count, acc + m);
-      for (; m < M; ++m) dot_rows<1>(w, x + m * K + v0, K, count, acc + m);
-    }
-    const float bn = bias != nullptr ? bias[n] : 0.0f;
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = hsum(acc[m]) + bn;
-  }
-}
-
 // The partial sums of R rows of x against one weight row, held in registers while the row's
 // blocks are decoded (taken from and given back to the caller's accumulators). With one
 // accumulator a row, every FMA of a one-row GEMV waits for the one before (4 cycles): the
@@ -400,6 +370,8 @@ struct RowSums {
   }
 };
 
+// acc[r] += w[0, count) * x[r * ldx + (0, count)] lane-wise for R rows of x: each vector of
+// w is loaded once for the R rows, four vectors a step on RowSums' chains.
 template <int R>
 inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc) {
   RowSums<R> sums(acc, x, ldx);
@@ -412,6 +384,31 @@ inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count,
   }
   for (; i < count; i += 16) sums.add(load16(w + i), i);
   sums.store(acc);
+}
+
+// y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x, the block
+// dequantizer `deq` inlined. Each row of x keeps a vector of partial sums over the whole
+// weight row (one horizontal sum at its end).
+template <typename Deq>
+void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, int64_t M,
+               int64_t K, const float* bias, float* y, int64_t ldy) {
+  alignas(64) float w[kChunk];
+  vf16 acc[kMaxRows];
+  const int64_t per_chunk = kChunk / p.fmt.values;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* b = p.data + n * p.stride;
+    for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
+    for (int64_t v0 = 0; v0 < K; v0 += kChunk) {
+      const int64_t count = std::min(kChunk, K - v0);
+      for (int64_t i = 0; i < std::min(per_chunk, count / p.fmt.values); ++i, b += p.fmt.bytes)
+        deq(b, w + i * p.fmt.values);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(w, x + m * K + v0, K, count, acc + m);
+      for (; m < M; ++m) dot_rows<1>(w, x + m * K + v0, K, count, acc + m);
+    }
+    const float bn = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = hsum(acc[m]) + bn;
+  }
 }
 
 // 16 int8 values widened to floats in registers.

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import logging
 import os
 import weakref
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from pkv.core.lora.manager import LoRAManager
 from pkv.core.lora.slots import LoRASlotTable
 from pkv.core.pooling.params import PoolingParams
 from pkv.core.registry import select_guided_backend
+from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.kv_cache_manager import cdiv
@@ -32,7 +33,6 @@ from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
 from pkv.core.structured_output.params import DelayedGuidedState
-from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.worker.model_runner import ModelRunner, ModelSetup, PendingStep, parallel_groups
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup

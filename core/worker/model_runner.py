@@ -208,6 +208,7 @@ class ModelRunner:
         windows = source.config.layer_windows
         self.kv_groups = plan_kv_groups([None] * len(windows) if one_kv_group
                                         else windows).for_layers(layers)
+        self._layer_groups = tuple(self.kv_groups.group_of)  # (a stage's, for its steps)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
             method = None  # asked for float32: a GGUF's blocks are dequantized as they load
@@ -398,9 +399,7 @@ class ModelRunner:
             broadcast(step)
         hidden = self.forward(step)
         logits = self.logits(hidden, step.logits_idx)
-        starts = meta.query_start_loc_cpu
-        spans = [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
-        pooled = self._pool(hidden, spans, pooling) if pooling else {}
+        pooled = self._pool(hidden, pool_spans(meta, pooling), pooling) if pooling else {}
         self.timer.lap("forward")
         return sampling, self._sample(logits, sched, sampling, failures), pooled
 
@@ -435,19 +434,17 @@ class ModelRunner:
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
         pooling = self._pooling(sched)
-        starts = meta.query_start_loc_cpu
+        spans = pool_spans(meta, pooling)
         if pooling:  # the last stage sends their rows back too, after the sampling rows
-            step.pool_idx = torch.tensor([j for _, i in pooling
-                                          for j in range(starts[i], starts[i + 1])],
+            step.pool_idx = torch.tensor([j for a, n in spans for j in range(a, a + n)],
                                          dtype=torch.long, device=self.device)
         if self.lora_layers:  # each stage loads the adapters' pairs of its own layers
-            self._use_lora_segments(self._lora_segments(sched, chunks))
-            for slot, adapter in sched.lora_loads:
-                self.load_lora(slot, adapter.weights)
-            step.lora_segments = self.lora_batch.segments
-            step.lora_loads = [(slot, {path: pairs for path, pairs in adapter.weights.items()
+            step.lora_segments = self._lora_segments(sched, chunks)
+            step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
+            self._use_lora(step)
+            step.lora_loads = [(slot, {path: pairs for path, pairs in weights.items()
                                        if path not in self.lora_layers})
-                               for slot, adapter in sched.lora_loads]
+                               for slot, weights in step.lora_loads]
         if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
             broadcast(("step", step), self.tp.group)
         sent = send_object(step, self.stage.next, self.stage.objects)
@@ -457,7 +454,7 @@ class ModelRunner:
         self.timer.lap("forward")
         return PendingStep(sched, sampling, logits_idx.numel(), sent,
                            {} if failures is None else failures, pooling,
-                           [starts[i + 1] - starts[i] for _, i in pooling])
+                           [n for _, n in spans])
 
     @torch.inference_mode()
     def complete(self, pending: PendingStep, failures: dict[str, Exception] | None = None
@@ -522,7 +519,7 @@ class ModelRunner:
                 self._use_lora(step)
             meta = step.meta
             if meta.groups:  # (the driver numbered its own layers' groups)
-                meta = replace(meta, layer_groups=tuple(self.kv_groups.group_of))
+                meta = replace(meta, layer_groups=self._layer_groups)
             intermediate = None
             if not stage.is_first:
                 shape = (step.input_ids.shape[0], self.model_config.hidden_size)
@@ -652,6 +649,13 @@ class ModelRunner:
         outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
         return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
                            banned, allowed)
+
+
+def pool_spans(meta: AttentionMetadata,
+               pooling: list[tuple[Request, int]]) -> list[tuple[int, int]]:
+    """The step's rows (first, count) of each pooling request: its whole prompt."""
+    starts = meta.query_start_loc_cpu
+    return [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
 
 
 def token_types(requests: list[Request], device: torch.device) -> torch.Tensor | None:
