@@ -356,7 +356,8 @@ class CpuDecoder {
       // ggml blocks: the parts, then their types (csrc/ggml_cpu.cpp); the GEMV writes into out.
       const std::vector<at::Tensor> parts(w.weights.begin(), w.weights.end() - 1);
       y = ggml::ggml_linear(x, parts, w.weights.back(), w.bias,
-                            x.size(0) <= ggml::kMaxRows ? std::optional(out) : std::nullopt);
+                            x.size(0) <= ggml::kMaxRows ? std::optional(out) : std::nullopt,
+                            activation_bits_ == 8 ? 8 : 32);
     } else if (w.group == 0) {
       // The GEMV writes into `out`; more rows keep f32_linear's choice of GEMM (given an
       // output, it would take its own GEMM where oneDNN is faster for long prefills).

@@ -21,9 +21,12 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -847,11 +850,17 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
 }
 
 }  // namespace
+}  // namespace ggml
 
-// y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above).
+#include "ggml_q8_cpu.cpp"
+
+namespace ggml {
+
+// y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above); with
+// activation_bits 8 the K-quant parts take x in int8 (ggml_q8_cpu.cpp), the others float32.
 at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const at::Tensor& types, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& out) {
+                       const std::optional<at::Tensor>& out, int64_t activation_bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "ggml_linear: x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
@@ -878,6 +887,13 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     return y;
   }
   const float* bd = has_bias ? bias->data_ptr<float>() : nullptr;
+  TORCH_CHECK(activation_bits == 32 || activation_bits == 8,
+              "ggml_linear: activation_bits must be 32 or 8, got ", activation_bits);
+  const bool int8 = activation_bits == 8 &&
+                    std::any_of(ps.begin(), ps.end(), [](const Part& p) { return int8_kquant(p.type); });
+#if defined(__AVX2__)
+  const Q8Rows xq = int8 ? quantize_q8(x.data_ptr<float>(), M, K) : Q8Rows{};
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
     const int64_t rows = std::min(kMaxRows, M - m0);
     const float* xd = x.data_ptr<float>() + m0 * K;
@@ -887,9 +903,14 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
       int64_t first = 0;
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
+        const float* bp = bd ? bd + first : nullptr;
+#if defined(__AVX2__)
+        if (lo < hi && int8 && int8_kquant(p.type))
+          q8_part(p, lo - first, hi - first, xq, m0, rows, bp, yd + first, N);
+        else
+#endif
         if (lo < hi)
-          gemv_part(p, p.type, lo - first, hi - first, xd, rows, K, bd ? bd + first : nullptr,
-                    yd + first, N);
+          gemv_part(p, p.type, lo - first, hi - first, xd, rows, K, bp, yd + first, N);
         first += p.rows;
       }
     });

@@ -52,8 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_linear", &ggml::ggml_linear,
         "linear on weights in ggml's block formats (GGUF): a fused GEMV at few rows",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("activation_bits") = 32);
   m.attr("ggml_gemv_max_rows") = ggml::kMaxRows;
+  m.attr("ggml_int8_kquants") = ggml::kInt8KQuants;
   m.def("ggml_rows", &ggml::ggml_rows, "rows of a table in a ggml block format, as float32");
   m.def("ggml_dequantize", &ggml::ggml_dequantize, "a table in a ggml block format as float32");
 

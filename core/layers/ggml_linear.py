@@ -26,6 +26,8 @@ GGML_GROUP = -1
 # Types whose blocks are groups of 32 inputs of 4-bit codes under a scale and an offset.
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT4_GROUP = 32
+# Types the block GEMV multiplies by int8 activations (csrc/ggml_q8_cpu.cpp).
+INT8_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 class GGMLLinearMethod(LinearMethod):
@@ -34,7 +36,8 @@ class GGMLLinearMethod(LinearMethod):
     name = "gguf"
 
     def __init__(self) -> None:
-        self.activation_bits = 32  # of the 4-bit GEMV's rows: 32 float, 16 or 8 quantized
+        # x's bits in the 4-bit tiles' GEMV (32 float, 16 or 8) and the K-quants' (32 or 8)
+        self.activation_bits = 32
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> dict[str, ParamLayout]:
         layer.parts = [None] * len(layer.out_sizes)
@@ -60,7 +63,8 @@ class GGMLLinearMethod(LinearMethod):
         layer.parts[shard or 0] = tensor
 
     def set_activations(self, activations: str) -> None:
-        """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels)."""
+        """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels), and
+        int8 rows for the K-quants' (Q4_K, Q5_K, Q6_K kept as blocks: csrc/ggml_q8_cpu.cpp)."""
         bits = {"float32": 32, "int16": 16, "int8": 8}[activations]
         if bits != 32 and cpp_build.kernels_or_none() is None:
             raise ValueError(f"awq_activations={activations} needs the CPU kernels, which did "
@@ -72,7 +76,7 @@ class GGMLLinearMethod(LinearMethod):
         layer.kernel = cpp_build.kernels_or_none()
         if layer.kernel is None:  # no compiler: torch's GEMM on a float copy
             layer.weight_f32 = torch.cat([p.dequantize() for p in parts])
-        elif all(p.format.name in INT4_TYPES for p in parts):
+        elif all(p.format.name in INT4_TYPES for p in parts) and not self._int8_blocks(parts):
             _to_int4_tiles(layer)
             return
         for i, part in enumerate(parts):  # counted as the model's weights (weight_bytes)
@@ -89,7 +93,8 @@ class GGMLLinearMethod(LinearMethod):
                                         layer.bias, layer.out_features, INT4_GROUP,
                                         layer.kernel.awq_gemv_max_rows, self.activation_bits)
         else:
-            y = layer.kernel.ggml_linear(flat, layer.blocks, layer.qtypes, layer.bias)
+            y = layer.kernel.ggml_linear(flat, layer.blocks, layer.qtypes, layer.bias, None,
+                                         self.block_bits)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def fused_operands(self, layer: Linear) -> FusedOperands | None:
@@ -98,7 +103,18 @@ class GGMLLinearMethod(LinearMethod):
         if layer.parts is None:
             return FusedOperands([layer.codes, layer.scales_f32, layer.zs], INT4_GROUP,
                                  self.activation_bits)
-        return FusedOperands([*layer.blocks, layer.qtypes], GGML_GROUP)
+        return FusedOperands([*layer.blocks, layer.qtypes], GGML_GROUP, self.activation_bits)
+
+    def _int8_blocks(self, parts: list[GGMLTensor]) -> bool:
+        """Whether int8 activations take these parts as they are: the K-quants' int8 GEMV
+        reads Q4_K at its 4.5 bits a weight, where the tiles hold 6."""
+        return (self.block_bits == 8 and bool(cpp_build.kernels_or_none().ggml_int8_kquants)
+                and all(p.format.name in INT8_BLOCK_TYPES for p in parts))
+
+    @property
+    def block_bits(self) -> int:
+        """x's bits in the block GEMV: int8 where asked, else float32 (int16 is the tiles')."""
+        return 8 if self.activation_bits == 8 else 32
 
 
 def _to_int4_tiles(layer: Linear) -> None:
@@ -150,10 +166,12 @@ def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return low.float(), mins.float()
 
 
-def use_ggml(layer: Linear) -> None:
+def use_ggml(layer: Linear, activation_bits: int = 32) -> None:
     """Make a float linear (an LM head, built before the checkpoint said its format) hold
-    ggml blocks instead of a float weight; its tensor loads after."""
+    ggml blocks instead of a float weight, with activations of `activation_bits` (those of
+    the model's other linears); its tensor loads after."""
     method = GGMLLinearMethod()
+    method.activation_bits = activation_bits
     if hasattr(layer, "weight"):
         del layer.weight
     layer.method = method

@@ -112,6 +112,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         # A GGUF's blocks stay blocks where its linears do (else every tensor is dequantized).
         self.keeps_blocks = isinstance(method, GGMLLinearMethod)
+        # The activations of a GGUF's LM head, kept in its blocks: those of the other linears.
+        self.head_activation_bits = method.activation_bits if self.keeps_blocks else 32
         self.plan = plan or single_rank_plan(cfg)
         ctx = BuildContext(backend, method, self.plan, max_len)
         self.model = self.make_decoder(cfg, ctx)
@@ -278,7 +280,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 if isinstance(tensor, GGMLTensor) and isinstance(module.method,
                                                                  UnquantizedLinearMethod):
-                    use_ggml(module)  # a GGUF's LM head, kept in its blocks
+                    use_ggml(module, self.head_activation_bits)  # a GGUF's LM head, in its blocks
                 module.load(leaf, tensor, shard, name)
             elif isinstance(module, VocabEmbedding) and leaf == "weight":
                 module.load(tensor, name)
@@ -295,7 +297,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(names)} tensor(s), e.g. {names[:3]}")
         table = self.model.embed_tokens.table if self.model.embed_tokens is not None else None
         if self.config.tie_word_embeddings and table is not None:
-            use_ggml(self.lm_head)
+            use_ggml(self.lm_head, self.head_activation_bits)
             self.lm_head.parts = [table]  # this rank's rows already
         for module in self.modules():
             if isinstance(module, Linear):

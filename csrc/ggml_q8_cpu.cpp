@@ -1,0 +1,246 @@
+// The K-quants (Q4_K, Q5_K, Q6_K) times int8 activations: byte dot products (vpmaddubsw), as
+// llama.cpp multiplies a K-quant by its Q8_K activations. Included by csrc/ggml_cpu.cpp.
+//
+// Each row of x is quantized per K-block of 256 inputs: x_k ~ xd q_k, xd = max |x| / 127,
+// with the sums of q over each 16 inputs (bsums). Every K-quant weight is a code times a
+// scale of 16 or 32 values, plus a term of the same 16 or 32 values, so a block's dot is
+//   sum_k x_k w_k ~ xd (d sum_r s_r (codes . q)_r + e sum_16 c_16 bsum_16)
+// with, per sub-block, Q4_K / Q5_K: w = (d sc) code - (dmin m): s = sc, c = m, e = -dmin;
+// Q6_K: w = (d sc) (code - 32): s = c = sc, e = -32 d. The codes are unsigned bytes (0..63)
+// and q signed ones, what vpmaddubsw multiplies: pairs of products stay below 2^15
+// (2 x 63 x 127), a block's sums in int32; one conversion to float per block and row.
+//
+// Why: the float GEMV (ggml_cpu.cpp) widens, converts and scales every value before its FMA
+// and is bound by that arithmetic (15-25 GB/s); here one vpmaddubsw takes 32 values.
+// The error is that of x in 8 bits (at most 2^-8 of the block's largest activation), as
+// llama.cpp's. 256-bit code in the AVX2 and AVX-512 builds; the generic flavour has no
+// vpmaddubsw and keeps the float GEMV (`ggml_int8_kquants()` says which).
+
+
+
+
+
+
+namespace ggml {
+
+#if defined(__AVX2__)
+namespace {
+
+constexpr int64_t kQ8Block = 256;
+// Bytes ahead of a block that its weight row is prefetched from: the hardware's prefetch
+// alone left a row of 14336 inputs (the 8B down projection) at 12-14 GB/s, where x's 14 KB
+// and the weights share a 32 KB L1; with it 22-25 GB/s, as at every K.
+constexpr int64_t kQ8Prefetch = 2048;
+
+// Rows of x in int8: q [M, K], one scale per 256 inputs [M, K / 256] and the sums of q over
+// each 16 [M, K / 16].
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;
+  int64_t K;
+};
+
+Q8Rows quantize_q8(const float* x, int64_t M, int64_t K) {
+  const int64_t NB = K / kQ8Block;
+  Q8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * NB),
+           std::vector<int16_t>(M * K / 16), K};
+  for (int64_t b = 0; b < M * NB; ++b) {
+    const float* v = x + b * kQ8Block;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kQ8Block; ++i) {
+      amax = std::max(amax, std::fabs(v[i]));
+      sum += v[i];
+    }
+    int8_t* q = r.q.data() + b * kQ8Block;
+    if (!std::isfinite(sum)) {  // a NaN or infinity: the row's outputs are NaN, as in float
+      r.d[b] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(q, q + kQ8Block, 0);
+    } else {
+      r.d[b] = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t i = 0; i < kQ8Block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    }
+    for (int64_t j = 0; j < kQ8Block / 16; ++j) {
+      int sum16 = 0;
+      for (int64_t i = 0; i < 16; ++i) sum16 += q[16 * j + i];
+      r.bsums[b * 16 + j] = static_cast<int16_t>(sum16);
+    }
+  }
+  return r;
+}
+
+// A block's scales as the dot reads them: 16 int8 s (one per 16 values), 16 int8 c, d and e.
+struct IntScales {
+  __m128i s, c;
+  float d, e;
+};
+
+inline __m256i low_bits(__m256i v, int mask) { return _mm256_and_si256(v, _mm256_set1_epi8(mask)); }
+
+// Bytes shifted by N within 16-bit lanes (the caller masks the bits that crossed bytes).
+template <int N>
+inline __m256i shift16(__m256i v) {
+  if constexpr (N >= 0) return _mm256_slli_epi16(v, N);
+  else return _mm256_srli_epi16(v, -N);
+}
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Q4_K and Q5_K: run r of 32 values is the low (r even) or high nibbles of bytes 32 (r / 2)
+// on; Q5_K's fifth bit of value l in the run is bit r of qh byte l.
+template <bool kFifth>
+struct K4Int {
+  static constexpr int64_t kBytes = kFifth ? 176 : 144;
+  static IntScales scales(const uint8_t* b) {
+    uint32_t u[4];  // ggml's unpacking, as k4_scales: 8 scales, then 8 mins
+    std::memcpy(u, b + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins;
+    u[0] &= 0x3f3f3f3f;
+    const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return {_mm_shuffle_epi8(both, twice),
+            _mm_shuffle_epi8(both, _mm_add_epi8(twice, _mm_set1_epi8(8))), half(b), -half(b + 2)};
+  }
+  template <int R>
+  static __m256i run(const uint8_t* b) {
+    const __m256i v = load256(b + (kFifth ? 48 : 16) + 32 * (R / 2));
+    __m256i codes = R % 2 == 0 ? low_bits(v, 0xF) : low_bits(_mm256_srli_epi16(v, 4), 0xF);
+    if constexpr (kFifth)  // bit R of each qh byte to bit 4
+      codes = _mm256_or_si256(codes, low_bits(shift16<4 - R>(load256(b + 16)), 0x10));
+    return codes;
+  }
+};
+
+// Q6_K: per 128 values (n = R / 4), the low 4 bits of runs 0 and 2 share the bytes of ql
+// from 64 n, those of 1 and 3 the next 32; the top 2 bits of run k are bits 2k, 2k + 1 of
+// qh bytes 32 n on.
+struct Q6KInt {
+  static constexpr int64_t kBytes = 210;
+  static IntScales scales(const uint8_t* b) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const float d = half(b + 208);
+    return {sc, sc, d, -32.f * d};
+  }
+  template <int R>
+  static __m256i run(const uint8_t* b) {
+    constexpr int n = R / 4, k = R % 4;
+    const __m256i ql = load256(b + 64 * n + 32 * (k % 2)), top = load256(b + 128 + 32 * n);
+    const __m256i low = k < 2 ? low_bits(ql, 0xF) : low_bits(_mm256_srli_epi16(ql, 4), 0xF);
+    return _mm256_or_si256(low, low_bits(shift16<4 - 2 * k>(top), 0x30));
+  }
+};
+
+// The int16 scales of run r's 16 pairs: s[2r] for its first 16 values, s[2r + 1] after.
+template <int R>
+inline __m256i run_scales(__m128i s) {
+  const __m128i pick = _mm_setr_epi8(2 * R, 2 * R, 2 * R, 2 * R, 2 * R, 2 * R, 2 * R, 2 * R,
+                                     2 * R + 1, 2 * R + 1, 2 * R + 1, 2 * R + 1, 2 * R + 1,
+                                     2 * R + 1, 2 * R + 1, 2 * R + 1);
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s, pick));
+}
+
+// isum[m] += run R of the block at b against rows m of x.
+template <int R, int M, typename Codes>
+__attribute__((always_inline)) inline void dot_run(const uint8_t* b, const IntScales& sc,
+                                                   const int8_t* const* xq, __m256i* isum) {
+  const __m256i codes = Codes::template run<R>(b), s = run_scales<R>(sc.s);
+  for (int m = 0; m < M; ++m) {
+    const __m256i pairs = _mm256_maddubs_epi16(codes, load256(xq[m] + 32 * R));
+    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(pairs, s));
+  }
+}
+
+template <int M, typename Codes, int... R>
+__attribute__((always_inline)) inline void dot_runs(const uint8_t* b, const IntScales& sc,
+                                                    const int8_t* const* xq, __m256i* isum,
+                                                    std::integer_sequence<int, R...>) {
+  (dot_run<R, M, Codes>(b, sc, xq, isum), ...);
+}
+
+// One weight row through M rows of x (rows m0.. of `x`): acc[m] += its float partial sums.
+// (Two or four weight rows at a time, sharing each load of x, ran 2-3x slower.)
+template <int M, typename Codes>
+inline void q8_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc) {
+  const int64_t NB = x.K / kQ8Block;
+  for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
+    for (int64_t l = 0; l < Codes::kBytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch + l), _MM_HINT_T0);
+    const IntScales sc = Codes::scales(b);
+    const int8_t* xq[M];
+    __m256i isum[M];
+    for (int m = 0; m < M; ++m) {
+      xq[m] = x.q.data() + (m0 + m) * x.K + kQ8Block * i;
+      isum[m] = _mm256_setzero_si256();
+    }
+    dot_runs<M, Codes>(b, sc, xq, isum, std::make_integer_sequence<int, 8>{});
+    const __m256i c = _mm256_cvtepi8_epi16(sc.c);
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (m0 + m) * NB + i;
+      const __m256i corr = _mm256_madd_epi16(c, load256(x.bsums.data() + 16 * at));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(sc.d * x.d[at]),
+                               acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(sc.e * x.d[at]), acc[m]);
+    }
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Weight row n through rows m0..m0 + M of x into y[m * ldy + n].
+template <int M, typename Codes>
+inline void q8_row(const Part& p, int64_t n, const Q8Rows& x, int64_t m0, const float* bias,
+                   float* y, int64_t ldy) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  q8_dot<M, Codes>(p.data + n * p.stride, x, m0, acc);
+  for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum8(acc[m]) + (bias ? bias[n] : 0.0f);
+}
+
+// Rows [n0, n1) of part p through rows m0..m0 + M of x, four rows of x at a time.
+template <typename Codes>
+void q8_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0,
+                  int64_t M, const float* bias, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q8_row<4, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
+    switch (M - m) {
+      case 3: q8_row<3, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
+      case 2: q8_row<2, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
+      case 1: q8_row<1, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
+      default: break;
+    }
+  }
+}
+
+// A K-quant part's rows [n0, n1) through rows m0..m0 + M of x.
+void q8_part(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0, int64_t M,
+             const float* bias, float* y, int64_t ldy) {
+  switch (p.type) {
+    case Q4_K: return q8_gemv_rows<K4Int<false>>(p, n0, n1, x, m0, M, bias, y, ldy);
+    case Q5_K: return q8_gemv_rows<K4Int<true>>(p, n0, n1, x, m0, M, bias, y, ldy);
+    default: return q8_gemv_rows<Q6KInt>(p, n0, n1, x, m0, M, bias, y, ldy);
+  }
+}
+
+}  // namespace
+
+constexpr bool kInt8KQuants = true;
+
+#else
+constexpr bool kInt8KQuants = false;
+#endif
+
+// Whether a part of ggml type `type` takes int8 activations when they are asked for.
+inline bool int8_kquant(int64_t type) {
+  return kInt8KQuants && (type == Q4_K || type == Q5_K || type == Q6_K);
+}
+
+}  // namespace ggml
