@@ -87,6 +87,14 @@ inline __m256i shift16(__m256i v) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+#if defined(__AVX512BW__)
+// AVX-512 takes two runs (64 values) an instruction: a and b as one register.
+inline __m512i join(__m256i a, __m256i b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+inline __m512i low_bits(__m512i v, int mask) { return _mm512_and_si512(v, _mm512_set1_epi8(mask)); }
+#endif
+
 // Q4_K and Q5_K: run r of 32 values is the low (r even) or high nibbles of bytes 32 (r / 2)
 // on; Q5_K's fifth bit of value l in the run is bit r of qh byte l.
 template <bool kFifth>
@@ -113,6 +121,20 @@ struct K4Int {
       codes = _mm256_or_si256(codes, low_bits(shift16<4 - R>(load256(b + 16)), 0x10));
     return codes;
   }
+#if defined(__AVX512BW__)
+  // Runs 2P and 2P + 1: the low and high nibbles of the same 32 bytes.
+  template <int P>
+  static __m512i pair(const uint8_t* b) {
+    const __m256i v = load256(b + (kFifth ? 48 : 16) + 32 * P);
+    __m512i codes = low_bits(join(v, _mm256_srli_epi16(v, 4)), 0xF);
+    if constexpr (kFifth) {
+      const __m256i qh = load256(b + 16);
+      codes = _mm512_or_si512(
+          codes, low_bits(join(shift16<4 - 2 * P>(qh), shift16<3 - 2 * P>(qh)), 0x10));
+    }
+    return codes;
+  }
+#endif
 };
 
 // Q6_K: per 128 values (n = R / 4), the low 4 bits of runs 0 and 2 share the bytes of ql
@@ -132,6 +154,18 @@ struct Q6KInt {
     const __m256i low = k < 2 ? low_bits(ql, 0xF) : low_bits(_mm256_srli_epi16(ql, 4), 0xF);
     return _mm256_or_si256(low, low_bits(shift16<4 - 2 * k>(top), 0x30));
   }
+#if defined(__AVX512BW__)
+  // Runs 2P and 2P + 1: the 64 bytes of ql from 64 n, low nibbles (P even) or high.
+  template <int P>
+  static __m512i pair(const uint8_t* b) {
+    constexpr int n = P / 2, k = 2 * (P % 2);
+    const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+    const __m512i low = k == 0 ? low_bits(ql, 0xF) : low_bits(_mm512_srli_epi16(ql, 4), 0xF);
+    const __m256i top = load256(b + 128 + 32 * n);
+    return _mm512_or_si512(
+        low, low_bits(join(shift16<4 - 2 * k>(top), shift16<2 - 2 * k>(top)), 0x30));
+  }
+#endif
 };
 
 // The int16 scales of run r's 16 pairs: s[2r] for its first 16 values, s[2r + 1] after.
@@ -154,12 +188,52 @@ __attribute__((always_inline)) inline void dot_run(const uint8_t* b, const IntSc
   }
 }
 
+#if defined(__AVX512BW__)
+// The int16 scales of runs 2P and 2P + 1 (s duplicated in both halves of `s2`).
+template <int P>
+inline __m512i pair_scales(__m256i s2) {
+  constexpr char a = 4 * P, b = 4 * P + 1, c = 4 * P + 2, d = 4 * P + 3;
+  const __m256i pick = _mm256_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b,
+                                        c, c, c, c, c, c, c, c, d, d, d, d, d, d, d, d);
+  return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(s2, pick));
+}
+
+// isum[m] += runs 2P and 2P + 1 of the block at b against rows m of x (the upper 8 lanes of
+// each row's sums folded onto the lower 8 at the block's end).
+template <int P, int M, typename Codes>
+__attribute__((always_inline)) inline void dot_pair(const uint8_t* b, __m256i s2,
+                                                    const int8_t* const* xq, __m512i* isum) {
+  const __m512i codes = Codes::template pair<P>(b), s = pair_scales<P>(s2);
+  for (int m = 0; m < M; ++m) {
+    const __m512i x = _mm512_loadu_si512(xq[m] + 64 * P);
+    isum[m] = _mm512_add_epi32(isum[m], _mm512_madd_epi16(_mm512_maddubs_epi16(codes, x), s));
+  }
+}
+#endif
+
+// isum[m] += the whole block at b against rows m of x.
 template <int M, typename Codes, int... R>
 __attribute__((always_inline)) inline void dot_runs(const uint8_t* b, const IntScales& sc,
                                                     const int8_t* const* xq, __m256i* isum,
                                                     std::integer_sequence<int, R...>) {
+#if defined(__AVX512BW__)
+  __m512i wide[M];
+  for (int m = 0; m < M; ++m) wide[m] = _mm512_setzero_si512();
+  const __m256i s2 = _mm256_broadcastsi128_si256(sc.s);
+  (dot_pair<R, M, Codes>(b, s2, xq, wide), ...);
+  for (int m = 0; m < M; ++m)
+    isum[m] = _mm256_add_epi32(_mm512_castsi512_si256(wide[m]),
+                               _mm512_extracti64x4_epi64(wide[m], 1));
+#else
   (dot_run<R, M, Codes>(b, sc, xq, isum), ...);
+#endif
 }
+
+#if defined(__AVX512BW__)
+constexpr int kRunsAtOnce = 4;  // pairs of runs
+#else
+constexpr int kRunsAtOnce = 8;
+#endif
 
 // One weight row through M rows of x (rows m0.. of `x`): acc[m] += its float partial sums.
 // (Two or four weight rows at a time, sharing each load of x, ran 2-3x slower.)
@@ -176,7 +250,7 @@ inline void q8_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc) {
       xq[m] = x.q.data() + (m0 + m) * x.K + kQ8Block * i;
       isum[m] = _mm256_setzero_si256();
     }
-    dot_runs<M, Codes>(b, sc, xq, isum, std::make_integer_sequence<int, 8>{});
+    dot_runs<M, Codes>(b, sc, xq, isum, std::make_integer_sequence<int, kRunsAtOnce>{});
     const __m256i c = _mm256_cvtepi8_epi16(sc.c);
     for (int m = 0; m < M; ++m) {
       const int64_t at = (m0 + m) * NB + i;

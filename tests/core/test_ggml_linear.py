@@ -9,7 +9,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from pkv.core.layers.ggml_linear import ggml_storage, use_ggml
 from pkv.core.layers.ggml_tensor import FORMATS, GGMLTensor
+from pkv.core.layers.linear import Linear
 
 # Byte offsets of each quantized type's float16 scales (d, and dmin/m where it has one) in
 # a block: random bytes there could be NaN or huge; everywhere else any byte is valid.
@@ -86,6 +88,56 @@ def test_parts_of_different_types_make_one_output(cpu_kernels):
     torch.testing.assert_close(y, x @ weight.t(), rtol=1e-4, atol=1e-3)
 
 
+def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with x quantized as the K-quants' int8 GEMV takes it (llama.cpp's Q8_K):
+    per 256 inputs, q = round(x * 127 / max |x|) and x ~ q max |x| / 127; float64 sums."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 256, 256)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    q = torch.round(blocks * inv).double()  # (round half to even, as the kernel's)
+    w = weight.double().reshape(weight.shape[0], k // 256, 256)
+    return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
+
+
+# The K-quants take int8 activations in AVX2 and AVX-512 code; the generic flavour keeps the
+# float GEMV. Rows 17 and 40 cross passes of the GEMV; the Q8_0 part stays float.
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 40])
+def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, rows: int):
+    names = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+    types = [FORMATS_BY_NAME[n] for n in names]
+    parts = [random_blocks(t, 5 + i, 1024, seed=10 + i) for i, t in enumerate(types)]
+    weights = [reference(p, t, 1024) for p, t in zip(parts, types)]
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 1024, generator=gen), torch.randn(26, generator=gen)
+    x[0, :256] *= 20  # an outlier block: its scale is its own
+    y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts], torch.tensor(types),
+                                bias, None, 8).double()
+    k_quants = torch.cat(weights[:3])
+    int8 = bool(cpu_kernels.ggml_int8_kquants)
+    assert int8 == (cpu_kernels.isa != "generic")
+    want = q8_reference(x, k_quants) if int8 else x.double() @ k_quants.double().t()
+    want = torch.cat([want, x.double() @ weights[3].double().t()], dim=1) + bias.double()
+    torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
+    if int8:  # and not the float result: x really went through int8
+        exact = x.double() @ k_quants.double().t() + bias[:18].double()
+        assert (y[:, :18] - exact).abs().max() > 1e-3 * exact.abs().max()
+
+
+def test_int8_activations_keep_a_bad_row_to_itself(cpu_kernels):
+    q6k = FORMATS_BY_NAME["Q6_K"]
+    blocks = torch.from_numpy(random_blocks(q6k, 9, 512, seed=4))
+    x = torch.randn(3, 512)
+    x[1, 300] = float("nan")
+    y = cpu_kernels.ggml_linear(x, [blocks], torch.tensor([q6k]), None, None, 8)
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+    torch.testing.assert_close(y[[0, 2]], cpu_kernels.ggml_linear(x[[0, 2]], [blocks],
+                                                                  torch.tensor([q6k]), None,
+                                                                  None, 8))
+    with pytest.raises(RuntimeError, match="activation_bits must be 32 or 8, got 16"):
+        cpu_kernels.ggml_linear(x, [blocks], torch.tensor([q6k]), None, None, 16)
+
+
 def test_kernels_refuse_bad_operands(cpu_kernels):
     q4k = FORMATS_BY_NAME["Q4_K"]
     blocks = torch.from_numpy(random_blocks(q4k, 4, 512))
@@ -116,3 +168,31 @@ def test_a_tensor_narrows_by_rows_and_by_whole_blocks():
 
 
 FORMATS_BY_NAME = {fmt.name: qtype for qtype, fmt in FORMATS.items()}
+
+
+def test_int8_activations_keep_k_quant_layers_in_their_blocks(isa: str):
+    # Q4_K goes to the 4-bit tiles for float activations (6 bits a weight) and stays Q4_K
+    # (4.5 bits) for int8 ones, which the K-quants' int8 GEMV reads; an LM head made a ggml
+    # layer (use_ggml) takes the bits it is given. The generic flavour keeps the tiles.
+    q4k = FORMATS_BY_NAME["Q4_K"]
+    blocks = [random_blocks(q4k, n, 512, seed=n) for n in (8, 5)]
+    x = torch.randn(3, 512)
+    layers = {}
+    for bits in (32, 8):
+        layer = Linear(512, [8, 5], False)
+        use_ggml(layer, bits)
+        for shard, b in enumerate(blocks):
+            layer.load("weight", GGMLTensor(torch.from_numpy(b), q4k, 512), shard, "w")
+        layer.method.process_weights_after_loading(layer)
+        layers[bits] = layer
+    kernels = layers[8].kernel
+    assert layers[32].parts is None  # tiles
+    if isa == "generic":
+        assert layers[8].parts is None and not kernels.ggml_int8_kquants
+        return
+    assert [label for label, _ in ggml_storage(layers[8])] == ["Q4_K", "Q4_K"]
+    assert layers[8].method.fused_operands(layers[8]).activation_bits == 8
+    want = kernels.ggml_linear(x, [torch.from_numpy(b) for b in blocks],
+                               torch.tensor([q4k, q4k]), None, None, 8)
+    torch.testing.assert_close(layers[8](x), want, rtol=0, atol=0)
+    assert not torch.allclose(layers[32](x), want, rtol=0, atol=1e-6)
