@@ -47,7 +47,7 @@ _LLAMA_SHAPED = _PERMUTED
 def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path | None = None,
                *, tokenizer_fields: dict[str, Any] | None = None) -> Path:
     """Write the HF folder `model_dir` as GGUF at `out` the way llama.cpp converts its
-    architecture; tensors of 2+ dims in `quant` (F32, F16, Q8_0, ...), tokenizer metadata
+    architecture; tensors of 2+ dims in `quant` (F32, F16, Q8_0, ..., Q4_K_M), tokenizer metadata
     copied from `tokenizer_gguf`, or `tokenizer_fields` (GGUFWriter method -> value) when
     given."""
     import gguf
@@ -62,7 +62,6 @@ def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path | No
         tokenizer_fields = _tokenizer_fields(str(tokenizer_gguf))
     for key, value in tokenizer_fields.items():
         getattr(writer, key)(value)
-    qtype = gguf.GGMLQuantizationType[quant]
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == GGUF_ARCHS[hf_arch])
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     for name, data in _converted_tensors(hf_arch, cfg, _load_state(model_dir)):
@@ -70,8 +69,10 @@ def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path | No
             name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise ValueError(f"gguf-py maps no {hf_arch} tensor named {name!r}")
-        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        kind = tensor_type(gname, quant)
+        if data.ndim >= 2 and kind != "F32":
+            writer.add_tensor(gname, quantize(data, kind),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             writer.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()
@@ -90,16 +91,87 @@ def quantized_copy(model_dir: Path, out: Path, quant: str) -> Path:
     import gguf
     from safetensors.torch import save_file
 
-    qtype = gguf.GGMLQuantizationType[quant]
     shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors*"))
     state = {}
     for name, tensor in _load_state(model_dir).items():
         data = tensor.float().numpy()
         if data.ndim >= 2:
-            data = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+            kind = tensor_type(name, quant)
+            data = gguf.quants.dequantize(quantize(data, kind), gguf.GGMLQuantizationType[kind])
         state[name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+# A Q4_K_M-like mix: llama-quantize's Q4_K_M gives attn_v, ffn_down and the LM head Q6_K
+# (here in every layer) and the rest Q4_K. Names of either side (GGUF or Hugging Face).
+_SIX_BIT = ("attn_v", "ffn_down", "v_proj", "down_proj", "lm_head")
+
+
+def tensor_type(name: str, quant: str) -> str:
+    """The ggml type of tensor `name` in a file of `quant` (a type, or the mix "Q4_K_M")."""
+    if quant != "Q4_K_M":
+        return quant
+    six = name == "output.weight" or any(part in name for part in _SIX_BIT)
+    return "Q6_K" if six else "Q4_K"
+
+
+def quantize(data: np.ndarray, quant: str) -> np.ndarray:
+    """`data` [rows, cols] in ggml type `quant`: gguf-py's quantizer, or for the K-quants it
+    lacks (Q4_K, Q6_K) a plain one: per-block scales from the extremes, codes rounded to
+    nearest (llama.cpp searches for better scales; any valid blocks do for the tests)."""
+    import gguf
+
+    if quant == "Q4_K":
+        return _q4_k(data.astype(np.float32))
+    if quant == "Q6_K":
+        return _q6_k(data.astype(np.float32))
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType[quant])
+
+
+def _halves(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape[:-1], 2)
+
+
+def _q4_k(data: np.ndarray) -> np.ndarray:
+    """Q4_K: 8 sub-blocks of 32 under 6-bit scales and mins, weight = d sc q - dmin m."""
+    rows = data.shape[0]
+    x = data.reshape(-1, 8, 32)
+    low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    scale, mins = (high - low) / 15, -low
+    d = np.maximum(scale.max(-1, keepdims=True) / 63, 1e-4).astype(np.float16)
+    dmin = np.maximum(mins.max(-1, keepdims=True) / 63, 1e-4).astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)), 0, 63).astype(np.uint8)
+    mq = np.clip(np.rint(mins / dmin.astype(np.float32)), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32) * sc)[..., None]
+    shifted = x + (dmin.astype(np.float32) * mq)[..., None]
+    q = np.clip(np.rint(np.divide(shifted, step, out=np.zeros_like(x), where=step > 0)),
+                0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    packed = np.empty((x.shape[0], 12), np.uint8)  # ggml's get_scale_min_k4, inverted
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mq[:, :4] | ((mq[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mq[:, 4:] & 0xF) << 4)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([_halves(d), _halves(dmin), packed, qs], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def _q6_k(data: np.ndarray) -> np.ndarray:
+    """Q6_K: 16 sub-blocks of 16 under int8 scales, weight = d sc (q - 32)."""
+    rows = data.shape[0]
+    x = data.reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = np.maximum(scale.max(-1, keepdims=True) / 127, 1e-4).astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)), 0, 127).astype(np.int8)
+    step = (d.astype(np.float32) * sc)[..., None]
+    q = np.clip(np.rint(np.divide(x, step, out=np.zeros_like(x), where=step > 0)), -32, 31)
+    q = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [block, half, run, value]
+    ql = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4,
+                         q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4], axis=2).reshape(-1, 128)
+    qh = (q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4
+          | (q[:, :, 3] >> 4) << 6).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), _halves(d)], axis=1)
+    return blocks.reshape(rows, -1)
 
 
 def _load_state(model_dir: Path) -> dict[str, torch.Tensor]:

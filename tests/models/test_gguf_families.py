@@ -198,3 +198,41 @@ def test_rope_scaling_pkv_lacks_is_named_not_dropped(tmp_path: Path, smol_hf_dir
     gguf_path = write_gguf(model_dir, tmp_path / "yarn.gguf", "F32", smol_gguf)
     with pytest.raises(ValueError, match="rope_type='yarn'"):
         open_model(str(gguf_path))
+
+
+def test_k_quant_mix_computes_as_its_dequantized_weights(tmp_path: Path, smol_hf_dir: Path,
+                                                         smol_gguf: Path):
+    # A Q4_K_M-style file (Q4_K, with Q6_K attn_v / ffn_down / LM head) in the C++ decoder:
+    # float activations equal transformers on the dequantized weights; int8 activations
+    # (the K-quants' int8 GEMV, Q4_K kept as blocks) stay close to float and differ from it.
+    from tests.quantization.test_fused_decoder import _one_sequence_meta
+
+    model_dir = build_tiny_model(tmp_path / "hf", smol_hf_dir, "llama", hidden_size=256,
+                                 intermediate_size=512, head_dim=64, num_attention_heads=4,
+                                 num_key_value_heads=2, tie_word_embeddings=False)
+    gguf_path = write_gguf(model_dir, tmp_path / "q4km.gguf", "Q4_K_M", smol_gguf)
+    rounded = quantized_copy(model_dir, tmp_path / "hf-q4km", "Q4_K_M")
+    prompts = parity_prompts(count=3)
+    hidden, labels = {}, {}
+    for activations in ("float32", "int8"):
+        llm = LLM(str(gguf_path), kv_cache_memory="32MiB", max_model_len=256,
+                  show_progress=False, awq_activations=activations)
+        try:
+            runner = llm.llm_engine.runner
+            labels[activations] = set(runner.weight_bytes_by_type)
+            assert runner.model.model.fused is not None
+            if activations == "float32":
+                outs = llm.generate(prompts, SamplingParams(temperature=0,
+                                                            max_tokens=NEW_TOKENS))
+            tokens = torch.tensor(prompts[0][:6])
+            meta = _one_sequence_meta(len(tokens), runner.block_size)
+            with torch.inference_mode():
+                hidden[activations] = runner.model.model(tokens, torch.arange(len(tokens)),
+                                                         runner.kv_caches, meta)
+        finally:
+            llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(rounded, prompts)
+    assert {"Q4_K as 4-bit tiles", "Q6_K"} <= labels["float32"], labels
+    assert {"Q4_K", "Q6_K"} <= labels["int8"], labels
+    error = ((hidden["int8"] - hidden["float32"]).norm() / hidden["float32"].norm()).item()
+    assert 0 < error < 5e-2, error
