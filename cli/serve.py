@@ -65,7 +65,7 @@ def serve(
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto (int8 with 4-bit weights on CPU), none, int8.")] = "auto",
-    awq_activations: Annotated[str, typer.Option(help="4-bit AWQ decode on CPU: float32 (exact), int16 or int8 (integer dot products, faster on AVX2; int8 the fastest).")] = "float32",
+    awq_activations: Annotated[str, typer.Option(help="4-bit AWQ / GGUF decode on CPU: float32 (exact), int16 or int8 (integer dot products, faster; int8 the fastest, and the only integer mode of a GGUF's K-quants).")] = "float32",
     guided_decoding_backend: Annotated[str, typer.Option(help="Structured-output backend: auto (per constraint kind), outlines, xgrammar.")] = "auto",
     structured_outputs_timeout: Annotated[float, typer.Option(help="Seconds a constraint may compile.")] = 30.0,
     speculative_config: Annotated[Optional[str], typer.Option(help='Speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": 4}.')] = None,

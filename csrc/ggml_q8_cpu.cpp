@@ -27,9 +27,10 @@ namespace ggml {
 namespace {
 
 constexpr int64_t kQ8Block = 256;
-// Bytes ahead of a block that its weight row is prefetched from: the hardware's prefetch
-// alone left a row of 14336 inputs (the 8B down projection) at 12-14 GB/s, where x's 14 KB
-// and the weights share a 32 KB L1; with it 22-25 GB/s, as at every K.
+// Bytes ahead of a block that its weight row is prefetched from, non-temporally: the
+// hardware's prefetch alone left a row of 14336 inputs (the 8B down projection) at 12-14
+// GB/s, where x's 14 KB and the weights share a 32 KB L1; with it 20-30 GB/s, as at every K
+// (NTA over T0: 1.05-1.1x, in runs alternated on a noisy machine).
 constexpr int64_t kQ8Prefetch = 2048;
 
 // Rows of x in int8: q [M, K], one scale per 256 inputs [M, K / 256] and the sums of q over
@@ -242,7 +243,7 @@ inline void q8_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc) {
   const int64_t NB = x.K / kQ8Block;
   for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
     for (int64_t l = 0; l < Codes::kBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch + l), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch + l), _MM_HINT_NTA);
     const IntScales sc = Codes::scales(b);
     const int8_t* xq[M];
     __m256i isum[M];

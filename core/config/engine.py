@@ -99,11 +99,13 @@ class EngineConfig:
         "auto", "LM head storage: auto (int8 on CPU when the decoder is 4-bit, else the "
         "compute dtype), none, int8 (weight-only, one scale per token; CPU).")
     awq_activations: str = _opt(
-        "float32", "Activations of 4-bit AWQ linears on CPU in the GEMV (up to 12-16 rows): "
-        "float32 (exactly the dequantized weights' product), int16 (quantized per weight "
-        "group, integer dot products) or int8 (quantized per 32 inputs, byte dot products: the "
-        "fastest decode on AVX2, llama.cpp's Q8 activations); int16 and int8 on the AVX2 and "
-        "AVX-512 kernels).")
+        "float32", "Activations of 4-bit linears (AWQ, a GGUF's Q4_0/Q4_1) on CPU in the GEMV "
+        "(up to 12-16 rows): float32 (exactly the dequantized weights' product), int16 "
+        "(quantized per weight group, integer dot products) or int8 (quantized per 32 inputs, "
+        "byte dot products: the fastest decode on AVX2, llama.cpp's Q8 activations); int8 also "
+        "takes a GGUF's K-quants (Q4_K, Q5_K, Q6_K, kept in their blocks) through byte dot "
+        "products at up to 64 rows, x quantized per 256 inputs (llama.cpp's Q8_K); int16 and "
+        "int8 on the AVX2 and AVX-512 kernels).")
     guided_decoding_backend: str = _opt("auto", "Guided decoding backend: auto (per constraint "
                                         "kind), outlines, xgrammar (see `pkv plugins`).")
     structured_outputs_timeout: float = _opt(30.0, "Seconds a constraint may take to compile.")

@@ -76,7 +76,8 @@ class GGMLLinearMethod(LinearMethod):
         layer.kernel = cpp_build.kernels_or_none()
         if layer.kernel is None:  # no compiler: torch's GEMM on a float copy
             layer.weight_f32 = torch.cat([p.dequantize() for p in parts])
-        elif all(p.format.name in INT4_TYPES for p in parts) and not self._int8_blocks(parts):
+        elif (all(p.format.name in INT4_TYPES for p in parts)
+              and not self._int8_blocks(layer.kernel, parts)):
             _to_int4_tiles(layer)
             return
         for i, part in enumerate(parts):  # counted as the model's weights (weight_bytes)
@@ -105,10 +106,11 @@ class GGMLLinearMethod(LinearMethod):
                                  self.activation_bits)
         return FusedOperands([*layer.blocks, layer.qtypes], GGML_GROUP, self.activation_bits)
 
-    def _int8_blocks(self, parts: list[GGMLTensor]) -> bool:
+    def _int8_blocks(self, kernel: Any, parts: list[GGMLTensor]) -> bool:
         """Whether int8 activations take these parts as they are: the K-quants' int8 GEMV
-        reads Q4_K at its 4.5 bits a weight, where the tiles hold 6."""
-        return (self.block_bits == 8 and bool(cpp_build.kernels_or_none().ggml_int8_kquants)
+        reads Q4_K at its 4.5 bits a weight, where the tiles hold 6 (at 8B: the whole model
+        at the file's size, and decode 1.2x the tiles')."""
+        return (self.block_bits == 8 and bool(kernel.ggml_int8_kquants)
                 and all(p.format.name in INT8_BLOCK_TYPES for p in parts))
 
     @property

@@ -22,7 +22,7 @@ def compare(
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     rounds: Annotated[int, typer.Option(help="Runs of each model per batch size, in turn (A B, B A, ...); the ratio is taken per round.")] = 3,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
-    awq_activations: Annotated[str, typer.Option(help="The candidate's AWQ decode activations: float32, int16 or int8.")] = "float32",
+    awq_activations: Annotated[str, typer.Option(help="The candidate's AWQ / GGUF decode activations: float32, int16 or int8.")] = "float32",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
 ) -> None:
     """Two models on the same prompts in one process, in turn: each round's tok/s of both and

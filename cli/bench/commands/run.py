@@ -47,7 +47,7 @@ def run(
     attention_backend: Annotated[str, typer.Option(help="auto or a name from `pkv plugins`.")] = "auto",
     quantization: Annotated[str, typer.Option(help="auto, none, awq, fp8, gguf.")] = "auto",
     lm_head_quantization: Annotated[str, typer.Option(help="auto, none, int8.")] = "auto",
-    awq_activations: Annotated[str, typer.Option(help="AWQ decode activations: float32, int16 or int8.")] = "float32",
+    awq_activations: Annotated[str, typer.Option(help="AWQ / GGUF decode activations: float32, int16 or int8.")] = "float32",
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model over.")] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option(help="Pipeline stages (ranks holding a run of layers each).")] = 1,
     pp_layer_partition: Annotated[Optional[str], typer.Option(help="Layers per pipeline stage, e.g. 10,20.")] = None,
