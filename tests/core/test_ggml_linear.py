@@ -124,6 +124,24 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, rows: 
         assert (y[:, :18] - exact).abs().max() > 1e-3 * exact.abs().max()
 
 
+# Past the float GEMV's 64 rows a layer all in K-quants keeps the int8 GEMV up to 128 rows;
+# beyond, or with a part of another type, the float32 GEMM takes every part.
+@pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
+                                                     (130, ("Q4_K", "Q6_K"), False),
+                                                     (70, ("Q4_K", "Q8_0"), False)])
+def test_int8_layers_keep_the_gemv_to_twice_its_rows(cpu_kernels, rows: int,
+                                                     names: tuple[str, ...], int8: bool):
+    types = [FORMATS_BY_NAME[n] for n in names]
+    parts = [random_blocks(t, 7, 512, seed=i) for i, t in enumerate(types)]
+    weight = torch.cat([reference(p, t, 512) for p, t in zip(parts, types)])
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts], torch.tensor(types),
+                                None, None, 8).double()
+    int8 = int8 and bool(cpu_kernels.ggml_int8_kquants)
+    want = q8_reference(x, weight) if int8 else x.double() @ weight.double().t()
+    torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
+
+
 def test_int8_activations_keep_a_bad_row_to_itself(cpu_kernels):
     q6k = FORMATS_BY_NAME["Q6_K"]
     blocks = torch.from_numpy(random_blocks(q6k, 9, 512, seed=4))
