@@ -13,13 +13,8 @@
 // Why: the float GEMV (ggml_cpu.cpp) widens, converts and scales every value before its FMA
 // and is bound by that arithmetic (15-25 GB/s); here one vpmaddubsw takes 32 values.
 // The error is that of x in 8 bits (at most 2^-8 of the block's largest activation), as
-// llama.cpp's. 256-bit code in the AVX2 and AVX-512 builds; the generic flavour has no
-// vpmaddubsw and keeps the float GEMV (`ggml_int8_kquants()` says which).
-
-
-
-
-
+// llama.cpp's. AVX2 takes 32 values an instruction, AVX-512 64; the generic flavour has no
+// vpmaddubsw and keeps the float GEMV (the module's `ggml_int8_kquants` says which).
 
 namespace ggml {
 
