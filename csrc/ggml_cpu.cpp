@@ -545,16 +545,21 @@ struct Q6KCodes {
   }
 };
 
-// Q4_K's and Q5_K's packed 6-bit scales and mins (12 bytes), as ggml unpacks them a word at
-// a time: s[j] = d sc_j, o[j] = -dmin m_j for the 8 sub-blocks.
-inline void k4_scales(const uint8_t* packed, float d, float dmin, float* s, float* o) {
-  uint32_t u[4];
+// Q4_K's and Q5_K's packed 6-bit scales and mins (12 bytes) as 16 bytes, as ggml unpacks
+// them a word at a time: the 8 sub-blocks' scale codes, then their min codes.
+inline void unpack_k4_scales(const uint8_t* packed, uint32_t (&u)[4]) {
   std::memcpy(u, packed, 12);
   u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
   const uint32_t mins = u[1] & 0x3f3f3f3f;
   u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
   u[2] = mins;
   u[0] &= 0x3f3f3f3f;
+}
+
+// The same as floats: s[j] = d sc_j, o[j] = -dmin m_j for the 8 sub-blocks.
+inline void k4_scales(const uint8_t* packed, float d, float dmin, float* s, float* o) {
+  uint32_t u[4];
+  unpack_k4_scales(packed, u);
   // d for the 8 scales, -dmin for the 8 mins (exact: products by 1 and 0)
   static constexpr float kHalves[2][16] = {{1, 1, 1, 1, 1, 1, 1, 1},
                                            {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}};
@@ -896,7 +901,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   }
   const float* bd = has_bias ? bias->data_ptr<float>() : nullptr;
 #if defined(__AVX2__)
-  const Q8Rows xq = int8 ? quantize_q8(x.data_ptr<float>(), M, K) : Q8Rows{};
+  // The caller's buffers, reused (no allocation on a decode step); named by a reference so
+  // that the team's threads read this thread's, not their own thread_local ones.
+  thread_local Q8Rows buffers;
+  Q8Rows& xq = buffers;
+  if (int8) quantize_q8(x.data_ptr<float>(), M, K, xq);
 #endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
     const int64_t rows = std::min(kMaxRows, M - m0);

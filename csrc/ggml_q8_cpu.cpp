@@ -34,7 +34,7 @@ struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> bsums;
-  int64_t K;
+  int64_t K = 0;
 };
 
 inline float hsum8(__m256 v) {
@@ -88,13 +88,15 @@ inline float quantize_block(const float* v, int8_t* q, int16_t* bsums) {
   return top / 127.f;
 }
 
-Q8Rows quantize_q8(const float* x, int64_t M, int64_t K) {
+// Rows x [M, K] into `r` (its buffers grown, never shrunk).
+void quantize_q8(const float* x, int64_t M, int64_t K, Q8Rows& r) {
   const int64_t NB = K / kQ8Block;
-  Q8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * NB),
-           std::vector<int16_t>(M * K / 16), K};
+  r.K = K;
+  r.q.resize(std::max<size_t>(r.q.size(), M * K));
+  r.d.resize(std::max<size_t>(r.d.size(), M * NB));
+  r.bsums.resize(std::max<size_t>(r.bsums.size(), M * K / 16));
   for (int64_t b = 0; b < M * NB; ++b)
     r.d[b] = quantize_block(x + b * kQ8Block, r.q.data() + b * kQ8Block, r.bsums.data() + 16 * b);
-  return r;
 }
 
 // A block's scales as the dot reads them: 16 int8 s (one per 16 values), 16 int8 c, d and e.
@@ -128,13 +130,8 @@ template <bool kFifth>
 struct K4Int {
   static constexpr int64_t kBytes = kFifth ? 176 : 144;
   static IntScales scales(const uint8_t* b) {
-    uint32_t u[4];  // ggml's unpacking, as k4_scales: 8 scales, then 8 mins
-    std::memcpy(u, b + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t mins = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins;
-    u[0] &= 0x3f3f3f3f;
+    uint32_t u[4];  // 8 scales, then 8 mins
+    unpack_k4_scales(b + 4, u);
     const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
     const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     return {_mm_shuffle_epi8(both, twice),

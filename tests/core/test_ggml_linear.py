@@ -100,10 +100,21 @@ def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
+@pytest.fixture
+def two_threads():  # noqa: ANN201 - a fixture
+    """Two threads for the kernels (the suite runs one a worker): x's int8 rows are made by
+    the calling thread and read by both."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 # The K-quants take int8 activations in AVX2 and AVX-512 code; the generic flavour keeps the
 # float GEMV. Rows 17 and 40 cross passes of the GEMV; the Q8_0 part stays float.
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, 40])
-def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, rows: int):
+def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_threads,
+                                                             rows: int):
     names = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
     types = [FORMATS_BY_NAME[n] for n in names]
     parts = [random_blocks(t, 5 + i, 1024, seed=10 + i) for i, t in enumerate(types)]
