@@ -69,10 +69,14 @@ inline Format format(int64_t type) {
 }
 
 // Rows of x the fused GEMV takes in one pass over the weight; up to kGemvPassRows rows take
-// passes of it, more take dequantized panels and the float32 GEMM (a Q8_0 LM head of
-// 49152 x 576, two AVX-512 threads: 16 rows 24 ms a pass, panels ~170 ms from 17 rows up).
+// passes of it, more take dequantized panels and the float32 GEMM (two AVX-512 threads: a
+// Q8_0 LM head of 49152 x 576 took 23 ms for 32 rows in passes, 44 ms for 64, panels 27 ms
+// for 65; 2048 x 2048 layers of every type alike). A layer all in int8 (ggml_q8_cpu.cpp)
+// keeps its passes up to kInt8PassRows: 8B shapes at 65 rows took 0.65x / 0.3x the float32
+// GEMM's time (Q4_K 14336 x 4096, Q6_K 4096 x 14336), at 128 rows the same.
 constexpr int64_t kMaxRows = 16;
-constexpr int64_t kGemvPassRows = 64;
+constexpr int64_t kGemvPassRows = 32;
+constexpr int64_t kInt8PassRows = 128;
 constexpr int64_t kChunk = 256;  // values dequantized at a time: one K-block, 8 small ones
 
 namespace {
@@ -890,11 +894,8 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   if (M == 0) return y;
   const auto takes_int8 = [&](const Part& p) { return activation_bits == 8 && int8_kquant(p.type); };
   const bool int8 = std::any_of(ps.begin(), ps.end(), takes_int8);
-  // A layer all in int8 keeps the GEMV's passes to twice the float one's rows: 8B shapes at 65
-  // rows took 0.65x / 0.3x the float32 GEMM's time (Q4_K 14336 x 4096, Q6_K 4096 x 14336),
-  // at 256 rows the same.
   const bool all_int8 = std::all_of(ps.begin(), ps.end(), takes_int8);
-  if (M > (all_int8 ? 2 * kGemvPassRows : kGemvPassRows)) {
+  if (M > (all_int8 ? kInt8PassRows : kGemvPassRows)) {
     gemm(ps, x, y);
     if (has_bias) y.add_(*bias);
     return y;

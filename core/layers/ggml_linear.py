@@ -66,9 +66,13 @@ class GGMLLinearMethod(LinearMethod):
         """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels), and
         int8 rows for the K-quants' (Q4_K, Q5_K, Q6_K kept as blocks: csrc/ggml_q8_cpu.cpp)."""
         bits = {"float32": 32, "int16": 16, "int8": 8}[activations]
-        if bits != 32 and cpp_build.kernels_or_none() is None:
+        kernel = cpp_build.kernels_or_none()
+        if bits != 32 and kernel is None:
             raise ValueError(f"awq_activations={activations} needs the CPU kernels, which did "
                              "not build here")
+        if bits != 32 and not kernel.awq_gemv_has_integer():
+            raise ValueError(f"awq_activations={activations} needs the avx2 or avx512 CPU "
+                             f"kernels; this model runs the {kernel.isa} kernels")
         self.activation_bits = bits
 
     def process_weights_after_loading(self, layer: Linear) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from pkv.core.layers.ggml_linear import ggml_storage, use_ggml
+from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage, use_ggml
 from pkv.core.layers.ggml_tensor import FORMATS, GGMLTensor
 from pkv.core.layers.linear import Linear
 
@@ -111,8 +111,8 @@ def two_threads():  # noqa: ANN201 - a fixture
 
 
 # The K-quants take int8 activations in AVX2 and AVX-512 code; the generic flavour keeps the
-# float GEMV. Rows 17 and 40 cross passes of the GEMV; the Q8_0 part stays float.
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 40])
+# float GEMV. Rows 17 and 32 cross passes of the GEMV; the Q8_0 part stays float.
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32])
 def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_threads,
                                                              rows: int):
     names = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
@@ -135,12 +135,12 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_th
         assert (y[:, :18] - exact).abs().max() > 1e-3 * exact.abs().max()
 
 
-# Past the float GEMV's 64 rows a layer all in K-quants keeps the int8 GEMV up to 128 rows;
+# Past the float GEMV's 32 rows a layer all in K-quants keeps the int8 GEMV up to 128 rows;
 # beyond, or with a part of another type, the float32 GEMM takes every part.
 @pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
                                                      (130, ("Q4_K", "Q6_K"), False),
                                                      (70, ("Q4_K", "Q8_0"), False)])
-def test_int8_layers_keep_the_gemv_to_twice_its_rows(cpu_kernels, rows: int,
+def test_int8_layers_keep_the_gemv_to_128_rows(cpu_kernels, rows: int,
                                                      names: tuple[str, ...], int8: bool):
     types = [FORMATS_BY_NAME[n] for n in names]
     parts = [random_blocks(t, 7, 512, seed=i) for i, t in enumerate(types)]
@@ -165,6 +165,19 @@ def test_int8_activations_keep_a_bad_row_to_itself(cpu_kernels):
                                                                   None, 8))
     with pytest.raises(RuntimeError, match="activation_bits must be 32 or 8, got 16"):
         cpu_kernels.ggml_linear(x, [blocks], torch.tensor([q6k]), None, None, 16)
+
+
+def test_the_generic_flavour_refuses_integer_activations(monkeypatch: pytest.MonkeyPatch):
+    # it has no byte or word dot products: a one-line refusal when the model is built,
+    # not an error from inside the first step
+    monkeypatch.setenv("PKV_CPU_ISA", "generic")
+    for activations in ("int16", "int8"):
+        with pytest.raises(ValueError, match=f"awq_activations={activations} needs the avx2 or "
+                                             "avx512 CPU kernels; this model runs the generic"):
+            GGMLLinearMethod().set_activations(activations)
+    method = GGMLLinearMethod()
+    method.set_activations("float32")
+    assert method.activation_bits == 32
 
 
 def test_kernels_refuse_bad_operands(cpu_kernels):
