@@ -59,7 +59,7 @@ def test_every_type_dequantizes_as_the_gguf_package(cpu_kernels, qtype: int):
                                want[ids], rtol=0, atol=0)
 
 
-# Rows 1 to 70: the GEMV (passes of up to ggml_gemv_max_rows rows) and the panel GEMM past 64;
+# Rows 1 to 70: the GEMV (passes of up to 16 rows) and the panel GEMM past 32;
 # K one chunk, several, and a last chunk of 32-value blocks short of 256 (896 = 3.5 chunks).
 @pytest.mark.parametrize("qtype", TYPES, ids=[FORMATS[t].name for t in TYPES])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 70])
