@@ -671,36 +671,87 @@ inline void kquant_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, 
   }
 }
 
-// Q5_0 / Q5_1 without the buffer: value j of a block takes bit j of qh as its fifth bit
-// (a per-lane shift of the broadcast word), then ggml's d (q - 16) or d q + m in registers.
+// Q5_0 / Q5_1 without the buffer: value j of a block takes bit j of qh as its fifth bit,
+// then ggml's d (q - 16) or d q + m in registers. For Q5_0, q - 16 is built as a signed
+// integer: its low four bits, with every bit from 4 up set where the fifth bit is clear
+// (-16 + the low bits): no subtraction, and (q - 16) d exact as ggml's. Where a lane takes
+// its bit: AVX-512 mask registers; elsewhere a test of the lane's bit (`Q5Bits`) against the
+// broadcast word (per-lane shifts ran at half the speed on AVX-512: 1.5x at mask registers).
+struct Q5Bits {
+  vu16 lo, hi;  // 1 << j and 1 << (16 + j): value j's and value 16 + j's bit of qh
+  Q5Bits() {
+    for (int i = 0; i < kParts; ++i)
+      for (int j = 0; j < kLanes; ++j) {
+        lo.p[i][j] = 1u << (i * kLanes + j);
+        hi.p[i][j] = 1u << (16 + i * kLanes + j);
+      }
+  }
+};
+
+template <bool kOffset>
+inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) {
+  const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
+  const uint32_t qh = word(b + (kOffset ? 4 : 2));
+  const vu16 q = widen_u8(b + (kOffset ? 8 : 6));
+  const uint32_t where = kOffset ? qh : ~qh;  // lanes taking 16 (Q5_1) or -16 (Q5_0)
+  constexpr int32_t kAdd = kOffset ? 16 : -16;
+#if defined(__AVX512F__)
+  const __m512i lo = (__m512i)(q.p[0] & 0xF), hi = (__m512i)(q.p[0] >> 4);
+  const __m512i add = _mm512_set1_epi32(kAdd);
+  const __m512i v0 = _mm512_mask_or_epi32(lo, (__mmask16)(where & 0xFFFF), lo, add);
+  const __m512i v1 = _mm512_mask_or_epi32(hi, (__mmask16)(where >> 16), hi, add);
+  vf16 f0, f1;
+  f0.p[0] = (vfn)_mm512_cvtepi32_ps(v0);
+  f1.p[0] = (vfn)_mm512_cvtepi32_ps(v1);
+  (void)bit;
+#else
+  const vun words = vun{} + where;
+  vf16 f0, f1;
+  for (int k = 0; k < kParts; ++k) {
+    const vin take_lo = (vin)((words & bit.lo.p[k]) == bit.lo.p[k]);  // -1 where taken
+    const vin take_hi = (vin)((words & bit.hi.p[k]) == bit.hi.p[k]);
+    f0.p[k] = __builtin_convertvector((vin)(q.p[k] & 0xF) | (take_lo & kAdd), vfn);
+    f1.p[k] = __builtin_convertvector((vin)(q.p[k] >> 4) | (take_hi & kAdd), vfn);
+  }
+#endif
+  w0 = kOffset ? f0 * d + m : f0 * d;
+  w1 = kOffset ? f1 * d + m : f1 * d;
+}
+
 template <int R, bool kOffset>
 inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
   constexpr int64_t kBytes = kOffset ? 24 : 22;
-  vu16 lane;
-  for (int i = 0; i < kParts; ++i)
-    for (int j = 0; j < kLanes; ++j) lane.p[i][j] = i * kLanes + j;
+  const Q5Bits bit;
   RowSums<R, 1> sums(acc, x, ldx);  // (more chains left AVX2 short of registers: 0.6-0.9x)
   for (int64_t i = 0; i < blocks; ++i, b += kBytes) {
-    const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
-    const uint32_t qh = word(b + (kOffset ? 4 : 2));
-    const vu16 q = widen_u8(b + (kOffset ? 8 : 6));
-    vu16 fifth_lo, fifth_hi;
-    for (int k = 0; k < kParts; ++k) {
-      fifth_lo.p[k] = ((qh >> lane.p[k]) & 1) << 4;
-      fifth_hi.p[k] = ((qh >> (lane.p[k] + 16)) & 1) << 4;
-    }
-    vf16 w0 = to_floats((q & 0xF) | fifth_lo), w1 = to_floats((q >> 4) | fifth_hi);
-    if (kOffset) {
-      w0 = w0 * d + m;
-      w1 = w1 * d + m;
-    } else {  // (q - 16) d, as ggml rounds it
-      w0 = (w0 - 16.0f) * d;
-      w1 = (w1 - 16.0f) * d;
-    }
+    vf16 w0, w1;
+    q5_weights<kOffset>(b, bit, w0, w1);
     sums.add(w0, 32 * i);
     sums.add(w1, 32 * i + 16);
   }
   sums.store(acc);
+}
+
+// Q5_0 / Q5_1 at one row of x: W weight rows side by side, as q8_0_rows_dot.
+template <int W, bool kOffset>
+inline void q5_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
+                        vf16* acc) {
+  constexpr int64_t kBytes = kOffset ? 24 : 22;
+  const Q5Bits bit;
+  vf16 a[W];
+  for (int w = 0; w < W; ++w) a[w] = acc[w];
+  const uint8_t* next = row + W * stride;
+  for (int64_t i = 0; i < blocks; ++i, row += kBytes) {
+    prefetch_share(next, W * stride, i, blocks);
+    const vf16 x0 = load16(x + 32 * i), x1 = load16(x + 32 * i + 16);
+    for (int w = 0; w < W; ++w) {
+      vf16 w0, w1;
+      q5_weights<kOffset>(row + w * stride, bit, w0, w1);
+      a[w] += w0 * x0;
+      a[w] += w1 * x1;
+    }
+  }
+  for (int w = 0; w < W; ++w) acc[w] = a[w];
 }
 
 // 16 bfloat16 values as floats (each the upper half of a float32), and 16 float16 ones.
@@ -840,6 +891,15 @@ struct KQuantRowsDot {
     kquant_rows_dot<W, Codes>(row, stride, blocks, x, acc);
   }
 };
+template <bool kOffset>
+struct Q5RowsDot {
+  static constexpr int kRows = kWeightRows;
+  template <int W>
+  static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
+                  vf16* acc) {
+    q5_rows_dot<W, kOffset>(row, stride, blocks, x, acc);
+  }
+};
 struct Q8RowsDot {
   static constexpr int kRows = kQ8WeightRows;
   template <int W>
@@ -866,8 +926,10 @@ void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float*
                                                                    ldy);
     case BF16: return register_gemv_rows<32, Bf16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
     case F16: return register_gemv_rows<32, F16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
-    case Q5_0: return register_gemv_rows<32, Q50Dot>(p, n0, n1, x, M, K, bias, y, ldy);
-    case Q5_1: return register_gemv_rows<32, Q51Dot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_0:
+      return weight_rows_gemv<32, Q50Dot, Q5RowsDot<false>>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_1:
+      return weight_rows_gemv<32, Q51Dot, Q5RowsDot<true>>(p, n0, n1, x, M, K, bias, y, ldy);
     PKV_GGML_CASE(Q2_K, q2_k)
     PKV_GGML_CASE(Q3_K, q3_k)
     case Q4_K:
