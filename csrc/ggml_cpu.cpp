@@ -467,8 +467,8 @@ inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t i, int64_
 }
 
 // Q8_0 at one row of x (a decode step's LM head): W weight rows at a time, each vector of x
-// loaded once for all of them, W independent chains (one row at a time, the head ran at
-// 9.5 GB/s a thread, bound by its loads of x and the chains' latency).
+// loaded once for all of them, W independent chains, the next rows prefetched (the head of
+// 49152 x 576 at two threads: 1.2-1.5x one row at a time).
 template <int W>
 inline void q8_0_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
                           vf16* acc) {
@@ -830,8 +830,8 @@ void register_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, i
   }
 }
 
-// At one row of x, kWeightRows weight rows at a time (RowsDot::run<W>: kquant_rows_dot,
-// q8_0_rows_dot); at more, register_gemv_rows.
+// At one row of x, RowsDot::kRows weight rows at a time (RowsDot::run<W>: kquant_rows_dot,
+// q5_rows_dot, q8_0_rows_dot); at more, register_gemv_rows.
 #if defined(__AVX512F__)
 constexpr int kWeightRows = 8;
 constexpr int kQ8WeightRows = 8;
