@@ -882,32 +882,23 @@ PKV_GGML_DOT(Bf16Dot, half_dot<R, true>)
 PKV_GGML_DOT(F16Dot, half_dot<R, false>)
 #undef PKV_GGML_DOT
 
-template <typename Codes>
-struct KQuantRowsDot {
-  static constexpr int kRows = kWeightRows;
-  template <int W>
-  static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                  vf16* acc) {
-    kquant_rows_dot<W, Codes>(row, stride, blocks, x, acc);
-  }
-};
-template <bool kOffset>
-struct Q5RowsDot {
-  static constexpr int kRows = kWeightRows;
-  template <int W>
-  static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                  vf16* acc) {
-    q5_rows_dot<W, kOffset>(row, stride, blocks, x, acc);
-  }
-};
-struct Q8RowsDot {
-  static constexpr int kRows = kQ8WeightRows;
-  template <int W>
-  static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                  vf16* acc) {
-    q8_0_rows_dot<W>(row, stride, blocks, x, acc);
-  }
-};
+// The side-by-side decoders as types, for weight_rows_gemv: kRows weight rows at a time.
+#define PKV_GGML_ROWS_DOT(NAME, ROWS, ...)                                       \
+  struct NAME {                                                                 \
+    static constexpr int kRows = ROWS;                                          \
+    template <int W>                                                            \
+    static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x, \
+                    vf16* acc) {                                                \
+      __VA_ARGS__(row, stride, blocks, x, acc);                                 \
+    }                                                                           \
+  };
+PKV_GGML_ROWS_DOT(Q8RowsDot, kQ8WeightRows, q8_0_rows_dot<W>)
+PKV_GGML_ROWS_DOT(Q6KRowsDot, kWeightRows, (kquant_rows_dot<W, Q6KCodes>))
+PKV_GGML_ROWS_DOT(Q4KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<false>>))
+PKV_GGML_ROWS_DOT(Q5KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<true>>))
+PKV_GGML_ROWS_DOT(Q50RowsDot, kWeightRows, (q5_rows_dot<W, false>))
+PKV_GGML_ROWS_DOT(Q51RowsDot, kWeightRows, (q5_rows_dot<W, true>))
+#undef PKV_GGML_ROWS_DOT
 
 // gemv_rows with the part's dequantizer as a compile-time function.
 void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float* x,
@@ -921,23 +912,15 @@ void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float*
     PKV_GGML_CASE(Q4_0, q4_0)
     PKV_GGML_CASE(Q4_1, q4_1)
     case Q8_0: return weight_rows_gemv<32, Q8Dot, Q8RowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
-    case Q6_K:
-      return weight_rows_gemv<256, Q6KDot, KQuantRowsDot<Q6KCodes>>(p, n0, n1, x, M, K, bias, y,
-                                                                   ldy);
+    case Q6_K: return weight_rows_gemv<256, Q6KDot, Q6KRowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
     case BF16: return register_gemv_rows<32, Bf16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
     case F16: return register_gemv_rows<32, F16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
-    case Q5_0:
-      return weight_rows_gemv<32, Q50Dot, Q5RowsDot<false>>(p, n0, n1, x, M, K, bias, y, ldy);
-    case Q5_1:
-      return weight_rows_gemv<32, Q51Dot, Q5RowsDot<true>>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_0: return weight_rows_gemv<32, Q50Dot, Q50RowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_1: return weight_rows_gemv<32, Q51Dot, Q51RowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
     PKV_GGML_CASE(Q2_K, q2_k)
     PKV_GGML_CASE(Q3_K, q3_k)
-    case Q4_K:
-      return weight_rows_gemv<256, Q4KDot, KQuantRowsDot<K4Codes<false>>>(p, n0, n1, x, M, K,
-                                                                         bias, y, ldy);
-    case Q5_K:
-      return weight_rows_gemv<256, Q5KDot, KQuantRowsDot<K4Codes<true>>>(p, n0, n1, x, M, K,
-                                                                        bias, y, ldy);
+    case Q4_K: return weight_rows_gemv<256, Q4KDot, Q4KRowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_K: return weight_rows_gemv<256, Q5KDot, Q5KRowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
 #undef PKV_GGML_CASE
     default: TORCH_CHECK(false, "ggml_linear: ggml type ", type, " is not one the kernels read");
   }
