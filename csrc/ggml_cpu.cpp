@@ -436,21 +436,32 @@ inline vf16 widen_i8(const int8_t* p) {
   return v;
 }
 
+// A Q8_0 block's 32 weights, d q, in registers.
+struct Q8Block {
+  static constexpr int64_t kBytes = 34;
+  static void weights(const uint8_t* b, vf16& w0, vf16& w1) {
+    const float d = half(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    w0 = widen_i8(q) * d;
+    w1 = widen_i8(q + 16) * d;
+  }
+};
+
 // Q8_0 without the buffer: each block's 32 codes widened and scaled in registers, then taken
 // through R rows of x (the LM head of many GGUFs: at batch 1 the largest matrix of a step).
 template <int R>
 inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t ldx,
                      vf16* acc) {
   RowSums<R> sums(acc, x, ldx);
-  for (int64_t i = 0; i < blocks; ++i, row += 34) {
-    const float d = half(row);
-    const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
+  for (int64_t i = 0; i < blocks; ++i, row += Q8Block::kBytes) {
+    vf16 w0, w1;
+    Q8Block::weights(row, w0, w1);
     if (i % 2 == 0) {
-      sums.template add<0>(widen_i8(q) * d, 32 * i);
-      sums.template add<1>(widen_i8(q + 16) * d, 32 * i + 16);
+      sums.template add<0>(w0, 32 * i);
+      sums.template add<1>(w1, 32 * i + 16);
     } else {
-      sums.template add<2>(widen_i8(q) * d, 32 * i);
-      sums.template add<3>(widen_i8(q + 16) * d, 32 * i + 16);
+      sums.template add<2>(w0, 32 * i);
+      sums.template add<3>(w1, 32 * i + 16);
     }
   }
   sums.store(acc);
@@ -460,34 +471,16 @@ inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t
 // prefetcher does not follow: the next W rows' `bytes` are prefetched, share i of `shares`
 // (a block's worth) at a time. (Without it a Q8_0 LM head of 49152 x 576 ran at 0.45x the
 // one-row-at-a-time GEMV.)
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t i, int64_t shares) {
-  const int64_t lines = (bytes + 63) / 64, per = (lines + shares - 1) / shares;
-  for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l)
-    __builtin_prefetch(next + 64 * l);
-}
-
-// Q8_0 at one row of x (a decode step's LM head): W weight rows at a time, each vector of x
-// loaded once for all of them, W independent chains, the next rows prefetched (the head of
-// 49152 x 576 at two threads: 1.2-1.5x one row at a time).
-template <int W>
-inline void q8_0_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                          vf16* acc) {
-  vf16 a[W];  // in registers: stores through acc might alias x
-  for (int w = 0; w < W; ++w) a[w] = acc[w];
-  const uint8_t* next = row + W * stride;
-  for (int64_t i = 0; i < blocks; ++i, row += 34) {
-    prefetch_share(next, W * stride, i, blocks);
-    const vf16 x0 = load16(x + 32 * i), x1 = load16(x + 32 * i + 16);
-    for (int w = 0; w < W; ++w) {
-      const uint8_t* b = row + w * stride;
-      const float d = half(b);
-      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-      a[w] += widen_i8(q) * d * x0;
-      a[w] += widen_i8(q + 16) * d * x1;
-    }
+struct RowsAhead {
+  const uint8_t* next;
+  int64_t lines, per;
+  RowsAhead(const uint8_t* next_, int64_t bytes, int64_t shares)
+      : next(next_), lines((bytes + 63) / 64), per((lines + shares - 1) / shares) {}
+  void share(int64_t i) const {
+    for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l)
+      __builtin_prefetch(next + 64 * l);
   }
-  for (int w = 0; w < W; ++w) acc[w] = a[w];
-}
+};
 
 // 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
 inline vu16 widen_u8(const uint8_t* p) {
@@ -659,9 +652,9 @@ template <int W, typename Codes>
 inline void kquant_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
                             vf16* acc) {
   KQuantBuffers k[W];
-  const uint8_t* next = row + W * stride;
+  const RowsAhead ahead(row + W * stride, W * stride, blocks);
   for (int64_t i = 0; i < blocks; ++i, row += Codes::kBytes) {
-    prefetch_share(next, W * stride, i, blocks);
+    ahead.share(i);
     for (int w = 0; w < W; ++w) Codes::decode(row + w * stride, k[w]);
     reload_buffers();
     for (int j = 0; j < 16; ++j) {
@@ -732,21 +725,31 @@ inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx
   sums.store(acc);
 }
 
-// Q5_0 / Q5_1 at one row of x: W weight rows side by side, as q8_0_rows_dot.
-template <int W, bool kOffset>
-inline void q5_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                        vf16* acc) {
-  constexpr int64_t kBytes = kOffset ? 24 : 22;
-  const Q5Bits bit;
-  vf16 a[W];
+template <bool kOffset>
+struct Q5Block {
+  static constexpr int64_t kBytes = kOffset ? 24 : 22;
+  static void weights(const uint8_t* b, vf16& w0, vf16& w1) {
+    const Q5Bits bit;  // (constants)
+    q5_weights<kOffset>(b, bit, w0, w1);
+  }
+};
+
+// A type of 32-value blocks (Block: Q8Block, Q5Block) at one row of x (a decode step): W
+// weight rows at a time, each vector of x loaded once for all of them, W independent chains,
+// the next W rows prefetched (the Q8_0 head of 49152 x 576 at two threads: 1.2-1.5x one row
+// at a time; Q5_0 layers 1.1-1.45x).
+template <int W, typename Block>
+inline void block32_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
+                             vf16* acc) {
+  vf16 a[W];  // in registers: stores through acc might alias x
   for (int w = 0; w < W; ++w) a[w] = acc[w];
-  const uint8_t* next = row + W * stride;
-  for (int64_t i = 0; i < blocks; ++i, row += kBytes) {
-    prefetch_share(next, W * stride, i, blocks);
+  const RowsAhead ahead(row + W * stride, W * stride, blocks);
+  for (int64_t i = 0; i < blocks; ++i, row += Block::kBytes) {
+    ahead.share(i);
     const vf16 x0 = load16(x + 32 * i), x1 = load16(x + 32 * i + 16);
     for (int w = 0; w < W; ++w) {
       vf16 w0, w1;
-      q5_weights<kOffset>(row + w * stride, bit, w0, w1);
+      Block::weights(row + w * stride, w0, w1);
       a[w] += w0 * x0;
       a[w] += w1 * x1;
     }
@@ -831,7 +834,7 @@ void register_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, i
 }
 
 // At one row of x, RowsDot::kRows weight rows at a time (RowsDot::run<W>: kquant_rows_dot,
-// q5_rows_dot, q8_0_rows_dot); at more, register_gemv_rows.
+// block32_rows_dot); at more, register_gemv_rows.
 #if defined(__AVX512F__)
 constexpr int kWeightRows = 8;
 constexpr int kQ8WeightRows = 8;
@@ -892,12 +895,12 @@ PKV_GGML_DOT(F16Dot, half_dot<R, false>)
       __VA_ARGS__(row, stride, blocks, x, acc);                                 \
     }                                                                           \
   };
-PKV_GGML_ROWS_DOT(Q8RowsDot, kQ8WeightRows, q8_0_rows_dot<W>)
+PKV_GGML_ROWS_DOT(Q8RowsDot, kQ8WeightRows, (block32_rows_dot<W, Q8Block>))
 PKV_GGML_ROWS_DOT(Q6KRowsDot, kWeightRows, (kquant_rows_dot<W, Q6KCodes>))
 PKV_GGML_ROWS_DOT(Q4KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<false>>))
 PKV_GGML_ROWS_DOT(Q5KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<true>>))
-PKV_GGML_ROWS_DOT(Q50RowsDot, kWeightRows, (q5_rows_dot<W, false>))
-PKV_GGML_ROWS_DOT(Q51RowsDot, kWeightRows, (q5_rows_dot<W, true>))
+PKV_GGML_ROWS_DOT(Q50RowsDot, kWeightRows, (block32_rows_dot<W, Q5Block<false>>))
+PKV_GGML_ROWS_DOT(Q51RowsDot, kWeightRows, (block32_rows_dot<W, Q5Block<true>>))
 #undef PKV_GGML_ROWS_DOT
 
 // gemv_rows with the part's dequantizer as a compile-time function.
