@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -82,13 +83,14 @@ def write_random_gguf(out: Path, shape_name: str, seed: int = 0) -> int:
 
     from pkv.core.model_loader.loader import bundled_model_path
     from pkv.core.progress import progress_bar
+    from pkv.plugins.weights.gguf_header import read_header
 
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
     writer = gguf.GGUFWriter(str(out), "llama")
     _write_metadata(writer, shape, shape_name)
-    _copy_tokenizer(writer, gguf.GGUFReader(str(bundled_model_path())), shape.vocab)
+    _copy_tokenizer(writer, read_header(bundled_model_path()).fields, shape.vocab)
     plan = tensor_plan(shape)
     for name, dims, kind in plan:
         qtype = gguf.GGMLQuantizationType[kind]
@@ -120,22 +122,15 @@ def _write_metadata(writer: object, shape: Shape, name: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
 
 
-def _copy_tokenizer(writer: object, source: object, vocab: int) -> None:
-    fields = source.fields
-    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode()
-              for i in fields["tokenizer.ggml.tokens"].data]
-    types = [int(fields["tokenizer.ggml.token_type"].parts[i][0])
-             for i in fields["tokenizer.ggml.token_type"].data]
-    merges = [bytes(fields["tokenizer.ggml.merges"].parts[i]).decode()
-              for i in fields["tokenizer.ggml.merges"].data]
+def _copy_tokenizer(writer: object, fields: dict[str, Any], vocab: int) -> None:
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     extra = vocab - len(tokens)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens + [f"<extra_{i}>" for i in range(extra)])
     writer.add_token_types(types + [4] * extra)  # user-defined: matched whole, never merged
-    writer.add_token_merges(merges)
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
     for key in ("bos_token_id", "eos_token_id"):
-        field = fields.get(f"tokenizer.ggml.{key}")
-        if field is not None:
-            getattr(writer, f"add_{key.removesuffix('_token_id')}_token_id")(
-                int(field.parts[field.data[0]][0]))
+        value = fields.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            getattr(writer, f"add_{key.removesuffix('_token_id')}_token_id")(value)

@@ -34,9 +34,11 @@ from pkv.core.models.config import ModelConfig
 from pkv.core.tokenizer.tokenizer import Tokenizer
 from pkv.plugins.weights.gguf_archs import (ARCHS, CONFIG_TENSORS, EXPERT_PARTS, GLOBAL_NAMES,
                                             LAYER_NAMES, decimal)
+from pkv.plugins.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from pkv.plugins.weights.gguf_tokenizer import gguf_tokenizer
 
 Weight = torch.Tensor | GGMLTensor
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -52,34 +54,23 @@ def _unpermute_weight(w: Weight, n_head: int) -> Weight:
     return _unpermute(w, n_head)
 
 
-def _checked_reader(path: Path) -> Any:
-    """gguf.GGUFReader on `path`, copy-on-write mapped (nothing is read until used), with
-    every tensor's type and extent checked first, so that a bad file fails in one line that
-    names the tensor."""
-    import gguf
-
-    class Reader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-            for field in fields:
-                _check_tensor(field, start_offs, len(self.data))
-            super()._build_tensors(start_offs, fields)
-
+def _checked_header(path: Path) -> GGUFHeader:
+    """The header of the GGUF file at `path`, mapped copy-on-write (nothing is read until
+    used), with every tensor's type and extent checked first, so that a bad file fails in one
+    line that names the tensor."""
     try:
-        return Reader(str(path), "c")
-    except ValueError as exc:
-        if str(exc).startswith(f"{path.name}:"):
-            raise
+        header = read_header(path)
+        for tensor in header.tensors:
+            _check_tensor(tensor, len(header.data))
+    except (ValueError, OSError) as exc:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
-    except Exception as exc:  # the gguf package raises several types on bad files
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
+    return header
 
 
-def _check_tensor(field: Any, start: int, file_size: int) -> None:
+def _check_tensor(tensor: TensorInfo, file_size: int) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    _, name_data, _, dims, raw_type, offset = field.parts
-    name = bytes(name_data).decode("utf-8", "replace")
-    type_id = int(raw_type[0])
+    name, type_id, dims = tensor.name, tensor.type_id, tensor.dims
     try:
         qtype = GGMLQuantizationType(type_id)
     except ValueError:
@@ -89,16 +80,22 @@ def _check_tensor(field: Any, start: int, file_size: int) -> None:
         raise ValueError(f"GGUF tensor {name} is {qtype.name}, which pkv does not run "
                          f"(it runs {known})")
     block, size = GGML_QUANT_SIZES[qtype]
-    row = int(dims[0]) if len(dims) else 1
+    row = dims[0] if dims else 1
     if row % block:
         raise ValueError(f"GGUF tensor {name}: rows of {row} values are not whole "
                          f"{qtype.name} blocks of {block}")
-    n_bytes = int(np.prod([int(d) for d in dims])) // block * size
-    end = start + int(offset[0]) + n_bytes
-    if end > file_size:
-        raise ValueError(f"GGUF tensor {name} ({qtype.name} {list(reversed(dims.tolist()))}) "
-                         f"needs {n_bytes} bytes up to offset {end}, past the file's end "
-                         f"({file_size} bytes): the file is truncated or corrupt")
+    n_bytes = _tensor_bytes(tensor)
+    if tensor.start + n_bytes > file_size:
+        raise ValueError(f"GGUF tensor {name} ({qtype.name} {list(reversed(dims))}) "
+                         f"needs {n_bytes} bytes up to offset {tensor.start + n_bytes}, past "
+                         f"the file's end ({file_size} bytes): the file is truncated or corrupt")
+
+
+def _tensor_bytes(tensor: TensorInfo) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.type_id)]
+    return int(np.prod(tensor.dims, dtype=np.int64)) // block * size
 
 
 class GGUFFile:
@@ -106,18 +103,18 @@ class GGUFFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = _checked_reader(path)
+        self.header = _checked_header(path)
         self.arch = str(self.field("general.architecture"))
         if self.arch not in ARCHS:
             raise ValueError(f"GGUF architecture {self.arch!r} is not supported; pkv runs "
                              f"{', '.join(ARCHS)}")
         self.spec = ARCHS[self.arch]
-        self.names = {t.name: t for t in self.reader.tensors}
+        self.names = {t.name: t for t in self.header.tensors}
         self._config: dict[str, Any] | None = None
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        return default if f is None else decimal(f.contents())
+        value = self.header.fields.get(key)
+        return default if value is None else decimal(value)
 
     def key(self, name: str, default: Any = None) -> Any:
         """The architecture's field `{arch}.{name}`."""
@@ -179,7 +176,7 @@ class GGUFFile:
 
     def hf_shape(self, gguf_name: str) -> tuple[int, ...]:
         """Shape of a GGUF tensor in PyTorch order (GGUF lists dims fastest first)."""
-        return tuple(int(d) for d in reversed(self.names[gguf_name].shape))
+        return tuple(reversed(self.names[gguf_name].dims))
 
     def hf_names(self, gguf_name: str) -> list[str]:
         """The Hugging Face tensor(s) a GGUF tensor holds: one per expert for stacked ones."""
@@ -209,7 +206,7 @@ class GGUFFile:
                           f"as pkv runs it")
 
     def _weight_tensors(self) -> list[Any]:
-        return [t for t in self.reader.tensors if t.name not in CONFIG_TENSORS]
+        return [t for t in self.header.tensors if t.name not in CONFIG_TENSORS]
 
     @property
     def num_tensors(self) -> int:
@@ -230,11 +227,10 @@ class GGUFFile:
         bytes]), or float32 (F32, and every 1-D tensor)."""
         t = self.names[gguf_name]
         shape = self.hf_shape(gguf_name)
-        data = torch.from_numpy(t.data)
-        qtype = int(t.tensor_type)
-        if qtype == 0 or len(shape) == 1:  # F32, norms and biases: float32 values
-            return _float(data, qtype, shape)
-        return _blocks(data.view(torch.uint8), qtype, shape)
+        data = torch.from_numpy(self.header.tensor_bytes(t.start, _tensor_bytes(t)))
+        if t.type_id == 0 or len(shape) == 1:  # F32, norms and biases: float32 values
+            return _float(data, t.type_id, shape)
+        return _blocks(data, t.type_id, shape)
 
     def tensors(self) -> Iterator[tuple[str, Weight]]:
         """Yield (Hugging Face name, weight) for every weight in the file."""
@@ -259,14 +255,11 @@ class GGUFFile:
 
 
 def _float(data: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
-    if qtype == 0:
-        return data.reshape(shape)
-    if FORMATS[qtype].name == "F16":
-        return data.float().reshape(shape)
-    if FORMATS[qtype].name == "BF16":
-        return data.view(torch.bfloat16).float().reshape(shape)
-    flat = data.view(torch.uint8).reshape(1, -1)
-    return GGMLTensor(flat, qtype, int(np.prod(shape))).dequantize().reshape(shape)
+    """A tensor's bytes as float32 values."""
+    name = FORMATS[qtype].name
+    if name in _FLOAT_DTYPES:
+        return data.view(_FLOAT_DTYPES[name]).float().reshape(shape)
+    return GGMLTensor(data.reshape(1, -1), qtype, int(np.prod(shape))).dequantize().reshape(shape)
 
 
 def _blocks(data: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> GGMLTensor | torch.Tensor:

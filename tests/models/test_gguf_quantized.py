@@ -42,7 +42,9 @@ def test_peak_rss_stays_near_the_file(smol_gguf: Path):
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     peak = int(done.stdout.strip().splitlines()[-1]) * 1024
-    budget = 1.15 * smol_gguf.stat().st_size + (64 << 20) + (500 << 20)
+    # the weights, the KV cache, and the interpreter with torch and the kernels (~230 MiB
+    # here); a header read into a numpy view per vocabulary string would add 160 MiB
+    budget = 1.15 * smol_gguf.stat().st_size + (64 << 20) + (400 << 20)
     assert peak <= budget, f"peak RSS {peak / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
 
 
