@@ -9,11 +9,12 @@
 // A block holds 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and F32/F16/BF16 read as blocks of
 // 32) or 256 (the K-quants Q2_K..Q6_K) behind one or a few scales. Nothing is unpacked at
 // load: the weights stay at the file's size, mapped from it. At few rows (decode) each thread
-// walks its share of the weight rows once, dequantizing 256 values at a time into a buffer in
-// L1 and taking every row of x through them: the arithmetic is that of transformers on the
-// dequantized weight, up to summation order. At more rows (prefill) the dequantizing costs
-// nothing against the multiply: panels of rows are dequantized to float32 and multiplied by
-// torch's GEMM.
+// walks its share of the weight rows once, dequantizing them in registers or 256 values at a
+// time into a buffer in L1 and taking every row of x through them: the arithmetic is that of
+// transformers on the dequantized weight, up to summation order. A decode batch (14-32 rows)
+// takes x transposed against broadcast weights (ggml_broadcast_cpu.cpp). At more rows
+// (prefill) the dequantizing costs nothing against the multiply: panels of rows are
+// dequantized to float32 and multiplied by torch's GEMM.
 //
 // The block layouts and their formulas are ggml's (ggml-common.h, ggml-quants.c).
 #include <ATen/ATen.h>
@@ -69,7 +70,8 @@ inline Format format(int64_t type) {
 }
 
 // Rows of x the fused GEMV takes in one pass over the weight; up to kGemvPassRows rows take
-// passes of it, more take dequantized panels and the float32 GEMM (two AVX-512 threads: a
+// passes of it (from kBroadcastMinRows, with float32 x, the broadcast kernel instead), more
+// take dequantized panels and the float32 GEMM (two AVX-512 threads: a
 // Q8_0 LM head of 49152 x 576 took 23 ms for 32 rows in passes, 44 ms for 64, panels 27 ms
 // for 65; 2048 x 2048 layers of every type alike). A layer all in int8 (ggml_q8_cpu.cpp)
 // keeps its passes up to kInt8PassRows: 8B shapes at 65 rows took 0.65x / 0.3x the float32
@@ -970,6 +972,7 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
 }  // namespace ggml
 
 #include "ggml_q8_cpu.cpp"
+#include "ggml_broadcast_cpu.cpp"
 
 namespace ggml {
 
@@ -1003,6 +1006,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   const auto takes_int8 = [&](const Part& p) { return activation_bits == 8 && int8_kquant(p.type); };
   const bool int8 = std::any_of(ps.begin(), ps.end(), takes_int8);
   const bool all_int8 = std::all_of(ps.begin(), ps.end(), takes_int8);
+  if (!int8 && M >= kBroadcastMinRows && M <= kGemvPassRows) {
+    broadcast_linear(ps, x.data_ptr<float>(), M, K,
+                     has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+    return y;
+  }
   if (M > (all_int8 ? kInt8PassRows : kGemvPassRows)) {
     gemm(ps, x, y);
     if (has_bias) y.add_(*bias);

@@ -59,10 +59,12 @@ def test_every_type_dequantizes_as_the_gguf_package(cpu_kernels, qtype: int):
                                want[ids], rtol=0, atol=0)
 
 
-# Rows 1 to 70: the GEMV (passes of up to 16 rows) and the panel GEMM past 32;
-# K one chunk, several, and a last chunk of 32-value blocks short of 256 (896 = 3.5 chunks).
+# Rows 1 to 70: the GEMV (passes of up to 16 rows), from 14 rows to 32 x transposed against
+# broadcast weights (one and two vectors of x^T, passes of them, weight rows past a whole
+# tile), and the panel GEMM past 32; K one chunk, several, and a last chunk of 32-value
+# blocks short of 256 (896 = 3.5 chunks).
 @pytest.mark.parametrize("qtype", TYPES, ids=[FORMATS[t].name for t in TYPES])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 70])
+@pytest.mark.parametrize("rows", [1, 3, 14, 16, 17, 32, 40, 70])
 def test_linear_matches_torch_on_the_dequantized_weight(cpu_kernels, qtype: int, rows: int):
     cols = 512 if FORMATS[qtype].values == 256 else 896
     first, second = random_blocks(qtype, 19, cols, seed=1), random_blocks(qtype, 6, cols, seed=2)
@@ -78,14 +80,26 @@ def test_linear_matches_torch_on_the_dequantized_weight(cpu_kernels, qtype: int,
     assert cpu_kernels.ggml_linear(x, parts, types, None, out).data_ptr() == out.data_ptr()
 
 
-def test_parts_of_different_types_make_one_output(cpu_kernels):
+@pytest.fixture
+def two_threads():  # noqa: ANN201 - a fixture
+    """Two threads for the kernels (the suite runs one a worker): x's int8 rows, or x
+    transposed, are made by the calling thread and read by both."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [2, 24])
+def test_parts_of_different_types_make_one_output(cpu_kernels, two_threads, rows: int):
     q4k, q6k, q8 = (FORMATS_BY_NAME[n] for n in ("Q4_K", "Q6_K", "Q8_0"))
-    parts = [random_blocks(t, n, 256, seed=n) for t, n in ((q4k, 8), (q6k, 5), (q8, 3))]
+    # 72 weight rows: the second thread's share starts inside the first part
+    parts = [random_blocks(t, n, 256, seed=n) for t, n in ((q4k, 40), (q6k, 21), (q8, 11))]
     weight = torch.cat([reference(p, t, 256) for p, t in zip(parts, (q4k, q6k, q8))])
-    x = torch.randn(2, 256)
+    x, bias = torch.randn(rows, 256), torch.randn(72)
     y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts],
-                                torch.tensor([q4k, q6k, q8]), None)
-    torch.testing.assert_close(y, x @ weight.t(), rtol=1e-4, atol=1e-3)
+                                torch.tensor([q4k, q6k, q8]), bias)
+    torch.testing.assert_close(y, x @ weight.t() + bias, rtol=1e-4, atol=1e-3)
 
 
 def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,14 +114,6 @@ def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
-@pytest.fixture
-def two_threads():  # noqa: ANN201 - a fixture
-    """Two threads for the kernels (the suite runs one a worker): x's int8 rows are made by
-    the calling thread and read by both."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 # The K-quants take int8 activations in AVX2 and AVX-512 code; the generic flavour keeps the

@@ -1,0 +1,168 @@
+// Weights in ggml blocks through a decode batch (a few to 32 rows of x) with float32
+// activations. Included by csrc/ggml_cpu.cpp.
+//
+// The one-weight-row GEMV (register_gemv_rows) takes each decoded weight vector through
+// eight rows of x, loading a vector of x for every FMA: at 16 rows x outgrows L1 (576 inputs:
+// 36 KB) and the loads, not the FMAs, set the pace (~35% of the FMA peak). Here x is
+// transposed once per call, one vector holding one input of every row (kLanes rows), and
+// each thread decodes P weight rows at a time into float32 in a buffer of its own, then
+// multiplies: per input k, V vectors of x^T and P broadcast weights feed P x V FMAs into
+// P x V accumulators, which stay in registers for the whole row. Every weight is decoded once
+// for all the rows of x, every vector of x^T loaded once for P weight rows.
+
+namespace ggml {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kAccumulators = 24;  // of 32 vector registers: the rest hold x^T
+#else
+constexpr int kAccumulators = 12;  // of 16
+#endif
+// Rows of x a pass takes: two vectors of x^T an input (more, on AVX2, left x^T in L2 with
+// 4 loads of it per 12 FMAs: 0.85-1.0x the two-vector passes at 32 rows).
+constexpr int64_t kBroadcastRows = 2 * kLanes;
+// From here up to kGemvPassRows rows ggml_linear takes this kernel, below it the GEMV. Two
+// threads, old vs new build in one process, Q5_0 / Q8_0 576-input layers, Q6_K / Q4_K 1536-
+// and 2048-input ones: 1.1-1.7x at 16 rows (AVX-512 and AVX2), 1.3-1.9x at 32 (AVX-512;
+// AVX2 1.2-1.6x), 0.8-1.3x at 12 (one vector's lanes part empty on AVX-512; on AVX2 the
+// GEMV's Q8_0 / Q6_K ran ahead). The generic flavour's 4 lanes gain from 8 rows.
+constexpr int64_t kBroadcastMinRows = std::min<int64_t>(14, 2 * kLanes);
+
+constexpr int64_t kChunk = 256;  // inputs decoded at a time: P x kChunk floats stay in L1
+constexpr int64_t kRowFloats = kChunk;
+
+// Values [v0, v0 + count) of a weight row as float32 into out (v0 and count whole blocks), by
+// the register-level decoders where a type has one.
+template <typename Block>
+void decode_block32(const uint8_t* row, int64_t v0, int64_t count, float* out) {
+  const uint8_t* b = row + v0 / 32 * Block::kBytes;
+  for (int64_t i = 0; i < count; i += 32, b += Block::kBytes) {
+    vf16 w0, w1;
+    Block::weights(b, w0, w1);
+    store16(out + i, w0);
+    store16(out + i + 16, w1);
+  }
+}
+
+template <typename Codes>
+void decode_kquant(const uint8_t* row, int64_t v0, int64_t count, float* out) {
+  KQuantBuffers k;
+  const uint8_t* b = row + v0 / 256 * Codes::kBytes;
+  for (int64_t i = 0; i < count; i += 256, b += Codes::kBytes) {
+    Codes::decode(b, k);
+    reload_buffers();
+    for (int j = 0; j < 16; ++j) store16(out + i + 16 * j, run_weights<Codes>(k, j));
+  }
+}
+
+template <bool kBf16>
+void decode_half(const uint8_t* row, int64_t v0, int64_t count, float* out) {
+  for (int64_t i = 0; i < count; i += 16) {
+    const uint8_t* b = row + 2 * (v0 + i);
+    store16(out + i, kBf16 ? widen_bf16(b) : widen_f16(b));
+  }
+}
+
+void decode(const Part& p, const uint8_t* row, int64_t v0, int64_t count, float* out) {
+  switch (p.type) {
+    case Q8_0: return decode_block32<Q8Block>(row, v0, count, out);
+    case Q5_0: return decode_block32<Q5Block<false>>(row, v0, count, out);
+    case Q5_1: return decode_block32<Q5Block<true>>(row, v0, count, out);
+    case Q4_K: return decode_kquant<K4Codes<false>>(row, v0, count, out);
+    case Q5_K: return decode_kquant<K4Codes<true>>(row, v0, count, out);
+    case Q6_K: return decode_kquant<Q6KCodes>(row, v0, count, out);
+    case BF16: return decode_half<true>(row, v0, count, out);
+    case F16: return decode_half<false>(row, v0, count, out);
+    default: return dequantize_run(p, row, v0, count, out);
+  }
+}
+
+// x [M, K] as x^T in V vectors an input: xt[(k V + v) kLanes + j] = x[v kLanes + j][k], zero
+// past row M.
+void transpose_rows(const float* x, int64_t M, int64_t K, std::vector<float>& xt) {
+  const int64_t width = (M + kLanes - 1) / kLanes * kLanes;
+  xt.assign(K * width, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * width + m] = x[m * K + k];
+}
+
+// acc[i][v] += w[i][k] xt[k][v] over `count` inputs: P weight rows at w (a row every kChunk
+// floats) broadcast against V vectors of x^T an input.
+template <int P, int V>
+__attribute__((always_inline)) inline void broadcast_chunk(const float* w, const float* xt,
+                                                           int64_t count, vfn (&acc)[P][V]) {
+  for (int64_t k = 0; k < count; ++k, xt += V * kLanes) {
+    vfn xv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) xv[v] = loadv(xt + v * kLanes);
+#pragma GCC unroll 32
+    for (int i = 0; i < P; ++i) {
+      const float b = w[i * kRowFloats + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[i][v] += b * xv[v];
+    }
+  }
+}
+
+// Rows [n0, n1) of part p through every row of x (x^T at xt), P weight rows at a time, their
+// inputs kChunk at a time.
+template <int V>
+void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* xt, int64_t M,
+                    int64_t K, const float* bias, float* y, int64_t ldy) {
+  constexpr int P = kAccumulators / V;
+  alignas(64) float w[P * kRowFloats];
+  alignas(64) float t[V * kLanes];
+  for (int64_t n = n0; n < n1; n += P) {
+    const int64_t rows = std::min<int64_t>(P, n1 - n);
+    vfn acc[P][V];
+#pragma GCC unroll 32
+    for (int i = 0; i < P; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[i][v] = vfn{};
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t count = std::min(kChunk, K - k0);
+      for (int64_t i = 0; i < rows; ++i) decode(p, p.data + (n + i) * p.stride, k0, count, w + i * kRowFloats);
+      for (int64_t i = rows; i < P; ++i) std::fill(w + i * kRowFloats, w + i * kRowFloats + count, 0.f);
+      broadcast_chunk<P, V>(w, xt + k0 * V * kLanes, count, acc);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int v = 0; v < V; ++v) storev(t + v * kLanes, acc[i][v]);
+      const float bi = bias != nullptr ? bias[n + i] : 0.f;
+      for (int64_t m = 0; m < M; ++m) y[m * ldy + n + i] = t[m] + bi;
+    }
+  }
+}
+
+void broadcast_part(const Part& p, int64_t n0, int64_t n1, const float* xt, int64_t M,
+                    int64_t K, const float* bias, float* y, int64_t ldy) {
+  if (M <= kLanes) return broadcast_rows<1>(p, n0, n1, xt, M, K, bias, y, ldy);
+  return broadcast_rows<2>(p, n0, n1, xt, M, K, bias, y, ldy);
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another: passes of
+// kBroadcastRows rows of x, each transposed once and split by weight rows between threads.
+void broadcast_linear(const std::vector<Part>& ps, const float* x, int64_t M, int64_t K,
+                      const float* bias, float* y, int64_t N) {
+  // The caller's buffer, reused; named by a reference so that the team's threads read this
+  // thread's, not their own thread_local ones.
+  thread_local std::vector<float> transposed;
+  std::vector<float>& xt = transposed;
+  for (int64_t m0 = 0; m0 < M; m0 += kBroadcastRows) {
+    const int64_t rows = std::min(kBroadcastRows, M - m0);
+    transpose_rows(x + m0 * K, rows, K, xt);
+    // One loop over every part's rows: a thread's share may span two parts.
+    team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+      int64_t first = 0;
+      for (const Part& p : ps) {
+        const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
+        if (lo < hi)
+          broadcast_part(p, lo - first, hi - first, xt.data(), rows, K,
+                         bias != nullptr ? bias + first : nullptr, y + m0 * N + first, N);
+        first += p.rows;
+      }
+    });
+  }
+}
+
+}  // namespace
+}  // namespace ggml
