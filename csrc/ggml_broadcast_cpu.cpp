@@ -29,7 +29,6 @@ constexpr int64_t kBroadcastRows = 2 * kLanes;
 constexpr int64_t kBroadcastMinRows = std::min<int64_t>(14, 2 * kLanes);
 
 constexpr int64_t kChunk = 256;  // inputs decoded at a time: P x kChunk floats stay in L1
-constexpr int64_t kRowFloats = kChunk;
 
 // Values [v0, v0 + count) of a weight row as float32 into out (v0 and count whole blocks), by
 // the register-level decoders where a type has one.
@@ -77,6 +76,13 @@ void decode(const Part& p, const uint8_t* row, int64_t v0, int64_t count, float*
   }
 }
 
+// Values [v0, v0 + count) of a weight row towards L1 (whole blocks), while a chunk computes.
+inline void prefetch_values(const Part& p, const uint8_t* row, int64_t v0, int64_t count) {
+  const uint8_t* from = row + v0 / p.fmt.values * p.fmt.bytes;
+  const int64_t bytes = count / p.fmt.values * p.fmt.bytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(from + b);
+}
+
 // x [M, K] as x^T in V vectors an input: xt[(k V + v) kLanes + j] = x[v kLanes + j][k], zero
 // past row M.
 void transpose_rows(const float* x, int64_t M, int64_t K, std::vector<float>& xt) {
@@ -97,7 +103,7 @@ __attribute__((always_inline)) inline void broadcast_chunk(const float* w, const
     for (int v = 0; v < V; ++v) xv[v] = loadv(xt + v * kLanes);
 #pragma GCC unroll 32
     for (int i = 0; i < P; ++i) {
-      const float b = w[i * kRowFloats + k];
+      const float b = w[i * kChunk + k];
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) acc[i][v] += b * xv[v];
     }
@@ -110,7 +116,7 @@ template <int V>
 void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* xt, int64_t M,
                     int64_t K, const float* bias, float* y, int64_t ldy) {
   constexpr int P = kAccumulators / V;
-  alignas(64) float w[P * kRowFloats];
+  alignas(64) float w[P * kChunk];
   alignas(64) float t[V * kLanes];
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
@@ -121,8 +127,15 @@ void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* xt, int6
       for (int v = 0; v < V; ++v) acc[i][v] = vfn{};
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t count = std::min(kChunk, K - k0);
-      for (int64_t i = 0; i < rows; ++i) decode(p, p.data + (n + i) * p.stride, k0, count, w + i * kRowFloats);
-      for (int64_t i = rows; i < P; ++i) std::fill(w + i * kRowFloats, w + i * kRowFloats + count, 0.f);
+      for (int64_t i = 0; i < rows; ++i) {
+        const uint8_t* row = p.data + (n + i) * p.stride;
+        decode(p, row, k0, count, w + i * kChunk);
+        if (k0 + kChunk < K)  // the row's next chunk, or the next tile's row's first one
+          prefetch_values(p, row, k0 + kChunk, std::min(kChunk, K - k0 - kChunk));
+        else if (n + P + i < n1)
+          prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
+      }
+      for (int64_t i = rows; i < P; ++i) std::fill(w + i * kChunk, w + i * kChunk + count, 0.f);
       broadcast_chunk<P, V>(w, xt + k0 * V * kLanes, count, acc);
     }
     for (int64_t i = 0; i < rows; ++i) {
