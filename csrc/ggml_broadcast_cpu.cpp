@@ -1,4 +1,4 @@
-// Weights in ggml blocks through a decode batch (a few to 32 rows of x) with float32
+// Weights in ggml blocks through a decode batch (14 to 32 rows of x) with float32
 // activations. Included by csrc/ggml_cpu.cpp.
 //
 // The one-weight-row GEMV (register_gemv_rows) takes each decoded weight vector through
@@ -27,8 +27,6 @@ constexpr int64_t kBroadcastRows = 2 * kLanes;
 // AVX2 1.2-1.6x), 0.8-1.3x at 12 (one vector's lanes part empty on AVX-512; on AVX2 the
 // GEMV's Q8_0 / Q6_K ran ahead). The generic flavour's 4 lanes gain from 8 rows.
 constexpr int64_t kBroadcastMinRows = std::min<int64_t>(14, 2 * kLanes);
-
-constexpr int64_t kChunk = 256;  // inputs decoded at a time: P x kChunk floats stay in L1
 
 // Values [v0, v0 + count) of a weight row as float32 into out (v0 and count whole blocks), by
 // the register-level decoders where a type has one.
@@ -111,7 +109,7 @@ __attribute__((always_inline)) inline void broadcast_chunk(const float* w, const
 }
 
 // Rows [n0, n1) of part p through every row of x (x^T at xt), P weight rows at a time, their
-// inputs kChunk at a time.
+// inputs kChunk at a time (P x kChunk floats: at most 24 KB, in L1).
 template <int V>
 void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* xt, int64_t M,
                     int64_t K, const float* bias, float* y, int64_t ldy) {
