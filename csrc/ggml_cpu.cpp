@@ -1003,7 +1003,9 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   TORCH_CHECK(activation_bits == 32 || activation_bits == 8,
               "ggml_linear: activation_bits must be 32 or 8, got ", activation_bits);
   if (M == 0) return y;
-  const auto takes_int8 = [&](const Part& p) { return activation_bits == 8 && int8_kquant(p.type); };
+  const auto takes_int8 = [&](const Part& p) {
+    return activation_bits == 8 && (int8_kquant(p.type) || int8_block32(p.type, M));
+  };
   const bool int8 = std::any_of(ps.begin(), ps.end(), takes_int8);
   const bool all_int8 = std::all_of(ps.begin(), ps.end(), takes_int8);
   if (!int8 && M >= kBroadcastMinRows && M <= kGemvPassRows) {
@@ -1020,9 +1022,13 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
 #if defined(__AVX2__)
   // The caller's buffers, reused (no allocation on a decode step); named by a reference so
   // that the team's threads read this thread's, not their own thread_local ones.
-  thread_local Q8Rows buffers;
-  Q8Rows& xq = buffers;
-  if (int8) quantize_q8(x.data_ptr<float>(), M, K, xq);
+  thread_local Q8Rows buffers256, buffers32;
+  Q8Rows &x256 = buffers256, &x32 = buffers32;
+  const auto any = [&](auto takes) { return std::any_of(ps.begin(), ps.end(), takes); };
+  if (any([&](const Part& p) { return takes_int8(p) && int8_kquant(p.type); }))
+    quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
+  if (any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
+    quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
 #endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
     const int64_t rows = std::min(kMaxRows, M - m0);
@@ -1035,8 +1041,8 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         const float* bp = bd ? bd + first : nullptr;
 #if defined(__AVX2__)
-        if (lo < hi && int8 && int8_kquant(p.type))
-          q8_part(p, lo - first, hi - first, xq, m0, rows, bp, yd + first, N);
+        if (lo < hi && int8 && takes_int8(p))
+          q8_part(p, lo - first, hi - first, x256, x32, m0, rows, bp, yd + first, N);
         else
 #endif
         if (lo < hi)

@@ -28,13 +28,14 @@ constexpr int64_t kQ8Block = 256;
 // (NTA over T0: 1.05-1.1x, in runs alternated on a noisy machine).
 constexpr int64_t kQ8Prefetch = 2048;
 
-// Rows of x in int8: q [M, K], one scale per 256 inputs [M, K / 256] and the sums of q over
-// each 16 [M, K / 16].
+// Rows of x in int8: q [M, K], one scale per block of inputs [M, K / block] and the sums of q
+// over each 16 [M, K / 16]. Blocks of 256 for the K-quants (llama.cpp's Q8_K), of 32 for the
+// 32-value types (its Q8_0).
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> bsums;
-  int64_t K = 0;
+  int64_t K = 0, block = kQ8Block;
 };
 
 inline float hsum8(__m256 v) {
@@ -55,26 +56,27 @@ inline int16_t hsum8i(__m256i v) {
   return static_cast<int16_t>(_mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1))));
 }
 
-// One block of 256 values of x in int8 (q = round(v / d), half to even) and the sums of each
-// 16 codes; returns d, NaN where a value is not finite. In vectors: scalar loops cost 6% of
-// an 8B decode step, its other thread waiting.
+// One block of N (256 or 32) values of x in int8 (q = round(v / d), half to even) and the
+// sums of each 16 codes; returns d, NaN where a value is not finite. In vectors: scalar loops
+// cost 6% of an 8B decode step, its other thread waiting.
+template <int64_t N>
 inline float quantize_block(const float* v, int8_t* q, int16_t* bsums) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < kQ8Block; i += 8) {
+  for (int64_t i = 0; i < N; i += 8) {
     const __m256 x = _mm256_loadu_ps(v + i);
     amax = _mm256_max_ps(amax, _mm256_and_ps(x, magnitude));
     sum = _mm256_add_ps(sum, x);  // (carries a NaN or infinity, which max may drop)
   }
   if (!std::isfinite(hsum8(sum))) {  // the row's outputs are NaN, as in float
-    std::fill(q, q + kQ8Block, 0);
-    std::fill(bsums, bsums + kQ8Block / 16, 0);
+    std::fill(q, q + N, 0);
+    std::fill(bsums, bsums + N / 16, 0);
     return std::numeric_limits<float>::quiet_NaN();
   }
   const float top = hmax8(amax);
   const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < kQ8Block; i += 32) {  // packs interleave 128-bit lanes: reorder
+  for (int64_t i = 0; i < N; i += 32) {  // packs interleave 128-bit lanes: reorder
     __m256i n[4];
     for (int k = 0; k < 4; ++k)
       n[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * k), inv));
@@ -88,15 +90,17 @@ inline float quantize_block(const float* v, int8_t* q, int16_t* bsums) {
   return top / 127.f;
 }
 
-// Rows x [M, K] into `r` (its buffers grown, never shrunk).
-void quantize_q8(const float* x, int64_t M, int64_t K, Q8Rows& r) {
-  const int64_t NB = K / kQ8Block;
+// Rows x [M, K] into `r` in blocks of `block` inputs (its buffers grown, never shrunk).
+void quantize_q8(const float* x, int64_t M, int64_t K, int64_t block, Q8Rows& r) {
+  const int64_t NB = M * K / block;
   r.K = K;
+  r.block = block;
   r.q.resize(std::max<size_t>(r.q.size(), M * K));
-  r.d.resize(std::max<size_t>(r.d.size(), M * NB));
+  r.d.resize(std::max<size_t>(r.d.size(), NB));
   r.bsums.resize(std::max<size_t>(r.bsums.size(), M * K / 16));
-  for (int64_t b = 0; b < M * NB; ++b)
-    r.d[b] = quantize_block(x + b * kQ8Block, r.q.data() + b * kQ8Block, r.bsums.data() + 16 * b);
+  const auto quantize = block == kQ8Block ? quantize_block<kQ8Block> : quantize_block<32>;
+  for (int64_t b = 0; b < NB; ++b)
+    r.d[b] = quantize(x + b * block, r.q.data() + b * block, r.bsums.data() + block / 16 * b);
 }
 
 // A block's scales as the dot reads them: 16 int8 s (one per 16 values), 16 int8 c, d and e.
@@ -312,13 +316,141 @@ void q8_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_
   }
 }
 
-// A K-quant part's rows [n0, n1) through rows m0..m0 + M of x.
-void q8_part(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0, int64_t M,
-             const float* bias, float* y, int64_t ldy) {
+// The 32-value types against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's dot
+// is d_w d_x (codes . q) + c_w d_x sum q, the codes bytes that vpmaddubsw multiplies by q:
+//   Q8_0: w = d c, c signed: |c| times q with c's sign (vpsignb), c_w = 0;
+//   Q5_0: w = d (c - 16), c = the 5-bit code unsigned: c_w = -16 d;
+//   Q5_1: w = d c + m: c_w = m.
+// Pairs of products stay below 2^15 (2 x 127 x 127), the block's sum in int32.
+inline __m256i set_bits_as_bytes(uint32_t bits) {  // byte j: 0xFF where bit j is set
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_movm_epi8(bits);
+#else
+  // Byte j takes qh's byte j / 8 and ORs in every bit but j % 8: all ones where bit j is set.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1));
+#endif
+}
+
+template <bool kOffset>
+struct Q5Int {
+  static constexpr int64_t kBytes = kOffset ? 24 : 22;
+  static constexpr bool kSigned = false;
+  static __m256i codes(const uint8_t* b) {  // value j: low nibble of byte j, j + 16: high
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kOffset ? 8 : 6)));
+    const __m256i nibbles = low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF);
+    uint32_t qh;
+    std::memcpy(&qh, b + (kOffset ? 4 : 2), 4);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(set_bits_as_bytes(qh), _mm256_set1_epi8(16)));
+  }
+  static float offset(const uint8_t* b) { return kOffset ? half(b + 2) : -16.f * half(b); }
+};
+
+struct Q8Int {
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kSigned = true;
+  static __m256i codes(const uint8_t* b) { return load256(b + 2); }
+  static float offset(const uint8_t*) { return 0.f; }
+};
+
+// One weight row of a 32-value type through M rows of x (rows m0.. of `x`, blocks of 32):
+// acc[m] += its float partial sums, extra[m] += the offsets' share.
+template <int M, typename Codes>
+inline void q8_32_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc,
+                      float* extra) {
+  const int64_t NB = x.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch), _MM_HINT_NTA);
+    const __m256i c = Codes::codes(b);
+    const __m256i u = Codes::kSigned ? _mm256_sign_epi8(c, c) : c;
+    const float d = half(b), o = Codes::offset(b);
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (m0 + m) * NB + i;
+      __m256i q = load256(x.q.data() + at * 32);
+      if constexpr (Codes::kSigned) q = _mm256_sign_epi8(q, c);
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * x.d[at]), acc[m]);
+      if constexpr (!Codes::kSigned)
+        extra[m] += o * x.d[at] * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
+    }
+  }
+}
+
+// Weight row n through rows m0..m0 + M of x into y[m * ldy + n].
+template <int M, typename Codes>
+inline void q8_32_row(const Part& p, int64_t n, const Q8Rows& x, int64_t m0, const float* bias,
+                      float* y, int64_t ldy) {
+  __m256 acc[M];
+  float extra[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), extra[m] = 0.f;
+  q8_32_dot<M, Codes>(p.data + n * p.stride, x, m0, acc, extra);
+  for (int m = 0; m < M; ++m)
+    y[m * ldy + n] = hsum8(acc[m]) + extra[m] + (bias ? bias[n] : 0.0f);
+}
+
+// W weight rows at once through one row of x (row m0): each block of x loaded once for all,
+// W independent chains of FMAs (one row at a time waited on its chain: 1.0x the float GEMV).
+template <int W, typename Codes>
+inline void q8_32_weight_rows(const Part& p, int64_t n, const Q8Rows& x, int64_t m0,
+                              const float* bias, float* y) {
+  const int64_t NB = x.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[W];
+  float extra[W];
+  for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps(), extra[w] = 0.f;
+  const uint8_t* b = p.data + n * p.stride;
+  for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
+    const int64_t at = m0 * NB + i;
+    const __m256i xq = load256(x.q.data() + at * 32);
+    const float dx = x.d[at], dsum = dx * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* bw = b + w * p.stride;
+      _mm_prefetch(reinterpret_cast<const char*>(bw + kQ8Prefetch), _MM_HINT_NTA);
+      const __m256i c = Codes::codes(bw);
+      const __m256i u = Codes::kSigned ? _mm256_sign_epi8(c, c) : c;
+      const __m256i q = Codes::kSigned ? _mm256_sign_epi8(xq, c) : xq;
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+      acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(half(bw) * dx), acc[w]);
+      if constexpr (!Codes::kSigned) extra[w] += Codes::offset(bw) * dsum;
+    }
+  }
+  for (int w = 0; w < W; ++w) y[n + w] = hsum8(acc[w]) + extra[w] + (bias ? bias[n + w] : 0.f);
+}
+
+// Rows [n0, n1) of a 32-value part through rows m0..m0 + M of x, four rows of x at a time;
+// one row of x takes four weight rows at a time.
+template <typename Codes>
+void q8_32_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0,
+                     int64_t M, const float* bias, float* y, int64_t ldy) {
+  if (M == 1)
+    for (; n0 + 4 <= n1; n0 += 4) q8_32_weight_rows<4, Codes>(p, n0, x, m0, bias, y);
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q8_32_row<4, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
+    switch (M - m) {
+      case 3: q8_32_row<3, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
+      case 2: q8_32_row<2, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
+      case 1: q8_32_row<1, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
+      default: break;
+    }
+  }
+}
+
+// An int8 part's rows [n0, n1) through rows m0..m0 + M of x: the K-quants' rows of x in
+// blocks of 256 (x256), the 32-value types' in blocks of 32 (x32).
+void q8_part(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x256, const Q8Rows& x32,
+             int64_t m0, int64_t M, const float* bias, float* y, int64_t ldy) {
   switch (p.type) {
-    case Q4_K: return q8_gemv_rows<K4Int<false>>(p, n0, n1, x, m0, M, bias, y, ldy);
-    case Q5_K: return q8_gemv_rows<K4Int<true>>(p, n0, n1, x, m0, M, bias, y, ldy);
-    default: return q8_gemv_rows<Q6KInt>(p, n0, n1, x, m0, M, bias, y, ldy);
+    case Q4_K: return q8_gemv_rows<K4Int<false>>(p, n0, n1, x256, m0, M, bias, y, ldy);
+    case Q5_K: return q8_gemv_rows<K4Int<true>>(p, n0, n1, x256, m0, M, bias, y, ldy);
+    case Q6_K: return q8_gemv_rows<Q6KInt>(p, n0, n1, x256, m0, M, bias, y, ldy);
+    case Q5_0: return q8_32_gemv_rows<Q5Int<false>>(p, n0, n1, x32, m0, M, bias, y, ldy);
+    case Q5_1: return q8_32_gemv_rows<Q5Int<true>>(p, n0, n1, x32, m0, M, bias, y, ldy);
+    default: return q8_32_gemv_rows<Q8Int>(p, n0, n1, x32, m0, M, bias, y, ldy);
   }
 }
 
@@ -330,9 +462,18 @@ constexpr bool kInt8KQuants = true;
 constexpr bool kInt8KQuants = false;
 #endif
 
-// Whether a part of ggml type `type` takes int8 activations when they are asked for.
+// Whether a part of ggml type `type` takes int8 activations when they are asked for, and in
+// blocks of how many inputs.
 inline bool int8_kquant(int64_t type) {
   return kInt8KQuants && (type == Q4_K || type == Q5_K || type == Q6_K);
+}
+// The 32-value types at 1-2 rows of x only, where their int8 GEMV is ahead of the float one
+// (two threads, old vs new, 3072 x 576 layers, the 49152 x 576 head): Q5_0 / Q5_1 1.36-1.53x
+// (AVX-512), 1.70-2.08x (AVX2); Q8_0 at 2 rows 1.76-1.95x, at 1 row 0.87-1.05x (the float
+// side-by-side GEMV), so it stays float there; from 4 rows (one weight row at a time) 0.7-1.3x.
+inline bool int8_block32(int64_t type, int64_t rows) {
+  if (!kInt8KQuants || rows > 2) return false;
+  return type == Q5_0 || type == Q5_1 || (type == Q8_0 && rows == 2);
 }
 
 }  // namespace ggml

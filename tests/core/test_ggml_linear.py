@@ -141,6 +141,44 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_th
         assert (y[:, :18] - exact).abs().max() > 1e-3 * exact.abs().max()
 
 
+def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with x quantized per 32 inputs (llama.cpp's Q8_0 activations), as the
+    32-value types' int8 GEMV takes it; float64 sums."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    q = torch.round(blocks * inv).double()
+    w = weight.double().reshape(weight.shape[0], k // 32, 32)
+    return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
+
+
+# Q5_0 / Q5_1 take x in int8 per 32 inputs at 1-2 rows, Q8_0 at 2 (at 1 row its float GEMV is
+# as fast); from 3 rows they stay float. A Q6_K part beside them takes x per 256.
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
+                                                                  rows: int):
+    names = ("Q5_0", "Q5_1", "Q8_0", "Q6_K")
+    types = [FORMATS_BY_NAME[n] for n in names]
+    parts = [random_blocks(t, 9 + i, 512, seed=20 + i) for i, t in enumerate(types)]
+    weights = [reference(p, t, 512) for p, t in zip(parts, types)]
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 512, generator=gen), torch.randn(42, generator=gen)
+    x[0, 32:64] *= 30  # an outlier block: its scale is its own
+    y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts], torch.tensor(types),
+                                bias, None, 8).double()
+    int8 = cpu_kernels.isa != "generic"
+    in_int8 = [int8 and rows <= 2, int8 and rows <= 2, int8 and rows == 2]
+    want = [q8_0_reference(x, w) if q8 else x.double() @ w.double().t()
+            for w, q8 in zip(weights[:3], in_int8)]
+    want.append(q8_reference(x, weights[3]) if int8 else x.double() @ weights[3].double().t())
+    want = torch.cat(want, dim=1) + bias.double()
+    torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
+    exact = x.double() @ torch.cat(weights[:3]).double().t() + bias[:30].double()
+    rounded = (y[:, :30] - exact).abs().max() > 1e-3 * exact.abs().max()
+    assert rounded == any(in_int8)  # x really went through int8, or really did not
+
+
 # Past the float GEMV's 32 rows a layer all in K-quants keeps the int8 GEMV up to 128 rows;
 # beyond, or with a part of another type, the float32 GEMM takes every part.
 @pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
