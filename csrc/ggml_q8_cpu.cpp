@@ -300,20 +300,28 @@ inline void q8_row(const Part& p, int64_t n, const Q8Rows& x, int64_t m0, const 
   for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum8(acc[m]) + (bias ? bias[n] : 0.0f);
 }
 
+// row.template operator()<R>(m) over rows [0, M) of x: runs of four from m = 0, then the
+// one to three left.
+template <typename Row>
+inline void in_fours(int64_t M, const Row& row) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) row.template operator()<4>(m);
+  switch (M - m) {
+    case 3: row.template operator()<3>(m); break;
+    case 2: row.template operator()<2>(m); break;
+    case 1: row.template operator()<1>(m); break;
+    default: break;
+  }
+}
+
 // Rows [n0, n1) of part p through rows m0..m0 + M of x, four rows of x at a time.
 template <typename Codes>
 void q8_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0,
                   int64_t M, const float* bias, float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_row<4, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
-    switch (M - m) {
-      case 3: q8_row<3, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
-      case 2: q8_row<2, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
-      case 1: q8_row<1, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
-      default: break;
-    }
-  }
+  for (int64_t n = n0; n < n1; ++n)
+    in_fours(M, [&]<int R>(int64_t m) {
+      q8_row<R, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
+    });
 }
 
 // The 32-value types against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's dot
@@ -428,16 +436,10 @@ void q8_32_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int
                      int64_t M, const float* bias, float* y, int64_t ldy) {
   if (M == 1)
     for (; n0 + 4 <= n1; n0 += 4) q8_32_weight_rows<4, Codes>(p, n0, x, m0, bias, y);
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_32_row<4, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
-    switch (M - m) {
-      case 3: q8_32_row<3, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
-      case 2: q8_32_row<2, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
-      case 1: q8_32_row<1, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy); break;
-      default: break;
-    }
-  }
+  for (int64_t n = n0; n < n1; ++n)
+    in_fours(M, [&]<int R>(int64_t m) {
+      q8_32_row<R, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
+    });
 }
 
 // An int8 part's rows [n0, n1) through rows m0..m0 + M of x: the K-quants' rows of x in
