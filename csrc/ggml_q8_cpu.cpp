@@ -36,7 +36,7 @@ struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> bsums;
-  int64_t K = 0, block = kQ8Block;
+  int64_t K = 0;
 };
 
 inline float hsum8(__m256 v) {
@@ -95,7 +95,6 @@ inline float quantize_block(const float* v, int8_t* q, int16_t* bsums) {
 void quantize_q8(const float* x, int64_t M, int64_t K, int64_t block, Q8Rows& r) {
   const int64_t NB = M * K / block;
   r.K = K;
-  r.block = block;
   r.q.resize(std::max<size_t>(r.q.size(), M * K));
   r.d.resize(std::max<size_t>(r.d.size(), NB));
   r.bsums.resize(std::max<size_t>(r.bsums.size(), M * K / 16));
@@ -365,23 +364,29 @@ struct Q8Int {
   static float offset(const uint8_t*) { return 0.f; }
 };
 
+// codes . q of one block as 8 int32 partial sums (Q8_0's signed codes by sign transfer).
+template <typename Codes>
+inline __m256i block32_sums(__m256i c, __m256i q) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Codes::kSigned)
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c)), ones);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
+}
+
 // One weight row of a 32-value type through M rows of x (rows m0.. of `x`, blocks of 32):
 // acc[m] += its float partial sums, extra[m] += the offsets' share.
 template <int M, typename Codes>
 inline void q8_32_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc,
                       float* extra) {
   const int64_t NB = x.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
     _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch), _MM_HINT_NTA);
     const __m256i c = Codes::codes(b);
-    const __m256i u = Codes::kSigned ? _mm256_sign_epi8(c, c) : c;
     const float d = half(b), o = Codes::offset(b);
     for (int m = 0; m < M; ++m) {
       const int64_t at = (m0 + m) * NB + i;
-      __m256i q = load256(x.q.data() + at * 32);
-      if constexpr (Codes::kSigned) q = _mm256_sign_epi8(q, c);
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+      const __m256i sums = block32_sums<Codes>(c, load256(x.q.data() + at * 32));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * x.d[at]), acc[m]);
       if constexpr (!Codes::kSigned)
         extra[m] += o * x.d[at] * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
@@ -407,7 +412,6 @@ template <int W, typename Codes>
 inline void q8_32_weight_rows(const Part& p, int64_t n, const Q8Rows& x, int64_t m0,
                               const float* bias, float* y) {
   const int64_t NB = x.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[W];
   float extra[W];
   for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps(), extra[w] = 0.f;
@@ -419,10 +423,7 @@ inline void q8_32_weight_rows(const Part& p, int64_t n, const Q8Rows& x, int64_t
     for (int w = 0; w < W; ++w) {
       const uint8_t* bw = b + w * p.stride;
       _mm_prefetch(reinterpret_cast<const char*>(bw + kQ8Prefetch), _MM_HINT_NTA);
-      const __m256i c = Codes::codes(bw);
-      const __m256i u = Codes::kSigned ? _mm256_sign_epi8(c, c) : c;
-      const __m256i q = Codes::kSigned ? _mm256_sign_epi8(xq, c) : xq;
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+      const __m256i sums = block32_sums<Codes>(Codes::codes(bw), xq);
       acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(half(bw) * dx), acc[w]);
       if constexpr (!Codes::kSigned) extra[w] += Codes::offset(bw) * dsum;
     }
