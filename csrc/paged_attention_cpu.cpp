@@ -18,9 +18,10 @@
 // pool, their table entries stale).
 //
 // Decodes (and short chunks) are split over tokens, or (token, KV head) when there are few,
-// handed out longest first; the G = H / KVH query heads that share a KV head go through a
-// block's K/V rows one after another while the block sits in L1 (the next block is prefetched,
-// a slice before each head's pass: blocks lie anywhere in the pool). Head sizes of 16..128
+// and a long sequence's keys into parts merged after (flash-decoding), handed out longest
+// first; the G = H / KVH query heads that share a KV head go through a block's K/V rows one
+// after another while the block sits in L1 (the next block is prefetched, a slice before each
+// head's pass: blocks lie anywhere in the pool). Head sizes of 16..128
 // (multiples of 16) take a vectorized path: q and the accumulators live in 16-float vectors,
 // eight keys' dot products end in one transposed sum (AVX2, AVX-512), the block's scores are
 // exponentiated 16 at a time (a polynomial exp, ~1 ulp), and a head's accumulators stay in
@@ -167,13 +168,15 @@ struct VecState {
   std::vector<float> rows;  // a block's widened rows of one KV head (non-float32 caches)
 };
 
-// One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC. Keys are walked
-// row by row across the KV heads, so a block's K (then V) is read front to back.
+// One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC, and the blocks
+// [b0, b1) of its keys [lo, len): st holds each head's running max m, sum l and unnormalized
+// accumulators (finish() divides them out). Keys are walked row by row across the KV heads,
+// so a block's K (then V) is read front to back.
 template <int64_t DC>
 static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::Rows& V,
-                       const int32_t* table, int64_t len, int64_t lo, int64_t BS, int64_t KVH,
-                       int64_t kh0, int64_t kh1, int64_t G, float scale, float cap,
-                       VecState& st, float* ot) {
+                       const int32_t* table, int64_t len, int64_t lo, int64_t b0, int64_t b1,
+                       int64_t BS, int64_t KVH, int64_t kh0, int64_t kh1, int64_t G,
+                       float scale, float cap, VecState& st) {
   constexpr int64_t D = 16 * DC;
   const int64_t padded = (BS + 15) / 16 * 16;
   const int64_t h0 = kh0 * G, heads = (kh1 - kh0) * G;
@@ -188,7 +191,7 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
   float* scores = st.scores.data();
   std::memcpy(q, qt + h0 * D, heads * D * sizeof(float));
   for (int64_t i = 0; i < heads * DC; ++i) q[i] *= scale;
-  for (int64_t b = lo / BS; b * BS < len; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = std::min(BS, len - b * BS);
     const int64_t j0 = std::max<int64_t>(0, lo - b * BS);  // first key inside the window
     const int64_t slot0 = static_cast<int64_t>(table[b]) * BS;
@@ -196,7 +199,7 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
     // asks for its share of the next block's rows (its KV head's, a G-th of them). Asking
     // for the whole next block at once stalled the core on the cache's miss buffers for
     // ~400 lines: the decode attention of a batch of 256 took 1.3-1.45x as long.
-    const int64_t next_n = (b + 1) * BS < len ? std::min(BS, len - (b + 1) * BS) : 0;
+    const int64_t next_n = b + 1 < b1 ? std::min(BS, len - (b + 1) * BS) : 0;
     const int64_t next = next_n ? static_cast<int64_t>(table[b + 1]) * BS : 0;
     int64_t row;
     for (int64_t kh = kh0; kh < kh1; ++kh) {
@@ -231,11 +234,30 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
       }
     }
   }
+}
+
+// Query heads [h0, h0 + heads) of one token, D floats each, from one or more partial results
+// over disjoint blocks of its keys (flash-decoding's merge): per head, with m the largest
+// running max, out = sum_p acc_p e^(m_p - m) / sum_p l_p e^(m_p - m).
+static void finish(const VecState* parts, int64_t count, int64_t h0, int64_t heads, int64_t D,
+                   float* ot) {
   for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.f / st.l[h];
-    for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= inv;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < count; ++p) m = std::max(m, parts[p].m[h]);
+    float l = 0.f;
+    float* o = ot + (h0 + h) * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t p = 0; p < count; ++p) {
+      const VecState& part = parts[p];
+      if (part.l[h] == 0.f) continue;  // a part whose keys all lay before the window
+      const float w = std::exp(part.m[h] - m);
+      l += part.l[h] * w;
+      const float* acc = reinterpret_cast<const float*>(part.acc.data()) + h * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += acc[d] * w;
+    }
+    const float inv = 1.f / l;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }
-  std::memcpy(ot + h0 * D, acc, heads * D * sizeof(float));
 }
 
 // ---- Tiled prefill path ------------------------------------------------------------------
@@ -506,6 +528,49 @@ static void write_kv(const at::Tensor& k, const at::Tensor& v, const kv_rows::Ro
   });
 }
 
+// A decode item: token `token` (an index into the step's per-token list) over KV heads
+// [kh0, kh1) and blocks [b0, b1), part `part` of `parts` of its keys (`keys` of them, about).
+struct VecItem {
+  int64_t token, kh0, kh1, b0, b1, part, parts, keys;
+};
+
+// Keys per part of a long sequence, and parts at most (a part costs a merge and a cold start
+// of its prefetches).
+constexpr int64_t kPartKeys = 256;
+constexpr int64_t kMaxParts = 8;
+
+// The decode items of a step, longest first. Many tokens: one per (token, part of its keys),
+// all KV heads (blocks read front to back). Few tokens (a batch-1 decode): one per (token, KV
+// head, part), so that every core has work. A sequence of kPartKeys keys or more is cut into
+// parts that come back together in finish() (flash-decoding): the cores' shares even out
+// (three KV heads on two cores had one of them waiting a third of the time, and a batch's
+// longest sequence kept one core busy alone). Parts depend on the keys alone, never on the
+// threads or the batch, so a token's output is the same however it was scheduled. A split
+// (token, KV heads)'s parts follow each other in the list, part 0 first.
+template <typename FirstKey>
+static std::vector<VecItem> vec_items(const std::vector<int64_t>& tokens, const int32_t* lens,
+                                      const FirstKey& first_key, int64_t BS, int64_t KVH) {
+  const int64_t NT = tokens.size();
+  const bool few = NT < 2 * at::get_num_threads();
+  std::vector<VecItem> items;
+  for (int64_t i = 0; i < NT; ++i) {
+    const int64_t len = lens[tokens[i]], lo = first_key(len);
+    const int64_t first = lo / BS, last = (len + BS - 1) / BS, keys = len - lo;
+    const int64_t parts = std::clamp<int64_t>(keys / kPartKeys, 1,
+                                              std::min(kMaxParts, last - first));
+    for (int64_t kh = 0; kh < (few ? KVH : 1); ++kh)
+      for (int64_t p = 0; p < parts; ++p)
+        items.push_back({i, few ? kh : 0, few ? kh + 1 : KVH,
+                         first + p * (last - first) / parts,
+                         first + (p + 1) * (last - first) / parts, p, parts, keys / parts});
+  }
+  // Longest first: a batch lists its oldest (longest) sequences together, and halves of it
+  // handed out statically left one core waiting on the other. (Stable: parts stay in order.)
+  std::stable_sort(items.begin(), items.end(),
+                   [](const VecItem& a, const VecItem& b) { return a.keys > b.keys; });
+  return items;
+}
+
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -582,24 +647,28 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
   const int64_t DC = D % 16 == 0 ? D / 16 : 0;
   if (DC == 1 || DC == 2 || DC == 4 || DC == 8) {
-    // Many tokens: one work item per token, all its KV heads (blocks read front to back).
-    // Few tokens (batch-1 decode): one per (token, KV head), so every core has work.
-    const int64_t split = NT >= 2 * at::get_num_threads() ? 1 : KVH;
     const auto run = DC == 1 ? attend_vec<1> : DC == 2 ? attend_vec<2>
                      : DC == 4 ? attend_vec<4> : attend_vec<8>;
-    // Longest first: a batch lists its oldest (longest) sequences together, and halves of it
-    // handed out statically left one core waiting on the other.
-    std::vector<int64_t> order(NT * split);
-    for (int64_t w = 0; w < NT * split; ++w) order[w] = w;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return lens[tokens[a / split]] > lens[tokens[b / split]];
+    const std::vector<VecItem> items = vec_items(tokens, lens, first_key, BS, KVH);
+    // Parts of a token's keys wait in `partial` for the merge; the caller's buffer, reused,
+    // named by a reference so that the team's threads fill this thread's.
+    thread_local std::vector<VecState> partial_states;
+    std::vector<VecState>& partial = partial_states;
+    if (partial.size() < items.size()) partial.resize(items.size());
+    parallel_dynamic<VecState>(items.size(), [&](int64_t i, VecState& own) {
+      const VecItem& it = items[i];
+      const int64_t t = tokens[it.token], lo = first_key(lens[t]);
+      VecState& st = it.parts == 1 ? own : partial[i];
+      run(qp + t * QS, K, V, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], lo, it.b0, it.b1,
+          BS, KVH, it.kh0, it.kh1, G, fscale, cap, st);
+      if (it.parts == 1) finish(&st, 1, it.kh0 * G, (it.kh1 - it.kh0) * G, D, op + t * H * D);
     });
-    parallel_dynamic<VecState>(order.size(), [&](int64_t i, VecState& st) {
-      const int64_t t = tokens[order[i] / split], part = order[i] % split;
-      const int64_t kh0 = split == 1 ? 0 : part, kh1 = split == 1 ? KVH : part + 1;
-      run(qp + t * QS, K, V, bt + static_cast<int64_t>(sid[t]) * MB, lens[t],
-          first_key(lens[t]), BS, KVH, kh0, kh1, G, fscale, cap, st, op + t * H * D);
-    });
+    for (size_t i = 0; i < items.size(); ++i) {  // each split (token, KV head) once, merged
+      const VecItem& it = items[i];
+      if (it.parts > 1 && it.part == 0)
+        finish(&partial[i], it.parts, it.kh0 * G, (it.kh1 - it.kh0) * G, D,
+               op + tokens[it.token] * H * D);
+    }
     return;
   }
   team::parallel_for(0, NT * KVH, 1, [&](int64_t begin, int64_t end) {

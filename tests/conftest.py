@@ -79,6 +79,16 @@ def cpu_kernels(isa: str):  # noqa: ANN201 - the compiled module
     return kernels
 
 
+@pytest.fixture
+def two_threads():  # noqa: ANN201 - a context for the test
+    """Two torch threads for the test (the suite runs one a worker): the decoder's team
+    (csrc/team.h) and the kernels' splits of work between threads need two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 # Prompts of different lengths (3 to ~60 tokens) for batched parity runs.
 PROMPTS = [
     "Hi there",

@@ -82,16 +82,6 @@ def test_linear_matches_torch_on_the_dequantized_weight(cpu_kernels, qtype: int,
     assert cpu_kernels.ggml_linear(x, parts, types, None, out).data_ptr() == out.data_ptr()
 
 
-@pytest.fixture
-def two_threads():  # noqa: ANN201 - a fixture
-    """Two threads for the kernels (the suite runs one a worker): x's int8 rows, or x
-    transposed, are made by the calling thread and read by both."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("rows", [2, 24])
 def test_parts_of_different_types_make_one_output(cpu_kernels, two_threads, rows: int):
     q4k, q6k, q8 = (FORMATS_BY_NAME[n] for n in ("Q4_K", "Q6_K", "Q8_0"))

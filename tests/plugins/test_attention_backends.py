@@ -4,6 +4,8 @@ cached prefix, and decode; and over 8-bit and bfloat16 caches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,6 +88,36 @@ def test_cpu_kernel_head_sizes_and_work_splits(head_dim: int, seqs: list[tuple[i
     expected = _dense_reference(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+# Decodes long enough that the cpu kernel cuts a sequence's keys into parts and merges them.
+LONG_DECODES = {"one-long": [(700, 1)], "two-mixed": [(520, 1), (130, 1)],
+                "batch": [(2100, 1), (40, 1), (600, 1), (257, 1), (90, 1)]}
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqs", list(LONG_DECODES.values()), ids=list(LONG_DECODES))
+def test_cpu_decode_of_long_sequences_in_parts(head_dim: int, seqs: list[tuple[int, int]],
+                                               two_threads):
+    # Parts of a sequence's keys run on either thread and are merged after; the result is the
+    # whole softmax, and the same whether the token came alone, in a batch, or on one thread.
+    backend = select_attention_backend("cpu", "cpu")
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(seqs, 16, 9, 3, head_dim, seed=7)
+    q = q * 4  # peaked scores: a part's running max is far from another's
+    expected = _dense_reference(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.set_num_threads(1)
+    assert torch.equal(backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5), out)
+    torch.set_num_threads(2)
+    first = dataclasses.replace(  # the batch's first token on its own
+        meta, slot_mapping=meta.slot_mapping[:1], seq_ids=meta.seq_ids[:1],
+        kv_lens=meta.kv_lens[:1], query_start_loc=meta.query_start_loc[:2],
+        query_start_loc_cpu=meta.query_start_loc_cpu[:2], seq_lens=meta.seq_lens[:1],
+        seq_lens_cpu=meta.seq_lens_cpu[:1], num_decode_tokens=1)
+    alone = backend.forward(q[:1], k[:1], v[:1], k_cache, v_cache, first, head_dim**-0.5)
+    assert torch.equal(alone, out[:1])
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

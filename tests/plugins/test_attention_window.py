@@ -70,22 +70,28 @@ def _dense_reference(q, k, v, k_cache, v_cache, meta, window: int | None,
 def test_window_and_soft_cap_match_dense_reference(backend_name: str, window: int | None,
                                                    cap: float | None, block_size: int,
                                                    head_dim: int, layout: str):
-    _check_backend(backend_name, window, cap, block_size, head_dim, layout)
+    _check_backend(backend_name, window, cap, block_size, head_dim, LAYOUTS[layout])
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
 @pytest.mark.parametrize("head_dim", [16, 24])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cpu_window_and_soft_cap_under_each_flavour(isa: str, head_dim: int, layout: str):
-    _check_backend("cpu", 5, 3.0, 4, head_dim, layout)
+    _check_backend("cpu", 5, 3.0, 4, head_dim, LAYOUTS[layout])
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
+@pytest.mark.parametrize("window", [None, 600], ids=["global", "window600"])
+def test_cpu_long_decodes_in_parts_with_window_and_cap(window: int | None, two_threads):
+    # Keys cut into parts (the first part's block starting before the window), merged.
+    _check_backend("cpu", window, 3.0, 16, 32, [(1500, 1), (700, 1), (300, 1)])
 
 
 def _check_backend(backend_name: str, window: int | None, cap: float | None, block_size: int,
-                   head_dim: int, layout: str) -> None:
+                   head_dim: int, seqs: list[tuple[int, int]]) -> None:
     backend = select_attention_backend(backend_name, DEVICE)
     q, k, v, k_cache, v_cache, meta = random_paged_layout(
-        LAYOUTS[layout], block_size, HEADS, KV_HEADS, head_dim, seed=head_dim + block_size,
-        device=DEVICE)
+        seqs, block_size, HEADS, KV_HEADS, head_dim, seed=head_dim + block_size, device=DEVICE)
     q = q * 3  # scores large enough for the cap of 3 to bend them
     if window is not None:
         _hide_blocks_behind_window(k_cache, v_cache, meta, window)

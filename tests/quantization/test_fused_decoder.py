@@ -109,16 +109,6 @@ def test_fused_hidden_states_outlive_the_next_step(engine: LLMEngine):
     assert not torch.equal(first, second)
 
 
-@pytest.fixture
-def two_threads():  # noqa: ANN201 - a context for the test
-    # The suite runs one torch thread per xdist worker; the decoder's team (csrc/team.h)
-    # needs two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_a_team_of_two_threads_computes_what_one_thread_does(engine: LLMEngine, two_threads):
     # At decode sizes the forward runs in one team of threads; its loops split the work as
     # at::parallel_for does, so two threads give one thread's values bit for bit.
