@@ -99,7 +99,7 @@ LONG_DECODES = {"one-long": [(700, 1)], "two-mixed": [(520, 1), (130, 1)],
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqs", list(LONG_DECODES.values()), ids=list(LONG_DECODES))
 def test_cpu_decode_of_long_sequences_in_parts(head_dim: int, seqs: list[tuple[int, int]],
-                                               two_threads):
+                                               isa: str, two_threads):
     # Parts of a sequence's keys run on either thread and are merged after; the result is the
     # whole softmax, and the same whether the token came alone, in a batch, or on one thread.
     backend = select_attention_backend("cpu", "cpu")
