@@ -249,7 +249,6 @@ static void finish(const VecState* parts, int64_t count, int64_t h0, int64_t hea
     std::fill(o, o + D, 0.f);
     for (int64_t p = 0; p < count; ++p) {
       const VecState& part = parts[p];
-      if (part.l[h] == 0.f) continue;  // a part whose keys all lay before the window
       const float w = std::exp(part.m[h] - m);
       l += part.l[h] * w;
       const float* acc = reinterpret_cast<const float*>(part.acc.data()) + h * D;
@@ -655,20 +654,19 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     thread_local std::vector<VecState> partial_states;
     std::vector<VecState>& partial = partial_states;
     if (partial.size() < items.size()) partial.resize(items.size());
+    const auto write_item = [&](const VecItem& it, const VecState* parts) {  // its heads' rows
+      finish(parts, it.parts, it.kh0 * G, (it.kh1 - it.kh0) * G, D, op + tokens[it.token] * H * D);
+    };
     parallel_dynamic<VecState>(items.size(), [&](int64_t i, VecState& own) {
       const VecItem& it = items[i];
-      const int64_t t = tokens[it.token], lo = first_key(lens[t]);
+      const int64_t t = tokens[it.token];
       VecState& st = it.parts == 1 ? own : partial[i];
-      run(qp + t * QS, K, V, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], lo, it.b0, it.b1,
-          BS, KVH, it.kh0, it.kh1, G, fscale, cap, st);
-      if (it.parts == 1) finish(&st, 1, it.kh0 * G, (it.kh1 - it.kh0) * G, D, op + t * H * D);
+      run(qp + t * QS, K, V, bt + static_cast<int64_t>(sid[t]) * MB, lens[t], first_key(lens[t]),
+          it.b0, it.b1, BS, KVH, it.kh0, it.kh1, G, fscale, cap, st);
+      if (it.parts == 1) write_item(it, &st);
     });
-    for (size_t i = 0; i < items.size(); ++i) {  // each split (token, KV head) once, merged
-      const VecItem& it = items[i];
-      if (it.parts > 1 && it.part == 0)
-        finish(&partial[i], it.parts, it.kh0 * G, (it.kh1 - it.kh0) * G, D,
-               op + tokens[it.token] * H * D);
-    }
+    for (size_t i = 0; i < items.size(); ++i)  // each split (token, KV heads) once, merged
+      if (items[i].parts > 1 && items[i].part == 0) write_item(items[i], &partial[i]);
     return;
   }
   team::parallel_for(0, NT * KVH, 1, [&](int64_t begin, int64_t end) {
