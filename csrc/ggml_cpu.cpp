@@ -973,6 +973,7 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
 
 #include "ggml_q8_cpu.cpp"
 #include "ggml_broadcast_cpu.cpp"
+#include "ggml_tiles_cpu.cpp"
 
 namespace ggml {
 
@@ -1003,14 +1004,26 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   TORCH_CHECK(activation_bits == 32 || activation_bits == 8,
               "ggml_linear: activation_bits must be 32 or 8, got ", activation_bits);
   if (M == 0) return y;
+  const float* bd = has_bias ? bias->data_ptr<float>() : nullptr;
+#if defined(__AVX2__)
+  // The caller's buffers, reused (no allocation on a decode step); named by a reference so
+  // that the team's threads read this thread's, not their own thread_local ones.
+  thread_local Q8Rows buffers256, buffers32;
+  Q8Rows &x256 = buffers256, &x32 = buffers32;
+  if (activation_bits == 8 &&
+      std::all_of(ps.begin(), ps.end(), [&](const Part& p) { return int8_tile(p.type, M); })) {
+    quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
+    tile_linear(ps, x32, M, K, bd, y.data_ptr<float>(), N);
+    return y;
+  }
+#endif
   const auto takes_int8 = [&](const Part& p) {
     return activation_bits == 8 && (int8_kquant(p.type) || int8_block32(p.type, M));
   };
   const bool int8 = std::any_of(ps.begin(), ps.end(), takes_int8);
   const bool all_int8 = std::all_of(ps.begin(), ps.end(), takes_int8);
   if (!int8 && M >= kBroadcastMinRows && M <= kGemvPassRows) {
-    broadcast_linear(ps, x.data_ptr<float>(), M, K,
-                     has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+    broadcast_linear(ps, x.data_ptr<float>(), M, K, bd, y.data_ptr<float>(), N);
     return y;
   }
   if (M > (all_int8 ? kInt8PassRows : kGemvPassRows)) {
@@ -1018,12 +1031,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     if (has_bias) y.add_(*bias);
     return y;
   }
-  const float* bd = has_bias ? bias->data_ptr<float>() : nullptr;
 #if defined(__AVX2__)
-  // The caller's buffers, reused (no allocation on a decode step); named by a reference so
-  // that the team's threads read this thread's, not their own thread_local ones.
-  thread_local Q8Rows buffers256, buffers32;
-  Q8Rows &x256 = buffers256, &x32 = buffers32;
   const auto any = [&](auto takes) { return std::any_of(ps.begin(), ps.end(), takes); };
   if (any([&](const Part& p) { return takes_int8(p) && int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
@@ -1052,6 +1060,14 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     });
   }
   return y;
+}
+
+// Whether a layer of parts of these ggml types takes int8 x in tiles (ggml_tiles_cpu.cpp) at
+// `rows` rows of x.
+bool ggml_int8_tiles(const at::Tensor& types, int64_t rows) {
+  const at::Tensor t = types.to(at::kLong).contiguous();
+  const int64_t* id = t.data_ptr<int64_t>();
+  return std::all_of(id, id + t.numel(), [&](int64_t type) { return int8_tile(type, rows); });
 }
 
 // Rows `ids` of a table in ggml blocks ([V, row_bytes]) as float32 [T, K]: an embedding lookup.

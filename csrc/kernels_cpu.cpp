@@ -55,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none(), py::arg("activation_bits") = 32);
   m.attr("ggml_gemv_max_rows") = ggml::kMaxRows;
   m.attr("ggml_int8_kquants") = ggml::kInt8KQuants;
+  m.def("ggml_int8_tiles", &ggml::ggml_int8_tiles,
+        "whether int8 activations take a layer of these ggml types in tiles at `rows` rows");
+  m.attr("vnni") = ggml::kTileVnni;
   m.def("ggml_rows", &ggml::ggml_rows, "rows of a table in a ggml block format, as float32");
   m.def("ggml_dequantize", &ggml::ggml_dequantize, "a table in a ggml block format as float32");
 

@@ -100,7 +100,8 @@ def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     blocks = x.reshape(m, k // 256, 256)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    # (127 / tensor would be tensor.reciprocal() * 127 in torch: an ulp off the kernel's)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax.clamp_min(1e-30), 0)
     q = torch.round(blocks * inv).double()  # (round half to even, as the kernel's)
     w = weight.double().reshape(weight.shape[0], k // 256, 256)
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
@@ -109,7 +110,8 @@ def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # The K-quants take int8 activations in AVX2 and AVX-512 code; the generic flavour keeps the
-# float GEMV. Rows 17 and 32 cross passes of the GEMV; the Q8_0 part stays float.
+# float GEMV. Rows 17 and 32 cross passes of the GEMV, where the Q8_0 part stays float; with
+# AVX-512 and VNNI the tiles take all four parts there.
 def int8_layer(kernels: Any, names: tuple[str, ...], rows: int, cols: int, seed: int,
                outlier: slice) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
                                         torch.Tensor]:
@@ -136,8 +138,12 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_th
     k_quants = torch.cat(weights[:3])
     int8 = bool(cpu_kernels.ggml_int8_kquants)
     assert int8 == (cpu_kernels.isa != "generic")
-    want = q8_reference(x, k_quants) if int8 else x.double() @ k_quants.double().t()
-    want = torch.cat([want, x.double() @ weights[3].double().t()], dim=1) + bias.double()
+    if tiled(cpu_kernels, ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), rows):  # every part per 32 inputs
+        want = q8_0_reference(x, torch.cat(weights))
+    else:
+        want = q8_reference(x, k_quants) if int8 else x.double() @ k_quants.double().t()
+        want = torch.cat([want, x.double() @ weights[3].double().t()], dim=1)
+    want += bias.double()
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
     if int8:  # and not the float result: x really went through int8
         exact = x.double() @ k_quants.double().t() + bias[:18].double()
@@ -150,7 +156,8 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    # (127 / tensor would be tensor.reciprocal() * 127 in torch: an ulp off the kernel's)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax.clamp_min(1e-30), 0)
     q = torch.round(blocks * inv).double()
     w = weight.double().reshape(weight.shape[0], k // 32, 32)
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
@@ -175,34 +182,77 @@ def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, tw
     assert rounded == any(in_int8)  # x really went through int8, or really did not
 
 
-# Past the float GEMV's 32 rows a layer all in K-quants keeps the int8 GEMV up to 128 rows;
-# beyond, or with a part of another type, the float32 GEMM takes every part.
+# Past the float GEMV's 32 rows an int8 layer keeps its integer kernels up to 128 rows: the
+# tiles where they take every part, else the K-quants' GEMV where the layer is all K-quants;
+# beyond 128 rows, or with a part neither takes, the float32 GEMM takes every part.
 @pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
                                                      (130, ("Q4_K", "Q6_K"), False),
-                                                     (70, ("Q4_K", "Q8_0"), False)])
-def test_int8_layers_keep_the_gemv_to_128_rows(cpu_kernels, rows: int,
-                                                     names: tuple[str, ...], int8: bool):
+                                                     (70, ("Q4_K", "Q8_0"), False),
+                                                     (70, ("Q5_0", "Q2_K"), False)])
+def test_int8_layers_keep_integer_kernels_to_128_rows(cpu_kernels, rows: int,
+                                                      names: tuple[str, ...], int8: bool):
     types = [FORMATS_BY_NAME[n] for n in names]
     parts = [random_blocks(t, 7, 512, seed=i) for i, t in enumerate(types)]
     weight = torch.cat([reference(p, t, 512) for p, t in zip(parts, types)])
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts], torch.tensor(types),
                                 None, None, 8).double()
-    int8 = int8 and bool(cpu_kernels.ggml_int8_kquants)
-    want = q8_reference(x, weight) if int8 else x.double() @ weight.double().t()
+    if tiled(cpu_kernels, names, rows):
+        want = q8_0_reference(x, weight)
+    elif int8 and cpu_kernels.ggml_int8_kquants:
+        want = q8_reference(x, weight)
+    else:
+        want = x.double() @ weight.double().t()
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
+def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
+    """Whether the tiles take a layer of the named types at `rows` rows, checked against the
+    rule they are chosen by: with AVX-512 every type they read (Q8_0 with VNNI only) from 5
+    rows, the K-quants from 12; with AVX2 the 32-value types; up to 128 rows."""
+    kquants = any(n.endswith("_K") for n in names)
+    readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    rule = (kernels.isa != "generic" and readable and 5 <= rows <= 128
+            and ("Q8_0" not in names or kernels.vnni)
+            and (not kquants or (kernels.isa == "avx512" and rows >= 12)))
+    tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
+    assert tiles == rule, (names, rows)
+    return tiles
+
+
+# The tiles (csrc/ggml_tiles_cpu.cpp): every type they read, at one vector of x^T (5, 16 rows)
+# and two (17), in passes (40, 128); parts of 5 to 7 weight rows (tiles cut short) on two
+# threads (a thread's share starting inside a part); K several chunks and a last one short of
+# 256 (896 inputs); x's outlier block with a scale of its own.
+@pytest.mark.parametrize("names", [("Q4_0", "Q5_0", "Q8_0"), ("Q4_1", "Q5_1"),
+                                   ("Q4_K", "Q5_K", "Q6_K")], ids="+".join)
+@pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 128])
+def test_int8_tiles_are_the_q8_0_scheme(cpu_kernels, two_threads, names: tuple[str, ...],
+                                        rows: int):
+    cols = 1024 if names[0].endswith("_K") else 896
+    x, bias, weights, y = int8_layer(cpu_kernels, names, rows, cols, 30, slice(64, 96))
+    if not tiled(cpu_kernels, names, rows):
+        return  # the rule above holds; the GEMVs' and the GEMM's values are tested elsewhere
+    want = q8_0_reference(x, torch.cat(weights)) + bias.double()
+    torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
+    exact = x.double() @ torch.cat(weights).double().t() + bias.double()
+    assert (y - exact).abs().max() > 1e-3 * exact.abs().max()  # x really went through int8
+
+
 def test_int8_activations_keep_a_bad_row_to_itself(cpu_kernels):
+    # three rows: the K-quants' GEMV; sixteen of Q5_0: the tiles, where there are some
+    for name, rows in (("Q6_K", 3), ("Q5_0", 16)):
+        qtype = FORMATS_BY_NAME[name]
+        blocks = torch.from_numpy(random_blocks(qtype, 9, 512, seed=4))
+        x = torch.randn(rows, 512)
+        x[1, 300] = float("nan")
+        y = cpu_kernels.ggml_linear(x, [blocks], torch.tensor([qtype]), None, None, 8)
+        good = [r for r in range(rows) if r != 1]
+        assert y[1].isnan().all() and y[good].isfinite().all()
+        torch.testing.assert_close(y[good], cpu_kernels.ggml_linear(
+            x[good], [blocks], torch.tensor([qtype]), None, None, 8))
     q6k = FORMATS_BY_NAME["Q6_K"]
     blocks = torch.from_numpy(random_blocks(q6k, 9, 512, seed=4))
-    x = torch.randn(3, 512)
-    x[1, 300] = float("nan")
-    y = cpu_kernels.ggml_linear(x, [blocks], torch.tensor([q6k]), None, None, 8)
-    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
-    torch.testing.assert_close(y[[0, 2]], cpu_kernels.ggml_linear(x[[0, 2]], [blocks],
-                                                                  torch.tensor([q6k]), None,
-                                                                  None, 8))
     with pytest.raises(RuntimeError, match="activation_bits must be 32 or 8, got 16"):
         cpu_kernels.ggml_linear(x, [blocks], torch.tensor([q6k]), None, None, 16)
 

@@ -1,0 +1,401 @@
+// Weights in ggml blocks through a decode batch (5 to 128 rows of x) with int8 activations:
+// tiles of weight rows in bytes against x^T in bytes. Included by csrc/ggml_cpu.cpp after
+// ggml_q8_cpu.cpp (its code readers and int8 rows of x) and ggml_broadcast_cpu.cpp.
+//
+// Why: at 16 rows the float kernel (ggml_broadcast_cpu.cpp) spends one FMA per weight and row
+// of x, and the int8 GEMVs (ggml_q8_cpu.cpp) take one weight row at a time, converting and
+// scaling per row of x and block. Here each thread decodes P weight rows into bytes in L1, x
+// is transposed once per pass (one vector holds four inputs of every row, a 32-bit lane a
+// row), and per four inputs a broadcast of a weight row's four codes meets each vector of x
+// in one byte dot product: vpdpbusd with AVX512-VNNI, 64 multiply-adds an instruction against
+// the float kernel's 16; elsewhere vpmaddubsw, its pairs summed in int16 over 16 inputs
+// before vpmaddwd widens them.
+//
+// Every type reads as unsigned byte codes c with a scale and an offset per S values (S = 32;
+// Q6_K 16): w = dw c + mw. Against x quantized per 32 inputs (x ~ dx q, llama.cpp's Q8_0
+// activations) a sub-block's dot is dx (dw (c . q) + mw sum q), with
+//   Q4_0, Q5_0: c the 4- or 5-bit code, mw = -8 dw, -16 dw;  Q4_1, Q5_1: mw = m;
+//   Q8_0: c = its signed code + 128, mw = -128 dw (codes up to 255: VNNI only, as
+//   vpmaddubsw's pairs of 255 x 127 would saturate);
+//   Q4_K, Q5_K: dw = d sc, mw = -dmin m (per 32);  Q6_K: c its 6-bit code, dw = d sc,
+//   mw = -32 dw (per 16).
+// The error is x's in 8 bits per 32 inputs, as the 32-value types' int8 GEMV's.
+
+namespace ggml {
+
+#if defined(__AVX512VNNI__)
+constexpr bool kTileVnni = true;
+#else
+constexpr bool kTileVnni = false;
+#endif
+
+#if defined(__AVX2__)
+namespace {
+
+// One vector of each: 32-bit integer lanes, float lanes.
+#if defined(__AVX512F__)
+using vi = __m512i;
+using vf = __m512;
+constexpr int kTileLanes = 16;
+inline vi set1i(int32_t v) { return _mm512_set1_epi32(v); }
+inline vi loadi(const void* p) { return _mm512_loadu_si512(p); }
+inline vf set1f(float v) { return _mm512_set1_ps(v); }
+inline vf loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void storef(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf fmaddf(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf mulf(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf addf(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf tofloat(vi v) { return _mm512_cvtepi32_ps(v); }
+// (without VNNI) pairs of products of w's unsigned bytes and x's signed ones, in int16
+inline vi maddubs(vi w, const int32_t* x) { return _mm512_maddubs_epi16(w, loadi(x)); }
+inline vi add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
+inline vi widen_add(vi acc, vi pairs) {  // acc + pairs of int16 summed into int32
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+constexpr int64_t kTilePassRows = 2 * kTileLanes;  // rows of x a pass: two vectors of x^T
+constexpr int kTileP1 = 12, kTileP2 = 6;  // weight rows a tile: one or two vectors of x^T
+#else
+using vi = __m256i;
+using vf = __m256;
+constexpr int kTileLanes = 8;
+inline vi set1i(int32_t v) { return _mm256_set1_epi32(v); }
+inline vi loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline vf set1f(float v) { return _mm256_set1_ps(v); }
+inline vf loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void storef(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf fmaddf(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf mulf(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf addf(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf tofloat(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vi maddubs(vi w, const int32_t* x) { return _mm256_maddubs_epi16(w, loadi(x)); }
+inline vi add16(vi a, vi b) { return _mm256_add_epi16(a, b); }
+inline vi widen_add(vi acc, vi pairs) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+// One vector of x^T a pass: two, with two weight rows a tile, ran 0.95x.
+constexpr int64_t kTilePassRows = kTileLanes;
+constexpr int kTileP1 = 6, kTileP2 = 2;
+#endif
+
+constexpr int kTileMaxP = 12;  // weight rows a thread decodes at a time
+
+inline vi broadcast_codes(const uint8_t* codes) {  // four codes into every 32-bit lane
+  int32_t four;
+  std::memcpy(&four, codes, 4);
+  return set1i(four);
+}
+
+// P weight rows' codes for a chunk of inputs, with a scale and an offset per S of them.
+struct TileWeights {
+  alignas(64) uint8_t codes[kTileMaxP * kChunk];
+  alignas(64) float dw[kTileMaxP * kChunk / 16];
+  alignas(64) float mw[kTileMaxP * kChunk / 16];
+};
+
+// Rows of x for one pass, transposed: q [K / 4][W] holds inputs 4g..4g + 3 of row j in the
+// 32-bit lane j of vector g (W lanes, zero past the pass's rows); per 16 inputs t, d [t][W] is
+// each row's dx and s [t][W] dx times the sum of those 16 q.
+struct TileX {
+  std::vector<int32_t> q;
+  std::vector<float> d, s;
+  int64_t W = 0;
+};
+
+// Rows [m0, m0 + rows) of x (in int8 per 32 inputs: x32) as a pass of W lanes.
+void tile_x(const Q8Rows& x32, int64_t m0, int64_t rows, int64_t K, int64_t W, TileX& t) {
+  t.W = W;
+  t.q.assign(K / 4 * W, 0);
+  t.d.assign(K / 16 * W, 0.f);
+  t.s.assign(K / 16 * W, 0.f);
+  for (int64_t m = 0; m < rows; ++m) {
+    const int8_t* q = x32.q.data() + (m0 + m) * K;
+    for (int64_t g = 0; g < K / 4; ++g) std::memcpy(&t.q[g * W + m], q + 4 * g, 4);
+    for (int64_t i = 0; i < K / 16; ++i) {
+      const float dx = x32.d[(m0 + m) * (K / 32) + i / 2];
+      t.d[i * W + m] = dx;
+      t.s[i * W + m] = dx * x32.bsums[(m0 + m) * (K / 16) + i];
+    }
+  }
+}
+
+// A type's reader: values [v0, v0 + count) of a weight row (whole blocks) as codes, with each S
+// values' scale and offset (dw, mw: count / S of each).
+using TileDecoder = void (*)(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes,
+                             float* dw, float* mw);
+
+inline void store_codes(uint8_t* to, __m256i c) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), c);
+}
+
+// Q4_0 / Q4_1: value j the low nibble of byte j, j + 16 its high nibble.
+template <bool kMin>
+void tile_q4(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+             float* mw) {
+  constexpr int64_t kBytes = kMin ? 20 : 18;
+  const uint8_t* b = row + v0 / 32 * kBytes;
+  for (int64_t i = 0; i < count / 32; ++i, b += kBytes) {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kMin ? 4 : 2)));
+    store_codes(codes + 32 * i, low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF));
+    dw[i] = half(b);
+    mw[i] = kMin ? half(b + 2) : -8.f * dw[i];
+  }
+}
+
+template <bool kMin>
+void tile_q5(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+             float* mw) {
+  using Codes = Q5Int<kMin>;
+  const uint8_t* b = row + v0 / 32 * Codes::kBytes;
+  for (int64_t i = 0; i < count / 32; ++i, b += Codes::kBytes) {
+    store_codes(codes + 32 * i, Codes::codes(b));
+    dw[i] = half(b);
+    mw[i] = Codes::offset(b);
+  }
+}
+
+void tile_q8(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+             float* mw) {
+  const uint8_t* b = row + v0 / 32 * 34;
+  for (int64_t i = 0; i < count / 32; ++i, b += 34) {
+    store_codes(codes + 32 * i, _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8(-128)));
+    dw[i] = half(b);
+    mw[i] = -128.f * dw[i];
+  }
+}
+
+template <typename Codes, int... R>
+inline void store_runs(const uint8_t* b, uint8_t* codes, std::integer_sequence<int, R...>) {
+  (store_codes(codes + 32 * R, Codes::template run<R>(b)), ...);
+}
+
+// Q4_K / Q5_K: eight runs of 32 values, each with its 6-bit scale and min.
+template <bool kFifth>
+void tile_k4(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+             float* mw) {
+  using Codes = K4Int<kFifth>;
+  const uint8_t* b = row + v0 / 256 * Codes::kBytes;
+  for (int64_t i = 0; i < count / 256; ++i, b += Codes::kBytes) {
+    store_runs<Codes>(b, codes + 256 * i, std::make_integer_sequence<int, 8>{});
+    const IntScales sc = Codes::scales(b);
+    alignas(16) int8_t s[16], c[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(s), sc.s);
+    _mm_store_si128(reinterpret_cast<__m128i*>(c), sc.c);
+    for (int r = 0; r < 8; ++r) {
+      dw[8 * i + r] = sc.d * s[2 * r];
+      mw[8 * i + r] = sc.e * c[2 * r];
+    }
+  }
+}
+
+// Q6_K: sixteen runs of 16 values, each with its int8 scale.
+void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+              float* mw) {
+  const uint8_t* b = row + v0 / 256 * Q6KInt::kBytes;
+  for (int64_t i = 0; i < count / 256; ++i, b += Q6KInt::kBytes) {
+    store_runs<Q6KInt>(b, codes + 256 * i, std::make_integer_sequence<int, 8>{});
+    const float d = half(b + 208);
+    for (int r = 0; r < 16; ++r) {
+      dw[16 * i + r] = d * static_cast<int8_t>(b[192 + r]);
+      mw[16 * i + r] = -32.f * dw[16 * i + r];
+    }
+  }
+}
+
+// The reader of a tile type, or nullptr for a type this kernel does not take.
+TileDecoder tile_decoder(int64_t type) {
+  switch (type) {
+    case Q4_0: return tile_q4<false>;
+    case Q4_1: return tile_q4<true>;
+    case Q5_0: return tile_q5<false>;
+    case Q5_1: return tile_q5<true>;
+    case Q8_0: return kTileVnni ? tile_q8 : nullptr;
+    case Q4_K: return tile_k4<false>;
+    case Q5_K: return tile_k4<true>;
+    case Q6_K: return tile_q6k;
+    default: return nullptr;
+  }
+}
+
+// dots[i][v] = the dot products of S codes of weight row i (from `codes`, a row every kChunk)
+// with S inputs of each row of x in vector v (x^T from xq), one row of x a 32-bit lane.
+template <int P, int V, int S>
+__attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const int32_t* xq,
+                                                     vi (&dots)[P][V]) {
+#pragma GCC unroll 12
+  for (int i = 0; i < P; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) dots[i][v] = set1i(0);
+#if defined(__AVX512VNNI__)
+#pragma GCC unroll 8
+  for (int g = 0; g < S / 4; ++g) {
+    vi xv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) xv[v] = loadi(xq + (g * V + v) * kTileLanes);
+#pragma GCC unroll 12
+    for (int i = 0; i < P; ++i) {
+      const vi wb = broadcast_codes(codes + i * kChunk + 4 * g);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) dots[i][v] = _mm512_dpbusd_epi32(dots[i][v], wb, xv[v]);
+    }
+  }
+#else
+  // vpmaddubsw's pairs summed in int16 over G groups of four inputs before vpmaddwd widens
+  // them: below 2^15 for codes under 32 over four groups (4 x 2 x 31 x 127), Q6_K's under 64
+  // over two.
+  constexpr int G = S == 16 ? 2 : 4;
+  const auto group = [&](int i, int g, int v) {
+    return maddubs(broadcast_codes(codes + i * kChunk + 4 * g), xq + (g * V + v) * kTileLanes);
+  };
+#pragma GCC unroll 4
+  for (int g0 = 0; g0 < S / 4; g0 += G)
+#pragma GCC unroll 12
+    for (int i = 0; i < P; ++i)
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        vi pairs = group(i, g0, v);
+#pragma GCC unroll 4
+        for (int g = g0 + 1; g < g0 + G; ++g) pairs = add16(pairs, group(i, g, v));
+        dots[i][v] = widen_add(dots[i][v], pairs);
+      }
+#endif
+}
+
+// acc[i][v] += weight row i's chunk of `count` inputs from k0 against vector v of x^T, S inputs
+// to a scale: per four inputs one broadcast of each row's codes into P x V dot products.
+template <int P, int V, int S>
+__attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, const TileX& x,
+                                                      int64_t k0, int64_t count,
+                                                      vf (&acc)[P][V]) {
+  const int32_t* xq = x.q.data() + k0 / 4 * V * kTileLanes;
+  for (int64_t s = 0; s < count; s += S) {
+    vi dots[P][V];
+    tile_dots<P, V, S>(w.codes + s, xq, dots);
+    xq += S / 4 * V * kTileLanes;
+    const int64_t t = (k0 + s) / 16;  // x's 16 inputs at the sub-block's start
+    vf dx[V], sx[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      dx[v] = loadf(x.d.data() + (t * V + v) * kTileLanes);
+      sx[v] = loadf(x.s.data() + (t * V + v) * kTileLanes);
+      if constexpr (S == 32)  // two 16s
+        sx[v] = addf(sx[v], loadf(x.s.data() + ((t + 1) * V + v) * kTileLanes));
+    }
+    const int64_t j = s / S;
+#pragma GCC unroll 12
+    for (int i = 0; i < P; ++i) {
+      const vf dw = set1f(w.dw[i * (kChunk / 16) + j]), mw = set1f(w.mw[i * (kChunk / 16) + j]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        acc[i][v] = fmaddf(tofloat(dots[i][v]), mulf(dw, dx[v]), acc[i][v]);
+        acc[i][v] = fmaddf(mw, sx[v], acc[i][v]);
+      }
+    }
+  }
+}
+
+// Rows [n0, n1) of part p through the pass's rows of x (M of them, x^T in x), P weight rows at
+// a time, kChunk inputs at a time.
+template <int P, int V, int S>
+void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX& x,
+               int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
+  TileWeights w;
+  alignas(64) float out[V * kTileLanes];
+  for (int64_t n = n0; n < n1; n += P) {
+    const int64_t rows = std::min<int64_t>(P, n1 - n);
+    vf acc[P][V];
+    for (int i = 0; i < P; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v] = set1f(0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t count = std::min(kChunk, K - k0);
+      for (int64_t i = 0; i < P; ++i) {
+        float* dw = w.dw + i * (kChunk / 16);
+        float* mw = w.mw + i * (kChunk / 16);
+        if (i >= rows) {  // rows past the part's end: zero scales, whatever the codes
+          std::fill(dw, dw + kChunk / 16, 0.f);
+          std::fill(mw, mw + kChunk / 16, 0.f);
+          continue;
+        }
+        const uint8_t* row = p.data + (n + i) * p.stride;
+        decode(row, k0, count, w.codes + i * kChunk, dw, mw);
+        if (k0 + kChunk < K)  // the row's next chunk, or the next tile's row's first one
+          prefetch_values(p, row, k0 + kChunk, std::min(kChunk, K - k0 - kChunk));
+        else if (n + P + i < n1)
+          prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
+      }
+      tile_chunk<P, V, S>(w, x, k0, count, acc);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int v = 0; v < V; ++v) storef(out + v * kTileLanes, acc[i][v]);
+      const float bi = bias != nullptr ? bias[n + i] : 0.f;
+      for (int64_t m = 0; m < M; ++m) y[m * ldy + n + i] = out[m] + bi;
+    }
+  }
+}
+
+
+void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX& x, int64_t M, int64_t K,
+               const float* bias, float* y, int64_t ldy) {
+  const TileDecoder decode = tile_decoder(p.type);
+  const bool one = x.W == kTileLanes;
+  if (p.type == Q6_K)
+    return one ? tile_rows<kTileP1, 1, 16>(p, decode, n0, n1, x, M, K, bias, y, ldy)
+               : tile_rows<kTileP2, 2, 16>(p, decode, n0, n1, x, M, K, bias, y, ldy);
+  return one ? tile_rows<kTileP1, 1, 32>(p, decode, n0, n1, x, M, K, bias, y, ldy)
+             : tile_rows<kTileP2, 2, 32>(p, decode, n0, n1, x, M, K, bias, y, ldy);
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another, x in int8 per 32
+// inputs (x32): passes of up to kTilePassRows rows, each transposed once and split by weight
+// rows between threads.
+void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int64_t K,
+                 const float* bias, float* y, int64_t N) {
+  // The caller's buffer, reused; named by a reference so that the team's threads read this
+  // thread's, not their own thread_local ones.
+  thread_local TileX transposed;
+  TileX& xt = transposed;
+  for (int64_t m0 = 0; m0 < M; m0 += kTilePassRows) {
+    const int64_t rows = std::min(kTilePassRows, M - m0);
+    tile_x(x32, m0, rows, K, rows <= kTileLanes ? kTileLanes : 2 * kTileLanes, xt);
+    // One loop over every part's rows: a thread's share may span two parts.
+    team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+      int64_t first = 0;
+      for (const Part& p : ps) {
+        const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
+        if (lo < hi)
+          tile_part(p, lo - first, hi - first, xt, rows, K,
+                    bias != nullptr ? bias + first : nullptr, y + m0 * N + first, N);
+        first += p.rows;
+      }
+    });
+  }
+}
+
+}  // namespace
+#endif
+
+// Whether a part of ggml type `type` takes the tile kernel at `rows` rows of x with int8
+// activations (a layer does where all its parts do): where the type has a reader, from 5 rows
+// (12 for the K-quants) up to kInt8PassRows; with AVX2 not the K-quants. Elsewhere the GEMVs
+// and the float GEMM keep them (a tile's cost hardly falls with fewer rows). Two threads, old
+// vs new build, at 4 / 8 / 16 / 64 rows: AVX-512 (VNNI) Q5_0 and Q4_1 3072 x 576 1.0-1.2x /
+// 1.6-1.8x / 1.8-2.2x / 1.7x, the Q8_0 head 49152 x 576 1.1x / 1.6x / 1.9x / 1.7-1.9x, Q4_K
+// and Q6_K 576 x 1536 at 8 / 12 / 16 / 64 rows 0.7x / 1.0-1.1x / 1.2-1.3x / 1.4-1.5x (without
+// VNNI alike: Q5_0 1.6x at 16 and 64 rows, Q4_K / Q6_K 1.1-1.4x); AVX2 Q5_0 1.0x / 2.1x / 1.5x
+// / 1.2x, Q4_1 1.0x / 4.9x / 1.9x / 1.2x (at 128 rows 1.0-1.1x), Q4_K and Q6_K 0.95-1.15x.
+inline bool int8_tile(int64_t type, int64_t rows) {
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  constexpr int64_t kKQuantRows = 12;
+#else
+  constexpr int64_t kKQuantRows = kInt8PassRows + 1;
+#endif
+  const bool k_quant = format(type).values == 256;
+  return tile_decoder(type) != nullptr && rows >= (k_quant ? kKQuantRows : 5) &&
+         rows <= kInt8PassRows;
+#else
+  (void)type, (void)rows;
+  return false;
+#endif
+}
+
+}  // namespace ggml
