@@ -75,7 +75,8 @@ inline Format format(int64_t type) {
 // Q8_0 LM head of 49152 x 576 took 23 ms for 32 rows in passes, 44 ms for 64, panels 27 ms
 // for 65; 2048 x 2048 layers of every type alike). A layer all in int8 (ggml_q8_cpu.cpp)
 // keeps its passes up to kInt8PassRows: 8B shapes at 65 rows took 0.65x / 0.3x the float32
-// GEMM's time (Q4_K 14336 x 4096, Q6_K 4096 x 14336), at 128 rows the same.
+// GEMM's time (Q4_K 14336 x 4096, Q6_K 4096 x 14336), at 128 rows the same. With int8 x the
+// tiles (ggml_tiles_cpu.cpp) come first where they take every part of a layer.
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGemvPassRows = 32;
 constexpr int64_t kInt8PassRows = 128;

@@ -1,4 +1,5 @@
-// Weights in ggml blocks through a decode batch (5 to 128 rows of x) with int8 activations:
+// Weights in ggml blocks through 5 or more rows of x with int8 activations (a decode batch,
+// a prefill):
 // tiles of weight rows in bytes against x^T in bytes. Included by csrc/ggml_cpu.cpp after
 // ggml_q8_cpu.cpp (its code readers and int8 rows of x) and ggml_broadcast_cpu.cpp.
 //
@@ -375,23 +376,26 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
 
 // Whether a part of ggml type `type` takes the tile kernel at `rows` rows of x with int8
 // activations (a layer does where all its parts do): where the type has a reader, from 5 rows
-// (12 for the K-quants) up to kInt8PassRows; with AVX2 not the K-quants. Elsewhere the GEMVs
-// and the float GEMM keep them (a tile's cost hardly falls with fewer rows). Two threads, old
-// vs new build, at 4 / 8 / 16 / 64 rows: AVX-512 (VNNI) Q5_0 and Q4_1 3072 x 576 1.0-1.2x /
-// 1.6-1.8x / 1.8-2.2x / 1.7x, the Q8_0 head 49152 x 576 1.1x / 1.6x / 1.9x / 1.7-1.9x, Q4_K
-// and Q6_K 576 x 1536 at 8 / 12 / 16 / 64 rows 0.7x / 1.0-1.1x / 1.2-1.3x / 1.4-1.5x (without
-// VNNI alike: Q5_0 1.6x at 16 and 64 rows, Q4_K / Q6_K 1.1-1.4x); AVX2 Q5_0 1.0x / 2.1x / 1.5x
-// / 1.2x, Q4_1 1.0x / 4.9x / 1.9x / 1.2x (at 128 rows 1.0-1.1x), Q4_K and Q6_K 0.95-1.15x.
+// (12 for the K-quants); with AVX2 not the K-quants, and up to kInt8PassRows rows. Elsewhere
+// the GEMVs and the float GEMM keep them (a tile's cost hardly falls with fewer rows). Two
+// threads, old vs new build, at 4 / 8 / 16 / 64 rows: AVX-512 (VNNI) Q5_0 and Q4_1 3072 x 576
+// 1.0-1.2x / 1.6-1.8x / 1.8-2.2x / 1.7x, the Q8_0 head 49152 x 576 1.1x / 1.6x / 1.9x /
+// 1.7-1.9x, Q4_K and Q6_K 576 x 1536 at 8 / 12 / 16 / 64 rows 0.7x / 1.0-1.1x / 1.2-1.3x /
+// 1.4-1.5x, 8B shapes (Q4_K 14336 x 4096, Q6_K 4096 x 14336) 1.2x / 1.6-1.7x at 12 / 16 rows,
+// 1.9-2.2x at 128-512 (prefill: against the float GEMM there; Q5_0 and Q8_0 1.2-1.7x), and
+// without VNNI alike (Q5_0 1.3-1.6x at 16-512 rows, Q4_K 1.3-1.8x); AVX2 Q5_0 1.0x / 2.1x /
+// 1.5x / 1.2x, Q4_1 1.0x / 4.9x / 1.9x / 1.2x (at 128 rows 1.0-1.1x, 512 0.9x), Q4_K and
+// Q6_K 0.95-1.15x.
 inline bool int8_tile(int64_t type, int64_t rows) {
 #if defined(__AVX2__)
 #if defined(__AVX512F__)
-  constexpr int64_t kKQuantRows = 12;
+  constexpr int64_t kKQuantRows = 12, kMaxRows = std::numeric_limits<int64_t>::max();
 #else
-  constexpr int64_t kKQuantRows = kInt8PassRows + 1;
+  constexpr int64_t kKQuantRows = kInt8PassRows + 1, kMaxRows = kInt8PassRows;
 #endif
   const bool k_quant = format(type).values == 256;
   return tile_decoder(type) != nullptr && rows >= (k_quant ? kKQuantRows : 5) &&
-         rows <= kInt8PassRows;
+         rows <= kMaxRows;
 #else
   (void)type, (void)rows;
   return false;

@@ -182,14 +182,14 @@ def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, tw
     assert rounded == any(in_int8)  # x really went through int8, or really did not
 
 
-# Past the float GEMV's 32 rows an int8 layer keeps its integer kernels up to 128 rows: the
-# tiles where they take every part, else the K-quants' GEMV where the layer is all K-quants;
-# beyond 128 rows, or with a part neither takes, the float32 GEMM takes every part.
+# Past the float GEMV's 32 rows an int8 layer keeps integer kernels: the tiles where they take
+# every part (AVX-512: at any rows), else, up to 128 rows, the K-quants' GEMV where the layer is
+# all K-quants; elsewhere the float32 GEMM takes every part.
 @pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
                                                      (130, ("Q4_K", "Q6_K"), False),
                                                      (70, ("Q4_K", "Q8_0"), False),
                                                      (70, ("Q5_0", "Q2_K"), False)])
-def test_int8_layers_keep_integer_kernels_to_128_rows(cpu_kernels, rows: int,
+def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
                                                       names: tuple[str, ...], int8: bool):
     types = [FORMATS_BY_NAME[n] for n in names]
     parts = [random_blocks(t, 7, 512, seed=i) for i, t in enumerate(types)]
@@ -209,24 +209,24 @@ def test_int8_layers_keep_integer_kernels_to_128_rows(cpu_kernels, rows: int,
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
     rule they are chosen by: with AVX-512 every type they read (Q8_0 with VNNI only) from 5
-    rows, the K-quants from 12; with AVX2 the 32-value types; up to 128 rows."""
+    rows, the K-quants from 12; with AVX2 the 32-value types up to 128 rows."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
-    rule = (kernels.isa != "generic" and readable and 5 <= rows <= 128
-            and ("Q8_0" not in names or kernels.vnni)
-            and (not kquants or (kernels.isa == "avx512" and rows >= 12)))
+    avx512 = kernels.isa == "avx512"
+    rule = (kernels.isa != "generic" and readable and rows >= 5 and (avx512 or rows <= 128)
+            and ("Q8_0" not in names or kernels.vnni) and (not kquants or (avx512 and rows >= 12)))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
     assert tiles == rule, (names, rows)
     return tiles
 
 
 # The tiles (csrc/ggml_tiles_cpu.cpp): every type they read, at one vector of x^T (5, 16 rows)
-# and two (17), in passes (40, 128); parts of 5 to 7 weight rows (tiles cut short) on two
+# and two (17), in passes (40, 130); parts of 5 to 7 weight rows (tiles cut short) on two
 # threads (a thread's share starting inside a part); K several chunks and a last one short of
 # 256 (896 inputs); x's outlier block with a scale of its own.
 @pytest.mark.parametrize("names", [("Q4_0", "Q5_0", "Q8_0"), ("Q4_1", "Q5_1"),
                                    ("Q4_K", "Q5_K", "Q6_K")], ids="+".join)
-@pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 128])
+@pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 130])
 def test_int8_tiles_are_the_q8_0_scheme(cpu_kernels, two_threads, names: tuple[str, ...],
                                         rows: int):
     cols = 1024 if names[0].endswith("_K") else 896
