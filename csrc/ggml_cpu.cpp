@@ -979,7 +979,9 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
 namespace ggml {
 
 // y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above); with
-// activation_bits 8 the K-quant parts take x in int8 (ggml_q8_cpu.cpp), the others float32.
+// activation_bits 8, x in int8 where a kernel takes it: the tiles (ggml_tiles_cpu.cpp), from 5
+// rows, where they take every part, else the int8 GEMVs (ggml_q8_cpu.cpp): the K-quants, and the
+// 32-value types at 1-2 rows; the others float32.
 at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const at::Tensor& types, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& out, int64_t activation_bits) {

@@ -33,57 +33,40 @@ constexpr bool kTileVnni = false;
 #if defined(__AVX2__)
 namespace {
 
-// One vector of each: 32-bit integer lanes, float lanes.
+// int16 lanes (twice kLanes of them), for vpmaddubsw's pairs of products.
+typedef int16_t vsn __attribute__((vector_size(kLanes * 4)));
+
+// Pairs of products of w's unsigned bytes and x's signed ones, summed in int16 (without VNNI);
+// pairs of int16 summed into int32.
 #if defined(__AVX512F__)
-using vi = __m512i;
-using vf = __m512;
-constexpr int kTileLanes = 16;
-inline vi set1i(int32_t v) { return _mm512_set1_epi32(v); }
-inline vi loadi(const void* p) { return _mm512_loadu_si512(p); }
-inline vf set1f(float v) { return _mm512_set1_ps(v); }
-inline vf loadf(const float* p) { return _mm512_loadu_ps(p); }
-inline void storef(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf fmaddf(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf mulf(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf addf(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf tofloat(vi v) { return _mm512_cvtepi32_ps(v); }
-// (without VNNI) pairs of products of w's unsigned bytes and x's signed ones, in int16
-inline vi maddubs(vi w, const int32_t* x) { return _mm512_maddubs_epi16(w, loadi(x)); }
-inline vi add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
-inline vi widen_add(vi acc, vi pairs) {  // acc + pairs of int16 summed into int32
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+inline vsn maddubs(vin w, vin x) { return (vsn)_mm512_maddubs_epi16((__m512i)w, (__m512i)x); }
+inline vin widen(vsn pairs) {
+  return (vin)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(1));
 }
-constexpr int64_t kTilePassRows = 2 * kTileLanes;  // rows of x a pass: two vectors of x^T
-constexpr int kTileP1 = 12, kTileP2 = 6;  // weight rows a tile: one or two vectors of x^T
+constexpr int64_t kTilePassRows = 2 * kLanes;  // rows of x a pass: two vectors of x^T
+constexpr int kTileP1 = 12, kTileP2 = 6;       // weight rows a tile: one or two vectors of x^T
 #else
-using vi = __m256i;
-using vf = __m256;
-constexpr int kTileLanes = 8;
-inline vi set1i(int32_t v) { return _mm256_set1_epi32(v); }
-inline vi loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-inline vf set1f(float v) { return _mm256_set1_ps(v); }
-inline vf loadf(const float* p) { return _mm256_loadu_ps(p); }
-inline void storef(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf fmaddf(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf mulf(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf addf(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf tofloat(vi v) { return _mm256_cvtepi32_ps(v); }
-inline vi maddubs(vi w, const int32_t* x) { return _mm256_maddubs_epi16(w, loadi(x)); }
-inline vi add16(vi a, vi b) { return _mm256_add_epi16(a, b); }
-inline vi widen_add(vi acc, vi pairs) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+inline vsn maddubs(vin w, vin x) { return (vsn)_mm256_maddubs_epi16((__m256i)w, (__m256i)x); }
+inline vin widen(vsn pairs) {
+  return (vin)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1));
 }
 // One vector of x^T a pass: two, with two weight rows a tile, ran 0.95x.
-constexpr int64_t kTilePassRows = kTileLanes;
+constexpr int64_t kTilePassRows = kLanes;
 constexpr int kTileP1 = 6, kTileP2 = 2;
 #endif
 
+inline vin loadi(const int32_t* p) {
+  vin v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 constexpr int kTileMaxP = 12;  // weight rows a thread decodes at a time
 
-inline vi broadcast_codes(const uint8_t* codes) {  // four codes into every 32-bit lane
+inline vin broadcast_codes(const uint8_t* codes) {  // four codes into every 32-bit lane
   int32_t four;
   std::memcpy(&four, codes, 4);
-  return set1i(four);
+  return vin{} + four;
 }
 
 // P weight rows' codes for a chunk of inputs, with a scale and an offset per S of them.
@@ -130,37 +113,33 @@ inline void store_codes(uint8_t* to, __m256i c) {
 
 // Q4_0 / Q4_1: value j the low nibble of byte j, j + 16 its high nibble.
 template <bool kMin>
-void tile_q4(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
-             float* mw) {
-  constexpr int64_t kBytes = kMin ? 20 : 18;
-  const uint8_t* b = row + v0 / 32 * kBytes;
-  for (int64_t i = 0; i < count / 32; ++i, b += kBytes) {
+struct Q4Tile {
+  static constexpr int64_t kBytes = kMin ? 20 : 18;
+  static __m256i codes(const uint8_t* b) {
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kMin ? 4 : 2)));
-    store_codes(codes + 32 * i, low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF));
-    dw[i] = half(b);
-    mw[i] = kMin ? half(b + 2) : -8.f * dw[i];
+    return low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF);
   }
-}
+  static float offset(const uint8_t* b) { return kMin ? half(b + 2) : -8.f * half(b); }
+};
 
-template <bool kMin>
-void tile_q5(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
-             float* mw) {
-  using Codes = Q5Int<kMin>;
+// Q8_0: its signed codes + 128.
+struct Q8Tile {
+  static constexpr int64_t kBytes = 34;
+  static __m256i codes(const uint8_t* b) {
+    return _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8(-128));
+  }
+  static float offset(const uint8_t* b) { return -128.f * half(b); }
+};
+
+// The 32-value types (Q5_0 / Q5_1 as ggml_q8_cpu.cpp reads them): a block's codes, d, offset.
+template <typename Codes>
+void tile_block32(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+                  float* mw) {
   const uint8_t* b = row + v0 / 32 * Codes::kBytes;
   for (int64_t i = 0; i < count / 32; ++i, b += Codes::kBytes) {
     store_codes(codes + 32 * i, Codes::codes(b));
     dw[i] = half(b);
     mw[i] = Codes::offset(b);
-  }
-}
-
-void tile_q8(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
-             float* mw) {
-  const uint8_t* b = row + v0 / 32 * 34;
-  for (int64_t i = 0; i < count / 32; ++i, b += 34) {
-    store_codes(codes + 32 * i, _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8(-128)));
-    dw[i] = half(b);
-    mw[i] = -128.f * dw[i];
   }
 }
 
@@ -205,11 +184,11 @@ void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, flo
 // The reader of a tile type, or nullptr for a type this kernel does not take.
 TileDecoder tile_decoder(int64_t type) {
   switch (type) {
-    case Q4_0: return tile_q4<false>;
-    case Q4_1: return tile_q4<true>;
-    case Q5_0: return tile_q5<false>;
-    case Q5_1: return tile_q5<true>;
-    case Q8_0: return kTileVnni ? tile_q8 : nullptr;
+    case Q4_0: return tile_block32<Q4Tile<false>>;
+    case Q4_1: return tile_block32<Q4Tile<true>>;
+    case Q5_0: return tile_block32<Q5Int<false>>;
+    case Q5_1: return tile_block32<Q5Int<true>>;
+    case Q8_0: return kTileVnni ? tile_block32<Q8Tile> : nullptr;
     case Q4_K: return tile_k4<false>;
     case Q5_K: return tile_k4<true>;
     case Q6_K: return tile_q6k;
@@ -221,22 +200,23 @@ TileDecoder tile_decoder(int64_t type) {
 // with S inputs of each row of x in vector v (x^T from xq), one row of x a 32-bit lane.
 template <int P, int V, int S>
 __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const int32_t* xq,
-                                                     vi (&dots)[P][V]) {
+                                                     vin (&dots)[P][V]) {
 #pragma GCC unroll 12
   for (int i = 0; i < P; ++i)
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) dots[i][v] = set1i(0);
+    for (int v = 0; v < V; ++v) dots[i][v] = vin{};
 #if defined(__AVX512VNNI__)
 #pragma GCC unroll 8
   for (int g = 0; g < S / 4; ++g) {
-    vi xv[V];
+    __m512i xv[V];
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) xv[v] = loadi(xq + (g * V + v) * kTileLanes);
+    for (int v = 0; v < V; ++v) xv[v] = (__m512i)loadi(xq + (g * V + v) * kLanes);
 #pragma GCC unroll 12
     for (int i = 0; i < P; ++i) {
-      const vi wb = broadcast_codes(codes + i * kChunk + 4 * g);
+      const __m512i wb = (__m512i)broadcast_codes(codes + i * kChunk + 4 * g);
 #pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) dots[i][v] = _mm512_dpbusd_epi32(dots[i][v], wb, xv[v]);
+      for (int v = 0; v < V; ++v)
+        dots[i][v] = (vin)_mm512_dpbusd_epi32((__m512i)dots[i][v], wb, xv[v]);
     }
   }
 #else
@@ -245,7 +225,7 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
   // over two.
   constexpr int G = S == 16 ? 2 : 4;
   const auto group = [&](int i, int g, int v) {
-    return maddubs(broadcast_codes(codes + i * kChunk + 4 * g), xq + (g * V + v) * kTileLanes);
+    return maddubs(broadcast_codes(codes + i * kChunk + 4 * g), loadi(xq + (g * V + v) * kLanes));
   };
 #pragma GCC unroll 4
   for (int g0 = 0; g0 < S / 4; g0 += G)
@@ -253,10 +233,10 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
     for (int i = 0; i < P; ++i)
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
-        vi pairs = group(i, g0, v);
+        vsn pairs = group(i, g0, v);
 #pragma GCC unroll 4
-        for (int g = g0 + 1; g < g0 + G; ++g) pairs = add16(pairs, group(i, g, v));
-        dots[i][v] = widen_add(dots[i][v], pairs);
+        for (int g = g0 + 1; g < g0 + G; ++g) pairs += group(i, g, v);
+        dots[i][v] += widen(pairs);
       }
 #endif
 }
@@ -266,29 +246,28 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
 template <int P, int V, int S>
 __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, const TileX& x,
                                                       int64_t k0, int64_t count,
-                                                      vf (&acc)[P][V]) {
-  const int32_t* xq = x.q.data() + k0 / 4 * V * kTileLanes;
+                                                      vfn (&acc)[P][V]) {
+  const int32_t* xq = x.q.data() + k0 / 4 * V * kLanes;
   for (int64_t s = 0; s < count; s += S) {
-    vi dots[P][V];
+    vin dots[P][V];
     tile_dots<P, V, S>(w.codes + s, xq, dots);
-    xq += S / 4 * V * kTileLanes;
+    xq += S / 4 * V * kLanes;
     const int64_t t = (k0 + s) / 16;  // x's 16 inputs at the sub-block's start
-    vf dx[V], sx[V];
+    vfn dx[V], sx[V];
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) {
-      dx[v] = loadf(x.d.data() + (t * V + v) * kTileLanes);
-      sx[v] = loadf(x.s.data() + (t * V + v) * kTileLanes);
-      if constexpr (S == 32)  // two 16s
-        sx[v] = addf(sx[v], loadf(x.s.data() + ((t + 1) * V + v) * kTileLanes));
+      dx[v] = loadv(x.d.data() + (t * V + v) * kLanes);
+      sx[v] = loadv(x.s.data() + (t * V + v) * kLanes);
+      if constexpr (S == 32) sx[v] += loadv(x.s.data() + ((t + 1) * V + v) * kLanes);  // two 16s
     }
     const int64_t j = s / S;
 #pragma GCC unroll 12
     for (int i = 0; i < P; ++i) {
-      const vf dw = set1f(w.dw[i * (kChunk / 16) + j]), mw = set1f(w.mw[i * (kChunk / 16) + j]);
+      const float dw = w.dw[i * (kChunk / 16) + j], mw = w.mw[i * (kChunk / 16) + j];
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
-        acc[i][v] = fmaddf(tofloat(dots[i][v]), mulf(dw, dx[v]), acc[i][v]);
-        acc[i][v] = fmaddf(mw, sx[v], acc[i][v]);
+        acc[i][v] += __builtin_convertvector(dots[i][v], vfn) * (dw * dx[v]);
+        acc[i][v] += mw * sx[v];
       }
     }
   }
@@ -300,12 +279,12 @@ template <int P, int V, int S>
 void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX& x,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   TileWeights w;
-  alignas(64) float out[V * kTileLanes];
+  alignas(64) float out[V * kLanes];
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
-    vf acc[P][V];
+    vfn acc[P][V];
     for (int i = 0; i < P; ++i)
-      for (int v = 0; v < V; ++v) acc[i][v] = set1f(0.f);
+      for (int v = 0; v < V; ++v) acc[i][v] = vfn{};
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t count = std::min(kChunk, K - k0);
       for (int64_t i = 0; i < P; ++i) {
@@ -326,7 +305,7 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
       tile_chunk<P, V, S>(w, x, k0, count, acc);
     }
     for (int64_t i = 0; i < rows; ++i) {
-      for (int v = 0; v < V; ++v) storef(out + v * kTileLanes, acc[i][v]);
+      for (int v = 0; v < V; ++v) storev(out + v * kLanes, acc[i][v]);
       const float bi = bias != nullptr ? bias[n + i] : 0.f;
       for (int64_t m = 0; m < M; ++m) y[m * ldy + n + i] = out[m] + bi;
     }
@@ -337,7 +316,7 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
 void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX& x, int64_t M, int64_t K,
                const float* bias, float* y, int64_t ldy) {
   const TileDecoder decode = tile_decoder(p.type);
-  const bool one = x.W == kTileLanes;
+  const bool one = x.W == kLanes;
   if (p.type == Q6_K)
     return one ? tile_rows<kTileP1, 1, 16>(p, decode, n0, n1, x, M, K, bias, y, ldy)
                : tile_rows<kTileP2, 2, 16>(p, decode, n0, n1, x, M, K, bias, y, ldy);
@@ -356,7 +335,7 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
   TileX& xt = transposed;
   for (int64_t m0 = 0; m0 < M; m0 += kTilePassRows) {
     const int64_t rows = std::min(kTilePassRows, M - m0);
-    tile_x(x32, m0, rows, K, rows <= kTileLanes ? kTileLanes : 2 * kTileLanes, xt);
+    tile_x(x32, m0, rows, K, rows <= kLanes ? kLanes : 2 * kLanes, xt);
     // One loop over every part's rows: a thread's share may span two parts.
     team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
       int64_t first = 0;

@@ -64,8 +64,8 @@ class GGMLLinearMethod(LinearMethod):
 
     def set_activations(self, activations: str) -> None:
         """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels), and
-        int8 rows for the K-quants' (Q4_K, Q5_K, Q6_K kept as blocks) and, at 1-2 rows, the
-        32-value types' (Q5_0, Q5_1; Q8_0 at 2): csrc/ggml_q8_cpu.cpp."""
+        int8 rows for the blocks' kernels: the K-quants (Q4_K, Q5_K, Q6_K kept as blocks) and
+        Q5_0 / Q5_1 / Q8_0 (csrc/ggml_q8_cpu.cpp at few rows, csrc/ggml_tiles_cpu.cpp at more)."""
         bits = {"float32": 32, "int16": 16, "int8": 8}[activations]
         kernel = cpp_build.kernels_or_none()
         if bits != 32 and kernel is None:
