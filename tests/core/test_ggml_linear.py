@@ -164,7 +164,8 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # Q5_0 / Q5_1 take x in int8 per 32 inputs at 1-2 rows, Q8_0 at 2 (at 1 row its float GEMV is
-# as fast); from 3 rows they stay float. A Q6_K part beside them takes x per 256.
+# as fast); at 3 rows they stay float (from 5 the tiles take them). A Q6_K part beside them
+# takes x per 256.
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
                                                                   rows: int):
