@@ -204,6 +204,7 @@ def _run(options: dict[str, Any]) -> None:
     logging.basicConfig(level=options["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pkv.core.engine.async_engine import AsyncLLM
+    from pkv.core.engine.engine_thread import EngineThread
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.server.api_server import ServerConfig, build_app
     from pkv.core.server.serving_engine import ServerLimits
@@ -215,9 +216,15 @@ def _run(options: dict[str, Any]) -> None:
         torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
         return
     adapters = _lora_modules(options)
-    engine = LLMEngine(config)
-    for name, path in adapters:
-        engine.add_lora(name, path)
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(config)
+        for name, path in adapters:
+            engine.add_lora(name, path)
+        return engine
+
+    thread = EngineThread()  # builds the engine and steps it: engine_thread.py says why
+    engine = thread.call(build)
     server_config = ServerConfig(
         served_model_name=options["served_model_name"] or engine.model_name,
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
@@ -229,7 +236,7 @@ def _run(options: dict[str, Any]) -> None:
                             options["max_stop_strings"], options["max_stop_length"]),
         enable_runtime_lora=options["enable_runtime_lora"], lora_dir=options["lora_dir"])
     async_llm = AsyncLLM(engine, server_config.max_waiting_requests,
-                         step_timeout=server_config.step_timeout)
+                         step_timeout=server_config.step_timeout, thread=thread)
     app = build_app(async_llm, server_config)
     _print_summary(engine, server_config, options)
     async_llm.start()

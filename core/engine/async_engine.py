@@ -1,4 +1,5 @@
-"""AsyncLLM: the engine stepped by one background thread, each request its own stream.
+"""AsyncLLM: the engine stepped by one background thread (the one that built it, where the
+caller builds it there: engine_thread.py), each request its own stream.
 
 The HTTP event loop never runs a model step: it prepares requests (tokenize, validate) in a
 worker thread, hands them to the engine thread through a queue, and awaits outputs that the
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from pkv.core.engine.engine_thread import EngineThread
 from pkv.core.engine.llm_engine import LLMEngine, PreparedRequest
 from pkv.core.engine.outputs import PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
@@ -102,9 +104,10 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024,
                  on_request_finished: Callable[[RequestTimings], None] | None = None,
-                 step_timeout: float = 120.0) -> None:
+                 step_timeout: float = 120.0, thread: EngineThread | None = None) -> None:
         """`step_timeout`: seconds one step may run before the watchdog declares the engine
-        wedged (fails everything in flight, /health 503)."""
+        wedged (fails everything in flight, /health 503). `thread`: the thread that built
+        `engine`, to step it on (engine_thread.py says why); default a new one."""
         if not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         self.engine = engine
@@ -120,18 +123,18 @@ class AsyncLLM:
         self._queued = 0  # sequences submitted that the engine thread has not added yet
         self._lock = threading.Lock()
         self._failure: str | None = None
-        self._thread = threading.Thread(target=self._run, name="pkv-engine", daemon=True)
+        self._thread = thread or EngineThread()
         self._watchdog = threading.Thread(target=self._watch, name="pkv-watchdog", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread.start_loop(self._run)
         self._watchdog.start()
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.dead_reason is None
+        return self._thread.looping and self.dead_reason is None
 
     @property
     def dead_reason(self) -> str | None:
@@ -147,10 +150,10 @@ class AsyncLLM:
         """Stop the loop, failing whatever is still in flight."""
         self._stop.set()
         self._wakeup.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._thread.looping:
+            self._thread.join_loop(timeout)
         # A step still running owns the collectives: then workers are killed, not told.
-        self.engine.shutdown(force=self._thread.is_alive())
+        self.engine.shutdown(force=self._thread.looping)
 
     # ---- requests ----------------------------------------------------------------------
 

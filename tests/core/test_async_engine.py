@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.async_engine import AsyncLLM, EngineStepError
+from pkv.core.engine.engine_thread import EngineThread
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.sample.sampling_params import SamplingParams
 
@@ -113,3 +115,28 @@ def test_broken_engine_state_turns_unhealthy_and_refuses(async_llm: AsyncLLM):
 
     asyncio.run(main())
     assert not async_llm.is_alive
+
+
+def test_the_engine_is_stepped_on_the_thread_that_built_it(tiny_llama_dir: Path):
+    # pkv serve builds the engine on its EngineThread (engine_thread.py: OpenMP's pools)
+    thread = EngineThread()
+    builder = thread.call(threading.get_ident)
+    assert builder != threading.get_ident()
+    with pytest.raises(ValueError, match="bad"):  # an error in a call is the caller's
+        thread.call(lambda: int("bad"))
+    engine = thread.call(lambda: LLMEngine(EngineConfig(
+        model=str(tiny_llama_dir), kv_cache_memory="8MiB"), show_progress=False))
+    llm = AsyncLLM(engine, thread=thread)
+    assert not llm.is_alive  # not started yet
+    llm.start()
+    try:
+        stepped = []
+        real = engine.step
+        engine.step = lambda: (stepped.append(threading.get_ident()), real())[1]
+        asyncio.run(_run(llm, "r", [1, 2, 3], 3))
+        assert set(stepped) == {builder}
+        assert asyncio.run(llm.call_in_engine(lambda _: threading.get_ident())) == builder
+    finally:
+        llm.shutdown()
+    assert not llm.is_alive and thread.call(threading.get_ident) == builder  # outlives its loop
+
