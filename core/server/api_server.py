@@ -150,7 +150,9 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                               "lora_name")
         try:
             check_lora_dir(body.lora_path, config.lora_dir)
-            await asyncio.to_thread(engine.add_lora, body.lora_name, body.lora_path)
+            # On the engine thread, between steps: a worker thread of its own would start an
+            # OpenMP pool of its own, and the engine's steps slow down (engine_thread.py).
+            await async_llm.call_in_engine(lambda e: e.add_lora(body.lora_name, body.lora_path))
         except ValueError as exc:
             param = "lora_name" if "already loaded" in str(exc) else "lora_path"
             raise OpenAIError(400, str(exc), param) from None
