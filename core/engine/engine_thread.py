@@ -10,6 +10,7 @@ BERT took 1.3-1.4x as long as on the thread that loaded them (two cores).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger("pkv.engine")
 
 
 class EngineThread:
@@ -59,8 +61,9 @@ class EngineThread:
             if done is None:
                 try:
                     fn()
-                finally:
-                    self._loop_done.set()
+                except BaseException:  # the loop reports its own failures; the thread stays
+                    logger.exception("the engine loop raised")
+                self._loop_done.set()
                 continue
             try:
                 done.set_result(fn())

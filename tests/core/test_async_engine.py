@@ -139,4 +139,8 @@ def test_the_engine_is_stepped_on_the_thread_that_built_it(tiny_llama_dir: Path)
     finally:
         llm.shutdown()
     assert not llm.is_alive and thread.call(threading.get_ident) == builder  # outlives its loop
+    broken = EngineThread()
+    broken.start_loop(lambda: 1 / 0)  # a loop that raises ends; its thread stays
+    broken.join_loop(5)
+    assert not broken.looping and broken.call(lambda: 7) == 7
 
