@@ -156,14 +156,7 @@ void tile_k4(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, floa
   const uint8_t* b = row + v0 / 256 * Codes::kBytes;
   for (int64_t i = 0; i < count / 256; ++i, b += Codes::kBytes) {
     store_runs<Codes>(b, codes + 256 * i, std::make_integer_sequence<int, 8>{});
-    const IntScales sc = Codes::scales(b);
-    alignas(16) int8_t s[16], c[16];
-    _mm_store_si128(reinterpret_cast<__m128i*>(s), sc.s);
-    _mm_store_si128(reinterpret_cast<__m128i*>(c), sc.c);
-    for (int r = 0; r < 8; ++r) {
-      dw[8 * i + r] = sc.d * s[2 * r];
-      mw[8 * i + r] = sc.e * c[2 * r];
-    }
+    k4_scales(b + 4, half(b), half(b + 2), dw + 8 * i, mw + 8 * i);
   }
 }
 
@@ -173,11 +166,9 @@ void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, flo
   const uint8_t* b = row + v0 / 256 * Q6KInt::kBytes;
   for (int64_t i = 0; i < count / 256; ++i, b += Q6KInt::kBytes) {
     store_runs<Q6KInt>(b, codes + 256 * i, std::make_integer_sequence<int, 8>{});
-    const float d = half(b + 208);
-    for (int r = 0; r < 16; ++r) {
-      dw[16 * i + r] = d * static_cast<int8_t>(b[192 + r]);
-      mw[16 * i + r] = -32.f * dw[16 * i + r];
-    }
+    const vf16 scales = widen_i8(reinterpret_cast<const int8_t*>(b + 192)) * half(b + 208);
+    store16(dw + 16 * i, scales);  // as Q6KCodes::decode widens them
+    store16(mw + 16 * i, scales * -32.f);
   }
 }
 
