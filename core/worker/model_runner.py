@@ -40,7 +40,7 @@ from pkv.core.sched.request import Request, record_failure
 from pkv.core.sched.scheduler import SchedulerOutput
 from pkv.core.worker.fused_decoder import build_fused_decoder
 from pkv.core.worker.huge_pages import move_weights_to_huge_pages
-from pkv.core.worker.memory import release_free_memory
+from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import StepInputs, broadcast
 from pkv.csrc import cpp_build
@@ -244,6 +244,7 @@ class ModelRunner:
                 self.model.use_kernels(ops, build_fused_decoder(self.model, ops))
             else:  # an encoder: its linears only
                 self.model.use_kernels(ops)
+        hold_freed_memory_until_idle()  # a step's activations reuse the last step's pages
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
