@@ -270,7 +270,7 @@ template <int P, int V, int S>
 void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX& x,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   TileWeights w;
-  alignas(64) float out[V * kLanes];
+  ColumnBuffer<V, 8 * P> out(n0);
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
     vfn acc[P][V];
@@ -295,11 +295,8 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
       }
       tile_chunk<P, V, S>(w, x, k0, count, acc);
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int v = 0; v < V; ++v) storev(out + v * kLanes, acc[i][v]);
-      const float bi = bias != nullptr ? bias[n + i] : 0.f;
-      for (int64_t m = 0; m < M; ++m) y[m * ldy + n + i] = out[m] + bi;
-    }
+    for (int64_t i = 0; i < rows; ++i) out.put(n + i, acc[i]);
+    out.flush_if(n + rows == n1, n + rows, M, bias, y, ldy);
   }
 }
 
