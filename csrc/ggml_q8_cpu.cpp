@@ -99,8 +99,11 @@ void quantize_q8(const float* x, int64_t M, int64_t K, int64_t block, Q8Rows& r)
   r.d.resize(std::max<size_t>(r.d.size(), NB));
   r.bsums.resize(std::max<size_t>(r.bsums.size(), M * K / 16));
   const auto quantize = block == kQ8Block ? quantize_block<kQ8Block> : quantize_block<32>;
-  for (int64_t b = 0; b < NB; ++b)
-    r.d[b] = quantize(x + b * block, r.q.data() + b * block, r.bsums.data() + block / 16 * b);
+  // Over the threads from a few rows' worth (the other thread would wait at the next loop).
+  team::parallel_for(0, NB, 4096 / block, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      r.d[b] = quantize(x + b * block, r.q.data() + b * block, r.bsums.data() + block / 16 * b);
+  });
 }
 
 // A block's scales as the dot reads them: 16 int8 s (one per 16 values), 16 int8 c, d and e.

@@ -85,21 +85,28 @@ struct TileX {
   int64_t W = 0;
 };
 
-// Rows [m0, m0 + rows) of x (in int8 per 32 inputs: x32) as a pass of W lanes.
+// Rows [m0, m0 + rows) of x (in int8 per 32 inputs: x32) as a pass of W lanes, lanes past
+// `rows` zero; split over the threads by inputs, so that each writes whole vectors.
 void tile_x(const Q8Rows& x32, int64_t m0, int64_t rows, int64_t K, int64_t W, TileX& t) {
   t.W = W;
-  t.q.assign(K / 4 * W, 0);
-  t.d.assign(K / 16 * W, 0.f);
-  t.s.assign(K / 16 * W, 0.f);
-  for (int64_t m = 0; m < rows; ++m) {
-    const int8_t* q = x32.q.data() + (m0 + m) * K;
-    for (int64_t g = 0; g < K / 4; ++g) std::memcpy(&t.q[g * W + m], q + 4 * g, 4);
-    for (int64_t i = 0; i < K / 16; ++i) {
-      const float dx = x32.d[(m0 + m) * (K / 32) + i / 2];
-      t.d[i * W + m] = dx;
-      t.s[i * W + m] = dx * x32.bsums[(m0 + m) * (K / 16) + i];
+  t.q.resize(K / 4 * W);
+  t.d.resize(K / 16 * W);
+  t.s.resize(K / 16 * W);
+  team::parallel_for(0, K / 16, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // 16 inputs: four groups of four
+      for (int64_t g = 4 * i; g < 4 * i + 4; ++g)
+        for (int64_t m = 0; m < W; ++m) {
+          int32_t four = 0;
+          if (m < rows) std::memcpy(&four, x32.q.data() + (m0 + m) * K + 4 * g, 4);
+          t.q[g * W + m] = four;
+        }
+      for (int64_t m = 0; m < W; ++m) {
+        const float dx = m < rows ? x32.d[(m0 + m) * (K / 32) + i / 2] : 0.f;
+        t.d[i * W + m] = dx;
+        t.s[i * W + m] = m < rows ? dx * x32.bsums[(m0 + m) * (K / 16) + i] : 0.f;
+      }
     }
-  }
+  });
 }
 
 // A type's reader: values [v0, v0 + count) of a weight row (whole blocks) as codes, with each S
