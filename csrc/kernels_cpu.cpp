@@ -19,6 +19,11 @@
 #include "sampling_cpu.cpp"
 #include "decoder_cpu.cpp"
 
+// The kernels that take a step's time run without the GIL, so that the server's event loop (a
+// thread of its own) parses, streams and answers /health while the engine's thread computes.
+// pybind11 converts the arguments before releasing it and the result after taking it back.
+using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 // module_local: each flavour's module registers its own CpuDecoder type, and a process may load
 // several (the tests load every flavour the CPU runs).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = kLanes;
   m.attr("awq_int16_max_group") = kMaxInt16Group;
 
-  m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU");
+  m.def("awq_linear", &awq_linear, "a 4-bit AWQ linear layer on CPU", nogil());
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
   m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
   m.attr("awq_gemv_max_rows") = kGemvMaxRows;
@@ -42,7 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
   m.def("f32_linear", &gemv::f32_linear,
         "float32 linear on CPU: the GEMV at few rows, a GEMM above",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none());
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out") = py::none(), nogil());
   m.attr("f32_gemv_max_rows") = gemv::kMaxRows;
   m.def("f32_gemm", &f32gemm::f32_gemm,
         "float32 GEMM on the plain [N, K] weight, broadcast against x^T in blocks",
@@ -52,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_linear", &ggml::ggml_linear,
         "linear on weights in ggml's block formats (GGUF): a fused GEMV at few rows",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(),
-        py::arg("out") = py::none(), py::arg("activation_bits") = 32);
+        py::arg("out") = py::none(), py::arg("activation_bits") = 32, nogil());
   m.attr("ggml_gemv_max_rows") = ggml::kMaxRows;
   m.attr("ggml_int8_kquants") = ggml::kInt8KQuants;
   m.def("ggml_int8_tiles", &ggml::ggml_int8_tiles,
@@ -73,7 +78,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up into out");
 
-  m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)", nogil());
 
   m.def("first_argmax", &first_argmax, "each row's first maximum (argmax, NaN first)");
 
@@ -85,6 +90,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &CpuDecoder::add_layer)
       .def("set_lora", &CpuDecoder::set_lora)
       .def("set_lora_segments", &CpuDecoder::set_lora_segments)
-      .def("forward", &CpuDecoder::forward)
-      .def("forward_stage", &CpuDecoder::forward_stage);
+      .def("forward", &CpuDecoder::forward, nogil())
+      .def("forward_stage", &CpuDecoder::forward_stage, nogil());
 }

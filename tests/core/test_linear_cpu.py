@@ -186,3 +186,37 @@ def test_tied_head_is_the_embedding_counted_once(smol_llm):
     every = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     assert runner.weight_bytes == sum(t.numel() * t.element_size() for t in every.values())
     assert runner.weight_bytes_by_type["Q8_0"] == table.nbytes
+
+
+def test_a_step_s_kernels_leave_other_threads_running():
+    """The server's event loop runs on its own thread: it must make progress while the
+    engine's thread is inside a kernel (the kernels release the GIL)."""
+    import threading
+    import time
+
+    from pkv.csrc import cpp_build
+
+    kernels = cpp_build.kernels()
+    x, w, _ = _case(512, 2048, 4096, 0)  # ~8.6 GFLOP: tens of ms on two cores
+    started, finished = threading.Event(), threading.Event()
+    call: list[float] = []
+
+    def compute() -> None:
+        started.set()
+        call.append(time.perf_counter())
+        kernels.f32_linear(x, w, None)
+        call.append(time.perf_counter())
+        finished.set()
+
+    worker = threading.Thread(target=compute)
+    worker.start()
+    started.wait()
+    stamps = []
+    while not finished.is_set():
+        stamps.append(time.perf_counter())
+    worker.join()
+    t0, t1 = call
+    inside = [t0, *(t for t in stamps if t0 < t < t1), t1]
+    longest = max(b - a for a, b in zip(inside, inside[1:]))
+    # Holding the GIL, the kernel would keep this thread from running through its whole call.
+    assert longest < 0.5 * (t1 - t0), (longest, t1 - t0)
