@@ -99,7 +99,8 @@ void quantize_q8(const float* x, int64_t M, int64_t K, int64_t block, Q8Rows& r)
   r.d.resize(std::max<size_t>(r.d.size(), NB));
   r.bsums.resize(std::max<size_t>(r.bsums.size(), M * K / 16));
   const auto quantize = block == kQ8Block ? quantize_block<kQ8Block> : quantize_block<32>;
-  // Over the threads from a few rows' worth (the other thread would wait at the next loop).
+  // Split over the threads from 4,096 values up (a tiles pass: 32 rows of x); fewer stay on
+  // this thread, where a loop's start and join would cost as much as the work.
   team::parallel_for(0, NB, 4096 / block, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       r.d[b] = quantize(x + b * block, r.q.data() + b * block, r.bsums.data() + block / 16 * b);

@@ -1,7 +1,8 @@
 // Weights in ggml blocks through 5 or more rows of x with int8 activations (a decode batch,
 // a prefill):
 // tiles of weight rows in bytes against x^T in bytes. Included by csrc/ggml_cpu.cpp after
-// ggml_q8_cpu.cpp (its code readers and int8 rows of x) and ggml_broadcast_cpu.cpp.
+// ggml_q8_cpu.cpp (its code readers and int8 rows of x) and ggml_broadcast_cpu.cpp (the
+// ColumnBuffer its outputs go through).
 //
 // Why: at 16 rows the float kernel (ggml_broadcast_cpu.cpp) spends one FMA per weight and row
 // of x, and the int8 GEMVs (ggml_q8_cpu.cpp) take one weight row at a time, converting and
