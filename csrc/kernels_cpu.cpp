@@ -19,9 +19,11 @@
 #include "sampling_cpu.cpp"
 #include "decoder_cpu.cpp"
 
-// The kernels that take a step's time run without the GIL, so that the server's event loop (a
-// thread of its own) parses, streams and answers /health while the engine's thread computes.
-// pybind11 converts the arguments before releasing it and the result after taking it back.
+// The kernels that take a step's time (the decoder, the linears the Python layers and the LM
+// heads call, attention) run without the GIL, so that the server's event loop (a thread of its
+// own) parses, streams and answers /health while the engine's thread computes. Not the small
+// per-layer ops: each release lets the loop take the GIL, and taking it back can wait for the
+// loop's next switch. pybind11 converts the arguments before releasing it, the result after.
 using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 // module_local: each flavour's module registers its own CpuDecoder type, and a process may load
@@ -66,9 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_rows", &ggml::ggml_rows, "rows of a table in a ggml block format, as float32");
   m.def("ggml_dequantize", &ggml::ggml_dequantize, "a table in a ggml block format as float32");
 
-  m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows");
+  m.def("int8_gemv", &int8::int8_gemv, "weight-only int8 GEMV for any number of rows", nogil());
   m.attr("int8_gemv_max_rows") = int8::kGemvMaxRows;
-  m.def("int8_gemm", &int8::int8_gemm, "weight-only int8 GEMM by widened panels, for many rows");
+  m.def("int8_gemm", &int8::int8_gemm, "weight-only int8 GEMM by widened panels, for many rows",
+        nogil());
   m.def("int8_dequantize", &int8::int8_dequantize, "int8 codes to a float32 W^T [K, N]");
 
   m.def("rms_norm", &rms_norm, "RMSNorm of each row into out");
