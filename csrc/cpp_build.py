@@ -84,6 +84,8 @@ def compile_flags(flavour: str) -> list[str]:
         flags.append("-mprefer-vector-width=512")
         if "avx512_vnni" in _cpu_flags():  # byte dot products in one instruction, not three
             flags.append("-mavx512vnni")
+        if "avx512vbmi" in _cpu_flags():  # byte permutes across a register (vpermt2b)
+            flags.append("-mavx512vbmi")
     return flags
 
 

@@ -973,6 +973,7 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
 }  // namespace ggml
 
 #include "ggml_q8_cpu.cpp"
+#include "ggml_q5_groups_cpu.cpp"
 #include "ggml_broadcast_cpu.cpp"
 #include "ggml_tiles_cpu.cpp"
 
@@ -1041,6 +1042,12 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   if (any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
 #endif
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+  thread_local Q8Groups buffer_groups;
+  Q8Groups& groups = buffer_groups;
+  const auto grouped = [&](const Part& p) { return M == 1 && p.type == Q5_0 && takes_int8(p); };
+  if (any(grouped)) group_q8(x32, 0, groups);
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
     const int64_t rows = std::min(kMaxRows, M - m0);
     const float* xd = x.data_ptr<float>() + m0 * K;
@@ -1051,6 +1058,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         const float* bp = bd ? bd + first : nullptr;
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+        if (lo < hi && grouped(p))
+          q5_groups_gemv(p, lo - first, hi - first, groups, bp, yd + first);
+        else
+#endif
 #if defined(__AVX2__)
         if (lo < hi && int8 && takes_int8(p))
           q8_part(p, lo - first, hi - first, x256, x32, m0, rows, bp, yd + first, N);

@@ -4,6 +4,9 @@ torch on the dequantized weight, under every ISA flavour; slicing by rows and by
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 from typing import Any
 
 import numpy as np
@@ -181,6 +184,40 @@ def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, tw
     exact = x.double() @ torch.cat(weights[:3]).double().t() + bias[:18].double()
     rounded = (y[:, :18] - exact).abs().max() > 1e-3 * exact.abs().max()
     assert rounded == any(in_int8)  # x really went through int8, or really did not
+
+
+def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
+    """`blocks` as a tensor whose last byte is followed by a page no one may read: a kernel
+    that loads past the weights faults there instead of reading a neighbour's bytes."""
+    page = mmap.PAGESIZE
+    size = -(-blocks.nbytes // page) * page + page
+    memory = mmap.mmap(-1, size)
+    guard = ctypes.addressof(ctypes.c_char.from_buffer(memory)) + size - page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(guard, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    start = size - page - blocks.nbytes
+    tensor = torch.frombuffer(memory, dtype=torch.uint8, offset=start, count=blocks.nbytes)
+    tensor.copy_(torch.from_numpy(blocks.reshape(-1)))
+    return tensor.view(blocks.shape)
+
+
+# At one row of x, Q5_0 rows take four blocks at a time on AVX-512 with VBMI (elsewhere one):
+# widths of 17-20 blocks end in short groups, whose bytes past the last row must not be read;
+# 37 rows split between two threads, four rows at a time and one.
+@pytest.mark.parametrize("cols", [544, 576, 608, 640, 4864])
+def test_q5_0_at_one_row_of_int8_x(cpu_kernels, two_threads, cols: int):
+    qtype = FORMATS_BY_NAME["Q5_0"]
+    blocks = random_blocks(qtype, 37, cols, seed=cols)
+    gen = torch.Generator().manual_seed(cols)
+    x, bias = torch.randn(1, cols, generator=gen), torch.randn(37, generator=gen)
+    x[0, 40:70] *= 30  # blocks of x with scales of their own
+    y = cpu_kernels.ggml_linear(x, [before_a_guard_page(blocks)], torch.tensor([qtype]), bias,
+                                None, 8).double()
+    weight = reference(blocks, qtype, cols)
+    int8 = cpu_kernels.isa != "generic"
+    want = (q8_0_reference(x, weight) if int8 else x.double() @ weight.double().t()) + bias
+    torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
 # Past the float GEMV's 32 rows an int8 layer keeps integer kernels: the tiles where they take
