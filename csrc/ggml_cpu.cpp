@@ -1041,9 +1041,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
   if (any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
-#endif
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-  thread_local Q8Groups buffer_groups;
+  thread_local Q8Groups buffer_groups;  // Q5_0 at one row (ggml_q5_groups_cpu.cpp)
   Q8Groups& groups = buffer_groups;
   const auto grouped = [&](const Part& p) { return M == 1 && p.type == Q5_0 && takes_int8(p); };
   if (any(grouped)) group_q8(x32, 0, groups);
@@ -1058,13 +1056,10 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         const float* bp = bd ? bd + first : nullptr;
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__)
         if (lo < hi && grouped(p))
           q5_groups_gemv(p, lo - first, hi - first, groups, bp, yd + first);
-        else
-#endif
-#if defined(__AVX2__)
-        if (lo < hi && int8 && takes_int8(p))
+        else if (lo < hi && int8 && takes_int8(p))
           q8_part(p, lo - first, hi - first, x256, x32, m0, rows, bp, yd + first, N);
         else
 #endif

@@ -1,28 +1,33 @@
-// Q5_0 against one row of int8 x, four blocks of 32 an instruction (AVX-512 with VBMI and
-// VNNI). Included by csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose Q8Rows it reads.
+// Q5_0 against one row of int8 x, a weight row four blocks of 32 at a time. Included by
+// csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose Q8Rows it reads.
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
 // 576-wide SmolLM2 or the 896-wide Qwen2.5-0.5B: llama-quantize falls back to Q5_0) spends
 // half its time in these layers, and the block-at-a-time GEMV (q8_32_weight_rows) was bound
-// by its ~25 instructions a block (decoding 22 bytes: nibbles, the fifth bits, two half
-// scales, a byte dot in three instructions, a scalar offset), at ~23 GB/s of the machine's
-// ~33. Here four consecutive blocks of a weight row (88 bytes) are gathered into one register
-// by two byte permutes (vpermt2b): their 64 bytes of nibbles, and their scales (each repeated
-// over the four int32 lanes its block's sums land in) with the fifth bits as two 64-bit masks;
-// the fifth bits are added to the nibbles under those masks, and two vpdpbusd take the 128
-// products. About six instructions a block.
+// by its ~25 instructions a block (nibbles, the fifth bits, two half scales converted one at a
+// time, a byte dot in three instructions, a scalar offset), at 13-24 GB/s of the machine's ~33.
 //
 // x is laid out for it once a call (`Q8Groups`): per group of four blocks, the first 16 codes
 // of each block side by side (`lo`), the last 16 (`hi`), the offset's share -16 sum(q) in the
 // first int32 lane of each block (Q5_0: w = d (c - 16), so the block's dot is
-// d dx (c . q - 16 sum q)), and dx repeated over each block's four lanes. A short last group
-// has zeros there, and its weight bytes past the row are never loaded (masked loads).
+// d dx (c . q - 16 sum q)), and dx repeated over each block's four lanes. Then a block's codes
+// are its 16 nibble bytes, low nibbles against `lo` and high against `hi`, plus 16 where its
+// fifth bit is set; its byte products land in the four int32 lanes that its scale, widened
+// from half once for the group, multiplies. A short last group has zeros in x, and its weight
+// bytes past the row are never loaded.
+//
+//   AVX-512 with VBMI and VNNI: two byte permutes (vpermt2b) gather the group's 88 bytes into
+//   its 64 nibble bytes and into its scales (each repeated four times) and fifth bits (two
+//   64-bit masks); the fifth bits are added under the masks, two vpdpbusd take the products.
+//   About six instructions a block. Masked loads stop at the row's end.
+//   AVX2 (and AVX-512 without VBMI): a pair of blocks a register (two 16-byte loads each for
+//   the nibbles and for the scale and fifth bits), the fifth bits by a byte shuffle and compare,
+//   vpmaddubsw / vpmaddwd for the products. About fourteen a block. A pair of a short group
+//   that holds one block loads only that one.
 
 namespace ggml {
 
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-constexpr bool kQ5Groups = true;
-
+#if defined(__AVX2__)
 namespace {
 
 constexpr int64_t kQ5Bytes = 22;  // d (f16), qh (32 fifth bits), qs (16 bytes of nibbles)
@@ -30,7 +35,7 @@ constexpr int64_t kGroupBytes = 4 * kQ5Bytes;
 
 // One row of x in groups of four blocks of 32 (see the header).
 struct Q8Groups {
-  std::vector<int8_t> lo, hi;  // [groups, 64]
+  std::vector<int8_t> lo, hi;   // [groups, 64]
   std::vector<int32_t> offset;  // [groups, 16]
   std::vector<float> dx;        // [groups, 16]
   int64_t blocks = 0;
@@ -53,8 +58,17 @@ void group_q8(const Q8Rows& x, int64_t m, Q8Groups& g) {
   }
 }
 
+// Bytes ahead of group g of a panel of W rows to prefetch: in a row longer than the distance,
+// past its end the next rows are being read already (by the panel's other rows): this row's
+// lane skips to its row in the next panel.
+inline int64_t prefetch_ahead(const Part& p, int64_t g, int W) {
+  const bool past_row = p.stride > kQ8Prefetch && kGroupBytes * g + kQ8Prefetch >= p.stride;
+  return kQ8Prefetch + (past_row ? (W - 1) * p.stride : 0);
+}
+
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 // Byte indices into a group's 88 bytes (the first 64 in one register, the rest in another):
-// the nibbles of block k at bytes 16k.., and (kMeta) block k's scale as halves 8k.., repeated
+// the nibbles of block k at bytes 16k.., and (`meta`) block k's scale as halves 8k.., repeated
 // four times, then the low and the high 16 fifth bits of each block (two 64-bit masks).
 struct GroupIndex {
   __m512i nibbles, meta;
@@ -62,9 +76,8 @@ struct GroupIndex {
     alignas(64) uint8_t n[64], m[64] = {};
     for (int j = 0; j < 64; ++j) n[j] = static_cast<uint8_t>(kQ5Bytes * (j / 16) + 6 + j % 16);
     for (int j = 0; j < 32; ++j) m[j] = static_cast<uint8_t>(kQ5Bytes * (j / 8) + j % 2);
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < 16; ++j)
       m[32 + j] = static_cast<uint8_t>(kQ5Bytes * (j % 8 / 2) + 2 + j % 2 + 2 * (j / 8));
-    }
     nibbles = _mm512_load_si512(n);
     meta = _mm512_load_si512(m);
   }
@@ -77,10 +90,11 @@ inline std::pair<__mmask64, __mmask64> group_masks(int64_t blocks) {
   return {ones(bytes), bytes > 64 ? ones(bytes - 64) : 0ULL};
 }
 
-// W weight rows from row n: acc[w] += each group's scaled sums.
+// W weight rows from row n through the row of x in `x` into y[n..].
 template <int W>
-inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const GroupIndex& ix,
-                          const float* bias, float* y) {
+inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
+                          float* y) {
+  static const GroupIndex ix;
   const int64_t G = (x.blocks + 3) / 4;
   __m512 acc[W];
   for (int w = 0; w < W; ++w) acc[w] = _mm512_setzero_ps();
@@ -91,13 +105,9 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const Gro
     const __m512i xhi = _mm512_loadu_si512(x.hi.data() + 64 * g);
     const __m512i offset = _mm512_loadu_si512(x.offset.data() + 16 * g);
     const __m512 dx = _mm512_loadu_ps(x.dx.data() + 16 * g);
-    // Bytes ahead of a group to prefetch: in a row longer than the distance, past its end
-    // the next rows' sibling lanes are being read already; skip to this lane's next row.
-    const int64_t at = kGroupBytes * g, ahead =
-        kQ8Prefetch + (p.stride > kQ8Prefetch && at + kQ8Prefetch >= p.stride
-                       ? (W - 1) * p.stride : 0);
+    const int64_t ahead = prefetch_ahead(p, g, W);
     for (int w = 0; w < W; ++w) {
-      const uint8_t* b = p.data + (n + w) * p.stride + at;
+      const uint8_t* b = p.data + (n + w) * p.stride + kGroupBytes * g;
       _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_NTA);
       _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 64), _MM_HINT_NTA);
       const __m512i head = _mm512_maskz_loadu_epi8(first, b);
@@ -119,19 +129,84 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const Gro
   for (int w = 0; w < W; ++w)
     y[n + w] = _mm512_reduce_add_ps(acc[w]) + (bias ? bias[n + w] : 0.f);
 }
+#else
+// 16 bytes at `at` of two blocks from b, or of one (the other lane zero).
+inline __m256i load_pair(const uint8_t* b, int64_t at, bool two) {
+  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
+  if (!two) return _mm256_zextsi128_si256(first);
+  return _mm256_inserti128_si256(
+      _mm256_castsi128_si256(first),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQ5Bytes + at)), 1);
+}
+
+// A pair of blocks' codes c (the low 16 or, kHigh, the high 16 of each) from their nibble
+// bytes `qs` and their first 16 bytes `meta` (each 128-bit lane one block's): a byte shuffle
+// spreads the fifth bits' bytes over the code bytes, a compare with each byte's bit tests them.
+template <bool kHigh>
+inline __m256i pair_codes(__m256i qs, __m256i meta) {
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i spread = kHigh ? _mm256_setr_epi64x(0x0404040404040404, 0x0505050505050505,
+                                                    0x0404040404040404, 0x0505050505050505)
+                               : _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303,
+                                                    0x0202020202020202, 0x0303030303030303);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i nibbles = _mm256_and_si256(kHigh ? _mm256_srli_epi16(qs, 4) : qs, low4);
+  const __m256i set = _mm256_cmpeq_epi8(
+      _mm256_and_si256(_mm256_shuffle_epi8(meta, spread), bit), bit);
+  return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+// The pair's scales, each repeated over its block's four int32 lanes.
+inline __m256 pair_scales(__m256i meta) {
+  const __m256i halves = _mm256_shuffle_epi8(meta, _mm256_set1_epi32(0x01000100));
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
+}
+
+// W weight rows from row n through the row of x in `x` into y[n..].
+template <int W>
+inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
+                          float* y) {
+  const int64_t G = (x.blocks + 3) / 4;
+  __m256 acc[W];
+  for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t ahead = prefetch_ahead(p, g, W), blocks = std::min<int64_t>(4, x.blocks - 4 * g);
+    for (int w = 0; w < W; ++w) {
+      const char* b = reinterpret_cast<const char*>(p.data + (n + w) * p.stride + kGroupBytes * g);
+      _mm_prefetch(b + ahead, _MM_HINT_NTA);
+      _mm_prefetch(b + ahead + 64, _MM_HINT_NTA);
+    }
+    for (int64_t pair = 0; 2 * pair < blocks; ++pair) {
+      const int64_t at = 64 * g + 32 * pair;
+      const bool two = 2 * pair + 1 < blocks;  // (a short group's last pair may hold one)
+      const __m256i xlo = load256(x.lo.data() + at), xhi = load256(x.hi.data() + at);
+      const __m256i offset = load256(x.offset.data() + at / 4);
+      const __m256 dx = _mm256_loadu_ps(x.dx.data() + at / 4);
+      for (int w = 0; w < W; ++w) {
+        const uint8_t* b = p.data + (n + w) * p.stride + kGroupBytes * g + 2 * kQ5Bytes * pair;
+        const __m256i meta = load_pair(b, 0, two), qs = load_pair(b, 6, two);
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(pair_codes<false>(qs, meta), xlo),
+            _mm256_maddubs_epi16(pair_codes<true>(qs, meta), xhi));  // (below 2 x 2 x 31 x 127)
+        const __m256i sums =
+            _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), offset);
+        acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(pair_scales(meta), dx),
+                                 acc[w]);
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w) y[n + w] = hsum8(acc[w]) + (bias ? bias[n + w] : 0.f);
+}
+#endif
 
 // Rows [n0, n1) of a Q5_0 part through the one row of x in `x`, four weight rows at a time.
 void q5_groups_gemv(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x,
                     const float* bias, float* y) {
-  static const GroupIndex ix;
-  for (; n0 + 4 <= n1; n0 += 4) q5_group_rows<4>(p, n0, x, ix, bias, y);
-  for (; n0 < n1; ++n0) q5_group_rows<1>(p, n0, x, ix, bias, y);
+  for (; n0 + 4 <= n1; n0 += 4) q5_group_rows<4>(p, n0, x, bias, y);
+  for (; n0 < n1; ++n0) q5_group_rows<1>(p, n0, x, bias, y);
 }
 
 }  // namespace
-
-#else
-constexpr bool kQ5Groups = false;
 #endif
 
 }  // namespace ggml
