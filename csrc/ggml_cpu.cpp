@@ -1014,8 +1014,9 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   // that the team's threads read this thread's, not their own thread_local ones.
   thread_local Q8Rows buffers256, buffers32;
   Q8Rows &x256 = buffers256, &x32 = buffers32;
-  if (activation_bits == 8 &&
-      std::all_of(ps.begin(), ps.end(), [&](const Part& p) { return int8_tile(p.type, M); })) {
+  std::vector<int64_t> types_of(ps.size());
+  std::transform(ps.begin(), ps.end(), types_of.begin(), [](const Part& p) { return p.type; });
+  if (activation_bits == 8 && int8_tiles(types_of, M)) {
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
     tile_linear(ps, x32, M, K, bd, y.data_ptr<float>(), N);
     return y;
@@ -1041,10 +1042,10 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
   if (any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
-  thread_local Q8Groups buffer_groups;  // Q5_0 at one row (ggml_q5_groups_cpu.cpp)
+  thread_local Q8Groups buffer_groups;  // Q5_0 at few rows (ggml_q5_groups_cpu.cpp)
   Q8Groups& groups = buffer_groups;
-  const auto grouped = [&](const Part& p) { return M == 1 && p.type == Q5_0 && takes_int8(p); };
-  if (any(grouped)) group_q8(x32, 0, groups);
+  const auto grouped = [&](const Part& p) { return p.type == Q5_0 && takes_int8(p); };
+  if (any(grouped)) group_q8(x32, M, groups);
 #endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
     const int64_t rows = std::min(kMaxRows, M - m0);
@@ -1058,7 +1059,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
         const float* bp = bd ? bd + first : nullptr;
 #if defined(__AVX2__)
         if (lo < hi && grouped(p))
-          q5_groups_gemv(p, lo - first, hi - first, groups, bp, yd + first);
+          q5_groups_gemv(p, lo - first, hi - first, groups, rows, bp, yd + first, N);
         else if (lo < hi && int8 && takes_int8(p))
           q8_part(p, lo - first, hi - first, x256, x32, m0, rows, bp, yd + first, N);
         else
@@ -1077,7 +1078,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
 bool ggml_int8_tiles(const at::Tensor& types, int64_t rows) {
   const at::Tensor t = types.to(at::kLong).contiguous();
   const int64_t* id = t.data_ptr<int64_t>();
-  return std::all_of(id, id + t.numel(), [&](int64_t type) { return int8_tile(type, rows); });
+  return int8_tiles(std::vector<int64_t>(id, id + t.numel()), rows);
 }
 
 // Rows `ids` of a table in ggml blocks ([V, row_bytes]) as float32 [T, K]: an embedding lookup.

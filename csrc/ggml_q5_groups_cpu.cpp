@@ -1,4 +1,5 @@
-// Q5_0 against one row of int8 x, a weight row four blocks of 32 at a time. Included by
+// Q5_0 against a few rows of int8 x (up to kQ5GroupRows), a weight row four blocks of 32 at a
+// time. Included by
 // csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose Q8Rows it reads.
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
@@ -33,28 +34,32 @@ namespace {
 constexpr int64_t kQ5Bytes = 22;  // d (f16), qh (32 fifth bits), qs (16 bytes of nibbles)
 constexpr int64_t kGroupBytes = 4 * kQ5Bytes;
 
-// One row of x in groups of four blocks of 32 (see the header).
+// Rows of x in groups of four blocks of 32 (see the header); row m's group g at
+// m * groups + g.
 struct Q8Groups {
-  std::vector<int8_t> lo, hi;   // [groups, 64]
-  std::vector<int32_t> offset;  // [groups, 16]
-  std::vector<float> dx;        // [groups, 16]
-  int64_t blocks = 0;
+  std::vector<int8_t> lo, hi;   // [rows, groups, 64]
+  std::vector<int32_t> offset;  // [rows, groups, 16]
+  std::vector<float> dx;        // [rows, groups, 16]
+  int64_t blocks = 0, groups = 0;
 };
 
-// Row m of x (quantized in blocks of 32) into `g`.
-void group_q8(const Q8Rows& x, int64_t m, Q8Groups& g) {
+// The M rows of x (quantized in blocks of 32) into `g`.
+void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   const int64_t NB = x.K / 32, G = (NB + 3) / 4;
   g.blocks = NB;
-  g.lo.assign(G * 64, 0);
-  g.hi.assign(G * 64, 0);
-  g.offset.assign(G * 16, 0);
-  g.dx.assign(G * 16, 0.f);
-  for (int64_t b = 0; b < NB; ++b) {
-    const int64_t at = m * NB + b, lane = 16 * (b / 4) + 4 * (b % 4);
-    std::memcpy(g.lo.data() + 4 * lane, x.q.data() + 32 * at, 16);
-    std::memcpy(g.hi.data() + 4 * lane, x.q.data() + 32 * at + 16, 16);
-    g.offset[lane] = -16 * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
-    std::fill_n(g.dx.data() + lane, 4, x.d[at]);
+  g.groups = G;
+  g.lo.assign(M * G * 64, 0);
+  g.hi.assign(M * G * 64, 0);
+  g.offset.assign(M * G * 16, 0);
+  g.dx.assign(M * G * 16, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < NB; ++b) {
+      const int64_t at = m * NB + b, lane = 16 * (m * G + b / 4) + 4 * (b % 4);
+      std::memcpy(g.lo.data() + 4 * lane, x.q.data() + 32 * at, 16);
+      std::memcpy(g.hi.data() + 4 * lane, x.q.data() + 32 * at + 16, 16);
+      g.offset[lane] = -16 * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
+      std::fill_n(g.dx.data() + lane, 4, x.d[at]);
+    }
   }
 }
 
@@ -90,21 +95,18 @@ inline std::pair<__mmask64, __mmask64> group_masks(int64_t blocks) {
   return {ones(bytes), bytes > 64 ? ones(bytes - 64) : 0ULL};
 }
 
-// W weight rows from row n through the row of x in `x` into y[n..].
-template <int W>
+// W weight rows from row n through the R rows of x in `x` into y[m * ldy + n..].
+template <int W, int R>
 inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
-                          float* y) {
+                          float* y, int64_t ldy) {
   static const GroupIndex ix;
-  const int64_t G = (x.blocks + 3) / 4;
-  __m512 acc[W];
-  for (int w = 0; w < W; ++w) acc[w] = _mm512_setzero_ps();
+  const int64_t G = x.groups;
+  __m512 acc[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int m = 0; m < R; ++m) acc[w][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   for (int64_t g = 0; g < G; ++g) {
     const auto [first, second] = group_masks(std::min<int64_t>(4, x.blocks - 4 * g));
-    const __m512i xlo = _mm512_loadu_si512(x.lo.data() + 64 * g);
-    const __m512i xhi = _mm512_loadu_si512(x.hi.data() + 64 * g);
-    const __m512i offset = _mm512_loadu_si512(x.offset.data() + 16 * g);
-    const __m512 dx = _mm512_loadu_ps(x.dx.data() + 16 * g);
     const int64_t ahead = prefetch_ahead(p, g, W);
     for (int w = 0; w < W; ++w) {
       const uint8_t* b = p.data + (n + w) * p.stride + kGroupBytes * g;
@@ -121,13 +123,22 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), low4);
       lo = _mm512_mask_add_epi8(lo, low_fifth, lo, fifth);
       hi = _mm512_mask_add_epi8(hi, high_fifth, hi, fifth);
-      const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(offset, lo, xlo), hi, xhi);
       const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(meta));
-      acc[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, dx), acc[w]);
+      for (int m = 0; m < R; ++m) {
+        const int64_t at = m * G + g;
+        const __m512i sums = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + 16 * at), lo,
+                                _mm512_loadu_si512(x.lo.data() + 64 * at)),
+            hi, _mm512_loadu_si512(x.hi.data() + 64 * at));
+        acc[w][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                    _mm512_mul_ps(d, _mm512_loadu_ps(x.dx.data() + 16 * at)),
+                                    acc[w][m]);
+      }
     }
   }
   for (int w = 0; w < W; ++w)
-    y[n + w] = _mm512_reduce_add_ps(acc[w]) + (bias ? bias[n + w] : 0.f);
+    for (int m = 0; m < R; ++m)
+      y[m * ldy + n + w] = _mm512_reduce_add_ps(acc[w][m]) + (bias ? bias[n + w] : 0.f);
 }
 #else
 // 16 bytes at `at` of two blocks from b, or of one (the other lane zero).
@@ -162,13 +173,14 @@ inline __m256 pair_scales(__m256i meta) {
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
 }
 
-// W weight rows from row n through the row of x in `x` into y[n..].
-template <int W>
+// W weight rows from row n through the R rows of x in `x` into y[m * ldy + n..].
+template <int W, int R>
 inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
-                          float* y) {
-  const int64_t G = (x.blocks + 3) / 4;
-  __m256 acc[W];
-  for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps();
+                          float* y, int64_t ldy) {
+  const int64_t G = x.groups;
+  __m256 acc[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int m = 0; m < R; ++m) acc[w][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t ahead = prefetch_ahead(p, g, W), blocks = std::min<int64_t>(4, x.blocks - 4 * g);
     for (int w = 0; w < W; ++w) {
@@ -177,33 +189,53 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
       _mm_prefetch(b + ahead + 64, _MM_HINT_NTA);
     }
     for (int64_t pair = 0; 2 * pair < blocks; ++pair) {
-      const int64_t at = 64 * g + 32 * pair;
       const bool two = 2 * pair + 1 < blocks;  // (a short group's last pair may hold one)
-      const __m256i xlo = load256(x.lo.data() + at), xhi = load256(x.hi.data() + at);
-      const __m256i offset = load256(x.offset.data() + at / 4);
-      const __m256 dx = _mm256_loadu_ps(x.dx.data() + at / 4);
       for (int w = 0; w < W; ++w) {
         const uint8_t* b = p.data + (n + w) * p.stride + kGroupBytes * g + 2 * kQ5Bytes * pair;
         const __m256i meta = load_pair(b, 0, two), qs = load_pair(b, 6, two);
-        const __m256i pairs = _mm256_add_epi16(
-            _mm256_maddubs_epi16(pair_codes<false>(qs, meta), xlo),
-            _mm256_maddubs_epi16(pair_codes<true>(qs, meta), xhi));  // (below 2 x 2 x 31 x 127)
-        const __m256i sums =
-            _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), offset);
-        acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(pair_scales(meta), dx),
-                                 acc[w]);
+        const __m256i lo = pair_codes<false>(qs, meta), hi = pair_codes<true>(qs, meta);
+        const __m256 d = pair_scales(meta);
+        for (int m = 0; m < R; ++m) {
+          const int64_t at = 64 * (m * G + g) + 32 * pair;
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, load256(x.lo.data() + at)),
+              _mm256_maddubs_epi16(hi, load256(x.hi.data() + at)));  // (< 2 x 2 x 31 x 127)
+          const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)),
+                                                load256(x.offset.data() + at / 4));
+          acc[w][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                      _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + at / 4)),
+                                      acc[w][m]);
+        }
       }
     }
   }
-  for (int w = 0; w < W; ++w) y[n + w] = hsum8(acc[w]) + (bias ? bias[n + w] : 0.f);
+  for (int w = 0; w < W; ++w)
+    for (int m = 0; m < R; ++m)
+      y[m * ldy + n + w] = hsum8(acc[w][m]) + (bias ? bias[n + w] : 0.f);
 }
 #endif
 
-// Rows [n0, n1) of a Q5_0 part through the one row of x in `x`, four weight rows at a time.
-void q5_groups_gemv(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x,
-                    const float* bias, float* y) {
-  for (; n0 + 4 <= n1; n0 += 4) q5_group_rows<4>(p, n0, x, bias, y);
-  for (; n0 < n1; ++n0) q5_group_rows<1>(p, n0, x, bias, y);
+// Rows [n0, n1) of a Q5_0 part through the R rows of x in `x`, W weight rows at a time.
+template <int R>
+void q5_groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x,
+                    const float* bias, float* y, int64_t ldy) {
+  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;
+  for (; n0 + W <= n1; n0 += W) q5_group_rows<W, R>(p, n0, x, bias, y, ldy);
+  for (; n0 < n1; ++n0) q5_group_rows<1, R>(p, n0, x, bias, y, ldy);
+}
+
+// Rows [n0, n1) of a Q5_0 part through the M (1 to kQ5GroupRows) rows of x in `x` into
+// y [M, ldy].
+void q5_groups_gemv(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, int64_t M,
+                    const float* bias, float* y, int64_t ldy) {
+  switch (M) {
+    case 1: return q5_groups_rows<1>(p, n0, n1, x, bias, y, ldy);
+    case 2: return q5_groups_rows<2>(p, n0, n1, x, bias, y, ldy);
+    case 3: return q5_groups_rows<3>(p, n0, n1, x, bias, y, ldy);
+    case 4: return q5_groups_rows<4>(p, n0, n1, x, bias, y, ldy);
+    case 5: return q5_groups_rows<5>(p, n0, n1, x, bias, y, ldy);
+    default: return q5_groups_rows<6>(p, n0, n1, x, bias, y, ldy);
+  }
 }
 
 }  // namespace

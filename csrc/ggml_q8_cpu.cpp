@@ -456,9 +456,9 @@ void q8_part(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x256, const Q8
     case Q4_K: return q8_gemv_rows<K4Int<false>>(p, n0, n1, x256, m0, M, bias, y, ldy);
     case Q5_K: return q8_gemv_rows<K4Int<true>>(p, n0, n1, x256, m0, M, bias, y, ldy);
     case Q6_K: return q8_gemv_rows<Q6KInt>(p, n0, n1, x256, m0, M, bias, y, ldy);
-    case Q5_0: return q8_32_gemv_rows<Q5Int<false>>(p, n0, n1, x32, m0, M, bias, y, ldy);
     case Q5_1: return q8_32_gemv_rows<Q5Int<true>>(p, n0, n1, x32, m0, M, bias, y, ldy);
-    default: return q8_32_gemv_rows<Q8Int>(p, n0, n1, x32, m0, M, bias, y, ldy);
+    case Q8_0: return q8_32_gemv_rows<Q8Int>(p, n0, n1, x32, m0, M, bias, y, ldy);
+    default: TORCH_CHECK(false, "q8_part: no int8 GEMV here for ggml type ", p.type);
   }
 }
 
@@ -475,13 +475,18 @@ constexpr bool kInt8KQuants = false;
 inline bool int8_kquant(int64_t type) {
   return kInt8KQuants && (type == Q4_K || type == Q5_K || type == Q6_K);
 }
-// The 32-value types at 1-2 rows of x only, where their int8 GEMV is ahead of the float one
-// (two threads, old vs new, 3072 x 576 layers, the 49152 x 576 head): Q5_0 / Q5_1 1.36-1.53x
+// The 32-value types at few rows of x, where their int8 GEMV is ahead of the float one (two
+// threads, old vs new, 3072 x 576 layers, the 49152 x 576 head): Q5_1 at 1-2 rows 1.36-1.53x
 // (AVX-512), 1.70-2.08x (AVX2); Q8_0 at 2 rows 1.76-1.95x, at 1 row 0.87-1.05x (the float
-// side-by-side GEMV), so it stays float there; from 4 rows (one weight row at a time) 0.7-1.3x.
+// side-by-side GEMV), so it stays float there; from 4 rows (one weight row at a time)
+// 0.7-1.3x. Q5_0 up to kQ5GroupRows rows: a weight row four blocks at a time
+// (ggml_q5_groups_cpu.cpp), from 1 to 6 rows 1.3-2.9x the float GEMV or the tiles (two
+// threads, 3072 x 576, AVX-512 and AVX2); at 8 rows 0.9x the tiles.
+constexpr int64_t kQ5GroupRows = 6;
 inline bool int8_block32(int64_t type, int64_t rows) {
-  if (!kInt8KQuants || rows > 2) return false;
-  return type == Q5_0 || type == Q5_1 || (type == Q8_0 && rows == 2);
+  if (!kInt8KQuants) return false;
+  if (type == Q5_0) return rows <= kQ5GroupRows;
+  return rows <= 2 && (type == Q5_1 || (type == Q8_0 && rows == 2));
 }
 
 }  // namespace ggml

@@ -377,4 +377,13 @@ inline bool int8_tile(int64_t type, int64_t rows) {
 #endif
 }
 
+// Whether a layer of parts of these types takes the tiles at `rows` rows: where every part does,
+// but not with a Q5_0 part at up to kQ5GroupRows rows, where its grouped GEMV is faster.
+inline bool int8_tiles(const std::vector<int64_t>& types, int64_t rows) {
+  const auto q5_0 = [](int64_t type) { return type == Q5_0; };
+  if (rows <= kQ5GroupRows && std::any_of(types.begin(), types.end(), q5_0)) return false;
+  return std::all_of(types.begin(), types.end(),
+                     [&](int64_t type) { return int8_tile(type, rows); });
+}
+
 }  // namespace ggml

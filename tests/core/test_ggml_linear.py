@@ -166,24 +166,27 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
-# Q5_0 / Q5_1 take x in int8 per 32 inputs at 1-2 rows, Q8_0 at 2 (at 1 row its float GEMV is
-# as fast); at 3 rows they stay float (from 5 the tiles take them). A Q6_K part beside them
-# takes x per 256.
-@pytest.mark.parametrize("rows", [1, 2, 3])
+# Q5_1 takes x in int8 per 32 inputs at 1-2 rows, Q8_0 at 2 (at 1 row its float GEMV is as
+# fast), Q5_0 at 1-6; at 3-4 rows the others stay float (from 5 the tiles take layers without
+# Q5_0). A Q6_K part beside them takes x per 256.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
                                                                   rows: int):
     x, bias, weights, y = int8_layer(cpu_kernels, ("Q5_0", "Q5_1", "Q8_0", "Q6_K"), rows, 512,
                                      20, slice(32, 64))
     int8 = cpu_kernels.isa != "generic"
-    in_int8 = [int8 and rows <= 2, int8 and rows <= 2, int8 and rows == 2]
+    in_int8 = [int8 and rows <= 4, int8 and rows <= 2, int8 and rows == 2]
     want = [q8_0_reference(x, w) if q8 else x.double() @ w.double().t()
             for w, q8 in zip(weights[:3], in_int8)]
     want.append(q8_reference(x, weights[3]) if int8 else x.double() @ weights[3].double().t())
     want = torch.cat(want, dim=1) + bias.double()
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
-    exact = x.double() @ torch.cat(weights[:3]).double().t() + bias[:18].double()
-    rounded = (y[:, :18] - exact).abs().max() > 1e-3 * exact.abs().max()
-    assert rounded == any(in_int8)  # x really went through int8, or really did not
+    first = 0
+    for w, q8 in zip(weights[:3], in_int8):  # x really went through int8, or really did not
+        part = slice(first, first + w.shape[0])
+        exact = x.double() @ w.double().t() + bias[part].double()
+        assert bool((y[:, part] - exact).abs().max() > 1e-3 * exact.abs().max()) == q8
+        first += w.shape[0]
 
 
 def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
@@ -202,16 +205,17 @@ def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
     return tensor.view(blocks.shape)
 
 
-# At one row of x, Q5_0 rows take four blocks at a time on AVX-512 with VBMI (elsewhere one):
-# widths of 17-20 blocks end in short groups, whose bytes past the last row must not be read;
-# 37 rows split between two threads, four rows at a time and one.
+# At 1-6 rows of x, Q5_0 rows take four blocks at a time (AVX2, AVX-512): widths of 17-20
+# blocks end in short groups, whose bytes past the last row must not be read; 37 rows split
+# between two threads, one to four weight rows at a time.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("cols", [544, 576, 608, 640, 4864])
-def test_q5_0_at_one_row_of_int8_x(cpu_kernels, two_threads, cols: int):
+def test_q5_0_at_few_rows_of_int8_x(cpu_kernels, two_threads, cols: int, rows: int):
     qtype = FORMATS_BY_NAME["Q5_0"]
     blocks = random_blocks(qtype, 37, cols, seed=cols)
     gen = torch.Generator().manual_seed(cols)
-    x, bias = torch.randn(1, cols, generator=gen), torch.randn(37, generator=gen)
-    x[0, 40:70] *= 30  # blocks of x with scales of their own
+    x, bias = torch.randn(rows, cols, generator=gen), torch.randn(37, generator=gen)
+    x[-1, 40:70] *= 30  # blocks of x with scales of their own
     y = cpu_kernels.ggml_linear(x, [before_a_guard_page(blocks)], torch.tensor([qtype]), bias,
                                 None, 8).double()
     weight = reference(blocks, qtype, cols)
@@ -247,12 +251,14 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
     rule they are chosen by: with AVX-512 every type they read (Q8_0 with VNNI only) from 5
-    rows, the K-quants from 12; with AVX2 the 32-value types up to 128 rows."""
+    rows, the K-quants from 12; with AVX2 the 32-value types up to 128 rows; not a layer with
+    a Q5_0 part at up to 6 rows (its grouped GEMV takes it)."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     avx512 = kernels.isa == "avx512"
     rule = (kernels.isa != "generic" and readable and rows >= 5 and (avx512 or rows <= 128)
-            and ("Q8_0" not in names or kernels.vnni) and (not kquants or (avx512 and rows >= 12)))
+            and ("Q8_0" not in names or kernels.vnni) and (not kquants or (avx512 and rows >= 12))
+            and ("Q5_0" not in names or rows > 6))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
     assert tiles == rule, (names, rows)
     return tiles
@@ -278,8 +284,9 @@ def test_int8_tiles_are_the_q8_0_scheme(cpu_kernels, two_threads, names: tuple[s
 
 
 def test_int8_activations_keep_a_bad_row_to_itself(cpu_kernels):
-    # three rows: the K-quants' GEMV; sixteen of Q5_0: the tiles, where there are some
-    for name, rows in (("Q6_K", 3), ("Q5_0", 16)):
+    # three rows: the K-quants' GEMV, or Q5_0's grouped one; sixteen of Q5_0: the tiles,
+    # where there are some
+    for name, rows in (("Q6_K", 3), ("Q5_0", 3), ("Q5_0", 16)):
         qtype = FORMATS_BY_NAME[name]
         blocks = torch.from_numpy(random_blocks(qtype, 9, 512, seed=4))
         x = torch.randn(rows, 512)
