@@ -187,13 +187,13 @@ void broadcast_linear(const std::vector<Part>& ps, const float* x, int64_t M, in
     const int64_t rows = std::min(kBroadcastRows, M - m0);
     transpose_rows(x + m0 * K, rows, K, xt);
     // One loop over every part's rows: a thread's share may span two parts.
-    team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+    team::parallel_for(0, rows_of(ps), 16, [&](int64_t a, int64_t b) {
       int64_t first = 0;
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         if (lo < hi)
           broadcast_part(p, lo - first, hi - first, xt.data(), rows, K,
-                         bias != nullptr ? bias + first : nullptr, y + m0 * N + first, N);
+                         bias != nullptr ? bias + p.col : nullptr, y + m0 * N + p.col, N);
         first += p.rows;
       }
     });

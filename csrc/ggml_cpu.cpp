@@ -326,7 +326,15 @@ struct Part {
   Format fmt;
   BlockFn fn;
   int64_t type;
+  int64_t col = 0;  // its first column of the layer's output (its parts side by side)
 };
+
+// The rows of parts, together.
+inline int64_t rows_of(const std::vector<Part>& ps) {
+  int64_t n = 0;
+  for (const Part& p : ps) n += p.rows;
+  return n;
+}
 
 Part check_part(const at::Tensor& data, int64_t type, int64_t K, const char* name) {
   const Format fmt = format(type);
@@ -939,8 +947,12 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const at::Te
               "ggml_linear: one int64 type per part");
   std::vector<Part> out;
   const int64_t* t = types.data_ptr<int64_t>();
-  for (size_t i = 0; i < parts.size(); ++i)
+  int64_t col = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
     out.push_back(check_part(parts[i], t[i], K, "ggml_linear"));
+    out.back().col = col;
+    col += out.back().rows;
+  }
   return out;
 }
 
@@ -948,13 +960,13 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const at::Te
 // (csrc/gemv_cpu.cpp's f32_linear: torch's mm on a fresh panel of a transposed weight ran
 // 3-10x slower here). The panel's buffer is kept per thread and reused: a fresh one of MBs
 // is a new mapping whose first touch page-faults (as long as the dequantizing).
-void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
+void gemm(const std::vector<Part>& parts, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+          at::Tensor& y) {
   const int64_t K = x.size(1);
   const int64_t panel = std::max<int64_t>(256, (int64_t{4} << 20) / K);  // 16 MB of float32
   thread_local at::Tensor buffer;
   if (!buffer.defined() || buffer.numel() < panel * K) buffer = at::empty({panel * K}, x.options());
   float* wd = buffer.data_ptr<float>();
-  int64_t col = 0;
   for (const Part& p : parts) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += panel) {
       const int64_t rows = std::min(panel, p.rows - r0);
@@ -963,9 +975,9 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
           dequantize_run(p, p.data + (r0 + r) * p.stride, 0, K, wd + r * K);
       });
       const at::Tensor w = buffer.narrow(0, 0, rows * K).view({rows, K});
-      y.narrow(1, col + r0, rows).copy_(gemv::f32_linear(x, w, std::nullopt, std::nullopt));
+      const auto b = bias ? std::optional(bias->narrow(0, p.col + r0, rows)) : std::nullopt;
+      y.narrow(1, p.col + r0, rows).copy_(gemv::f32_linear(x, w, b, std::nullopt));
     }
-    col += p.rows;
   }
 }
 
@@ -980,9 +992,9 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y) {
 namespace ggml {
 
 // y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above); with
-// activation_bits 8, x in int8 where a kernel takes it: the tiles (ggml_tiles_cpu.cpp), from 5
-// rows, where they take every part, else the int8 GEMVs (ggml_q8_cpu.cpp): the K-quants, and the
-// 32-value types at 1-2 rows; the others float32.
+// activation_bits 8, x in int8 where a kernel takes it: the tiles (ggml_tiles_cpu.cpp) the parts
+// they take, from 5 rows; of the others, the int8 GEMVs (ggml_q8_cpu.cpp) the K-quants and the
+// 32-value types at few rows (Q5_0: ggml_q5_groups_cpu.cpp); the rest float32.
 at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const at::Tensor& types, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& out, int64_t activation_bits) {
@@ -1014,33 +1026,38 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   // that the team's threads read this thread's, not their own thread_local ones.
   thread_local Q8Rows buffers256, buffers32;
   Q8Rows &x256 = buffers256, &x32 = buffers32;
-  std::vector<int64_t> types_of(ps.size());
-  std::transform(ps.begin(), ps.end(), types_of.begin(), [](const Part& p) { return p.type; });
-  if (activation_bits == 8 && int8_tiles(types_of, M)) {
+  // The parts the tiles take, each on its own: a layer of types the tiles read and types they
+  // do not (Q5_0 with AVX2's Q8_0: SmolLM2's or Qwen2.5-0.5B's Q4_K_M attention) keeps them
+  // for the first.
+  std::vector<Part> tiled, rest;
+  for (const Part& p : ps)
+    (activation_bits == 8 && int8_tile_part(p.type, M) ? tiled : rest).push_back(p);
+  if (!tiled.empty()) {
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
-    tile_linear(ps, x32, M, K, bd, y.data_ptr<float>(), N);
-    return y;
+    tile_linear(tiled, x32, M, K, bd, y.data_ptr<float>(), N);
+    if (rest.empty()) return y;
   }
+#else
+  const std::vector<Part>& rest = ps;
 #endif
   const auto takes_int8 = [&](const Part& p) {
     return activation_bits == 8 && (int8_kquant(p.type) || int8_block32(p.type, M));
   };
-  const bool int8 = std::any_of(ps.begin(), ps.end(), takes_int8);
-  const bool all_int8 = std::all_of(ps.begin(), ps.end(), takes_int8);
+  const bool int8 = std::any_of(rest.begin(), rest.end(), takes_int8);
+  const bool all_int8 = std::all_of(rest.begin(), rest.end(), takes_int8);
   if (!int8 && M >= kBroadcastMinRows && M <= kGemvPassRows) {
-    broadcast_linear(ps, x.data_ptr<float>(), M, K, bd, y.data_ptr<float>(), N);
+    broadcast_linear(rest, x.data_ptr<float>(), M, K, bd, y.data_ptr<float>(), N);
     return y;
   }
   if (M > (all_int8 ? kInt8PassRows : kGemvPassRows)) {
-    gemm(ps, x, y);
-    if (has_bias) y.add_(*bias);
+    gemm(rest, x, has_bias ? bias : std::nullopt, y);
     return y;
   }
 #if defined(__AVX2__)
-  const auto any = [&](auto takes) { return std::any_of(ps.begin(), ps.end(), takes); };
+  const auto any = [&](auto takes) { return std::any_of(rest.begin(), rest.end(), takes); };
   if (any([&](const Part& p) { return takes_int8(p) && int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
-  if (any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
+  if (tiled.empty() && any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
   thread_local Q8Groups buffer_groups;  // Q5_0 at few rows (ggml_q5_groups_cpu.cpp)
   Q8Groups& groups = buffer_groups;
@@ -1052,20 +1069,21 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     const float* xd = x.data_ptr<float>() + m0 * K;
     float* yd = y.data_ptr<float>() + m0 * N;
     // One loop over every part's rows: a thread's share may span two parts.
-    team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+    team::parallel_for(0, rows_of(rest), 16, [&](int64_t a, int64_t b) {
       int64_t first = 0;
-      for (const Part& p : ps) {
-        const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
-        const float* bp = bd ? bd + first : nullptr;
+      for (const Part& p : rest) {
+        const int64_t lo = std::max(a, first) - first, hi = std::min(b, first + p.rows) - first;
+        const float* bp = bd ? bd + p.col : nullptr;
+        float* yp = yd + p.col;
 #if defined(__AVX2__)
         if (lo < hi && grouped(p))
-          q5_groups_gemv(p, lo - first, hi - first, groups, rows, bp, yd + first, N);
+          q5_groups_gemv(p, lo, hi, groups, rows, bp, yp, N);
         else if (lo < hi && int8 && takes_int8(p))
-          q8_part(p, lo - first, hi - first, x256, x32, m0, rows, bp, yd + first, N);
+          q8_part(p, lo, hi, x256, x32, m0, rows, bp, yp, N);
         else
 #endif
         if (lo < hi)
-          gemv_part(p, p.type, lo - first, hi - first, xd, rows, K, bp, yd + first, N);
+          gemv_part(p, p.type, lo, hi, xd, rows, K, bp, yp, N);
         first += p.rows;
       }
     });
@@ -1073,12 +1091,12 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   return y;
 }
 
-// Whether a layer of parts of these ggml types takes int8 x in tiles (ggml_tiles_cpu.cpp) at
-// `rows` rows of x.
+// Whether the tiles (ggml_tiles_cpu.cpp) take every part of a layer of these ggml types at
+// `rows` rows of int8 x.
 bool ggml_int8_tiles(const at::Tensor& types, int64_t rows) {
   const at::Tensor t = types.to(at::kLong).contiguous();
   const int64_t* id = t.data_ptr<int64_t>();
-  return int8_tiles(std::vector<int64_t>(id, id + t.numel()), rows);
+  return std::all_of(id, id + t.numel(), [&](int64_t type) { return int8_tile_part(type, rows); });
 }
 
 // Rows `ids` of a table in ggml blocks ([V, row_bytes]) as float32 [T, K]: an embedding lookup.

@@ -333,13 +333,13 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
     const int64_t rows = std::min(kTilePassRows, M - m0);
     tile_x(x32, m0, rows, K, rows <= kLanes ? kLanes : 2 * kLanes, xt);
     // One loop over every part's rows: a thread's share may span two parts.
-    team::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+    team::parallel_for(0, rows_of(ps), 16, [&](int64_t a, int64_t b) {
       int64_t first = 0;
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         if (lo < hi)
           tile_part(p, lo - first, hi - first, xt, rows, K,
-                    bias != nullptr ? bias + first : nullptr, y + m0 * N + first, N);
+                    bias != nullptr ? bias + p.col : nullptr, y + m0 * N + p.col, N);
         first += p.rows;
       }
     });
@@ -350,7 +350,7 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
 #endif
 
 // Whether a part of ggml type `type` takes the tile kernel at `rows` rows of x with int8
-// activations (a layer does where all its parts do): where the type has a reader, from 5 rows
+// activations (each part of a layer on its own): where the type has a reader, from 5 rows
 // (12 for the K-quants); with AVX2 not the K-quants, and up to kInt8PassRows rows. Elsewhere
 // the GEMVs and the float GEMM keep them (a tile's cost hardly falls with fewer rows). Two
 // threads, old vs new build, at 4 / 8 / 16 / 64 rows: AVX-512 (VNNI) Q5_0 and Q4_1 3072 x 576
@@ -377,13 +377,10 @@ inline bool int8_tile(int64_t type, int64_t rows) {
 #endif
 }
 
-// Whether a layer of parts of these types takes the tiles at `rows` rows: where every part does,
-// but not with a Q5_0 part at up to kQ5GroupRows rows, where its grouped GEMV is faster.
-inline bool int8_tiles(const std::vector<int64_t>& types, int64_t rows) {
-  const auto q5_0 = [](int64_t type) { return type == Q5_0; };
-  if (rows <= kQ5GroupRows && std::any_of(types.begin(), types.end(), q5_0)) return false;
-  return std::all_of(types.begin(), types.end(),
-                     [&](int64_t type) { return int8_tile(type, rows); });
+// Whether the tiles take a part of ggml type `type` at `rows` rows: where int8_tile says, but
+// not Q5_0 up to kQ5GroupRows rows, where its grouped GEMV is faster.
+inline bool int8_tile_part(int64_t type, int64_t rows) {
+  return int8_tile(type, rows) && !(type == Q5_0 && rows <= kQ5GroupRows);
 }
 
 }  // namespace ggml

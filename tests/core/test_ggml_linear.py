@@ -224,9 +224,9 @@ def test_q5_0_at_few_rows_of_int8_x(cpu_kernels, two_threads, cols: int, rows: i
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
-# Past the float GEMV's 32 rows an int8 layer keeps integer kernels: the tiles where they take
-# every part (AVX-512: at any rows), else, up to 128 rows, the K-quants' GEMV where the layer is
-# all K-quants; elsewhere the float32 GEMM takes every part.
+# Past the float GEMV's 32 rows an int8 layer keeps integer kernels: the tiles for the parts they
+# read (AVX-512: at any rows), else, up to 128 rows, the K-quants' GEMV where the rest is all
+# K-quants; elsewhere the float32 GEMM takes the rest (Q2_K beside a tiled Q5_0 part).
 @pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
                                                      (130, ("Q4_K", "Q6_K"), False),
                                                      (70, ("Q4_K", "Q8_0"), False),
@@ -235,16 +235,20 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
                                                       names: tuple[str, ...], int8: bool):
     types = [FORMATS_BY_NAME[n] for n in names]
     parts = [random_blocks(t, 7, 512, seed=i) for i, t in enumerate(types)]
-    weight = torch.cat([reference(p, t, 512) for p, t in zip(parts, types)])
+    weights = [reference(p, t, 512) for p, t in zip(parts, types)]
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     y = cpu_kernels.ggml_linear(x, [torch.from_numpy(p) for p in parts], torch.tensor(types),
                                 None, None, 8).double()
-    if tiled(cpu_kernels, names, rows):
-        want = q8_0_reference(x, weight)
-    elif int8 and cpu_kernels.ggml_int8_kquants:
-        want = q8_reference(x, weight)
-    else:
-        want = x.double() @ weight.double().t()
+    tiled(cpu_kernels, names, rows)  # (the rule, for the whole layer)
+    want = []
+    for name, w in zip(names, weights):  # the tiles take the parts they read, each on its own
+        if tiled(cpu_kernels, (name,), rows):
+            want.append(q8_0_reference(x, w))
+        elif int8 and cpu_kernels.ggml_int8_kquants:
+            want.append(q8_reference(x, w))
+        else:
+            want.append(x.double() @ w.double().t())
+    want = torch.cat(want, dim=1)
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
@@ -281,6 +285,20 @@ def test_int8_tiles_are_the_q8_0_scheme(cpu_kernels, two_threads, names: tuple[s
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
     exact = x.double() @ torch.cat(weights).double().t() + bias.double()
     assert (y - exact).abs().max() > 1e-3 * exact.abs().max()  # x really went through int8
+
+
+# A layer mixing types the tiles read and types they do not: each part goes its own way, the
+# tiled ones in int8, the others in float (16 rows: the broadcast GEMV; 40: the GEMM), each
+# with its own bias, into its own columns.
+@pytest.mark.parametrize("rows", [16, 40])
+def test_int8_tiles_take_their_parts_of_a_mixed_layer(cpu_kernels, two_threads, rows: int):
+    names = ("Q2_K", "Q5_0", "Q8_0")
+    x, bias, weights, y = int8_layer(cpu_kernels, names, rows, 512, 40, slice(0, 32))
+    parts = [tiled(cpu_kernels, (name,), rows) for name in names]
+    assert parts[0] is False and parts[1] == (cpu_kernels.isa != "generic")
+    want = torch.cat([q8_0_reference(x, w) if tile else x.double() @ w.double().t()
+                      for w, tile in zip(weights, parts)], dim=1) + bias.double()
+    torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
 def test_int8_activations_keep_a_bad_row_to_itself(cpu_kernels):
