@@ -958,10 +958,10 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const at::Te
 
 // Rows of each part dequantized into float32 panels, each multiplied by the float32 linear
 // (csrc/gemv_cpu.cpp's f32_linear: torch's mm on a fresh panel of a transposed weight ran
-// 3-10x slower here). The panel's buffer is kept per thread and reused: a fresh one of MBs
+// 3-10x slower here) into the part's columns of y, with its share of the bias. The panel's buffer is kept per thread and reused: a fresh one of MBs
 // is a new mapping whose first touch page-faults (as long as the dequantizing).
-void gemm(const std::vector<Part>& parts, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-          at::Tensor& y) {
+void gemm(const std::vector<Part>& parts, const at::Tensor& x,
+          const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t K = x.size(1);
   const int64_t panel = std::max<int64_t>(256, (int64_t{4} << 20) / K);  // 16 MB of float32
   thread_local at::Tensor buffer;

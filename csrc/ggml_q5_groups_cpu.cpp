@@ -1,12 +1,12 @@
-// Q5_0 against a few rows of int8 x (up to kQ5GroupRows), a weight row four blocks of 32 at a
-// time. Included by
-// csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose Q8Rows it reads.
+// Q5_0 against 1 to kQ5GroupRows rows of int8 x, a weight row four blocks of 32 at a time.
+// Included by csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose Q8Rows it reads.
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
 // 576-wide SmolLM2 or the 896-wide Qwen2.5-0.5B: llama-quantize falls back to Q5_0) spends
 // half its time in these layers, and the block-at-a-time GEMV (q8_32_weight_rows) was bound
 // by its ~25 instructions a block (nibbles, the fifth bits, two half scales converted one at a
 // time, a byte dot in three instructions, a scalar offset), at 13-24 GB/s of the machine's ~33.
+// At 2-6 rows a weight row's codes, decoded once, meet each row of x in turn.
 //
 // x is laid out for it once a call (`Q8Groups`): per group of four blocks, the first 16 codes
 // of each block side by side (`lo`), the last 16 (`hi`), the offset's share -16 sum(q) in the

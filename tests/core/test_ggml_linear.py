@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-
 from typing import Any
 
 import numpy as np
