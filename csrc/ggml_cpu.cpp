@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -985,7 +986,7 @@ void gemm(const std::vector<Part>& parts, const at::Tensor& x,
 }  // namespace ggml
 
 #include "ggml_q8_cpu.cpp"
-#include "ggml_q5_groups_cpu.cpp"
+#include "ggml_groups_cpu.cpp"
 #include "ggml_broadcast_cpu.cpp"
 #include "ggml_tiles_cpu.cpp"
 
@@ -994,7 +995,7 @@ namespace ggml {
 // y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above); with
 // activation_bits 8, x in int8 where a kernel takes it: the tiles (ggml_tiles_cpu.cpp) the parts
 // they take, from 5 rows; of the others, the int8 GEMVs (ggml_q8_cpu.cpp) the K-quants and the
-// 32-value types at few rows (Q5_0: ggml_q5_groups_cpu.cpp); the rest float32.
+// 32-value types at few rows (Q5_0: ggml_groups_cpu.cpp); the rest float32.
 at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const at::Tensor& types, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& out, int64_t activation_bits) {
@@ -1059,9 +1060,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
   if (tiled.empty() && any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
-  thread_local Q8Groups buffer_groups;  // Q5_0 at few rows (ggml_q5_groups_cpu.cpp)
+  thread_local Q8Groups buffer_groups;  // Q5_0, Q8_0 at few rows (ggml_groups_cpu.cpp)
   Q8Groups& groups = buffer_groups;
-  const auto grouped = [&](const Part& p) { return p.type == Q5_0 && takes_int8(p); };
+  const auto grouped = [&](const Part& p) {
+    return activation_bits == 8 && int8_grouped(p.type, M);
+  };
   if (any(grouped)) group_q8(x32, M, groups);
 #endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // passes of up to kMaxRows rows of x
@@ -1077,7 +1080,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
         float* yp = yd + p.col;
 #if defined(__AVX2__)
         if (lo < hi && grouped(p))
-          q5_groups_gemv(p, lo, hi, groups, rows, bp, yp, N);
+          groups_gemv(p, lo, hi, groups, rows, bp, yp, N);
         else if (lo < hi && int8 && takes_int8(p))
           q8_part(p, lo, hi, x256, x32, m0, rows, bp, yp, N);
         else

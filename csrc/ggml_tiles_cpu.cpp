@@ -378,9 +378,9 @@ inline bool int8_tile(int64_t type, int64_t rows) {
 }
 
 // Whether the tiles take a part of ggml type `type` at `rows` rows: where int8_tile says, but
-// not Q5_0 up to kQ5GroupRows rows, where its grouped GEMV is faster.
+// not where the grouped GEMV (faster at few rows) takes it.
 inline bool int8_tile_part(int64_t type, int64_t rows) {
-  return int8_tile(type, rows) && !(type == Q5_0 && rows <= kQ5GroupRows);
+  return int8_tile(type, rows) && !int8_grouped(type, rows);
 }
 
 }  // namespace ggml

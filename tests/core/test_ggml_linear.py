@@ -144,7 +144,10 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_th
         want = q8_0_reference(x, torch.cat(weights))
     else:
         want = q8_reference(x, k_quants) if int8 else x.double() @ k_quants.double().t()
-        want = torch.cat([want, x.double() @ weights[3].double().t()], dim=1)
+        w = weights[3]  # Q8_0: grouped in int8 at 3-6 rows with VBMI, else float here
+        in_int8 = q8_0_in_int8(cpu_kernels, rows)
+        q8_0 = q8_0_reference(x, w) if in_int8 else x.double() @ w.double().t()
+        want = torch.cat([want, q8_0], dim=1)
     want += bias.double()
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
     if int8:  # and not the float result: x really went through int8
@@ -165,16 +168,16 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
-# Q5_1 takes x in int8 per 32 inputs at 1-2 rows, Q8_0 at 2 (at 1 row its float GEMV is as
-# fast), Q5_0 at 1-6; at 3-4 rows the others stay float (from 5 the tiles take layers without
-# Q5_0). A Q6_K part beside them takes x per 256.
+# Q5_1 takes x in int8 per 32 inputs at 1-2 rows, Q5_0 at 1-6 (grouped), Q8_0 at 2 and, grouped
+# where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows the others stay float (from 5 the tiles
+# take them). A Q6_K part beside them takes x per 256.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
                                                                   rows: int):
     x, bias, weights, y = int8_layer(cpu_kernels, ("Q5_0", "Q5_1", "Q8_0", "Q6_K"), rows, 512,
                                      20, slice(32, 64))
     int8 = cpu_kernels.isa != "generic"
-    in_int8 = [int8 and rows <= 4, int8 and rows <= 2, int8 and rows == 2]
+    in_int8 = [int8, int8 and rows <= 2, q8_0_in_int8(cpu_kernels, rows)]
     want = [q8_0_reference(x, w) if q8 else x.double() @ w.double().t()
             for w, q8 in zip(weights[:3], in_int8)]
     want.append(q8_reference(x, weights[3]) if int8 else x.double() @ weights[3].double().t())
@@ -186,6 +189,15 @@ def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, tw
         exact = x.double() @ w.double().t() + bias[part].double()
         assert bool((y[:, part] - exact).abs().max() > 1e-3 * exact.abs().max()) == q8
         first += w.shape[0]
+
+
+def q8_0_in_int8(kernels: Any, rows: int) -> bool:
+    """Whether a Q8_0 part takes int8 x at `rows` rows: at 2 rows (its int8 GEMV), grouped at
+    3-6 where the CPU has VBMI and VNNI, and where the tiles take it."""
+    if kernels.isa == "generic":
+        return False
+    grouped = kernels.ggml_q8_0_groups and 3 <= rows <= 6
+    return rows == 2 or grouped or tiled(kernels, ("Q8_0",), rows)
 
 
 def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
@@ -204,13 +216,16 @@ def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
     return tensor.view(blocks.shape)
 
 
-# At 1-6 rows of x, Q5_0 rows take four blocks at a time (AVX2, AVX-512): widths of 17-20
-# blocks end in short groups, whose bytes past the last row must not be read; 37 rows split
-# between two threads, one to four weight rows at a time.
+# At 1-6 rows of x, Q5_0 rows take four blocks at a time (AVX2, AVX-512), Q8_0 rows at 3-6 where
+# the CPU has VBMI and VNNI: widths of 17-20 blocks end in short groups, whose bytes past the
+# last row must not be read; 37 rows split between two threads, one to four weight rows at a
+# time.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("cols", [544, 576, 608, 640, 4864])
-def test_q5_0_at_few_rows_of_int8_x(cpu_kernels, two_threads, cols: int, rows: int):
-    qtype = FORMATS_BY_NAME["Q5_0"]
+@pytest.mark.parametrize("name", ["Q5_0", "Q8_0"])
+def test_grouped_types_at_few_rows_of_int8_x(cpu_kernels, two_threads, name: str, cols: int,
+                                             rows: int):
+    qtype = FORMATS_BY_NAME[name]
     blocks = random_blocks(qtype, 37, cols, seed=cols)
     gen = torch.Generator().manual_seed(cols)
     x, bias = torch.randn(rows, cols, generator=gen), torch.randn(37, generator=gen)
@@ -218,7 +233,7 @@ def test_q5_0_at_few_rows_of_int8_x(cpu_kernels, two_threads, cols: int, rows: i
     y = cpu_kernels.ggml_linear(x, [before_a_guard_page(blocks)], torch.tensor([qtype]), bias,
                                 None, 8).double()
     weight = reference(blocks, qtype, cols)
-    int8 = cpu_kernels.isa != "generic"
+    int8 = cpu_kernels.isa != "generic" if name == "Q5_0" else q8_0_in_int8(cpu_kernels, rows)
     want = (q8_0_reference(x, weight) if int8 else x.double() @ weight.double().t()) + bias
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
@@ -254,14 +269,15 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
     rule they are chosen by: with AVX-512 every type they read (Q8_0 with VNNI only) from 5
-    rows, the K-quants from 12; with AVX2 the 32-value types up to 128 rows; not a layer with
-    a Q5_0 part at up to 6 rows (its grouped GEMV takes it)."""
+    rows, the K-quants from 12; with AVX2 the 32-value types up to 128 rows; not Q5_0 up to
+    6 rows, nor Q8_0 there with VBMI (their grouped GEMV takes them)."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     avx512 = kernels.isa == "avx512"
     rule = (kernels.isa != "generic" and readable and rows >= 5 and (avx512 or rows <= 128)
             and ("Q8_0" not in names or kernels.vnni) and (not kquants or (avx512 and rows >= 12))
-            and ("Q5_0" not in names or rows > 6))
+            and ("Q5_0" not in names or rows > 6)
+            and ("Q8_0" not in names or rows > 6 or not kernels.ggml_q8_0_groups))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
     assert tiles == rule, (names, rows)
     return tiles

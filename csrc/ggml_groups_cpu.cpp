@@ -1,17 +1,20 @@
-// Q5_0 against 1 to kQ5GroupRows rows of int8 x, a weight row four blocks of 32 at a time.
-// Included by csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose Q8Rows it reads.
+// Q5_0 (and, with VBMI and VNNI, Q8_0) against 1 to kGroupRows rows of int8 x, a weight row
+// four blocks of 32 at a time. Included by csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose
+// Q8Rows it reads.
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
 // 576-wide SmolLM2 or the 896-wide Qwen2.5-0.5B: llama-quantize falls back to Q5_0) spends
 // half its time in these layers, and the block-at-a-time GEMV (q8_32_weight_rows) was bound
 // by its ~25 instructions a block (nibbles, the fifth bits, two half scales converted one at a
 // time, a byte dot in three instructions, a scalar offset), at 13-24 GB/s of the machine's ~33.
-// At 2-6 rows a weight row's codes, decoded once, meet each row of x in turn.
+// At 2-6 rows a weight row's codes, decoded once, meet each row of x in turn. Q8_0 at 3-6 rows
+// (the LM head of a small model, a Q8_0 file's every layer) had the float GEMV or the tiles.
 //
 // x is laid out for it once a call (`Q8Groups`): per group of four blocks, the first 16 codes
 // of each block side by side (`lo`), the last 16 (`hi`), the offset's share -16 sum(q) in the
 // first int32 lane of each block (Q5_0: w = d (c - 16), so the block's dot is
-// d dx (c . q - 16 sum q)), and dx repeated over each block's four lanes. Then a block's codes
+// d dx (c . q - 16 sum q); for Q8_0, whose signed codes go in + 128, -128 sum q), and dx
+// repeated over each block's four lanes. Then a Q5_0 block's codes
 // are its 16 nibble bytes, low nibbles against `lo` and high against `hi`, plus 16 where its
 // fifth bit is set; its byte products land in the four int32 lanes that its scale, widened
 // from half once for the group, multiplies. A short last group has zeros in x, and its weight
@@ -20,7 +23,9 @@
 //   AVX-512 with VBMI and VNNI: two byte permutes (vpermt2b) gather the group's 88 bytes into
 //   its 64 nibble bytes and into its scales (each repeated four times) and fifth bits (two
 //   64-bit masks); the fifth bits are added under the masks, two vpdpbusd take the products.
-//   About six instructions a block. Masked loads stop at the row's end.
+//   About six instructions a block. Masked loads stop at the row's end. Q8_0 (136 bytes, three
+//   registers): four permutes and a blend gather each block's first and last 16 codes and its
+//   scale, a xor adds the 128.
 //   AVX2 (and AVX-512 without VBMI): a pair of blocks a register (two 16-byte loads each for
 //   the nibbles and for the scale and fifth bits), the fifth bits by a byte shuffle and compare,
 //   vpmaddubsw / vpmaddwd for the products. About fourteen a block. A pair of a short group
@@ -37,9 +42,9 @@ constexpr int64_t kGroupBytes = 4 * kQ5Bytes;
 // Rows of x in groups of four blocks of 32 (see the header); row m's group g at
 // m * groups + g.
 struct Q8Groups {
-  std::vector<int8_t> lo, hi;   // [rows, groups, 64]
-  std::vector<int32_t> offset;  // [rows, groups, 16]
-  std::vector<float> dx;        // [rows, groups, 16]
+  std::vector<int8_t> lo, hi;                // [rows, groups, 64]
+  std::vector<int32_t> offset16, offset128;  // [rows, groups, 16]: -16 or -128 sum q
+  std::vector<float> dx;                     // [rows, groups, 16]
   int64_t blocks = 0, groups = 0;
 };
 
@@ -50,14 +55,17 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   g.groups = G;
   g.lo.assign(M * G * 64, 0);
   g.hi.assign(M * G * 64, 0);
-  g.offset.assign(M * G * 16, 0);
+  g.offset16.assign(M * G * 16, 0);
+  g.offset128.assign(M * G * 16, 0);
   g.dx.assign(M * G * 16, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t at = m * NB + b, lane = 16 * (m * G + b / 4) + 4 * (b % 4);
       std::memcpy(g.lo.data() + 4 * lane, x.q.data() + 32 * at, 16);
       std::memcpy(g.hi.data() + 4 * lane, x.q.data() + 32 * at + 16, 16);
-      g.offset[lane] = -16 * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
+      const int32_t sum = x.bsums[2 * at] + x.bsums[2 * at + 1];
+      g.offset16[lane] = -16 * sum;
+      g.offset128[lane] = -128 * sum;
       std::fill_n(g.dx.data() + lane, 4, x.d[at]);
     }
   }
@@ -66,68 +74,111 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
 // Bytes ahead of group g of a panel of W rows to prefetch: in a row longer than the distance,
 // past its end the next rows are being read already (by the panel's other rows): this row's
 // lane skips to its row in the next panel.
-inline int64_t prefetch_ahead(const Part& p, int64_t g, int W) {
-  const bool past_row = p.stride > kQ8Prefetch && kGroupBytes * g + kQ8Prefetch >= p.stride;
+inline int64_t prefetch_ahead(const Part& p, int64_t g, int W, int64_t group_bytes) {
+  const bool past_row = p.stride > kQ8Prefetch && group_bytes * g + kQ8Prefetch >= p.stride;
   return kQ8Prefetch + (past_row ? (W - 1) * p.stride : 0);
 }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-// Byte indices into a group's 88 bytes (the first 64 in one register, the rest in another):
-// the nibbles of block k at bytes 16k.., and (`meta`) block k's scale as halves 8k.., repeated
-// four times, then the low and the high 16 fifth bits of each block (two 64-bit masks).
-struct GroupIndex {
-  __m512i nibbles, meta;
-  GroupIndex() {
-    alignas(64) uint8_t n[64], m[64] = {};
-    for (int j = 0; j < 64; ++j) n[j] = static_cast<uint8_t>(kQ5Bytes * (j / 16) + 6 + j % 16);
-    for (int j = 0; j < 32; ++j) m[j] = static_cast<uint8_t>(kQ5Bytes * (j / 8) + j % 2);
-    for (int j = 0; j < 16; ++j)
-      m[32 + j] = static_cast<uint8_t>(kQ5Bytes * (j % 8 / 2) + 2 + j % 2 + 2 * (j / 8));
-    nibbles = _mm512_load_si512(n);
-    meta = _mm512_load_si512(m);
+// Masks for loading a group's `bytes` bytes in registers of 64: none past them.
+template <int N>
+inline std::array<__mmask64, N> load_masks(int64_t bytes) {
+  std::array<__mmask64, N> masks;
+  for (int i = 0; i < N; ++i) {
+    const int64_t k = std::clamp<int64_t>(bytes - 64 * i, 0, 64);
+    masks[i] = k == 64 ? ~0ULL : (1ULL << k) - 1;
+  }
+  return masks;
+}
+
+// Byte indices: `at(j)` for each byte j of a register, `at` the group's byte to take.
+template <typename At>
+inline __m512i byte_index(const At& at) {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint8_t>(at(j));
+  return _mm512_load_si512(idx);
+}
+
+// Q5_0's group of four 22-byte blocks (88 bytes: two registers): its 64 nibble bytes and
+// (`meta`) its scales as halves, each repeated four times, then the low and the high 16
+// fifth bits of each block (two 64-bit masks); the fifth bits go in under the masks.
+struct Q5Group {
+  static constexpr int64_t kBytes = 22;
+  static constexpr int kLoads = 2;
+  struct Index {
+    __m512i nibbles = byte_index([](int j) { return 22 * (j / 16) + 6 + j % 16; });
+    __m512i meta = byte_index([](int j) {
+      const int k = j - 32;  // the fifth bits' bytes (k >= 16: unused)
+      return j < 32 ? 22 * (j / 8) + j % 2 : 22 * (k % 8 / 2) + 2 + k % 2 + 2 * (k / 8 % 2);
+    });
+  };
+  static const int32_t* offset(const Q8Groups& x) { return x.offset16.data(); }
+  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d) {
+    const __m512i qs = _mm512_permutex2var_epi8(r[0], ix.nibbles, r[1]);
+    const __m512i m = _mm512_permutex2var_epi8(r[0], ix.meta, r[1]);
+    const __m128i bits = _mm512_extracti32x4_epi32(m, 2);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    lo = _mm512_and_si512(qs, low4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), low4);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(_mm_cvtsi128_si64(bits)), lo, fifth);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(_mm_extract_epi64(bits, 1)), hi, fifth);
+    d = _mm512_cvtph_ps(_mm512_castsi512_si256(m));
   }
 };
 
-// The bytes of a group of `blocks` (1-4) blocks under two load masks: none past them.
-inline std::pair<__mmask64, __mmask64> group_masks(int64_t blocks) {
-  const int64_t bytes = kQ5Bytes * blocks;
-  const auto ones = [](int64_t k) { return k >= 64 ? ~0ULL : (1ULL << k) - 1; };
-  return {ones(bytes), bytes > 64 ? ones(bytes - 64) : 0ULL};
-}
+// Q8_0's group of four 34-byte blocks (136 bytes: three registers): each block's first 16
+// codes, its last 16 (blocks 0-1 from the first two registers, 2-3 from the last two), and its
+// scale repeated four times; the signed codes + 128 as unsigned bytes (w = d (c - 128)).
+struct Q8Group {
+  static constexpr int64_t kBytes = 34;
+  static constexpr int kLoads = 3;
+  struct Index {
+    __m512i first = byte_index([](int j) { return 34 * (j / 16) + 2 + j % 16; });
+    __m512i last01 = byte_index([](int j) { return 34 * (j / 16 % 2) + 18 + j % 16; });
+    __m512i last23 = byte_index([](int j) { return 34 * (2 + j / 16 % 2) + 18 + j % 16 - 64; });
+    __m512i scales = byte_index([](int j) { return 34 * (j / 8 % 4) + j % 2; });
+  };
+  static const int32_t* offset(const Q8Groups& x) { return x.offset128.data(); }
+  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    lo = _mm512_xor_si512(_mm512_permutex2var_epi8(r[0], ix.first, r[1]), flip);
+    hi = _mm512_xor_si512(_mm512_mask_blend_epi8(0xFFFFFFFF00000000ULL,
+                                                 _mm512_permutex2var_epi8(r[0], ix.last01, r[1]),
+                                                 _mm512_permutex2var_epi8(r[1], ix.last23, r[2])),
+                          flip);
+    d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi8(r[0], ix.scales, r[1])));
+  }
+};
 
 // W weight rows from row n through the R rows of x in `x` into y[m * ldy + n..].
-template <int W, int R>
-inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
-                          float* y, int64_t ldy) {
-  static const GroupIndex ix;
+template <typename Codes, int W, int R>
+inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias, float* y,
+                       int64_t ldy) {
+  static const typename Codes::Index ix;
+  constexpr int64_t kBytes = 4 * Codes::kBytes;
   const int64_t G = x.groups;
+  const int32_t* offset = Codes::offset(x);
   __m512 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   for (int64_t g = 0; g < G; ++g) {
-    const auto [first, second] = group_masks(std::min<int64_t>(4, x.blocks - 4 * g));
-    const int64_t ahead = prefetch_ahead(p, g, W);
+    const auto masks =
+        load_masks<Codes::kLoads>(Codes::kBytes * std::min<int64_t>(4, x.blocks - 4 * g));
+    const int64_t ahead = prefetch_ahead(p, g, W, kBytes);
     for (int w = 0; w < W; ++w) {
-      const uint8_t* b = p.data + (n + w) * p.stride + kGroupBytes * g;
-      _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 64), _MM_HINT_NTA);
-      const __m512i head = _mm512_maskz_loadu_epi8(first, b);
-      const __m512i tail = _mm512_maskz_loadu_epi8(second, b + 64);
-      const __m512i qs = _mm512_permutex2var_epi8(head, ix.nibbles, tail);
-      const __m512i meta = _mm512_permutex2var_epi8(head, ix.meta, tail);
-      const __m128i bits = _mm512_extracti32x4_epi32(meta, 2);
-      const __mmask64 low_fifth = _cvtu64_mask64(_mm_cvtsi128_si64(bits));
-      const __mmask64 high_fifth = _cvtu64_mask64(_mm_extract_epi64(bits, 1));
-      __m512i lo = _mm512_and_si512(qs, low4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), low4);
-      lo = _mm512_mask_add_epi8(lo, low_fifth, lo, fifth);
-      hi = _mm512_mask_add_epi8(hi, high_fifth, hi, fifth);
-      const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(meta));
+      const uint8_t* b = p.data + (n + w) * p.stride + kBytes * g;
+      __m512i r[Codes::kLoads];
+      for (int i = 0; i < Codes::kLoads; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 64 * i), _MM_HINT_NTA);
+        r[i] = _mm512_maskz_loadu_epi8(masks[i], b + 64 * i);
+      }
+      __m512i lo, hi;
+      __m512 d;
+      Codes::decode(r, ix, lo, hi, d);
       for (int m = 0; m < R; ++m) {
         const int64_t at = m * G + g;
         const __m512i sums = _mm512_dpbusd_epi32(
-            _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + 16 * at), lo,
+            _mm512_dpbusd_epi32(_mm512_loadu_si512(offset + 16 * at), lo,
                                 _mm512_loadu_si512(x.lo.data() + 64 * at)),
             hi, _mm512_loadu_si512(x.hi.data() + 64 * at));
         acc[w][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
@@ -139,6 +190,12 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m)
       y[m * ldy + n + w] = _mm512_reduce_add_ps(acc[w][m]) + (bias ? bias[n + w] : 0.f);
+}
+
+template <int W, int R>
+inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
+                          float* y, int64_t ldy) {
+  group_rows<Q5Group, W, R>(p, n, x, bias, y, ldy);
 }
 #else
 // 16 bytes at `at` of two blocks from b, or of one (the other lane zero).
@@ -182,7 +239,8 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t ahead = prefetch_ahead(p, g, W), blocks = std::min<int64_t>(4, x.blocks - 4 * g);
+    const int64_t ahead = prefetch_ahead(p, g, W, kGroupBytes);
+    const int64_t blocks = std::min<int64_t>(4, x.blocks - 4 * g);
     for (int w = 0; w < W; ++w) {
       const char* b = reinterpret_cast<const char*>(p.data + (n + w) * p.stride + kGroupBytes * g);
       _mm_prefetch(b + ahead, _MM_HINT_NTA);
@@ -201,7 +259,7 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
               _mm256_maddubs_epi16(lo, load256(x.lo.data() + at)),
               _mm256_maddubs_epi16(hi, load256(x.hi.data() + at)));  // (< 2 x 2 x 31 x 127)
           const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)),
-                                                load256(x.offset.data() + at / 4));
+                                                load256(x.offset16.data() + at / 4));
           acc[w][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                       _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + at / 4)),
                                       acc[w][m]);
@@ -215,26 +273,36 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
 }
 #endif
 
-// Rows [n0, n1) of a Q5_0 part through the R rows of x in `x`, W weight rows at a time.
+// Rows [n0, n1) of a grouped part (Q5_0; Q8_0 with VBMI and VNNI) through the R rows of x in
+// `x`, W weight rows at a time.
 template <int R>
-void q5_groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x,
-                    const float* bias, float* y, int64_t ldy) {
-  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;
+void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const float* bias,
+                 float* y, int64_t ldy) {
+  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // (more spill the accumulators: measured)
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+  if (p.type == Q8_0) {
+    for (; n0 + W <= n1; n0 += W) group_rows<Q8Group, W, R>(p, n0, x, bias, y, ldy);
+    for (; n0 < n1; ++n0) group_rows<Q8Group, 1, R>(p, n0, x, bias, y, ldy);
+    return;
+  }
+#endif
   for (; n0 + W <= n1; n0 += W) q5_group_rows<W, R>(p, n0, x, bias, y, ldy);
   for (; n0 < n1; ++n0) q5_group_rows<1, R>(p, n0, x, bias, y, ldy);
 }
 
-// Rows [n0, n1) of a Q5_0 part through the M (1 to kQ5GroupRows) rows of x in `x` into
+// Rows [n0, n1) of a grouped part through the M (1 to kGroupRows) rows of x in `x` into
 // y [M, ldy].
-void q5_groups_gemv(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, int64_t M,
-                    const float* bias, float* y, int64_t ldy) {
+void groups_gemv(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, int64_t M,
+                 const float* bias, float* y, int64_t ldy) {
+  TORCH_CHECK(p.type == Q5_0 || (p.type == Q8_0 && kQ8Groups),
+              "groups_gemv: ggml type ", p.type, " has no grouped GEMV here");
   switch (M) {
-    case 1: return q5_groups_rows<1>(p, n0, n1, x, bias, y, ldy);
-    case 2: return q5_groups_rows<2>(p, n0, n1, x, bias, y, ldy);
-    case 3: return q5_groups_rows<3>(p, n0, n1, x, bias, y, ldy);
-    case 4: return q5_groups_rows<4>(p, n0, n1, x, bias, y, ldy);
-    case 5: return q5_groups_rows<5>(p, n0, n1, x, bias, y, ldy);
-    default: return q5_groups_rows<6>(p, n0, n1, x, bias, y, ldy);
+    case 1: return groups_rows<1>(p, n0, n1, x, bias, y, ldy);
+    case 2: return groups_rows<2>(p, n0, n1, x, bias, y, ldy);
+    case 3: return groups_rows<3>(p, n0, n1, x, bias, y, ldy);
+    case 4: return groups_rows<4>(p, n0, n1, x, bias, y, ldy);
+    case 5: return groups_rows<5>(p, n0, n1, x, bias, y, ldy);
+    default: return groups_rows<6>(p, n0, n1, x, bias, y, ldy);
   }
 }
 
