@@ -278,7 +278,7 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
 template <int R>
 void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const float* bias,
                  float* y, int64_t ldy) {
-  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // (more spill the accumulators: measured)
+  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // (wider spilled the accumulators: measured)
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
   if (p.type == Q8_0) {
     for (; n0 + W <= n1; n0 += W) group_rows<Q8Group, W, R>(p, n0, x, bias, y, ldy);
