@@ -958,9 +958,10 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const at::Te
 }
 
 // Rows of each part dequantized into float32 panels, each multiplied by the float32 linear
-// (csrc/gemv_cpu.cpp's f32_linear: torch's mm on a fresh panel of a transposed weight ran
-// 3-10x slower here) into the part's columns of y, with its share of the bias. The panel's buffer is kept per thread and reused: a fresh one of MBs
-// is a new mapping whose first touch page-faults (as long as the dequantizing).
+// (csrc/gemv_cpu.cpp's f32_linear: torch's mm on a fresh panel of a transposed weight ran 3-10x
+// slower here) into the part's columns of y, with its share of the bias. The panel's buffer is kept
+// per thread and reused: a fresh one of MBs is a new mapping whose first touch page-faults (as long
+// as the dequantizing).
 void gemm(const std::vector<Part>& parts, const at::Tensor& x,
           const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t K = x.size(1);
@@ -1029,15 +1030,19 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   Q8Rows &x256 = buffers256, &x32 = buffers32;
   // The parts the tiles take, each on its own: a layer of types the tiles read and types they
   // do not (Q5_0 with AVX2's Q8_0: SmolLM2's or Qwen2.5-0.5B's Q4_K_M attention) keeps them
-  // for the first.
-  std::vector<Part> tiled, rest;
-  for (const Part& p : ps)
-    (activation_bits == 8 && int8_tile_part(p.type, M) ? tiled : rest).push_back(p);
-  if (!tiled.empty()) {
+  // for the first. (No copies of the parts where none is tiled: a decode step's usual case.)
+  const auto tiles = [&](const Part& p) {
+    return activation_bits == 8 && int8_tile_part(p.type, M);
+  };
+  const bool any_tiled = std::any_of(ps.begin(), ps.end(), tiles);
+  std::vector<Part> tiled, others;
+  if (any_tiled) {
+    for (const Part& p : ps) (tiles(p) ? tiled : others).push_back(p);
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
     tile_linear(tiled, x32, M, K, bd, y.data_ptr<float>(), N);
-    if (rest.empty()) return y;
+    if (others.empty()) return y;
   }
+  const std::vector<Part>& rest = any_tiled ? others : ps;
 #else
   const std::vector<Part>& rest = ps;
 #endif
@@ -1058,7 +1063,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   const auto any = [&](auto takes) { return std::any_of(rest.begin(), rest.end(), takes); };
   if (any([&](const Part& p) { return takes_int8(p) && int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, kQ8Block, x256);
-  if (tiled.empty() && any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
+  if (!any_tiled && any([&](const Part& p) { return takes_int8(p) && !int8_kquant(p.type); }))
     quantize_q8(x.data_ptr<float>(), M, K, 32, x32);
   thread_local Q8Groups buffer_groups;  // Q5_0, Q8_0 at few rows (ggml_groups_cpu.cpp)
   Q8Groups& groups = buffer_groups;

@@ -71,15 +71,6 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   }
 }
 
-// Bytes ahead of group g of a panel of W rows to prefetch (AVX2): in a row longer than the
-// distance, past its end the next rows are being read already (by the panel's other rows): this
-// row's lane skips to its row in the next panel. (AVX-512 prefetches the whole next panel, a
-// share each group, as the float GEMV does: 1.04-1.28x there from memory, 0.86-1.05x on AVX2.)
-inline int64_t prefetch_ahead(const Part& p, int64_t g, int W, int64_t group_bytes) {
-  const bool past_row = p.stride > kQ8Prefetch && group_bytes * g + kQ8Prefetch >= p.stride;
-  return kQ8Prefetch + (past_row ? (W - 1) * p.stride : 0);
-}
-
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 // Masks for loading a group's `bytes` bytes in registers of 64: none past them.
 template <int N>
@@ -104,13 +95,14 @@ inline __m512i byte_index(const At& at) {
 // (`meta`) its scales as halves, each repeated four times, then the low and the high 16
 // fifth bits of each block (two 64-bit masks); the fifth bits go in under the masks.
 struct Q5Group {
-  static constexpr int64_t kBytes = 22;
+  static constexpr int64_t kBytes = kQ5Bytes;
   static constexpr int kLoads = 2;
   struct Index {
-    __m512i nibbles = byte_index([](int j) { return 22 * (j / 16) + 6 + j % 16; });
+    __m512i nibbles = byte_index([](int j) { return kQ5Bytes * (j / 16) + 6 + j % 16; });
     __m512i meta = byte_index([](int j) {
       const int k = j - 32;  // the fifth bits' bytes (k >= 16: unused)
-      return j < 32 ? 22 * (j / 8) + j % 2 : 22 * (k % 8 / 2) + 2 + k % 2 + 2 * (k / 8 % 2);
+      return j < 32 ? kQ5Bytes * (j / 8) + j % 2
+                    : kQ5Bytes * (k % 8 / 2) + 2 + k % 2 + 2 * (k / 8 % 2);
     });
   };
   static const int32_t* offset(const Q8Groups& x) { return x.offset16.data(); }
@@ -197,6 +189,15 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
   group_rows<Q5Group, W, R>(p, n, x, bias, y, ldy);
 }
 #else
+// Bytes ahead of group g of a panel of W rows to prefetch: in a row longer than the distance,
+// past its end the next rows are being read already (by the panel's other rows): this row's
+// lane skips to its row in the next panel. (AVX-512 prefetches the whole next panel, a share
+// each group, as the float GEMV does: 1.04-1.28x there from memory, 0.86-1.05x here.)
+inline int64_t prefetch_ahead(const Part& p, int64_t g, int W) {
+  const bool past_row = p.stride > kQ8Prefetch && kGroupBytes * g + kQ8Prefetch >= p.stride;
+  return kQ8Prefetch + (past_row ? (W - 1) * p.stride : 0);
+}
+
 // 16 bytes at `at` of two blocks from b, or of one (the other lane zero).
 inline __m256i load_pair(const uint8_t* b, int64_t at, bool two) {
   const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
@@ -238,7 +239,7 @@ inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const flo
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t ahead = prefetch_ahead(p, g, W, kGroupBytes);
+    const int64_t ahead = prefetch_ahead(p, g, W);
     const int64_t blocks = std::min<int64_t>(4, x.blocks - 4 * g);
     for (int w = 0; w < W; ++w) {
       const char* b = reinterpret_cast<const char*>(p.data + (n + w) * p.stride + kGroupBytes * g);

@@ -491,16 +491,14 @@ constexpr bool kQ8Groups = true;
 #else
 constexpr bool kQ8Groups = false;
 #endif
-inline bool int8_block32(int64_t type, int64_t rows) {
-  if (!kInt8KQuants) return false;
-  if (type == Q5_0) return rows <= kGroupRows;
-  if (type == Q8_0 && kQ8Groups && rows >= 3) return rows <= kGroupRows;
-  return rows <= 2 && (type == Q5_1 || (type == Q8_0 && rows == 2));
-}
-
 // Whether a part of this type at these rows takes the grouped GEMV (ggml_groups_cpu.cpp).
 inline bool int8_grouped(int64_t type, int64_t rows) {
-  return int8_block32(type, rows) && (type == Q5_0 || (type == Q8_0 && kQ8Groups));
+  if (!kInt8KQuants || rows > kGroupRows) return false;
+  return type == Q5_0 || (type == Q8_0 && kQ8Groups && rows >= 3);
+}
+inline bool int8_block32(int64_t type, int64_t rows) {
+  return int8_grouped(type, rows) ||
+         (kInt8KQuants && (type == Q5_1 ? rows <= 2 : type == Q8_0 && rows == 2));
 }
 
 }  // namespace ggml
