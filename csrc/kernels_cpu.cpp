@@ -15,6 +15,7 @@
 #include "int8_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
+#include "bidirectional_attention_cpu.cpp"
 #include "peak_cpu.cpp"
 #include "sampling_cpu.cpp"
 #include "decoder_cpu.cpp"
@@ -83,6 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up into out");
 
   m.def("paged_attention", &paged_attention, "paged attention over block tables (CPU)", nogil());
+  m.def("bidirectional_attention", &bidirectional_attention,
+        "encoders' attention: each prompt's rows over all of its own rows (CPU)", nogil());
 
   m.def("first_argmax", &first_argmax, "each row's first maximum (argmax, NaN first)");
 

@@ -406,11 +406,13 @@ static void softmax_tile(float* st, int64_t n, int64_t MP, int64_t k0, Buffers& 
   }
 }
 
-// One item: tokens [t0, t0 + tokens) of one run (kv_lens rising by one), KV head kh.
+// One item: tokens [t0, t0 + tokens) of one run (kv_lens rising by one), KV head kh; key
+// position pos sits in cache slot slot_of(pos) (through a block table, or in place).
+template <typename SlotOf>
 static void attend_item(const Item& it, const float* qp, int64_t QS, const kv_rows::Rows& K,
-                        const kv_rows::Rows& V, const int32_t* table, const int32_t* lens,
-                        int64_t window, int64_t H, int64_t D, int64_t BS, int64_t KVH,
-                        int64_t G, float scale, float cap, float* op, Buffers& b) {
+                        const kv_rows::Rows& V, const SlotOf& slot_of, const int32_t* lens,
+                        int64_t window, int64_t H, int64_t D, int64_t KVH, int64_t G,
+                        float scale, float cap, float* op, Buffers& b) {
   const int64_t M = it.tokens * G, MP = (M + 31) / 32 * 32;
   const bool in_place = K.kind == kv_rows::Kind::F32;
   b.qt.assign(D * MP, 0.f);
@@ -451,7 +453,7 @@ static void attend_item(const Item& it, const float* qp, int64_t QS, const kv_ro
     const int64_t n = std::min(kTileK, k_end - k0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = k0 + j;
-      const int64_t r = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * KVH + it.kh;
+      const int64_t r = slot_of(pos) * KVH + it.kh;
       if (in_place) {
         b.key[j] = reinterpret_cast<const float*>(K.row(r));
         b.val[j] = reinterpret_cast<const float*>(V.row(r));
@@ -633,8 +635,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                        });
       parallel_dynamic<prefill::Buffers>(items.size(), [&](int64_t w, prefill::Buffers& buf) {
         const prefill::Item& it = items[w];
-        prefill::attend_item(it, qp, QS, K, V, bt + static_cast<int64_t>(sid[it.t0]) * MB,
-                             lens, window, H, D, BS, KVH, G, fscale, cap, op, buf);
+        const int32_t* table = bt + static_cast<int64_t>(sid[it.t0]) * MB;
+        const auto slot_of = [&](int64_t pos) {
+          return static_cast<int64_t>(table[pos / BS]) * BS + pos % BS;
+        };
+        prefill::attend_item(it, qp, QS, K, V, slot_of, lens, window, H, D, KVH, G, fscale, cap,
+                             op, buf);
       });
     }
     if (tokens.empty()) return;

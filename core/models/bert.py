@@ -13,6 +13,7 @@ Parameter names are Hugging Face's, so a checkpoint loads by name (with or witho
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,19 @@ class Dense(nn.Linear):
         return self.kernel.f32_linear(x, self.weight, self.bias, None)
 
 
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """Where a step's prompts lie in its rows: prompt i is rows [starts[i], starts[i + 1])."""
+
+    starts: torch.Tensor  # int64 [prompts + 1]
+    lens: list[int]
+
+    @classmethod
+    def of(cls, starts: list[int]) -> Prompts:
+        return cls(torch.tensor(starts, dtype=torch.int64),
+                   [b - a for a, b in zip(starts, starts[1:])])
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: ModelConfig, eps: float) -> None:
         super().__init__()
@@ -57,6 +71,8 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
+    kernel: Any = None  # the CPU kernels, for their bidirectional attention (`use_kernels`)
+
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -64,10 +80,15 @@ class BertSelfAttention(nn.Module):
         self.key = Dense(hidden, hidden)
         self.value = Dense(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompts: Prompts) -> torch.Tensor:
         shape = (x.shape[0], self.heads, -1)
         q, k, v = (proj(x).view(shape) for proj in (self.query, self.key, self.value))
-        return bidirectional_attention(q, k, v, seq_lens).reshape(x.shape[0], -1)
+        if self.kernel is not None and q.shape[-1] % 16 == 0:
+            out = self.kernel.bidirectional_attention(q, k, v, prompts.starts,
+                                                      q.shape[-1] ** -0.5)
+        else:
+            out = bidirectional_attention(q, k, v, prompts.lens)
+        return out.reshape(x.shape[0], -1)
 
 
 class BertOutput(nn.Module):
@@ -88,8 +109,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(hidden, heads)
         self.output = BertOutput(hidden, hidden, eps)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        return self.output(self.self(x, seq_lens), x)
+    def forward(self, x: torch.Tensor, prompts: Prompts) -> torch.Tensor:
+        return self.output(self.self(x, prompts), x)
 
 
 class BertIntermediate(nn.Module):
@@ -110,8 +131,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(h, cfg.intermediate_size, cfg.hidden_act)
         self.output = BertOutput(cfg.intermediate_size, h, eps)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        x = self.attention(x, seq_lens)
+    def forward(self, x: torch.Tensor, prompts: Prompts) -> torch.Tensor:
+        x = self.attention(x, prompts)
         return self.output(self.intermediate(x), x)
 
 
@@ -134,12 +155,14 @@ class BertPooler(nn.Module):
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             seq_lens: list[int]) -> torch.Tensor:
-    """Each prompt's rows attend to all of its own rows: [tokens, heads, dim] in and out.
-    One SDPA call a prompt on its own rows: padding a step's prompts into one masked batch
-    spent more on the padding (zero fills, masked flash attention: 9 ms a layer for 64
-    sentences of 8-64 words) than the prompts' attention itself. Each call is 4-D, a batch of
-    one: torch's CPU flash kernel takes only 4-D inputs, and its math fallback took twice as
-    long (~13 ms a layer against ~7 for those 64 sentences)."""
+    """Each prompt's rows attend to all of its own rows: [tokens, heads, dim] in and out; in
+    torch, where the CPU kernels' one call for all prompts is not at hand (it took 64
+    sentences of 8-64 words' six layers from ~24 to ~10 ms, 2-vCPU Zen 5). One SDPA call a
+    prompt on its own rows: padding a step's prompts into one masked batch spent more on the
+    padding (zero fills, masked flash attention: 9 ms a layer for those 64 sentences) than the
+    prompts' attention itself. Each call is 4-D, a batch of one: torch's CPU flash kernel
+    takes only 4-D inputs, and its math fallback took twice as long (~13 ms a layer against
+    ~7)."""
     out = torch.empty_like(q)
     start = 0
     for n in seq_lens:
@@ -187,19 +210,18 @@ class BertEmbeddingModel(nn.Module):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        starts = meta.query_start_loc_cpu
-        seq_lens = [b - a for a, b in zip(starts, starts[1:])]
+        prompts = Prompts.of(meta.query_start_loc_cpu)
         x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
-            x = layer(x, seq_lens)
+            x = layer(x, prompts)
         return x
 
     # --- what the runner and loader call on every model ---------------------------------
 
     def use_kernels(self, ops: Any) -> None:
-        """Compute the encoder's linears with the CPU kernels' float32 linear (None: torch)."""
+        """Compute the encoder's linears and attention with the CPU kernels (None: torch)."""
         for module in self.encoder.modules():
-            if isinstance(module, Dense):
+            if isinstance(module, (Dense, BertSelfAttention)):
                 module.kernel = ops
 
     def tie_weights(self) -> None:

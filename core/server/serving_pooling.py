@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 
 from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
@@ -138,7 +139,20 @@ def _embedding_inputs(value: str | list[str] | list[int] | list[list[int]]
 def _encode(vector: Any, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # little-endian float32, as OpenAI sends it
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
-    return vector.tolist()
+    return float32_digits(vector.numpy())
+
+
+def float32_digits(values: np.ndarray) -> list[float]:
+    """float32 values as the floats of their 9 significant digits, which read back as the
+    same float32: widened as they are, each would print 17 digits. JSON a third smaller and
+    faster to write and to parse (64 x 384 values: 10 -> 6.5 ms to write, 4 -> 2 to read)."""
+    wide = values.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exponent = np.floor(np.log10(np.abs(wide)))
+    shift = 8 - np.where(np.isfinite(exponent), exponent, 0)
+    scale = 10.0 ** np.abs(shift)  # exact up to 1e22: so the one rounding is to 9 digits
+    return np.where(shift >= 0, np.round(wide * scale) / scale,
+                    np.round(wide / scale) * scale).tolist()
 
 
 def _one_score(final: PoolingRequestOutput) -> float:

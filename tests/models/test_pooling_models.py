@@ -59,8 +59,8 @@ def test_bert_embeddings_equal_transformers(bert_dirs: dict[str, Path], mode: st
 
 
 def test_prompts_of_one_step_are_batched_together(bert_dirs: dict[str, Path]):
-    """Five prompts queued at once run in one step (padded into one attention batch) and
-    equal the same prompts run alone."""
+    """Five prompts queued at once run in one step (one attention call, each prompt over its
+    own rows) and equal the same prompts run alone."""
     llm = LLM(str(bert_dirs["mean"]), show_progress=False)
     engine = llm.llm_engine
     before = engine.num_steps

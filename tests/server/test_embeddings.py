@@ -6,7 +6,9 @@ transformers on the same random weights."""
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 import transformers
 
 from pkv.cli.bench.embed import write_random_bert
+from pkv.core.server.serving_pooling import float32_digits
 from pkv.tests.server.conftest import RunningServer, start_server, stop_server
 from pkv.tests.server.test_anthropic import _counter
 
@@ -99,13 +102,33 @@ def test_raw_http_base64_and_token_ids(embed_server: RunningServer, models: dict
     b64 = _post(embed_server, "/v1/embeddings",
                 {"input": TEXTS[1], "encoding_format": "base64"}).json()
     decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
-    assert decoded.tolist() == pytest.approx(floats["data"][0]["embedding"], abs=1e-7)
+    # JSON floats carry a float32's 9 significant digits and read back as the same float32.
+    assert np.array_equal(np.array(floats["data"][0]["embedding"], dtype=np.float32), decoded)
+    assert max(_digits(x) for x in floats["data"][0]["embedding"]) <= 9
     assert floats["object"] == "list" and floats["model"] == "embedder"
     ids = transformers.AutoTokenizer.from_pretrained(models["embed"])(TEXTS[1])["input_ids"]
     for body in ({"input": ids}, {"input": [ids, ids]}):
         data = _post(embed_server, "/v1/embeddings", body).json()["data"]
         assert all(_cos(d["embedding"], torch.tensor(floats["data"][0]["embedding"])) > 0.99999
                    for d in data)
+
+
+def _digits(x: float) -> int:
+    return len(Decimal(repr(x)).normalize().as_tuple().digits)
+
+
+def test_float32_digits_read_back_as_the_same_float32():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(20000),
+        rng.standard_normal(20000) * 10.0 ** rng.integers(-44, 38, 20000),
+        [0.0, -0.0, 1.0, 0.1, 1 / 3, 3.4e38, 1.2e-38, 1e-45]]).astype(np.float32)
+    written = float32_digits(values)
+    assert np.array_equal(np.array(written, dtype=np.float32), values)
+    # 9 digits where the powers of ten scaling them are exact (past 1e22 they are not).
+    assert max(_digits(x) for x in written if 1e-14 <= abs(x) < 1e22) <= 9
+    # Widened as they are, the same values print 17 digits: a third more JSON.
+    assert len(json.dumps(values.tolist())) > 1.3 * len(json.dumps(written))
 
 
 @pytest.mark.parametrize("body, status, param", [
