@@ -74,13 +74,11 @@ inline Format format(int64_t type) {
 // passes of it (from kBroadcastMinRows, with float32 x, the broadcast kernel instead), more
 // take dequantized panels and the float32 GEMM (two AVX-512 threads: a
 // Q8_0 LM head of 49152 x 576 took 23 ms for 32 rows in passes, 44 ms for 64, panels 27 ms
-// for 65; 2048 x 2048 layers of every type alike). A layer all in int8 (ggml_q8_cpu.cpp)
-// keeps its passes up to kInt8PassRows: 8B shapes at 65 rows took 0.65x / 0.3x the float32
-// GEMM's time (Q4_K 14336 x 4096, Q6_K 4096 x 14336), at 128 rows the same. With int8 x the
-// tiles (ggml_tiles_cpu.cpp) come first where they take every part of a layer.
+// for 65; 2048 x 2048 layers of every type alike). With int8 x the tiles
+// (ggml_tiles_cpu.cpp) come first, taking the parts they read from 5 rows (the K-quants from
+// 12), so the int8 GEMVs only see few rows.
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGemvPassRows = 32;
-constexpr int64_t kInt8PassRows = 128;
 constexpr int64_t kChunk = 256;  // values dequantized at a time: one K-block, 8 small ones
 
 namespace {
@@ -1050,12 +1048,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     return activation_bits == 8 && (int8_kquant(p.type) || int8_block32(p.type, M));
   };
   const bool int8 = std::any_of(rest.begin(), rest.end(), takes_int8);
-  const bool all_int8 = std::all_of(rest.begin(), rest.end(), takes_int8);
   if (!int8 && M >= kBroadcastMinRows && M <= kGemvPassRows) {
     broadcast_linear(rest, x.data_ptr<float>(), M, K, bd, y.data_ptr<float>(), N);
     return y;
   }
-  if (M > (all_int8 ? kInt8PassRows : kGemvPassRows)) {
+  if (M > kGemvPassRows) {
     gemm(rest, x, has_bias ? bias : std::nullopt, y);
     return y;
   }

@@ -86,25 +86,34 @@ struct TileX {
   int64_t W = 0;
 };
 
-// Rows [m0, m0 + rows) of x (in int8 per 32 inputs: x32) as a pass of W lanes, lanes past
-// `rows` zero; split over the threads by inputs, so that each writes whole vectors.
-void tile_x(const Q8Rows& x32, int64_t m0, int64_t rows, int64_t K, int64_t W, TileX& t) {
-  t.W = W;
-  t.q.resize(K / 4 * W);
-  t.d.resize(K / 16 * W);
-  t.s.resize(K / 16 * W);
-  team::parallel_for(0, K / 16, 8, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {  // 16 inputs: four groups of four
+// Rows [m0, m0 + rows) of x (in int8 per 32 inputs: x32) as passes of W lanes each (one
+// TileX a pass, kTilePassRows rows apart; lanes past `rows` zero); split over the threads by
+// pass and inputs, so that each writes whole vectors.
+void tile_x(const Q8Rows& x32, int64_t m0, int64_t rows, int64_t K, int64_t W,
+            std::vector<TileX>& passes) {
+  const int64_t count = (rows + kTilePassRows - 1) / kTilePassRows, units = K / 16;
+  if (static_cast<int64_t>(passes.size()) < count) passes.resize(count);
+  for (int64_t p = 0; p < count; ++p) {
+    passes[p].W = W;
+    passes[p].q.resize(K / 4 * W);
+    passes[p].d.resize(K / 16 * W);
+    passes[p].s.resize(K / 16 * W);
+  }
+  team::parallel_for(0, count * units, 8, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {  // 16 inputs of one pass: four groups of four
+      const int64_t p = u / units, i = u % units, first = m0 + p * kTilePassRows;
+      const int64_t live = std::min(kTilePassRows, m0 + rows - first);
+      TileX& t = passes[p];
       for (int64_t g = 4 * i; g < 4 * i + 4; ++g)
         for (int64_t m = 0; m < W; ++m) {
           int32_t four = 0;
-          if (m < rows) std::memcpy(&four, x32.q.data() + (m0 + m) * K + 4 * g, 4);
+          if (m < live) std::memcpy(&four, x32.q.data() + (first + m) * K + 4 * g, 4);
           t.q[g * W + m] = four;
         }
       for (int64_t m = 0; m < W; ++m) {
-        const float dx = m < rows ? x32.d[(m0 + m) * (K / 32) + i / 2] : 0.f;
+        const float dx = m < live ? x32.d[(first + m) * (K / 32) + i / 2] : 0.f;
         t.d[i * W + m] = dx;
-        t.s[i * W + m] = m < rows ? dx * x32.bsums[(m0 + m) * (K / 16) + i] : 0.f;
+        t.s[i * W + m] = m < live ? dx * x32.bsums[(first + m) * (K / 16) + i] : 0.f;
       }
     }
   });
@@ -272,18 +281,24 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
   }
 }
 
-// Rows [n0, n1) of part p through the pass's rows of x (M of them, x^T in x), P weight rows at
-// a time, kChunk inputs at a time.
+// Passes a tile of weight rows goes through after one decode of each chunk (AVX2's 128 rows).
+constexpr int64_t kTileMaxPasses = 16;
+
+// Rows [n0, n1) of part p through `passes` passes of x (x^T in xs; M rows in all, y their
+// first row's outputs), P weight rows at a time, kChunk inputs at a time: each chunk of the
+// tile's rows is decoded once for every pass (one pass at a time decoded it again for each:
+// at 64 rows, AVX2's eight passes spent ~30% of their time decoding Q5_0).
 template <int P, int V, int S>
-void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX& x,
-               int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
+void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX* xs,
+               int64_t passes, int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   TileWeights w;
-  ColumnBuffer<V, 8 * P> out(n0);
+  std::vector<ColumnBuffer<V, 8 * P>> out(passes, ColumnBuffer<V, 8 * P>(n0));
+  vfn acc[kTileMaxPasses][P][V];
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
-    vfn acc[P][V];
-    for (int i = 0; i < P; ++i)
-      for (int v = 0; v < V; ++v) acc[i][v] = vfn{};
+    for (int64_t x = 0; x < passes; ++x)
+      for (int i = 0; i < P; ++i)
+        for (int v = 0; v < V; ++v) acc[x][i][v] = vfn{};
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t count = std::min(kChunk, K - k0);
       for (int64_t i = 0; i < P; ++i) {
@@ -301,44 +316,63 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
         else if (n + P + i < n1)
           prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
       }
-      tile_chunk<P, V, S>(w, x, k0, count, acc);
+      for (int64_t x = 0; x < passes; ++x) {
+        vfn a[P][V];  // in registers through the chunk
+        std::memcpy(a, acc[x], sizeof a);
+        tile_chunk<P, V, S>(w, xs[x], k0, count, a);
+        std::memcpy(acc[x], a, sizeof a);
+      }
     }
-    for (int64_t i = 0; i < rows; ++i) out.put(n + i, acc[i]);
-    out.flush_if(n + rows == n1, n + rows, M, bias, y, ldy);
+    for (int64_t x = 0; x < passes; ++x) {
+      const int64_t first = x * kTilePassRows;
+      for (int64_t i = 0; i < rows; ++i) out[x].put(n + i, acc[x][i]);
+      out[x].flush_if(n + rows == n1, n + rows, std::min(kTilePassRows, M - first), bias,
+                      y + first * ldy, ldy);
+    }
   }
 }
 
-
-void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX& x, int64_t M, int64_t K,
-               const float* bias, float* y, int64_t ldy) {
+void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX* xs, int64_t passes,
+               int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   const TileDecoder decode = tile_decoder(p.type);
-  const bool one = x.W == kLanes;
+  const bool one = xs[0].W == kLanes;
   if (p.type == Q6_K)
-    return one ? tile_rows<kTileP1, 1, 16>(p, decode, n0, n1, x, M, K, bias, y, ldy)
-               : tile_rows<kTileP2, 2, 16>(p, decode, n0, n1, x, M, K, bias, y, ldy);
-  return one ? tile_rows<kTileP1, 1, 32>(p, decode, n0, n1, x, M, K, bias, y, ldy)
-             : tile_rows<kTileP2, 2, 32>(p, decode, n0, n1, x, M, K, bias, y, ldy);
+    return one ? tile_rows<kTileP1, 1, 16>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy)
+               : tile_rows<kTileP2, 2, 16>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
+  return one ? tile_rows<kTileP1, 1, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy)
+             : tile_rows<kTileP2, 2, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
+}
+
+// Passes of x that go through the weights together: as many as keep their x^T (K x W bytes
+// of codes, and K / 16 x W scales and sums) within ~512 KB of L2, at most kTileMaxPasses (a
+// tile reads all of it per chunk of weights). On a Zen 5 (1 MB of L2) 768 KB ran 896 x 4864
+// Q5_0 at 64-256 rows 1.06-1.16x 256 KB's (more passes a group), other shapes level.
+inline int64_t tile_group_passes(int64_t K, int64_t W) {
+  return std::clamp<int64_t>((512 << 10) / (K * W * 3 / 2), 1, kTileMaxPasses);
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another, x in int8 per 32
-// inputs (x32): passes of up to kTilePassRows rows, each transposed once and split by weight
-// rows between threads.
+// inputs (x32): passes of up to kTilePassRows rows, transposed once in groups that go through
+// the weights together (tile_group_passes), each group split by weight rows between threads.
 void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int64_t K,
                  const float* bias, float* y, int64_t N) {
-  // The caller's buffer, reused; named by a reference so that the team's threads read this
+  // The caller's buffers, reused; named by a reference so that the team's threads read this
   // thread's, not their own thread_local ones.
-  thread_local TileX transposed;
-  TileX& xt = transposed;
-  for (int64_t m0 = 0; m0 < M; m0 += kTilePassRows) {
-    const int64_t rows = std::min(kTilePassRows, M - m0);
-    tile_x(x32, m0, rows, K, rows <= kLanes ? kLanes : 2 * kLanes, xt);
+  thread_local std::vector<TileX> transposed;
+  std::vector<TileX>& xs = transposed;
+  const int64_t W = M <= kLanes ? kLanes : kTilePassRows;
+  const int64_t group = tile_group_passes(K, W) * kTilePassRows;
+  for (int64_t m0 = 0; m0 < M; m0 += group) {
+    const int64_t rows = std::min(group, M - m0);
+    const int64_t passes = (rows + kTilePassRows - 1) / kTilePassRows;
+    tile_x(x32, m0, rows, K, W, xs);
     // One loop over every part's rows: a thread's share may span two parts.
     team::parallel_for(0, rows_of(ps), 16, [&](int64_t a, int64_t b) {
       int64_t first = 0;
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         if (lo < hi)
-          tile_part(p, lo - first, hi - first, xt, rows, K,
+          tile_part(p, lo - first, hi - first, xs.data(), passes, rows, K,
                     bias != nullptr ? bias + p.col : nullptr, y + m0 * N + p.col, N);
         first += p.rows;
       }
@@ -351,26 +385,22 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
 
 // Whether a part of ggml type `type` takes the tile kernel at `rows` rows of x with int8
 // activations (each part of a layer on its own): where the type has a reader, from 5 rows
-// (12 for the K-quants); with AVX2 not the K-quants, and up to kInt8PassRows rows. Elsewhere
-// the GEMVs and the float GEMM keep them (a tile's cost hardly falls with fewer rows). Two
-// threads, old vs new build, at 4 / 8 / 16 / 64 rows: AVX-512 (VNNI) Q5_0 and Q4_1 3072 x 576
-// 1.0-1.2x / 1.6-1.8x / 1.8-2.2x / 1.7x, the Q8_0 head 49152 x 576 1.1x / 1.6x / 1.9x /
-// 1.7-1.9x, Q4_K and Q6_K 576 x 1536 at 8 / 12 / 16 / 64 rows 0.7x / 1.0-1.1x / 1.2-1.3x /
-// 1.4-1.5x, 8B shapes (Q4_K 14336 x 4096, Q6_K 4096 x 14336) 1.2x / 1.6-1.7x at 12 / 16 rows,
-// 1.9-2.2x at 128-512 (prefill: against the float GEMM there; Q5_0 and Q8_0 1.2-1.7x), and
-// without VNNI alike (Q5_0 1.3-1.6x at 16-512 rows, Q4_K 1.3-1.8x); AVX2 Q5_0 1.0x / 2.1x /
-// 1.5x / 1.2x, Q4_1 1.0x / 4.9x / 1.9x / 1.2x (at 128 rows 1.0-1.1x, 512 0.9x), Q4_K and
-// Q6_K 0.95-1.15x.
+// (12 for the K-quants), any number of rows. Elsewhere the GEMVs and the float GEMM keep them
+// (a tile's cost hardly falls with fewer rows). Two threads, against the kernels before them,
+// at 4 / 8 / 16 / 64 rows: AVX-512 (VNNI) Q5_0 and Q4_1 3072 x 576 1.0-1.2x / 1.6-1.8x /
+// 1.8-2.2x / 1.7x, the Q8_0 head 49152 x 576 1.1x / 1.6x / 1.9x / 1.7-1.9x, Q4_K and Q6_K
+// 576 x 1536 at 8 / 12 / 16 / 64 rows 0.7x / 1.0-1.1x / 1.2-1.3x / 1.4-1.5x, 8B shapes (Q4_K
+// 14336 x 4096, Q6_K 4096 x 14336) 1.2x / 1.6-1.7x at 12 / 16 rows, 1.9-2.2x at 128-512
+// (prefill: against the float GEMM there; Q5_0 and Q8_0 1.2-1.7x), and without VNNI alike
+// (Q5_0 1.3-1.6x at 16-512 rows, Q4_K 1.3-1.8x); AVX2 Q5_0 1.0x / 2.1x / 1.5x / 1.2x, Q4_1
+// 1.0x / 4.9x / 1.9x / 1.2x. With a chunk's decode shared by a group of passes, AVX2's Q4_K
+// and Q6_K tiles against their int8 GEMV at 12 / 16 / 64 / 128 rows 1.0-1.1x / 1.45-1.6x /
+// 1.7-1.9x / 1.7-1.9x, and the 32-value types and K-quants at 256-512 rows 1.6-2.1x the
+// float GEMM that took them past 128 rows.
 inline bool int8_tile(int64_t type, int64_t rows) {
 #if defined(__AVX2__)
-#if defined(__AVX512F__)
-  constexpr int64_t kKQuantRows = 12, kMaxRows = std::numeric_limits<int64_t>::max();
-#else
-  constexpr int64_t kKQuantRows = kInt8PassRows + 1, kMaxRows = kInt8PassRows;
-#endif
   const bool k_quant = format(type).values == 256;
-  return tile_decoder(type) != nullptr && rows >= (k_quant ? kKQuantRows : 5) &&
-         rows <= kMaxRows;
+  return tile_decoder(type) != nullptr && rows >= (k_quant ? 12 : 5);
 #else
   (void)type, (void)rows;
   return false;

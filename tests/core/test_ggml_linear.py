@@ -140,14 +140,15 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_th
     k_quants = torch.cat(weights[:3])
     int8 = bool(cpu_kernels.ggml_int8_kquants)
     assert int8 == (cpu_kernels.isa != "generic")
-    if tiled(cpu_kernels, ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), rows):  # every part per 32 inputs
-        want = q8_0_reference(x, torch.cat(weights))
+    tiled(cpu_kernels, ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), rows)  # the rule, checked
+    if tiled(cpu_kernels, ("Q4_K", "Q5_K", "Q6_K"), rows):  # the tiles: x per 32 inputs
+        want = q8_0_reference(x, k_quants)
     else:
         want = q8_reference(x, k_quants) if int8 else x.double() @ k_quants.double().t()
-        w = weights[3]  # Q8_0: grouped in int8 at 3-6 rows with VBMI, else float here
-        in_int8 = q8_0_in_int8(cpu_kernels, rows)
-        q8_0 = q8_0_reference(x, w) if in_int8 else x.double() @ w.double().t()
-        want = torch.cat([want, q8_0], dim=1)
+    w = weights[3]  # Q8_0: grouped in int8 at 3-6 rows with VBMI, tiled with VNNI, else float
+    in_int8 = q8_0_in_int8(cpu_kernels, rows)
+    q8_0 = q8_0_reference(x, w) if in_int8 else x.double() @ w.double().t()
+    want = torch.cat([want, q8_0], dim=1)
     want += bias.double()
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
     if int8:  # and not the float result: x really went through int8
@@ -238,9 +239,9 @@ def test_grouped_types_at_few_rows_of_int8_x(cpu_kernels, two_threads, name: str
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
 
-# Past the float GEMV's 32 rows an int8 layer keeps integer kernels: the tiles for the parts they
-# read (AVX-512: at any rows), else, up to 128 rows, the K-quants' GEMV where the rest is all
-# K-quants; elsewhere the float32 GEMM takes the rest (Q2_K beside a tiled Q5_0 part).
+# Past the float GEMV's 32 rows an int8 layer keeps integer kernels for the parts the tiles read
+# (at any rows); the float32 GEMM takes the rest (Q2_K beside a tiled Q5_0 part; Q8_0 without
+# VNNI).
 @pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
                                                      (130, ("Q4_K", "Q6_K"), False),
                                                      (70, ("Q4_K", "Q8_0"), False),
@@ -268,14 +269,13 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
 
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
-    rule they are chosen by: with AVX-512 every type they read (Q8_0 with VNNI only) from 5
-    rows, the K-quants from 12; with AVX2 the 32-value types up to 128 rows; not Q5_0 up to
-    6 rows, nor Q8_0 there with VBMI (their grouped GEMV takes them)."""
+    rule they are chosen by: with AVX2 or AVX-512 every type they read (Q8_0 with VNNI only)
+    from 5 rows, the K-quants from 12, any number of rows; not Q5_0 up to 6 rows, nor Q8_0
+    there with VBMI (their grouped GEMV takes them)."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
-    avx512 = kernels.isa == "avx512"
-    rule = (kernels.isa != "generic" and readable and rows >= 5 and (avx512 or rows <= 128)
-            and ("Q8_0" not in names or kernels.vnni) and (not kquants or (avx512 and rows >= 12))
+    rule = (kernels.isa != "generic" and readable and rows >= 5
+            and ("Q8_0" not in names or kernels.vnni) and (not kquants or rows >= 12)
             and ("Q5_0" not in names or rows > 6)
             and ("Q8_0" not in names or rows > 6 or not kernels.ggml_q8_0_groups))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
@@ -284,12 +284,13 @@ def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
 
 
 # The tiles (csrc/ggml_tiles_cpu.cpp): every type they read, at one vector of x^T (5, 16 rows)
-# and two (17), in passes (40, 130); parts of 5 to 7 weight rows (tiles cut short) on two
-# threads (a thread's share starting inside a part); K several chunks and a last one short of
-# 256 (896 inputs); x's outlier block with a scale of its own.
+# and two (17), in passes (40) and in groups of passes, the last one short (130: AVX2's 16
+# passes a group; 400: AVX-512's 10 or 12 at these widths); parts of 5 to 7 weight rows (tiles
+# cut short) on two threads (a thread's share starting inside a part); K several chunks and a
+# last one short of 256 (896 inputs); x's outlier block with a scale of its own.
 @pytest.mark.parametrize("names", [("Q4_0", "Q5_0", "Q8_0"), ("Q4_1", "Q5_1"),
                                    ("Q4_K", "Q5_K", "Q6_K")], ids="+".join)
-@pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 130])
+@pytest.mark.parametrize("rows", [5, 12, 16, 17, 40, 130, 400])
 def test_int8_tiles_are_the_q8_0_scheme(cpu_kernels, two_threads, names: tuple[str, ...],
                                         rows: int):
     cols = 1024 if names[0].endswith("_K") else 896
