@@ -1,4 +1,4 @@
-// Weights in ggml blocks through a decode batch (14 to 32 rows of x) with float32
+// Weights in ggml blocks through a decode batch (14 to 128 rows of x) with float32
 // activations. Included by csrc/ggml_cpu.cpp.
 //
 // The one-weight-row GEMV (register_gemv_rows) takes each decoded weight vector through
@@ -21,12 +21,17 @@ constexpr int kAccumulators = 12;  // of 16
 // Rows of x a pass takes: two vectors of x^T an input (more, on AVX2, left x^T in L2 with
 // 4 loads of it per 12 FMAs: 0.85-1.0x the two-vector passes at 32 rows).
 constexpr int64_t kBroadcastRows = 2 * kLanes;
-// From here up to kGemvPassRows rows ggml_linear takes this kernel, below it the GEMV. Two
+// From here up to kBroadcastMaxRows rows ggml_linear takes this kernel, below it the GEMV. Two
 // threads, old vs new build in one process, Q5_0 / Q8_0 576-input layers, Q6_K / Q4_K 1536-
 // and 2048-input ones: 1.1-1.7x at 16 rows (AVX-512 and AVX2), 1.3-1.9x at 32 (AVX-512;
 // AVX2 1.2-1.6x), 0.8-1.3x at 12 (one vector's lanes part empty on AVX-512; on AVX2 the
 // GEMV's Q8_0 / Q6_K ran ahead). The generic flavour's 4 lanes gain from 8 rows.
 constexpr int64_t kBroadcastMinRows = std::min<int64_t>(14, 2 * kLanes);
+// Up to here, not the float GEMM on dequantized panels (passes in groups, each chunk of weights
+// decoded once for a group): two threads, Q5_0 / Q8_0 576-input layers, Q4_K / Q6_K 1536-input
+// ones, 896 x 4864 Q5_0, against the GEMM: AVX-512 1.2-1.4x at 64 rows, 1.0-1.4x at 128,
+// 0.88-1.05x at 256; AVX2 1.0-1.17x at 64, 0.95-1.08x at 128.
+constexpr int64_t kBroadcastMaxRows = 128;
 
 // Values [v0, v0 + count) of a weight row as float32 into out (v0 and count whole blocks), by
 // the register-level decoders where a type has one.
@@ -109,13 +114,22 @@ class ColumnBuffer {
   alignas(64) float cols_[kCols][V * kLanes];
 };
 
-// x [M, K] as x^T in V vectors an input: xt[(k V + v) kLanes + j] = x[v kLanes + j][k], zero
-// past row M.
-void transpose_rows(const float* x, int64_t M, int64_t K, std::vector<float>& xt) {
-  const int64_t width = (M + kLanes - 1) / kLanes * kLanes;
+// x [M, K] as x^T of `width` (a multiple of kLanes, >= M) lanes an input: xt[k width + m] =
+// x[m][k], zero past row M.
+void transpose_rows(const float* x, int64_t M, int64_t K, int64_t width, std::vector<float>& xt) {
   xt.assign(K * width, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xt[k * width + m] = x[m * K + k];
+}
+
+// Passes of x that go through the weights together, each chunk of a tile's weight rows decoded
+// once for all of them (here and in ggml_tiles_cpu.cpp): as many as keep their x^T (`bytes` a
+// pass) within ~512 KB of L2, at most kMaxGroupPasses. A tile reads all of it per chunk of
+// weights; on a Zen 5 (1 MB of L2) 768 KB ran 896 x 4864 Q5_0 (int8) at 64-256 rows
+// 1.06-1.16x 256 KB's, other shapes level.
+constexpr int64_t kMaxGroupPasses = 16;
+inline int64_t group_passes(int64_t bytes) {
+  return std::clamp<int64_t>((512 << 10) / bytes, 1, kMaxGroupPasses);
 }
 
 // acc[i][v] += w[i][k] xt[k][v] over `count` inputs: P weight rows at w (a row every kChunk
@@ -136,21 +150,24 @@ __attribute__((always_inline)) inline void broadcast_chunk(const float* w, const
   }
 }
 
-// Rows [n0, n1) of part p through every row of x (x^T at xt), P weight rows at a time, their
-// inputs kChunk at a time (P x kChunk floats: at most 24 KB, in L1).
+// Rows [n0, n1) of part p through `passes` passes of x (x^T of each at xts; M rows in all, y
+// their first row's outputs), P weight rows at a time, their inputs kChunk at a time (P x
+// kChunk floats: at most 24 KB, in L1), each chunk decoded once for every pass.
 template <int V>
-void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* xt, int64_t M,
-                    int64_t K, const float* bias, float* y, int64_t ldy) {
+void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* const* xts,
+                    int64_t passes, int64_t M, int64_t K, const float* bias, float* y,
+                    int64_t ldy) {
   constexpr int P = kAccumulators / V;
   alignas(64) float w[P * kChunk];
-  ColumnBuffer<V, 4 * P> out(n0);
+  std::vector<ColumnBuffer<V, 4 * P>> out(passes, ColumnBuffer<V, 4 * P>(n0));
+  vfn acc[kMaxGroupPasses][P][V];
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
-    vfn acc[P][V];
+    for (int64_t x = 0; x < passes; ++x)
 #pragma GCC unroll 32
-    for (int i = 0; i < P; ++i)
+      for (int i = 0; i < P; ++i)
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[i][v] = vfn{};
+        for (int v = 0; v < V; ++v) acc[x][i][v] = vfn{};
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t count = std::min(kChunk, K - k0);
       for (int64_t i = 0; i < rows; ++i) {
@@ -162,37 +179,61 @@ void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* xt, int6
           prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
       }
       for (int64_t i = rows; i < P; ++i) std::fill(w + i * kChunk, w + i * kChunk + count, 0.f);
-      broadcast_chunk<P, V>(w, xt + k0 * V * kLanes, count, acc);
+      for (int64_t x = 0; x < passes; ++x) {
+        vfn a[P][V];  // in registers through the chunk
+        std::memcpy(a, acc[x], sizeof a);
+        broadcast_chunk<P, V>(w, xts[x] + k0 * V * kLanes, count, a);
+        std::memcpy(acc[x], a, sizeof a);
+      }
     }
-    for (int64_t i = 0; i < rows; ++i) out.put(n + i, acc[i]);
-    out.flush_if(n + rows == n1, n + rows, M, bias, y, ldy);
+    for (int64_t x = 0; x < passes; ++x) {
+      const int64_t first = x * kBroadcastRows;
+      for (int64_t i = 0; i < rows; ++i) out[x].put(n + i, acc[x][i]);
+      out[x].flush_if(n + rows == n1, n + rows, std::min(kBroadcastRows, M - first), bias,
+                      y + first * ldy, ldy);
+    }
   }
 }
 
-void broadcast_part(const Part& p, int64_t n0, int64_t n1, const float* xt, int64_t M,
-                    int64_t K, const float* bias, float* y, int64_t ldy) {
-  if (M <= kLanes) return broadcast_rows<1>(p, n0, n1, xt, M, K, bias, y, ldy);
-  return broadcast_rows<2>(p, n0, n1, xt, M, K, bias, y, ldy);
+// One vector of x^T an input (`width` kLanes: the call's rows fit one) or two.
+void broadcast_part(const Part& p, int64_t n0, int64_t n1, const float* const* xts,
+                    int64_t passes, int64_t width, int64_t M, int64_t K, const float* bias,
+                    float* y, int64_t ldy) {
+  if (width == kLanes) return broadcast_rows<1>(p, n0, n1, xts, passes, M, K, bias, y, ldy);
+  return broadcast_rows<2>(p, n0, n1, xts, passes, M, K, bias, y, ldy);
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another: passes of
-// kBroadcastRows rows of x, each transposed once and split by weight rows between threads.
+// kBroadcastRows rows of x, transposed once in groups that go through the weights together
+// (group_passes), each group split by weight rows between threads.
 void broadcast_linear(const std::vector<Part>& ps, const float* x, int64_t M, int64_t K,
                       const float* bias, float* y, int64_t N) {
-  // The caller's buffer, reused; named by a reference so that the team's threads read this
+  // The caller's buffers, reused; named by a reference so that the team's threads read this
   // thread's, not their own thread_local ones.
-  thread_local std::vector<float> transposed;
-  std::vector<float>& xt = transposed;
-  for (int64_t m0 = 0; m0 < M; m0 += kBroadcastRows) {
-    const int64_t rows = std::min(kBroadcastRows, M - m0);
-    transpose_rows(x + m0 * K, rows, K, xt);
+  thread_local std::vector<std::vector<float>> transposed;
+  std::vector<std::vector<float>>& xts = transposed;
+  const int64_t width = M <= kLanes ? kLanes : kBroadcastRows;
+  const int64_t group = group_passes(K * width * 4) * kBroadcastRows;
+  for (int64_t m0 = 0; m0 < M; m0 += group) {
+    const int64_t rows = std::min(group, M - m0);
+    const int64_t passes = (rows + kBroadcastRows - 1) / kBroadcastRows;
+    if (static_cast<int64_t>(xts.size()) < passes) xts.resize(passes);
+    std::vector<const float*> at(passes);
+    team::parallel_for(0, passes, 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const int64_t first = i * kBroadcastRows;
+        transpose_rows(x + (m0 + first) * K, std::min(kBroadcastRows, rows - first), K, width,
+                       xts[i]);
+        at[i] = xts[i].data();
+      }
+    });
     // One loop over every part's rows: a thread's share may span two parts.
     team::parallel_for(0, rows_of(ps), 16, [&](int64_t a, int64_t b) {
       int64_t first = 0;
       for (const Part& p : ps) {
         const int64_t lo = std::max(a, first), hi = std::min(b, first + p.rows);
         if (lo < hi)
-          broadcast_part(p, lo - first, hi - first, xt.data(), rows, K,
+          broadcast_part(p, lo - first, hi - first, at.data(), passes, width, rows, K,
                          bias != nullptr ? bias + p.col : nullptr, y + m0 * N + p.col, N);
         first += p.rows;
       }

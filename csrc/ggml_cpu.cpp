@@ -71,8 +71,8 @@ inline Format format(int64_t type) {
 }
 
 // Rows of x the fused GEMV takes in one pass over the weight; up to kGemvPassRows rows take
-// passes of it (from kBroadcastMinRows, with float32 x, the broadcast kernel instead), more
-// take dequantized panels and the float32 GEMM (two AVX-512 threads: a
+// passes of it (with float32 x, from kBroadcastMinRows to kBroadcastMaxRows, the broadcast
+// kernel instead), more take dequantized panels and the float32 GEMM (two AVX-512 threads: a
 // Q8_0 LM head of 49152 x 576 took 23 ms for 32 rows in passes, 44 ms for 64, panels 27 ms
 // for 65; 2048 x 2048 layers of every type alike). With int8 x the tiles
 // (ggml_tiles_cpu.cpp) come first, taking the parts they read from 5 rows (the K-quants from
@@ -1048,7 +1048,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     return activation_bits == 8 && (int8_kquant(p.type) || int8_block32(p.type, M));
   };
   const bool int8 = std::any_of(rest.begin(), rest.end(), takes_int8);
-  if (!int8 && M >= kBroadcastMinRows && M <= kGemvPassRows) {
+  if (!int8 && M >= kBroadcastMinRows && M <= kBroadcastMaxRows) {
     broadcast_linear(rest, x.data_ptr<float>(), M, K, bd, y.data_ptr<float>(), N);
     return y;
   }

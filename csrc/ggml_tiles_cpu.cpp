@@ -281,9 +281,6 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
   }
 }
 
-// Passes a tile of weight rows goes through after one decode of each chunk (AVX2's 128 rows).
-constexpr int64_t kTileMaxPasses = 16;
-
 // Rows [n0, n1) of part p through `passes` passes of x (x^T in xs; M rows in all, y their
 // first row's outputs), P weight rows at a time, kChunk inputs at a time: each chunk of the
 // tile's rows is decoded once for every pass (one pass at a time decoded it again for each:
@@ -293,7 +290,7 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
                int64_t passes, int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   TileWeights w;
   std::vector<ColumnBuffer<V, 8 * P>> out(passes, ColumnBuffer<V, 8 * P>(n0));
-  vfn acc[kTileMaxPasses][P][V];
+  vfn acc[kMaxGroupPasses][P][V];
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
     for (int64_t x = 0; x < passes; ++x)
@@ -343,17 +340,9 @@ void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX* xs, int64_t p
              : tile_rows<kTileP2, 2, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
 }
 
-// Passes of x that go through the weights together: as many as keep their x^T (K x W bytes
-// of codes, and K / 16 x W scales and sums) within ~512 KB of L2, at most kTileMaxPasses (a
-// tile reads all of it per chunk of weights). On a Zen 5 (1 MB of L2) 768 KB ran 896 x 4864
-// Q5_0 at 64-256 rows 1.06-1.16x 256 KB's (more passes a group), other shapes level.
-inline int64_t tile_group_passes(int64_t K, int64_t W) {
-  return std::clamp<int64_t>((512 << 10) / (K * W * 3 / 2), 1, kTileMaxPasses);
-}
-
 // y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another, x in int8 per 32
 // inputs (x32): passes of up to kTilePassRows rows, transposed once in groups that go through
-// the weights together (tile_group_passes), each group split by weight rows between threads.
+// the weights together (group_passes), each group split by weight rows between threads.
 void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int64_t K,
                  const float* bias, float* y, int64_t N) {
   // The caller's buffers, reused; named by a reference so that the team's threads read this
@@ -361,7 +350,8 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
   thread_local std::vector<TileX> transposed;
   std::vector<TileX>& xs = transposed;
   const int64_t W = M <= kLanes ? kLanes : kTilePassRows;
-  const int64_t group = tile_group_passes(K, W) * kTilePassRows;
+  // x^T a pass: K x W bytes of codes, K / 16 x W scales and sums
+  const int64_t group = group_passes(K * W * 3 / 2) * kTilePassRows;
   for (int64_t m0 = 0; m0 < M; m0 += group) {
     const int64_t rows = std::min(group, M - m0);
     const int64_t passes = (rows + kTilePassRows - 1) / kTilePassRows;

@@ -63,14 +63,14 @@ def test_every_type_dequantizes_as_the_gguf_package(cpu_kernels, qtype: int):
                                want[ids], rtol=0, atol=0)
 
 
-# Rows 1 to 70: the GEMV (passes of up to 16 rows), from 14 rows to 32 x transposed against
+# Rows 1 to 130: the GEMV (passes of up to 16 rows), from 14 rows to 128 x transposed against
 # broadcast weights (one and two vectors of x^T, passes of them, weight rows past a whole
-# tile), and the panel GEMM past 32; K one chunk, several, and a last chunk of 32-value
-# blocks short of 256 (896 = 3.5 chunks).
+# tile; at 100 rows of 4864 inputs, groups of one pass), and the panel GEMM past 128; K one
+# chunk, several, and a last chunk of 32-value blocks short of 256 (896 = 3.5 chunks).
 @pytest.mark.parametrize("qtype", TYPES, ids=[FORMATS[t].name for t in TYPES])
-@pytest.mark.parametrize("rows", [1, 3, 14, 16, 17, 32, 40, 70])
+@pytest.mark.parametrize("rows", [1, 3, 14, 16, 17, 32, 40, 70, 100, 130])
 def test_linear_matches_torch_on_the_dequantized_weight(cpu_kernels, qtype: int, rows: int):
-    cols = 512 if FORMATS[qtype].values == 256 else 896
+    cols = 4864 if rows == 100 else 512 if FORMATS[qtype].values == 256 else 896
     first, second = random_blocks(qtype, 19, cols, seed=1), random_blocks(qtype, 6, cols, seed=2)
     weight = torch.cat([reference(first, qtype, cols), reference(second, qtype, cols)])
     gen = torch.Generator().manual_seed(rows)
