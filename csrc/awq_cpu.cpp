@@ -40,6 +40,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -59,6 +60,18 @@ constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGemvMaxRows = 16;
 #else
 constexpr int64_t kGemvMaxRows = 12;
+#endif
+// The same with int8 activations (csrc/awq_int8_cpu.cpp, 256-bit code on either flavour).
+// AVX2: the int8 GEMV at any rows. Against awq_gemm, two threads, SmolLM2's 576-wide Q4_1
+// layers repacked (Zen 5), one layer hot in cache: 1.3-2.5x at 8-12 rows, 1.2-1.6x at 16-128,
+// 1.15-1.55x at 256-512; the bundled model in the engine, int8, old vs new build alternated:
+// 1.45x at 16 sequences, 1.26x at 64. AVX-512 (its GEMM twice the vector width) keeps the
+// float limit: the hot layer had awq_gemm ahead from 8 rows (0.7-0.99x), but in the engine,
+// weights streamed, awq_gemm from 7 rows ran 8 and 16 sequences at 0.85x and 0.98x.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kInt8GemvMaxRows = std::numeric_limits<int64_t>::max();
+#else
+constexpr int64_t kInt8GemvMaxRows = kGemvMaxRows;
 #endif
 constexpr int64_t kPrefetchWords = 16 * kTile;  // 2 KB ahead in the code stream
 constexpr float kLowBase = 256.f, kHighBase = 16.f;

@@ -371,7 +371,8 @@ class CpuDecoder {
       y = out;
     } else {
       y = awq_linear(x, w.weights[0], w.weights[1], w.weights[2], w.bias, w.n, w.group,
-                     max_gemv_rows_, activation_bits_);
+                     activation_bits_ == 8 ? kInt8GemvMaxRows : max_gemv_rows_,
+                     activation_bits_);
     }
     if (w.lora_a.defined()) {
       // Each run of rows with one adapter: y += (x @ a[slot]) @ b[slot].

@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_gemv", &awq_gemv, "fused 4-bit dequantize-GEMV, up to 8 rows per pass");
   m.def("awq_gemm", &awq_gemm, "4-bit AWQ GEMM by decoded panels, for many rows");
   m.attr("awq_gemv_max_rows") = kGemvMaxRows;
+  m.attr("awq_int8_max_rows") = kInt8GemvMaxRows;
   m.def("awq_gemv_int16", &awq_gemv_int16, "4-bit AWQ GEMV with int16 activations (AVX2, AVX-512)");
   m.def("awq_gemv_int8", &awq_gemv_int8, "4-bit AWQ GEMV with int8 activations (AVX2, AVX-512)");
   m.def("awq_gemv_has_integer", &awq_gemv_has_integer,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.layers.ggml_tensor import GGMLTensor, drop_pages
-from pkv.core.layers.int4_tiles import tiled
+from pkv.core.layers.int4_tiles import gemv_rows, tiled
 from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout, as_tensor
 from pkv.csrc import cpp_build
 
@@ -97,7 +97,8 @@ class GGMLLinearMethod(LinearMethod):
         if layer.parts is None:  # 4-bit tiles
             y = layer.kernel.awq_linear(flat, layer.codes, layer.scales_f32, layer.zs,
                                         layer.bias, layer.out_features, INT4_GROUP,
-                                        layer.kernel.awq_gemv_max_rows, self.activation_bits)
+                                        gemv_rows(layer.kernel, self.activation_bits),
+                                        self.activation_bits)
         else:
             y = layer.kernel.ggml_linear(flat, layer.blocks, layer.qtypes, layer.bias, None,
                                          self.block_bits)

@@ -7,6 +7,8 @@ AWQ checkpoints repack into it (plugins/weights/awq.py), and so do a GGUF's 4-bi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 PACK = 8  # codes per int32 word
@@ -43,3 +45,9 @@ def tiled(codes: torch.Tensor, scales: torch.Tensor,
     n = codes.shape[1]
     return (repack_words(codes), by_tile(pad_columns(scales.float(), n)),
             by_tile(pad_columns(zs.float(), n)))
+
+
+def gemv_rows(kernel: Any, activation_bits: int) -> int:
+    """Rows up to which the 4-bit kernel's GEMV takes a layer rather than its GEMM (awq_linear's
+    `max_gemv_rows`): with int8 activations the int8 GEMV's own limit, else the float one's."""
+    return kernel.awq_int8_max_rows if activation_bits == 8 else kernel.awq_gemv_max_rows

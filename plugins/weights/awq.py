@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkv.core.layers.int4_tiles import PACK, tiled
+from pkv.core.layers.int4_tiles import PACK, gemv_rows, tiled
 from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout
 from pkv.core.model_loader.loader import ModelSource
 from pkv.core.model_loader.quantization import WeightLoader
@@ -80,8 +80,8 @@ class AWQLinearMethod(LinearMethod):
 
     def set_activations(self, activations: str) -> None:
         """float32, or int16 / int8: rows quantized (per group / per 32 inputs) for the
-        integer-dot GEMVs (up to the kernels' `awq_gemv_max_rows` rows; the many-row GEMM stays
-        float32), on the avx2/avx512 kernels."""
+        integer-dot GEMVs (up to the kernels' `awq_gemv_max_rows` rows, int8 up to
+        `awq_int8_max_rows`; the many-row GEMM stays float32), on the avx2/avx512 kernels."""
         if activations != "float32":
             _check_integer_kernel(activations, self.kernel, self.group_size)
         self.activation_bits = ACTIVATION_BITS[activations]
@@ -126,7 +126,7 @@ class AWQLinearMethod(LinearMethod):
         if layer.kernel is not None:
             return layer.kernel.awq_linear(x, layer.codes, layer.scales_f32, layer.zs, layer.bias,
                                            layer.out_features, self.group_size,
-                                           layer.kernel.awq_gemv_max_rows,
+                                           gemv_rows(layer.kernel, self.activation_bits),
                                            self.activation_bits)
         y = x.float() @ layer.weight_t
         if layer.bias is not None:

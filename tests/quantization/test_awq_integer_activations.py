@@ -5,6 +5,7 @@ only); and the engine setting's checks."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.llm_engine import LLMEngine
+from pkv.core.layers.int4_tiles import gemv_rows
 from pkv.csrc import cpp_build
 from pkv.plugins.weights import awq
 from pkv.plugins.weights.awq import AWQLinearMethod
@@ -89,6 +91,25 @@ def test_awq_linear_uses_the_integer_gemv_for_its_rows_only(kernel) -> None:  # 
         assert torch.equal(y, expected), rows
     with pytest.raises(RuntimeError, match="activation_bits must be 32, 16 or 8"):
         ext.awq_linear(x, *args, None, n, group, limit, 4)
+
+
+@pytest.mark.parametrize("flavour", INTEGER_FLAVOURS)
+def test_int8_layers_keep_the_int8_gemv_up_to_its_own_limit(flavour: str) -> None:
+    """The layer's rows go to the int8 GEMV up to `awq_int8_max_rows` (AVX2: any number, its
+    GEMV ahead of the float GEMM at every count measured; AVX-512: the float limit), the float
+    GEMM above."""
+    ext = cpp_build.kernels(flavour)
+    limit = gemv_rows(ext, 8)
+    assert gemv_rows(ext, 32) == gemv_rows(ext, 16) == ext.awq_gemv_max_rows
+    assert limit == (ext.awq_gemv_max_rows if flavour == "avx512" else sys.maxsize)
+    k, n, group = 320, 72, 32
+    layer, _ = _awq_layer(k, n, group, bias=False, seed=11)
+    args = (layer.codes, layer.scales_f32, layer.zs, n, group)
+    for rows in (ext.awq_gemv_max_rows + 1, 100):
+        x = torch.randn(rows, k)
+        y = ext.awq_linear(x, *args[:3], None, n, group, limit, 8)
+        expected = ext.awq_gemv_int8(x, *args) if rows <= limit else ext.awq_gemm(x, *args)
+        assert torch.equal(y, expected), rows
 
 
 def test_the_setting_is_checked() -> None:
