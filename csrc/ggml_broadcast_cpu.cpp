@@ -132,6 +132,50 @@ inline int64_t group_passes(int64_t bytes) {
   return std::clamp<int64_t>((512 << 10) / bytes, 1, kMaxGroupPasses);
 }
 
+// A tile of P weight rows' accumulators for each pass of a group (V vectors of rows of x), and
+// each pass's outputs on their way into y (ColumnBuffer): the broadcast kernel's and the int8
+// tiles'.
+template <int P, int V, int64_t kCols>
+class PassOutputs {
+ public:
+  PassOutputs(int64_t passes, int64_t first_col)
+      : passes_(passes), out_(passes, ColumnBuffer<V, kCols>(first_col)) {}
+
+  void zero() {
+    for (int64_t x = 0; x < passes_; ++x)
+      for (int i = 0; i < P; ++i)
+        for (int v = 0; v < V; ++v) acc_[x][i][v] = vfn{};
+  }
+
+  // chunk(x, acc) for each pass x, its accumulators in registers through the chunk.
+  template <typename Chunk>
+  __attribute__((always_inline)) void each(Chunk&& chunk) {
+    for (int64_t x = 0; x < passes_; ++x) {
+      vfn a[P][V];
+      std::memcpy(a, acc_[x], sizeof a);
+      chunk(x, a);
+      std::memcpy(acc_[x], a, sizeof a);
+    }
+  }
+
+  // Weight rows [n, n + rows) done: into each pass's buffer (passes `pass_rows` rows of x
+  // apart, M rows in all, y the first row's outputs), written into y once full or `last`.
+  void put(int64_t n, int64_t rows, bool last, int64_t pass_rows, int64_t M, const float* bias,
+           float* y, int64_t ldy) {
+    for (int64_t x = 0; x < passes_; ++x) {
+      const int64_t first = x * pass_rows;
+      for (int64_t i = 0; i < rows; ++i) out_[x].put(n + i, acc_[x][i]);
+      out_[x].flush_if(last, n + rows, std::min(pass_rows, M - first), bias, y + first * ldy,
+                       ldy);
+    }
+  }
+
+ private:
+  int64_t passes_;
+  std::vector<ColumnBuffer<V, kCols>> out_;
+  vfn acc_[kMaxGroupPasses][P][V];
+};
+
 // acc[i][v] += w[i][k] xt[k][v] over `count` inputs: P weight rows at w (a row every kChunk
 // floats) broadcast against V vectors of x^T an input.
 template <int P, int V>
@@ -159,15 +203,10 @@ void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* const* x
                     int64_t ldy) {
   constexpr int P = kAccumulators / V;
   alignas(64) float w[P * kChunk];
-  std::vector<ColumnBuffer<V, 4 * P>> out(passes, ColumnBuffer<V, 4 * P>(n0));
-  vfn acc[kMaxGroupPasses][P][V];
+  PassOutputs<P, V, 4 * P> out(passes, n0);
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
-    for (int64_t x = 0; x < passes; ++x)
-#pragma GCC unroll 32
-      for (int i = 0; i < P; ++i)
-#pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) acc[x][i][v] = vfn{};
+    out.zero();
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t count = std::min(kChunk, K - k0);
       for (int64_t i = 0; i < rows; ++i) {
@@ -179,19 +218,11 @@ void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* const* x
           prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
       }
       for (int64_t i = rows; i < P; ++i) std::fill(w + i * kChunk, w + i * kChunk + count, 0.f);
-      for (int64_t x = 0; x < passes; ++x) {
-        vfn a[P][V];  // in registers through the chunk
-        std::memcpy(a, acc[x], sizeof a);
-        broadcast_chunk<P, V>(w, xts[x] + k0 * V * kLanes, count, a);
-        std::memcpy(acc[x], a, sizeof a);
-      }
+      out.each([&](int64_t x, vfn (&acc)[P][V]) {
+        broadcast_chunk<P, V>(w, xts[x] + k0 * V * kLanes, count, acc);
+      });
     }
-    for (int64_t x = 0; x < passes; ++x) {
-      const int64_t first = x * kBroadcastRows;
-      for (int64_t i = 0; i < rows; ++i) out[x].put(n + i, acc[x][i]);
-      out[x].flush_if(n + rows == n1, n + rows, std::min(kBroadcastRows, M - first), bias,
-                      y + first * ldy, ldy);
-    }
+    out.put(n, rows, n + rows == n1, kBroadcastRows, M, bias, y, ldy);
   }
 }
 

@@ -289,13 +289,10 @@ template <int P, int V, int S>
 void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX* xs,
                int64_t passes, int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   TileWeights w;
-  std::vector<ColumnBuffer<V, 8 * P>> out(passes, ColumnBuffer<V, 8 * P>(n0));
-  vfn acc[kMaxGroupPasses][P][V];
+  PassOutputs<P, V, 8 * P> out(passes, n0);
   for (int64_t n = n0; n < n1; n += P) {
     const int64_t rows = std::min<int64_t>(P, n1 - n);
-    for (int64_t x = 0; x < passes; ++x)
-      for (int i = 0; i < P; ++i)
-        for (int v = 0; v < V; ++v) acc[x][i][v] = vfn{};
+    out.zero();
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t count = std::min(kChunk, K - k0);
       for (int64_t i = 0; i < P; ++i) {
@@ -313,19 +310,9 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
         else if (n + P + i < n1)
           prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
       }
-      for (int64_t x = 0; x < passes; ++x) {
-        vfn a[P][V];  // in registers through the chunk
-        std::memcpy(a, acc[x], sizeof a);
-        tile_chunk<P, V, S>(w, xs[x], k0, count, a);
-        std::memcpy(acc[x], a, sizeof a);
-      }
+      out.each([&](int64_t x, vfn (&acc)[P][V]) { tile_chunk<P, V, S>(w, xs[x], k0, count, acc); });
     }
-    for (int64_t x = 0; x < passes; ++x) {
-      const int64_t first = x * kTilePassRows;
-      for (int64_t i = 0; i < rows; ++i) out[x].put(n + i, acc[x][i]);
-      out[x].flush_if(n + rows == n1, n + rows, std::min(kTilePassRows, M - first), bias,
-                      y + first * ldy, ldy);
-    }
+    out.put(n, rows, n + rows == n1, kTilePassRows, M, bias, y, ldy);
   }
 }
 
