@@ -336,11 +336,9 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
   // thread's, not their own thread_local ones.
   thread_local std::vector<TileX> transposed;
   std::vector<TileX>& xs = transposed;
-  const int64_t W = M <= kLanes ? kLanes : kTilePassRows;
   // x^T a pass: K x W bytes of codes, K / 16 x W scales and sums
-  const int64_t group = group_passes(K * W * 3 / 2) * kTilePassRows;
-  for (int64_t m0 = 0; m0 < M; m0 += group) {
-    const int64_t rows = std::min(group, M - m0);
+  in_groups(M, kTilePassRows, [&](int64_t W) { return K * W * 3 / 2; },
+            [&](int64_t m0, int64_t rows, int64_t W) {
     const int64_t passes = (rows + kTilePassRows - 1) / kTilePassRows;
     tile_x(x32, m0, rows, K, W, xs);
     // One loop over every part's rows: a thread's share may span two parts.
@@ -354,7 +352,7 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
         first += p.rows;
       }
     });
-  }
+  });
 }
 
 }  // namespace
