@@ -30,7 +30,8 @@ constexpr int64_t kBroadcastMinRows = std::min<int64_t>(14, 2 * kLanes);
 // Up to here, not the float GEMM on dequantized panels (passes in groups, each chunk of weights
 // decoded once for a group): two threads, Q5_0 / Q8_0 576-input layers, Q4_K / Q6_K 1536-input
 // ones, 896 x 4864 Q5_0, against the GEMM: AVX-512 1.2-1.4x at 64 rows, 1.0-1.4x at 128,
-// 0.88-1.05x at 256; AVX2 1.0-1.17x at 64, 0.95-1.08x at 128.
+// 0.88-1.05x at 256; AVX2 1.0-1.17x at 64, 0.95-1.08x at 128. 8B shapes (Q4_K 14336 x 4096,
+// Q6_K 4096 x 14336): AVX-512 1.14-1.56x at 64 rows, 1.03-1.22x at 128; AVX2 1.03x at 128.
 constexpr int64_t kBroadcastMaxRows = 128;
 
 // Values [v0, v0 + count) of a weight row as float32 into out (v0 and count whole blocks), by
