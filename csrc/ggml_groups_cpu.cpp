@@ -13,8 +13,8 @@
 // x is laid out for it once a call (`Q8Groups`): per group of four blocks, the first 16 codes
 // of each block side by side (`lo`), the last 16 (`hi`), the offset's share -16 sum(q) in the
 // first int32 lane of each block (Q5_0: w = d (c - 16), so the block's dot is
-// d dx (c . q - 16 sum q); for Q8_0, whose signed codes go in + 128, -128 sum q), and dx
-// repeated over each block's four lanes. Then a Q5_0 block's codes
+// d dx (c . q - 16 sum q); for Q8_0, whose signed codes go in + 128, -128 sum q: eight times
+// it, a shift as it is loaded), and dx repeated over each block's four lanes. Then a Q5_0 block's codes
 // are its 16 nibble bytes, low nibbles against `lo` and high against `hi`, plus 16 where its
 // fifth bit is set; its byte products land in the four int32 lanes that its scale, widened
 // from half once for the group, multiplies. A short last group has zeros in x, and its weight
@@ -43,7 +43,7 @@ constexpr int64_t kGroupBytes = 4 * kQ5Bytes;
 // m * groups + g.
 struct Q8Groups {
   std::vector<int8_t> lo, hi;                // [rows, groups, 64]
-  std::vector<int32_t> offset16, offset128;  // [rows, groups, 16]: -16 or -128 sum q
+  std::vector<int32_t> offset16;             // [rows, groups, 16]: -16 sum q
   std::vector<float> dx;                     // [rows, groups, 16]
   int64_t blocks = 0, groups = 0;
 };
@@ -56,16 +56,13 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   g.lo.assign(M * G * 64, 0);
   g.hi.assign(M * G * 64, 0);
   g.offset16.assign(M * G * 16, 0);
-  g.offset128.assign(M * G * 16, 0);
   g.dx.assign(M * G * 16, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t at = m * NB + b, lane = 16 * (m * G + b / 4) + 4 * (b % 4);
       std::memcpy(g.lo.data() + 4 * lane, x.q.data() + 32 * at, 16);
       std::memcpy(g.hi.data() + 4 * lane, x.q.data() + 32 * at + 16, 16);
-      const int32_t sum = x.bsums[2 * at] + x.bsums[2 * at + 1];
-      g.offset16[lane] = -16 * sum;
-      g.offset128[lane] = -128 * sum;
+      g.offset16[lane] = -16 * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
       std::fill_n(g.dx.data() + lane, 4, x.d[at]);
     }
   }
@@ -105,7 +102,7 @@ struct Q5Group {
                     : kQ5Bytes * (k % 8 / 2) + 2 + k % 2 + 2 * (k / 8 % 2);
     });
   };
-  static const int32_t* offset(const Q8Groups& x) { return x.offset16.data(); }
+  static __m512i offset(const int32_t* at) { return _mm512_loadu_si512(at); }
   static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d) {
     const __m512i qs = _mm512_permutex2var_epi8(r[0], ix.nibbles, r[1]);
     const __m512i m = _mm512_permutex2var_epi8(r[0], ix.meta, r[1]);
@@ -131,7 +128,9 @@ struct Q8Group {
     __m512i last23 = byte_index([](int j) { return 34 * (2 + j / 16 % 2) + 18 + j % 16 - 64; });
     __m512i scales = byte_index([](int j) { return 34 * (j / 8 % 4) + j % 2; });
   };
-  static const int32_t* offset(const Q8Groups& x) { return x.offset128.data(); }
+  static __m512i offset(const int32_t* at) {  // -128 sum q
+    return _mm512_slli_epi32(_mm512_loadu_si512(at), 3);
+  }
   static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     lo = _mm512_xor_si512(_mm512_permutex2var_epi8(r[0], ix.first, r[1]), flip);
@@ -150,7 +149,6 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
   static const typename Codes::Index ix;
   constexpr int64_t kBytes = 4 * Codes::kBytes;
   const int64_t G = x.groups;
-  const int32_t* offset = Codes::offset(x);
   __m512 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm512_setzero_ps();
@@ -169,7 +167,7 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
       for (int m = 0; m < R; ++m) {
         const int64_t at = m * G + g;
         const __m512i sums = _mm512_dpbusd_epi32(
-            _mm512_dpbusd_epi32(_mm512_loadu_si512(offset + 16 * at), lo,
+            _mm512_dpbusd_epi32(Codes::offset(x.offset16.data() + 16 * at), lo,
                                 _mm512_loadu_si512(x.lo.data() + 64 * at)),
             hi, _mm512_loadu_si512(x.hi.data() + 64 * at));
         acc[w][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),

@@ -242,12 +242,10 @@ def test_grouped_types_at_few_rows_of_int8_x(cpu_kernels, two_threads, name: str
 # Past the float GEMV's 32 rows an int8 layer keeps integer kernels for the parts the tiles read
 # (at any rows); the float32 GEMM takes the rest (Q2_K beside a tiled Q5_0 part; Q8_0 without
 # VNNI).
-@pytest.mark.parametrize(("rows", "names", "int8"), [(100, ("Q4_K", "Q6_K"), True),
-                                                     (130, ("Q4_K", "Q6_K"), False),
-                                                     (70, ("Q4_K", "Q8_0"), False),
-                                                     (70, ("Q5_0", "Q2_K"), False)])
+@pytest.mark.parametrize(("rows", "names"), [(100, ("Q4_K", "Q6_K")), (130, ("Q4_K", "Q6_K")),
+                                             (70, ("Q4_K", "Q8_0")), (70, ("Q5_0", "Q2_K"))])
 def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
-                                                      names: tuple[str, ...], int8: bool):
+                                                      names: tuple[str, ...]):
     types = [FORMATS_BY_NAME[n] for n in names]
     parts = [random_blocks(t, 7, 512, seed=i) for i, t in enumerate(types)]
     weights = [reference(p, t, 512) for p, t in zip(parts, types)]
@@ -259,8 +257,6 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
     for name, w in zip(names, weights):  # the tiles take the parts they read, each on its own
         if tiled(cpu_kernels, (name,), rows):
             want.append(q8_0_reference(x, w))
-        elif int8 and cpu_kernels.ggml_int8_kquants:
-            want.append(q8_reference(x, w))
         else:
             want.append(x.double() @ w.double().t())
     want = torch.cat(want, dim=1)
