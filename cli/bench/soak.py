@@ -265,7 +265,7 @@ def state_table(start: Snapshot, end: Snapshot) -> Table:
 
 def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot, curve: MemoryCurve,
             max_slope: float, max_peak: float | None,
-            max_warmup: float | None = None) -> list[str]:
+            max_warmup: float | None = None, max_ttft_growth: float = 2.0) -> list[str]:
     """What went wrong (empty: the soak passed)."""
     problems = []
     unexpected = [e for m in minutes for e in m.unexpected]
@@ -277,6 +277,6 @@ def verdict(minutes: list[Minute], start: Snapshot, end: Snapshot, curve: Memory
     if end.open_files > start.open_files + 8:
         problems.append(f"open files grew {start.open_files} -> {end.open_files}")
     timed = [m for m in minutes if m.ttfts]
-    if len(timed) > 2 and timed[-1].p99_ttft_ms > 2 * timed[0].p99_ttft_ms:
-        problems.append("p99 TTFT drifted up: last minute over twice the first")
+    if len(timed) > 2 and timed[-1].p99_ttft_ms > max_ttft_growth * timed[0].p99_ttft_ms:
+        problems.append(f"p99 TTFT drifted up: last minute over {max_ttft_growth:g}x the first")
     return problems

@@ -78,9 +78,12 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
     # Seconds, not minutes: the server is still warming up (~30 MiB/min in its first minute
     # here), so the bound is one a per-request leak would break, not the hour-long 1 MiB/min.
+    # A 3-second sample's p99 TTFT is its slowest few requests, which a shared 2-core machine
+    # moves 2-7x between samples: the drift bound is for minutes of traffic, not this.
     result = _bench("soak", str(tiny_llama_dir), "--duration", "12", "--interval", "3",
                     "--warmup", "6", "--max-num-seqs", "4", "--max-model-len", "256",
-                    "--max-slope", "240", "--trace", "--json", str(out), "--plot", str(png))
+                    "--max-slope", "240", "--max-ttft-growth", "50", "--trace", "--json",
+                    str(out), "--plot", str(png))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["served"] > 0 and data["problems"] == []
@@ -166,8 +169,10 @@ def test_soak_verdict_names_each_problem():
     problems = " | ".join(verdict(drift, start, bad, leak, 1.0, None))
     for words in ("1 unexpected errors, e.g. 500: boom", "KV blocks still held: 10",
                   "climbs 3.00 MiB/min after its plateau", "open files grew 10 -> 30",
-                  "p99 TTFT drifted up"):
+                  "p99 TTFT drifted up: last minute over 2x the first"):
         assert words in problems
+    assert "drifted" not in " ".join(verdict(drift, start, bad, leak, 1.0, None,
+                                             max_ttft_growth=6))
 
 
 def test_roofline_covers_prefill(tmp_path: Path, tiny_llama_dir: Path):

@@ -26,13 +26,15 @@ def soak(
     max_slope: Annotated[float, typer.Option(help="MiB per minute memory outside the KV pool may climb after its plateau.")] = 1.0,
     max_peak_mib: Annotated[Optional[float], typer.Option(help="Most MiB memory outside the KV pool may reach (default: no bound).")] = None,
     max_warmup_mib: Annotated[float, typer.Option(help="Most MiB memory outside the KV pool may rise above the idle server's before any load.")] = MAX_WARMUP_MIB,
+    max_ttft_growth: Annotated[float, typer.Option(help="Most the last sample's p99 TTFT may be, as a multiple of the first's.")] = 2.0,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     trace: Annotated[bool, typer.Option(help="Trace the server's Python heap (tracemalloc; slower) and list where it grew.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of memory over time.")] = None,
 ) -> None:
     """A real server at capacity for `duration` under a hostile mix; fails on unexpected
-    errors, held KV blocks, memory that climbs after its plateau, or growing open files."""
+    errors, held KV blocks, memory that climbs after its plateau, growing open files, or a p99
+    TTFT that grows past `max_ttft_growth` times the first sample's."""
     import dataclasses
     import secrets
 
@@ -45,9 +47,9 @@ def soak(
 
     with user_errors(console):
         if duration <= 0 or interval <= 0 or warmup < 0 or max_num_seqs < 1 or (
-                concurrency is not None and concurrency < 1):
-            raise ValueError("--duration, --interval, --max-num-seqs and --concurrency must be "
-                             "> 0, --warmup >= 0")
+                concurrency is not None and concurrency < 1) or max_ttft_growth <= 0:
+            raise ValueError("--duration, --interval, --max-num-seqs, --concurrency and "
+                             "--max-ttft-growth must be > 0, --warmup >= 0")
         key = secrets.token_hex(16)
         headers = {"Authorization": f"Bearer {key}"}
         args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
@@ -82,7 +84,8 @@ def soak(
         for grew in reports[-1]["top_growth"]:
             console.print(f"python heap +{grew['bytes'] / 2**20:.2f} MiB "
                           f"({grew['count']:+d} blocks) at {grew['where']}")
-        problems = verdict(minutes, start, end, curve, max_slope, max_peak_mib, max_warmup_mib)
+        problems = verdict(minutes, start, end, curve, max_slope, max_peak_mib, max_warmup_mib,
+                           max_ttft_growth)
         plateau = curve.plateau_start()
         slope = curve.slope(plateau) if plateau is not None else None
         console.print(f"memory outside the KV pool: {curve.before_mib:.0f} MiB before load, "
