@@ -6,7 +6,7 @@
 // far below what float16 activations keep (vLLM's AWQ kernels run in float16). Per group,
 //   sum_k x_k W[k, n] ~ xs s (sum_k q16_k q_k) - zs sum_k x_k,
 // the first sum exact in int32 (|q16 q| < 2^19, and at most 2048 inputs a group), the zero
-// term from the float sum of x.
+// term's sum of x that of the quantized x (xs sum q16; see csrc/awq_int8_cpu.cpp for why).
 //
 // Why: on AVX2 the float GEMV turns every 4-bit code into a float with two or three vector
 // instructions before its FMA (~29 instructions per 64 weights). Here one shift and one
@@ -42,14 +42,14 @@ constexpr int64_t kMaxInt16Group = 2048;  // keeps a group's int32 sums from ove
 #if defined(__AVX2__)
 // Row m of x as int16 pairs: for block b of 8 inputs, word i (0..3) holds inputs 8b + i (low
 // half) and 8b + i + 4 (high half), what one vpmaddwd lane multiplies with a word's codes.
-// Per group: the scale xs and the float sum of x.
+// Per group: the scale xs and the sum of the quantized x.
 struct Int16Rows {
   std::vector<int32_t> pairs;  // [M, K / 2]
   std::vector<float> xs, xsum;  // [M, K / G]
 };
 
-// The largest |x| and the sum of x[0, n): a block's quantization grid and its zero-point term
-// (also csrc/awq_int8_cpu.cpp's, built after this file).
+// The largest |x| and the sum of x[0, n): a block's quantization grid, and whether it is
+// finite (also csrc/awq_int8_cpu.cpp's, built after this file).
 struct Extent {
   float amax, sum;
 };
@@ -79,14 +79,16 @@ Int16Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G) {
       }
       const float xs = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
       r.xs[m * NG + g] = xs;
-      r.xsum[m * NG + g] = sum;
+      int32_t qsum = 0;  // at most 2048 x 32767
       for (int64_t b = 0; b < G / 8; ++b)
         for (int64_t i = 0; i < 4; ++i) {
           const auto lo = static_cast<int16_t>(std::nearbyint(x[8 * b + i] * inv));
           const auto hi = static_cast<int16_t>(std::nearbyint(x[8 * b + i + 4] * inv));
+          qsum += lo + hi;
           out[4 * b + i] = static_cast<int32_t>(static_cast<uint16_t>(lo)) |
                            static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
         }
+      r.xsum[m * NG + g] = xs * static_cast<float>(qsum);
     }
   return r;
 }

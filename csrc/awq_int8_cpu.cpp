@@ -5,9 +5,12 @@
 // Each row of x is quantized per block of 32 inputs to int8: x_k ~ xb q8_k with
 // xb = max |x| / 127 over the block (llama.cpp's Q8_0 blocks), a relative error of at most
 // 2^-8 of the block's largest activation. Per group of G inputs (a multiple of 32),
-//   sum_k x_k W[k, n] ~ s sum_blocks xb (sum_k q8_k q_k) - zs sum_k x_k,
-// each block's sum exact in int16 (|q8 q| <= 127 x 15, 32 products: < 2^15), the zero term
-// from the float sum of x.
+//   sum_k x_k W[k, n] ~ s sum_blocks xb (sum_k q8_k q_k) - zs sum_blocks xb sum_k q8_k,
+// each block's sum exact in int16 (|q8 q| <= 127 x 15, 32 products: < 2^15). The zero term
+// takes the quantized x's sum, as llama.cpp's Q8_1 blocks do, not the float one: the error is
+// then sum_k (s q_k - zs) e_k, with e_k x's rounding, where the float sum leaves s sum_k q_k
+// e_k, codes of 0..15 instead of weights centred on zero (about twice the error). SmolLM2's
+// Q4_1 file, top-1 agreement with float32 activations over 2,000 positions: 97.65% -> 98.95%.
 //
 // Why: the float GEMV turns every 4-bit code into a float before its FMA, eight weights an
 // FMA (AVX2); the int16 GEMV multiplies 16 codes an instruction. Here one vpmaddubsw
@@ -47,7 +50,7 @@ constexpr int64_t kInt8PrefetchWords = 32 * kTile;
 #if defined(__AVX2__)
 // Row m of x as bytes: for word block b (8 inputs), int32 2b holds inputs 8b + 0, 2, 4, 6 and
 // int32 2b + 1 inputs 8b + 1, 3, 5, 7, what one vpmaddubsw lane pairs with a word's low and
-// high nibbles. Per block of 32: the scale; per group: the float sum of x.
+// high nibbles. Per block of 32: the scale; per group: the sum of the quantized x.
 struct Int8Rows {
   std::vector<int32_t> bytes;  // [M, K / 4]
   std::vector<float> xb;       // [M, K / 32]
@@ -68,7 +71,6 @@ Int8Rows quantize_rows_int8(const float* xp, int64_t M, int64_t K, int64_t G) {
     for (int64_t blk = 0; blk < NB; ++blk) {
       const float* x = xp + m * K + blk * kInt8Block;
       const auto [amax, sum] = extent(x, kInt8Block);
-      r.xsum[m * NG + blk * kInt8Block / G] += sum;
       int32_t* out = r.bytes.data() + (m * K + blk * kInt8Block) / 4;
       if (!std::isfinite(sum)) {  // a NaN or infinity: the row's outputs are NaN, as in float
         r.xb[m * NB + blk] = std::numeric_limits<float>::quiet_NaN();
@@ -77,12 +79,17 @@ Int8Rows quantize_rows_int8(const float* xp, int64_t M, int64_t K, int64_t G) {
       }
       r.xb[m * NB + blk] = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t qsum = 0;
       for (int64_t w = 0; w < kInt8Block / 8; ++w) {
         int8_t q[8];
-        for (int i = 0; i < 8; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[8 * w + i] * inv));
+        for (int i = 0; i < 8; ++i) {
+          q[i] = static_cast<int8_t>(std::nearbyint(x[8 * w + i] * inv));
+          qsum += q[i];
+        }
         out[2 * w] = pack4(q, 0);
         out[2 * w + 1] = pack4(q, 1);
       }
+      r.xsum[m * NG + blk * kInt8Block / G] += r.xb[m * NB + blk] * static_cast<float>(qsum);
     }
   return r;
 }

@@ -66,6 +66,31 @@ def test_gemv_is_within_its_quantization_error(kernel, k: int, n: int, group: in
         assert not torch.equal(y, ext.awq_gemv(x, *args))  # quantized, not the float path
 
 
+def _quantized(x: torch.Tensor, block: int, top: int) -> torch.Tensor:
+    """x as the kernel rounds it: per block, codes round(x * top / max |x|) (half to even)
+    times max |x| / top, in float32 as the kernel computes them."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // block, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / top)).reshape(rows, k)
+
+
+@pytest.mark.parametrize("k,n,group", AWQ_SHAPES)
+def test_gemv_is_the_dot_product_of_its_quantized_x(kernel, k: int, n: int, group: int) -> None:  # noqa: ANN001
+    # The zero term takes the quantized x's sum too, so that x's rounding meets the weights
+    # (centred on zero), not the bare codes (0..15): against the quantized x the result is
+    # exact up to float32 summation, where a float sum of x would leave ~1e-3 of it.
+    ext, activations, gemv = kernel
+    top, block = GRIDS[activations]
+    layer, w = _awq_layer(k, n, group, bias=False, seed=k + n)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(n))
+    x[:, 3] *= 40
+    xq = _quantized(x, block or group, top).double()
+    y = gemv(x, layer.codes, layer.scales_f32, layer.zs, n, group).double()
+    assert ((y - xq @ w).abs() <= 2e-6 * (xq.abs() @ w.abs()) + 1e-6).all()
+
+
 def test_a_non_finite_activation_makes_its_row_nan(kernel) -> None:  # noqa: ANN001
     _, _, gemv = kernel
     layer, _ = _awq_layer(128, 40, 32, bias=False, seed=3)
