@@ -6,7 +6,7 @@
 // far below what float16 activations keep (vLLM's AWQ kernels run in float16). Per group,
 //   sum_k x_k W[k, n] ~ xs s (sum_k q16_k q_k) - zs sum_k x_k,
 // the first sum exact in int32 (|q16 q| < 2^19, and at most 2048 inputs a group), the zero
-// term's sum of x that of the quantized x (xs sum q16; see csrc/awq_int8_cpu.cpp for why).
+// term's sum of x taken from the quantized x (xs sum q16; csrc/awq_int8_cpu.cpp says why).
 //
 // Why: on AVX2 the float GEMV turns every 4-bit code into a float with two or three vector
 // instructions before its FMA (~29 instructions per 64 weights). Here one shift and one

@@ -80,7 +80,8 @@ def _quantized(x: torch.Tensor, block: int, top: int) -> torch.Tensor:
 def test_gemv_is_the_dot_product_of_its_quantized_x(kernel, k: int, n: int, group: int) -> None:  # noqa: ANN001
     # The zero term takes the quantized x's sum too, so that x's rounding meets the weights
     # (centred on zero), not the bare codes (0..15): against the quantized x the result is
-    # exact up to float32 summation, where a float sum of x would leave ~1e-3 of it.
+    # exact up to float32 summation (a float sum of x is off from it by zs times the sum of
+    # x's rounding, far outside this bound).
     ext, activations, gemv = kernel
     top, block = GRIDS[activations]
     layer, w = _awq_layer(k, n, group, bias=False, seed=k + n)
