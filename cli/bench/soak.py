@@ -68,11 +68,17 @@ def snapshot(base: str, headers: dict[str, str], pid: int) -> Snapshot:
 
 
 def wait_idle(base: str, headers: dict[str, str], pid: int, timeout: float = 60) -> Snapshot:
+    """The server's state once idle (nothing running, every block free) and past the moment
+    its engine hands freed memory back."""
+    from pkv.core.engine.async_engine import IDLE_RELEASE_SECONDS
+
     deadline = time.monotonic() + timeout
     while True:
         snap = snapshot(base, headers, pid)
-        if (snap.running == 0 and snap.kv_blocks_free == snap.kv_blocks_total) or \
-                time.monotonic() > deadline:
+        if snap.running == 0 and snap.kv_blocks_free == snap.kv_blocks_total:
+            time.sleep(IDLE_RELEASE_SECONDS + 0.25)
+            return snapshot(base, headers, pid)
+        if time.monotonic() > deadline:
             return snap
         time.sleep(0.5)
 

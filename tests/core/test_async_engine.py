@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,33 @@ def test_concurrent_requests_match_sequential(async_llm: AsyncLLM):
 
     together, alone = asyncio.run(main())
     assert together == alone and all(len(t) == 12 for t in together)
+
+
+def test_freed_memory_goes_back_only_after_an_idle_while(async_llm: AsyncLLM,
+                                                       monkeypatch: pytest.MonkeyPatch):
+    # Requests closer together than the idle time keep the heap's pages (no page faults on
+    # the next step); once idle that long, the engine hands them back.
+    from pkv.core.engine import async_engine
+
+    idle = 3.0
+    monkeypatch.setattr(async_engine, "IDLE_RELEASE_SECONDS", idle)
+    released: list[float] = []
+    real = async_engine.release_free_memory
+    monkeypatch.setattr(async_engine, "release_free_memory",
+                        lambda: (released.append(time.monotonic()), real()))
+
+    async def main() -> float:
+        await _run(async_llm, "first", [1, 2, 3], 4)
+        await asyncio.sleep(0.5)  # well inside the idle time
+        await _run(async_llm, "second", [4, 5, 6], 4)
+        return time.monotonic()
+
+    second_done = asyncio.run(main())
+    deadline = second_done + idle + 5
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert released, "freed memory never went back"
+    assert released[0] >= second_done + idle - 0.2  # none between the two requests
 
 
 def test_leaving_a_stream_aborts_and_frees(async_llm: AsyncLLM):

@@ -178,8 +178,13 @@ def test_a_storm_of_abandoned_requests_frees_everything(server: RunningServer,
 
 
 def _rss_without_kv(server: RunningServer) -> float:
+    """Once an idle server has handed its freed memory back (IDLE_RELEASE_SECONDS after its
+    last step)."""
     import psutil
 
+    from pkv.core.engine.async_engine import IDLE_RELEASE_SECONDS
+
+    time.sleep(IDLE_RELEASE_SECONDS + 0.25)
     rss = psutil.Process(server.process.pid).memory_info().rss
     return rss - server.metrics()["pkv:kv_cache_resident_bytes"]
 
