@@ -267,32 +267,25 @@ class AsyncLLM:
     # ---- the engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        idle_since: float | None = None  # None: freed memory already handed back
+        release_at: float | None = None  # when freed memory goes back; None: it has
         try:
             while not self._stop.is_set():
                 self._wakeup.clear()
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(self._idle_wait(idle_since))
-                    if idle_since is not None and not self._wakeup.is_set() and \
-                            time.monotonic() - idle_since >= IDLE_RELEASE_SECONDS:
+                    now = time.monotonic()
+                    if release_at is not None and now >= release_at:
                         release_free_memory()
-                        idle_since = None
+                        release_at = None
+                    self._wakeup.wait(0.5 if release_at is None else min(0.5, release_at - now))
                     continue
                 self._step()
-                idle_since = time.monotonic()
+                release_at = time.monotonic() + IDLE_RELEASE_SECONDS
         except Exception as exc:  # the loop itself broke: nothing more can be served
             logger.exception("the engine loop crashed")
             self._failure = f"the engine loop crashed: {exc}"
             self._stop.set()
         self._fail_in_flight(EngineDeadError(self._failure or "the server is shutting down"))
-
-    @staticmethod
-    def _idle_wait(idle_since: float | None) -> float:
-        """How long an idle engine thread sleeps: until memory is due back, at most 0.5 s."""
-        if idle_since is None:
-            return 0.5
-        return min(0.5, max(0.0, IDLE_RELEASE_SECONDS - (time.monotonic() - idle_since)))
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
