@@ -45,6 +45,7 @@ struct Q8Groups {
   std::vector<int8_t> lo, hi;                // [rows, groups, 64]
   std::vector<int32_t> offset16;             // [rows, groups, 16]: -16 sum q
   std::vector<float> dx;                     // [rows, groups, 16]
+  std::vector<float> dsum;                   // [rows, groups, 16]: dx sum q (Q4_1's m term)
   int64_t blocks = 0, groups = 0;
 };
 
@@ -57,12 +58,14 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   g.hi.assign(M * G * 64, 0);
   g.offset16.assign(M * G * 16, 0);
   g.dx.assign(M * G * 16, 0.f);
+  g.dsum.assign(M * G * 16, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t at = m * NB + b, lane = 16 * (m * G + b / 4) + 4 * (b % 4);
       std::memcpy(g.lo.data() + 4 * lane, x.q.data() + 32 * at, 16);
       std::memcpy(g.hi.data() + 4 * lane, x.q.data() + 32 * at + 16, 16);
       g.offset16[lane] = -16 * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
+      g.dsum[lane] = x.d[at] * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
       std::fill_n(g.dx.data() + lane, 4, x.d[at]);
     }
   }
@@ -94,6 +97,7 @@ inline __m512i byte_index(const At& at) {
 struct Q5Group {
   static constexpr int64_t kBytes = kQ5Bytes;
   static constexpr int kLoads = 2;
+  static constexpr bool kMin = false;
   struct Index {
     __m512i nibbles = byte_index([](int j) { return kQ5Bytes * (j / 16) + 6 + j % 16; });
     __m512i meta = byte_index([](int j) {
@@ -103,7 +107,8 @@ struct Q5Group {
     });
   };
   static __m512i offset(const int32_t* at) { return _mm512_loadu_si512(at); }
-  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d) {
+  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d,
+                     __m512&) {
     const __m512i qs = _mm512_permutex2var_epi8(r[0], ix.nibbles, r[1]);
     const __m512i m = _mm512_permutex2var_epi8(r[0], ix.meta, r[1]);
     const __m128i bits = _mm512_extracti32x4_epi32(m, 2);
@@ -122,6 +127,7 @@ struct Q5Group {
 struct Q8Group {
   static constexpr int64_t kBytes = 34;
   static constexpr int kLoads = 3;
+  static constexpr bool kMin = false;
   struct Index {
     __m512i first = byte_index([](int j) { return 34 * (j / 16) + 2 + j % 16; });
     __m512i last01 = byte_index([](int j) { return 34 * (j / 16 % 2) + 18 + j % 16; });
@@ -131,7 +137,8 @@ struct Q8Group {
   static __m512i offset(const int32_t* at) {  // -128 sum q
     return _mm512_slli_epi32(_mm512_loadu_si512(at), 3);
   }
-  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d) {
+  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d,
+                     __m512&) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     lo = _mm512_xor_si512(_mm512_permutex2var_epi8(r[0], ix.first, r[1]), flip);
     hi = _mm512_xor_si512(_mm512_mask_blend_epi8(0xFFFFFFFF00000000ULL,
@@ -139,6 +146,34 @@ struct Q8Group {
                                                  _mm512_permutex2var_epi8(r[1], ix.last23, r[2])),
                           flip);
     d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi8(r[0], ix.scales, r[1])));
+  }
+};
+
+// Q4_0's group of four 18-byte blocks (72 bytes) or Q4_1's of four 20-byte ones (80 bytes),
+// two registers: the 64 nibble bytes, each block's scale repeated four times and, for Q4_1,
+// its m likewise (`mins`: w = d c + m adds m dx sum q, from x's `dsum`); Q4_0's w = d (c - 8)
+// takes -8 sum q, half of x's -16 sum q, in the integer sums.
+template <bool kOffset>
+struct Q4Group {
+  static constexpr int64_t kBytes = kOffset ? 20 : 18;
+  static constexpr int kLoads = 2;
+  static constexpr bool kMin = kOffset;
+  struct Index {
+    __m512i nibbles = byte_index([](int j) { return kBytes * (j / 16) + (kOffset ? 4 : 2) + j % 16; });
+    __m512i meta = byte_index([](int j) { return kBytes * (j % 32 / 8) + 2 * (j / 32) + j % 2; });
+  };
+  static __m512i offset(const int32_t* at) {
+    return kOffset ? _mm512_setzero_si512() : _mm512_srai_epi32(_mm512_loadu_si512(at), 1);
+  }
+  static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d,
+                     __m512& mins) {
+    const __m512i qs = _mm512_permutex2var_epi8(r[0], ix.nibbles, r[1]);
+    const __m512i m = _mm512_permutex2var_epi8(r[0], ix.meta, r[1]);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(qs, low4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), low4);
+    d = _mm512_cvtph_ps(_mm512_castsi512_si256(m));
+    if constexpr (kOffset) mins = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(m, 1));
   }
 };
 
@@ -162,8 +197,8 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
       __m512i r[Codes::kLoads];
       for (int i = 0; i < Codes::kLoads; ++i) r[i] = _mm512_maskz_loadu_epi8(masks[i], b + 64 * i);
       __m512i lo, hi;
-      __m512 d;
-      Codes::decode(r, ix, lo, hi, d);
+      __m512 d, mins;
+      Codes::decode(r, ix, lo, hi, d, mins);
       for (int m = 0; m < R; ++m) {
         const int64_t at = m * G + g;
         const __m512i sums = _mm512_dpbusd_epi32(
@@ -173,6 +208,8 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
         acc[w][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
                                     _mm512_mul_ps(d, _mm512_loadu_ps(x.dx.data() + 16 * at)),
                                     acc[w][m]);
+        if constexpr (Codes::kMin)
+          acc[w][m] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(x.dsum.data() + 16 * at), acc[w][m]);
       }
     }
   }
@@ -181,86 +218,113 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
       y[m * ldy + n + w] = _mm512_reduce_add_ps(acc[w][m]) + (bias ? bias[n + w] : 0.f);
 }
 
-template <int W, int R>
-inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
-                          float* y, int64_t ldy) {
-  group_rows<Q5Group, W, R>(p, n, x, bias, y, ldy);
-}
 #else
 // Bytes ahead of group g of a panel of W rows to prefetch: in a row longer than the distance,
 // past its end the next rows are being read already (by the panel's other rows): this row's
 // lane skips to its row in the next panel. (AVX-512 prefetches the whole next panel, a share
 // each group, as the float GEMV does: 1.04-1.28x there from memory, 0.86-1.05x here.)
-inline int64_t prefetch_ahead(const Part& p, int64_t g, int W) {
-  const bool past_row = p.stride > kQ8Prefetch && kGroupBytes * g + kQ8Prefetch >= p.stride;
+inline int64_t prefetch_ahead(const Part& p, int64_t group_bytes, int64_t g, int W) {
+  const bool past_row = p.stride > kQ8Prefetch && group_bytes * g + kQ8Prefetch >= p.stride;
   return kQ8Prefetch + (past_row ? (W - 1) * p.stride : 0);
 }
 
-// 16 bytes at `at` of two blocks from b, or of one (the other lane zero).
-inline __m256i load_pair(const uint8_t* b, int64_t at, bool two) {
+// 16 bytes at `at` of two blocks of `bytes` each from b, or of one (the other lane zero).
+inline __m256i load_pair(const uint8_t* b, int64_t bytes, int64_t at, bool two) {
   const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
   if (!two) return _mm256_zextsi128_si256(first);
   return _mm256_inserti128_si256(
       _mm256_castsi128_si256(first),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQ5Bytes + at)), 1);
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bytes + at)), 1);
 }
 
-// A pair of blocks' codes c (the low 16 or, kHigh, the high 16 of each) from their nibble
-// bytes `qs` and their first 16 bytes `meta` (each 128-bit lane one block's): a byte shuffle
-// spreads the fifth bits' bytes over the code bytes, a compare with each byte's bit tests them.
+// The low (or, kHigh, the high) nibbles of a pair's 16 code bytes `qs`.
 template <bool kHigh>
-inline __m256i pair_codes(__m256i qs, __m256i meta) {
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  const __m256i spread = kHigh ? _mm256_setr_epi64x(0x0404040404040404, 0x0505050505050505,
-                                                    0x0404040404040404, 0x0505050505050505)
-                               : _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303,
-                                                    0x0202020202020202, 0x0303030303030303);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i nibbles = _mm256_and_si256(kHigh ? _mm256_srli_epi16(qs, 4) : qs, low4);
-  const __m256i set = _mm256_cmpeq_epi8(
-      _mm256_and_si256(_mm256_shuffle_epi8(meta, spread), bit), bit);
-  return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+inline __m256i pair_nibbles(__m256i qs) {
+  return _mm256_and_si256(kHigh ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
 }
 
-// The pair's scales, each repeated over its block's four int32 lanes.
-inline __m256 pair_scales(__m256i meta) {
-  const __m256i halves = _mm256_shuffle_epi8(meta, _mm256_set1_epi32(0x01000100));
+// The half at byte `at` (0: the scale; 2: Q4_1's m) of each block of a pair, from their first
+// 16 bytes `meta` (one 128-bit lane each), repeated over its block's four int32 lanes.
+template <int kAt>
+inline __m256 pair_halves(__m256i meta) {
+  const __m256i halves = _mm256_shuffle_epi8(meta, _mm256_set1_epi32((kAt + 1) << 24 | kAt << 16 |
+                                                                     (kAt + 1) << 8 | kAt));
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
 }
 
+// Q5_0's pair: the nibbles plus 16 where the fifth bit is set (a byte shuffle spreads the
+// fifth bits' bytes over the code bytes, a compare with each byte's bit tests them).
+struct Q5Group {
+  static constexpr int64_t kBytes = kQ5Bytes, kCodesAt = 6;
+  static constexpr bool kMin = false;
+  template <bool kHigh>
+  static __m256i codes(__m256i qs, __m256i meta) {
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i spread = kHigh ? _mm256_setr_epi64x(0x0404040404040404, 0x0505050505050505,
+                                                      0x0404040404040404, 0x0505050505050505)
+                                 : _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303,
+                                                      0x0202020202020202, 0x0303030303030303);
+    const __m256i set = _mm256_cmpeq_epi8(
+        _mm256_and_si256(_mm256_shuffle_epi8(meta, spread), bit), bit);
+    return _mm256_or_si256(pair_nibbles<kHigh>(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  }
+  static __m256i offset(const int32_t* at) { return load256(at); }
+};
+
+// Q4_0's pair (w = d (c - 8): -8 sum q, half of x's -16 sum q) or Q4_1's (w = d c + m: the
+// m term from x's dx sum q).
+template <bool kOffset>
+struct Q4Group {
+  static constexpr int64_t kBytes = kOffset ? 20 : 18, kCodesAt = kOffset ? 4 : 2;
+  static constexpr bool kMin = kOffset;
+  template <bool kHigh>
+  static __m256i codes(__m256i qs, __m256i) { return pair_nibbles<kHigh>(qs); }
+  static __m256i offset(const int32_t* at) {
+    return kOffset ? _mm256_setzero_si256() : _mm256_srai_epi32(load256(at), 1);
+  }
+};
+
 // W weight rows from row n through the R rows of x in `x` into y[m * ldy + n..].
-template <int W, int R>
-inline void q5_group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias,
-                          float* y, int64_t ldy) {
+template <typename Codes, int W, int R>
+inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float* bias, float* y,
+                       int64_t ldy) {
+  constexpr int64_t kBytes = 4 * Codes::kBytes;
   const int64_t G = x.groups;
   __m256 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t ahead = prefetch_ahead(p, g, W);
+    const int64_t ahead = prefetch_ahead(p, kBytes, g, W);
     const int64_t blocks = std::min<int64_t>(4, x.blocks - 4 * g);
     for (int w = 0; w < W; ++w) {
-      const char* b = reinterpret_cast<const char*>(p.data + (n + w) * p.stride + kGroupBytes * g);
+      const char* b = reinterpret_cast<const char*>(p.data + (n + w) * p.stride + kBytes * g);
       _mm_prefetch(b + ahead, _MM_HINT_NTA);
       _mm_prefetch(b + ahead + 64, _MM_HINT_NTA);
     }
     for (int64_t pair = 0; 2 * pair < blocks; ++pair) {
       const bool two = 2 * pair + 1 < blocks;  // (a short group's last pair may hold one)
       for (int w = 0; w < W; ++w) {
-        const uint8_t* b = p.data + (n + w) * p.stride + kGroupBytes * g + 2 * kQ5Bytes * pair;
-        const __m256i meta = load_pair(b, 0, two), qs = load_pair(b, 6, two);
-        const __m256i lo = pair_codes<false>(qs, meta), hi = pair_codes<true>(qs, meta);
-        const __m256 d = pair_scales(meta);
+        const uint8_t* b =
+            p.data + (n + w) * p.stride + kBytes * g + 2 * Codes::kBytes * pair;
+        const __m256i meta = load_pair(b, Codes::kBytes, 0, two),
+                      qs = load_pair(b, Codes::kBytes, Codes::kCodesAt, two);
+        const __m256i lo = Codes::template codes<false>(qs, meta),
+                      hi = Codes::template codes<true>(qs, meta);
+        const __m256 d = pair_halves<0>(meta);
+        __m256 mins;
+        if constexpr (Codes::kMin) mins = pair_halves<2>(meta);
         for (int m = 0; m < R; ++m) {
           const int64_t at = 64 * (m * G + g) + 32 * pair;
           const __m256i pairs = _mm256_add_epi16(
               _mm256_maddubs_epi16(lo, load256(x.lo.data() + at)),
               _mm256_maddubs_epi16(hi, load256(x.hi.data() + at)));  // (< 2 x 2 x 31 x 127)
           const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)),
-                                                load256(x.offset16.data() + at / 4));
+                                                Codes::offset(x.offset16.data() + at / 4));
           acc[w][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                       _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + at / 4)),
                                       acc[w][m]);
+          if constexpr (Codes::kMin)
+            acc[w][m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x.dsum.data() + at / 4), acc[w][m]);
         }
       }
     }
@@ -277,22 +341,25 @@ template <int R>
 void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const float* bias,
                  float* y, int64_t ldy) {
   constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // (wider spilled the accumulators: measured)
+  const auto rows_of_type = [&]<typename Codes>() {
+    for (; n0 + W <= n1; n0 += W) group_rows<Codes, W, R>(p, n0, x, bias, y, ldy);
+    for (; n0 < n1; ++n0) group_rows<Codes, 1, R>(p, n0, x, bias, y, ldy);
+  };
+  switch (p.type) {
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-  if (p.type == Q8_0) {
-    for (; n0 + W <= n1; n0 += W) group_rows<Q8Group, W, R>(p, n0, x, bias, y, ldy);
-    for (; n0 < n1; ++n0) group_rows<Q8Group, 1, R>(p, n0, x, bias, y, ldy);
-    return;
-  }
+    case Q8_0: return rows_of_type.template operator()<Q8Group>();
 #endif
-  for (; n0 + W <= n1; n0 += W) q5_group_rows<W, R>(p, n0, x, bias, y, ldy);
-  for (; n0 < n1; ++n0) q5_group_rows<1, R>(p, n0, x, bias, y, ldy);
+    case Q4_0: return rows_of_type.template operator()<Q4Group<false>>();
+    case Q4_1: return rows_of_type.template operator()<Q4Group<true>>();
+    default: return rows_of_type.template operator()<Q5Group>();
+  }
 }
 
 // Rows [n0, n1) of a grouped part through the M (1 to kGroupRows) rows of x in `x` into
 // y [M, ldy].
 void groups_gemv(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, int64_t M,
                  const float* bias, float* y, int64_t ldy) {
-  TORCH_CHECK(p.type == Q5_0 || (p.type == Q8_0 && kQ8Groups),
+  TORCH_CHECK(int8_grouped(p.type, M),
               "groups_gemv: ggml type ", p.type, " has no grouped GEMV here");
   switch (M) {
     case 1: return groups_rows<1>(p, n0, n1, x, bias, y, ldy);

@@ -494,7 +494,8 @@ constexpr bool kQ8Groups = false;
 // Whether a part of this type at these rows takes the grouped GEMV (ggml_groups_cpu.cpp).
 inline bool int8_grouped(int64_t type, int64_t rows) {
   if (!kInt8KQuants || rows > kGroupRows) return false;
-  return type == Q5_0 || (type == Q8_0 && kQ8Groups && rows >= 3);
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 ||
+         (type == Q8_0 && kQ8Groups && rows >= 3);
 }
 inline bool int8_block32(int64_t type, int64_t rows) {
   return int8_grouped(type, rows) ||

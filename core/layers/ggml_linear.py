@@ -26,8 +26,6 @@ GGML_GROUP = -1
 # Types whose blocks are groups of 32 inputs of 4-bit codes under a scale and an offset.
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT4_GROUP = 32
-# Types the block GEMV multiplies by int8 activations (csrc/ggml_q8_cpu.cpp).
-INT8_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 class GGMLLinearMethod(LinearMethod):
@@ -113,11 +111,11 @@ class GGMLLinearMethod(LinearMethod):
         return FusedOperands([*layer.blocks, layer.qtypes], GGML_GROUP, self.activation_bits)
 
     def _int8_blocks(self, kernel: Any, parts: list[GGMLTensor]) -> bool:
-        """Whether int8 activations take these parts as they are: the K-quants' int8 GEMV
-        reads Q4_K at its 4.5 bits a weight, where the tiles hold 6 (at 8B: the whole model
-        at the file's size, and decode 1.2x the tiles')."""
-        return (self.block_bits == 8 and bool(kernel.ggml_int8_kquants)
-                and all(p.format.name in INT8_BLOCK_TYPES for p in parts))
+        """Whether int8 activations take these 4-bit parts as they are: the blocks' int8
+        kernels read Q4_0 and Q4_K at 4.5 bits a weight, Q4_1 at 5, where the 4-bit tiles hold
+        6 (at 8B: the whole model at the file's size, and decode 1.2x the tiles'), and their
+        int8 tiles at 16 and 64 sequences run ~1.5x the 4-bit kernel's int8 GEMV."""
+        return self.block_bits == 8 and bool(kernel.ggml_int8_kquants)
 
     @property
     def block_bits(self) -> int:

@@ -169,23 +169,23 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
-# Q5_1 takes x in int8 per 32 inputs at 1-2 rows, Q5_0 at 1-6 (grouped), Q8_0 at 2 and, grouped
-# where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows the others stay float (from 5 the tiles
-# take them). A Q6_K part beside them takes x per 256.
+# Q5_1 takes x in int8 per 32 inputs at 1-2 rows, Q4_0, Q4_1 and Q5_0 at 1-6 (grouped), Q8_0
+# at 2 and, grouped where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows the others stay float
+# (from 5 the tiles take them). A Q6_K part beside them takes x per 256.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
                                                                   rows: int):
-    x, bias, weights, y = int8_layer(cpu_kernels, ("Q5_0", "Q5_1", "Q8_0", "Q6_K"), rows, 512,
-                                     20, slice(32, 64))
+    names = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K")
+    x, bias, weights, y = int8_layer(cpu_kernels, names, rows, 512, 20, slice(32, 64))
     int8 = cpu_kernels.isa != "generic"
-    in_int8 = [int8, int8 and rows <= 2, q8_0_in_int8(cpu_kernels, rows)]
+    in_int8 = [int8, int8, int8, int8 and rows <= 2, q8_0_in_int8(cpu_kernels, rows)]
     want = [q8_0_reference(x, w) if q8 else x.double() @ w.double().t()
-            for w, q8 in zip(weights[:3], in_int8)]
-    want.append(q8_reference(x, weights[3]) if int8 else x.double() @ weights[3].double().t())
+            for w, q8 in zip(weights[:5], in_int8)]
+    want.append(q8_reference(x, weights[5]) if int8 else x.double() @ weights[5].double().t())
     want = torch.cat(want, dim=1) + bias.double()
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
     first = 0
-    for w, q8 in zip(weights[:3], in_int8):  # x really went through int8, or really did not
+    for w, q8 in zip(weights[:5], in_int8):  # x really went through int8, or really did not
         part = slice(first, first + w.shape[0])
         exact = x.double() @ w.double().t() + bias[part].double()
         assert bool((y[:, part] - exact).abs().max() > 1e-3 * exact.abs().max()) == q8
@@ -217,13 +217,13 @@ def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
     return tensor.view(blocks.shape)
 
 
-# At 1-6 rows of x, Q5_0 rows take four blocks at a time (AVX2, AVX-512), Q8_0 rows at 3-6 where
-# the CPU has VBMI and VNNI: widths of 17-20 blocks end in short groups, whose bytes past the
-# last row must not be read; 37 rows split between two threads, one to four weight rows at a
-# time.
+# At 1-6 rows of x, Q4_0, Q4_1 and Q5_0 rows take four blocks at a time (AVX2, AVX-512), Q8_0
+# rows at 3-6 where the CPU has VBMI and VNNI: widths of 17-20 blocks end in short groups,
+# whose bytes past the last row must not be read; 37 rows split between two threads, one to
+# four weight rows at a time.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("cols", [544, 576, 608, 640, 4864])
-@pytest.mark.parametrize("name", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_grouped_types_at_few_rows_of_int8_x(cpu_kernels, two_threads, name: str, cols: int,
                                              rows: int):
     qtype = FORMATS_BY_NAME[name]
@@ -234,7 +234,7 @@ def test_grouped_types_at_few_rows_of_int8_x(cpu_kernels, two_threads, name: str
     y = cpu_kernels.ggml_linear(x, [before_a_guard_page(blocks)], torch.tensor([qtype]), bias,
                                 None, 8).double()
     weight = reference(blocks, qtype, cols)
-    int8 = cpu_kernels.isa != "generic" if name == "Q5_0" else q8_0_in_int8(cpu_kernels, rows)
+    int8 = cpu_kernels.isa != "generic" if name != "Q8_0" else q8_0_in_int8(cpu_kernels, rows)
     want = (q8_0_reference(x, weight) if int8 else x.double() @ weight.double().t()) + bias
     torch.testing.assert_close(y, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
@@ -266,13 +266,13 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
     rule they are chosen by: with AVX2 or AVX-512 every type they read (Q8_0 with VNNI only)
-    from 5 rows, the K-quants from 12, any number of rows; not Q5_0 up to 6 rows, nor Q8_0
-    there with VBMI (their grouped GEMV takes them)."""
+    from 5 rows, the K-quants from 12, any number of rows; not Q4_0, Q4_1 and Q5_0 up to 6
+    rows, nor Q8_0 there with VBMI (their grouped GEMV takes them)."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     rule = (kernels.isa != "generic" and readable and rows >= 5
             and ("Q8_0" not in names or kernels.vnni) and (not kquants or rows >= 12)
-            and ("Q5_0" not in names or rows > 6)
+            and (not {"Q4_0", "Q4_1", "Q5_0"} & set(names) or rows > 6)
             and ("Q8_0" not in names or rows > 6 or not kernels.ggml_q8_0_groups))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
     assert tiles == rule, (names, rows)
@@ -377,19 +377,21 @@ def test_a_tensor_narrows_by_rows_and_by_whole_blocks():
 FORMATS_BY_NAME = {fmt.name: qtype for qtype, fmt in FORMATS.items()}
 
 
-def test_int8_activations_keep_k_quant_layers_in_their_blocks(isa: str):
-    # Q4_K goes to the 4-bit tiles for float activations (6 bits a weight) and stays Q4_K
-    # (4.5 bits) for int8 ones, which the K-quants' int8 GEMV reads; an LM head made a ggml
-    # layer (use_ggml) takes the bits it is given. The generic flavour keeps the tiles.
-    q4k = FORMATS_BY_NAME["Q4_K"]
-    blocks = [random_blocks(q4k, n, 512, seed=n) for n in (8, 5)]
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int8_activations_keep_4_bit_layers_in_their_blocks(isa: str, name: str):
+    # The 4-bit types go to the 4-bit tiles for float activations (6 bits a weight) and stay
+    # in their blocks (4.5 or 5 bits) for int8 ones, which the blocks' int8 kernels read; an LM
+    # head made a ggml layer (use_ggml) takes the bits it is given. The generic flavour keeps
+    # the tiles.
+    q4 = FORMATS_BY_NAME[name]
+    blocks = [random_blocks(q4, n, 512, seed=n) for n in (8, 5)]
     x = torch.randn(3, 512)
     layers = {}
     for bits in (32, 8):
         layer = Linear(512, [8, 5], False)
         use_ggml(layer, bits)
         for shard, b in enumerate(blocks):
-            layer.load("weight", GGMLTensor(torch.from_numpy(b), q4k, 512), shard, "w")
+            layer.load("weight", GGMLTensor(torch.from_numpy(b), q4, 512), shard, "w")
         layer.method.process_weights_after_loading(layer)
         layers[bits] = layer
     kernels = layers[8].kernel
@@ -397,9 +399,9 @@ def test_int8_activations_keep_k_quant_layers_in_their_blocks(isa: str):
     if isa == "generic":
         assert layers[8].parts is None and not kernels.ggml_int8_kquants
         return
-    assert [label for label, _ in ggml_storage(layers[8])] == ["Q4_K", "Q4_K"]
+    assert [label for label, _ in ggml_storage(layers[8])] == [name, name]
     assert layers[8].method.fused_operands(layers[8]).activation_bits == 8
     want = kernels.ggml_linear(x, [torch.from_numpy(b) for b in blocks],
-                               torch.tensor([q4k, q4k]), None, None, 8)
+                               torch.tensor([q4, q4]), None, None, 8)
     torch.testing.assert_close(layers[8](x), want, rtol=0, atol=0)
     assert not torch.allclose(layers[32](x), want, rtol=0, atol=1e-6)
