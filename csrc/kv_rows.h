@@ -3,6 +3,7 @@
 //
 //   kFloat          D float32                  (the attention kernel reads these in place)
 //   kBFloat16       D bfloat16                 (widened by a shift)
+//   kHalf           D float16                  (widened by F16C where the flavour has it)
 //   kChar (int8)    D int8 codes + f32 scale   x = scale * code, scale = max |x| / 127
 //   kFloat8_e4m3fn  D e4m3 codes + f32 scale   x = scale * code, scale = max |x| / 448
 //
@@ -12,6 +13,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -21,17 +26,19 @@
 
 namespace kv_rows {
 
-enum class Kind { F32, BF16, I8, FP8 };
+enum class Kind { F32, BF16, F16, I8, FP8 };
 
 constexpr int64_t kScaleBytes = 4;
 
 inline bool supported(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kChar || t == at::kFloat8_e4m3fn;
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kChar ||
+         t == at::kFloat8_e4m3fn;
 }
 
 inline Kind kind_of(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return Kind::BF16;
+    case at::kHalf: return Kind::F16;
     case at::kChar: return Kind::I8;
     case at::kFloat8_e4m3fn: return Kind::FP8;
     default: return Kind::F32;
@@ -46,7 +53,9 @@ struct Rows {
 
   static Rows of(const at::Tensor& cache, int64_t D) {
     const Kind k = kind_of(cache.scalar_type());
-    const int64_t bytes = k == Kind::F32 ? D * 4 : k == Kind::BF16 ? D * 2 : D + kScaleBytes;
+    const int64_t bytes = k == Kind::F32                       ? D * 4
+                          : k == Kind::BF16 || k == Kind::F16 ? D * 2
+                                                              : D + kScaleBytes;
     return {static_cast<const uint8_t*>(cache.data_ptr()), k, D, bytes};
   }
   const uint8_t* row(int64_t r) const { return data + r * bytes; }
@@ -91,6 +100,13 @@ inline void store(const float* x, Kind kind, int64_t D, uint8_t* row) {
     }
     return;
   }
+  if (kind == Kind::F16) {  // (c10::Half rounds half to even, as torch's conversion)
+    for (int64_t d = 0; d < D; ++d) {
+      const c10::Half h(x[d]);
+      std::memcpy(row + 2 * d, &h, sizeof h);
+    }
+    return;
+  }
   float amax = 0.f;
   bool finite = true;
   for (int64_t d = 0; d < D; ++d) {
@@ -130,6 +146,17 @@ inline void load(const uint8_t* row, Kind kind, int64_t D, float* out) {
         std::memcpy(&f, &u, sizeof f);
         out[d] = f;
       }
+      return;
+    }
+    case Kind::F16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+      int64_t d = 0;
+#if defined(__F16C__)
+      for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(h + d))));
+#endif
+      for (; d < D; ++d) out[d] = c10::detail::fp16_ieee_to_fp32_value(h[d]);
       return;
     }
     case Kind::I8: {

@@ -4,7 +4,7 @@
 //
 //   q            [T, H, D]          float32, rows may be strided (views of a fused qkv)
 //   k/v          [T, KVH, D]        float32, the step's new keys and values, likewise
-//   k/v_cache    [NB, BS, KVH, row] contiguous (one layer): float32 or bfloat16 rows of D, or
+//   k/v_cache    [NB, BS, KVH, row] contiguous (one layer): float32, bfloat16 or float16 rows of D, or
 //                                   int8 / fp8 e4m3 codes and a scale (csrc/kv_rows.h)
 //   slot_mapping [T]                int64   cache slot of each token's K/V
 //   block_tables [S, MB]            int32
@@ -587,7 +587,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t D = q.size(2);
   TORCH_CHECK(kv_rows::supported(k_cache.scalar_type()) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "pkv cpu attention: caches must both be float32, bfloat16, int8 or fp8_e4m3");
+              "pkv cpu attention: caches must both be float32, bfloat16, float16, int8 or "
+              "fp8_e4m3");
   const kv_rows::Rows K = kv_rows::Rows::of(k_cache, D), V = kv_rows::Rows::of(v_cache, D);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == D &&
                   k_cache.sizes() == v_cache.sizes() &&

@@ -66,6 +66,17 @@ def test_int8_greedy_matches_float32_or_differs_at_a_near_tie(smol_llm: LLM,
     _assert_same_or_near_tie(smol_llm, PROMPTS, _greedy(int8_llm, PROMPTS))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_caches_hold_twice_the_blocks_and_keep_greedy_output(smol_llm: LLM,
+                                                                     dtype: str) -> None:
+    llm = LLM(kv_cache_dtype=dtype, kv_cache_memory="32MiB", max_model_len=512,
+              show_progress=False)
+    runner = llm.llm_engine.runner
+    assert runner.kv_bytes_per_block * 2 == smol_llm.llm_engine.runner.kv_bytes_per_block
+    assert runner.kv_cache.dtype == getattr(torch, dtype)
+    _assert_same_or_near_tie(smol_llm, PROMPTS, _greedy(llm, PROMPTS))
+
+
 def test_batching_preemption_and_prefix_caching_on_an_int8_cache(int8_llm: LLM) -> None:
     prompts = PROMPTS[:6]
     # A pool of 12 blocks (4 sequences' worth at most): requests preempt and recompute, and

@@ -1,6 +1,6 @@
 """Every attention backend usable here against a dense float64 reference, on random paged
 layouts: shuffled physical blocks, ragged lengths, GQA, block sizes 1/16/32, prefill over a
-cached prefix, and decode; and over 8-bit and bfloat16 caches."""
+cached prefix, and decode; and over 8-bit and 16-bit caches."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def _dequantized_reference(q, k, v, k_cache, v_cache, meta, scale):
 
 def _kv_dtype_cases() -> list[tuple[str, str, torch.dtype]]:
     """(backend, layout, cache dtype); interpreted Triton takes the mixed layout only."""
-    dtypes = (torch.int8, torch.float8_e4m3fn, torch.bfloat16)
+    dtypes = (torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
     return [(name, layout, dt) for name in BACKENDS for layout in LAYOUTS for dt in dtypes
             if not (name == "triton" and DEVICE == "cpu" and layout != "mixed")]
 
@@ -171,12 +171,14 @@ def test_backend_reads_and_writes_a_smaller_kv_cache(backend_name: str, layout: 
     # And the quantization error stays that of the format (vs the float32 cache's answer).
     exact = _dense_reference(q, k, v, dequantize_rows(k_cache), dequantize_rows(v_cache), meta,
                              0.125)
-    bound = {torch.int8: 0.05, torch.float8_e4m3fn: 0.3, torch.bfloat16: 0.03}[cache_dtype]
+    bound = {torch.int8: 0.05, torch.float8_e4m3fn: 0.3, torch.bfloat16: 0.03,
+             torch.float16: 0.005}[cache_dtype]
     assert (out - exact).abs().max() < bound
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype",
+                         [torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [16, 40, 128])
 def test_cpu_kernel_smaller_kv_cache_every_flavour(cache_dtype: torch.dtype, head_dim: int,
                                                    isa: str):
