@@ -1,6 +1,7 @@
 """llama.cpp as a baseline on the same GGUF (`pkv bench --baseline llama.cpp`): its own
 `llama-batched-bench` run on the workload's shape (B sequences of the prompt length, each
-generating the output length) with pkv's thread count, read back into a BenchResult.
+generating the output length) with pkv's thread count and, where llama.cpp has one like it,
+pkv's KV cache type, read back into a BenchResult.
 
 Nothing of llama.cpp ships with pkv: point `--llama-cpp` at a build's bin folder, or put
 `llama-batched-bench` on PATH (docs/benchmarks.md says how to build one).
@@ -18,6 +19,15 @@ import psutil
 from pkv.cli.bench.workload import BenchResult
 
 BINARY = "llama-batched-bench"
+# llama.cpp's KV cache type for pkv's `--kv-cache-dtype` where it has the same kind (int8:
+# q8_0, 8-bit codes under a scale per 32 values there, per row here). Elsewhere (float32,
+# fp8_e4m3) its default f16, its fast path: with an f32 cache its batched decode ran at ~0.45x.
+CACHE_TYPES = {"float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
+
+
+def cache_type(kv_format: str) -> str:
+    """The `-ctk` / `-ctv` llama.cpp runs with beside pkv's KV format `kv_format`."""
+    return CACHE_TYPES.get(kv_format, "f16")
 
 
 def find_batched_bench(folder: str | None) -> Path:
@@ -35,11 +45,13 @@ def find_batched_bench(folder: str | None) -> Path:
 
 
 def run_batched_bench(binary: Path, gguf: Path, batch: int, input_len: int, output_len: int,
-                      threads: int) -> BenchResult:
-    """One llama-batched-bench run of `batch` sequences; its peak RSS sampled while it runs."""
+                      threads: int, kv_type: str = "f16") -> BenchResult:
+    """One llama-batched-bench run of `batch` sequences with a KV cache of `kv_type`; its peak
+    RSS sampled while it runs."""
     context = batch * (input_len + output_len) + 256
     command = [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(context),
-               "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch)]
+               "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch),
+               "-ctk", kv_type, "-ctv", kv_type]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     peak = _watch_peak_rss(child)

@@ -1,5 +1,6 @@
 """`pkv bench --baseline llama.cpp`: its result table read back by column (the table as
-llama-batched-bench prints it), and the one-line errors where no build can be found."""
+llama-batched-bench prints it), the KV cache type it runs with, and the one-line errors where
+no build can be found."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.cli.bench.llama_cpp import find_batched_bench, parse_row
+from pkv.cli.bench.llama_cpp import cache_type, find_batched_bench, parse_row, run_batched_bench
 
 OUTPUT = """main: n_kv_max = 4352, n_batch = 2048, n_ubatch = 512, n_threads = 2
 
@@ -41,3 +42,17 @@ def test_a_missing_build_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
     binary.chmod(0o755)
     assert find_batched_bench(str(tmp_path)) == binary
     assert find_batched_bench(None) == binary
+
+
+def test_llama_cpp_runs_with_the_kv_cache_type_like_pkvs(tmp_path: Path):
+    assert [cache_type(f) for f in ("float16", "bfloat16", "int8")] == ["f16", "bf16", "q8_0"]
+    assert cache_type("float32") == cache_type("fp8_e4m3") == "f16"  # its default, fast path
+    # A stand-in build that keeps its arguments and prints the table above.
+    args = tmp_path / "args"
+    binary = tmp_path / "llama-batched-bench"
+    binary.write_text(f"#!/bin/sh\necho \"$@\" > {args}\ncat <<'EOF'\n{OUTPUT}EOF\n")
+    binary.chmod(0o755)
+    result = run_batched_bench(binary, tmp_path / "m.gguf", 16, 32, 128, 2, "q8_0")
+    assert "-ctk q8_0 -ctv q8_0" in args.read_text()
+    assert "-npl 16" in args.read_text() and "-t 2" in args.read_text()
+    assert result.decode_s == 10.871 and result.prefill_s == 1.204

@@ -165,9 +165,12 @@ def _run_offline(o: dict[str, Any]) -> None:
         elif remote_model is not None:
             other = off.run_openai(url, remote_model, headers, prompts, o["output_len"], b)
         elif llama_cpp is not None:
-            with console.status(f"llama.cpp, batch {b}"):
+            kv_type = lcpp.cache_type(engine.runner.kv_format.name)
+            with console.status(f"llama.cpp, batch {b}, KV cache {kv_type}"):
                 other = lcpp.run_batched_bench(*llama_cpp, b, o["input_len"], o["output_len"],
-                                               torch_threads())
+                                               torch_threads(), kv_type)
+            console.print(f"llama.cpp: KV cache {kv_type} (pkv's: "
+                          f"{engine.runner.kv_format.name})")
         runs.append((result, other))
         console.print(report.offline_table([result] + ([other] if other else [])))
         if result.spec_acceptance_rate is not None:
