@@ -22,8 +22,8 @@ def load_kernel() -> Any:
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
-    """float32 paged attention in C++ over float32, bfloat16, int8 or fp8 caches (other
-    dtypes use the torch reference path)."""
+    """float32 paged attention in C++ over float32, bfloat16, float16, int8 or fp8 caches
+    (queries of other dtypes use the torch reference path)."""
 
     name = "cpu"
 
@@ -34,7 +34,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        if q.dtype != torch.float32 or q.device.type != "cpu" or k_cache.dtype == torch.float16:
+        if q.dtype != torch.float32 or q.device.type != "cpu":
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window,
                                    logits_soft_cap)
         # q, k and v may be views of one fused qkv output: the kernel reads strided rows and
