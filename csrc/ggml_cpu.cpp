@@ -1020,7 +1020,7 @@ namespace ggml {
 // y = x @ W^T (+ bias), W the parts' rows one after another (module docstring above); with
 // activation_bits 8, x in int8 where a kernel takes it: the tiles (ggml_tiles_cpu.cpp) the parts
 // they take, from 5 rows; of the others, the int8 GEMVs (ggml_q8_cpu.cpp) the K-quants and the
-// 32-value types at few rows (Q5_0: ggml_groups_cpu.cpp); the rest float32.
+// 32-value types at few rows (Q4_0, Q4_1, Q5_0: ggml_groups_cpu.cpp); the rest float32.
 at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const at::Tensor& types, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& out, int64_t activation_bits) {

@@ -1,6 +1,6 @@
-// Q5_0 (and, with VBMI and VNNI, Q8_0) against 1 to kGroupRows rows of int8 x, a weight row
-// four blocks of 32 at a time. Included by csrc/ggml_cpu.cpp after ggml_q8_cpu.cpp, whose
-// Q8Rows it reads.
+// Q4_0, Q4_1 and Q5_0 (and, with VBMI and VNNI, Q8_0) against 1 to kGroupRows rows of int8 x,
+// a weight row four blocks of 32 at a time. Included by csrc/ggml_cpu.cpp after
+// ggml_q8_cpu.cpp, whose Q8Rows it reads.
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
 // 576-wide SmolLM2 or the 896-wide Qwen2.5-0.5B: llama-quantize falls back to Q5_0) spends
@@ -9,15 +9,19 @@
 // time, a byte dot in three instructions, a scalar offset), at 13-24 GB/s of the machine's ~33.
 // At 2-6 rows a weight row's codes, decoded once, meet each row of x in turn. Q8_0 at 3-6 rows
 // (the LM head of a small model, a Q8_0 file's every layer) had the float GEMV or the tiles.
+// Q4_0 and Q4_1, with int8 x, had the 4-bit tiles' GEMV (6 bits a weight against their 4.5
+// and 5: core/layers/int4_tiles.py).
 //
 // x is laid out for it once a call (`Q8Groups`): per group of four blocks, the first 16 codes
 // of each block side by side (`lo`), the last 16 (`hi`), the offset's share -16 sum(q) in the
 // first int32 lane of each block (Q5_0: w = d (c - 16), so the block's dot is
 // d dx (c . q - 16 sum q); for Q8_0, whose signed codes go in + 128, -128 sum q: eight times
-// it, a shift as it is loaded), and dx repeated over each block's four lanes. Then a Q5_0 block's codes
-// are its 16 nibble bytes, low nibbles against `lo` and high against `hi`, plus 16 where its
-// fifth bit is set; its byte products land in the four int32 lanes that its scale, widened
-// from half once for the group, multiplies. A short last group has zeros in x, and its weight
+// it, a shift as it is loaded; for Q4_0, w = d (c - 8), half of it), dx repeated over each
+// block's four lanes and dx sum q in each block's first lane (`dsum`: Q4_1's w = d c + m adds
+// m dx sum q, one more multiply-add). Then a Q5_0 block's codes are its 16 nibble bytes, low
+// nibbles against `lo` and high against `hi`, plus 16 where its fifth bit is set; its byte
+// products land in the four int32 lanes that its scale, widened from half once for the group,
+// multiplies. A short last group has zeros in x, and its weight
 // bytes past the row are never loaded.
 //
 //   AVX-512 with VBMI and VNNI: two byte permutes (vpermt2b) gather the group's 88 bytes into
@@ -25,11 +29,12 @@
 //   64-bit masks); the fifth bits are added under the masks, two vpdpbusd take the products.
 //   About six instructions a block. Masked loads stop at the row's end. Q8_0 (136 bytes, three
 //   registers): four permutes and a blend gather each block's first and last 16 codes and its
-//   scale, a xor adds the 128.
+//   scale, a xor adds the 128. Q4_0 / Q4_1 (72 / 80 bytes): two permutes gather the nibbles
+//   and the scales (Q4_1 its m too).
 //   AVX2 (and AVX-512 without VBMI): a pair of blocks a register (two 16-byte loads each for
 //   the nibbles and for the scale and fifth bits), the fifth bits by a byte shuffle and compare,
-//   vpmaddubsw / vpmaddwd for the products. About fourteen a block. A pair of a short group
-//   that holds one block loads only that one.
+//   vpmaddubsw / vpmaddwd for the products. About fourteen a block (Q4_0 / Q4_1 without the
+//   fifth bits). A pair of a short group that holds one block loads only that one.
 
 namespace ggml {
 
@@ -37,7 +42,6 @@ namespace ggml {
 namespace {
 
 constexpr int64_t kQ5Bytes = 22;  // d (f16), qh (32 fifth bits), qs (16 bytes of nibbles)
-constexpr int64_t kGroupBytes = 4 * kQ5Bytes;
 
 // Rows of x in groups of four blocks of 32 (see the header); row m's group g at
 // m * groups + g.
@@ -159,8 +163,10 @@ struct Q4Group {
   static constexpr int kLoads = 2;
   static constexpr bool kMin = kOffset;
   struct Index {
-    __m512i nibbles = byte_index([](int j) { return kBytes * (j / 16) + (kOffset ? 4 : 2) + j % 16; });
-    __m512i meta = byte_index([](int j) { return kBytes * (j % 32 / 8) + 2 * (j / 32) + j % 2; });
+    __m512i nibbles =
+        byte_index([](int j) { return kBytes * (j / 16) + (kOffset ? 4 : 2) + j % 16; });
+    __m512i meta =  // bytes 0-31: the scales; 32-63: the m's
+        byte_index([](int j) { return kBytes * (j % 32 / 8) + 2 * (j / 32) + j % 2; });
   };
   static __m512i offset(const int32_t* at) {
     return kOffset ? _mm512_setzero_si512() : _mm512_srai_epi32(_mm512_loadu_si512(at), 1);
@@ -209,7 +215,8 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
                                     _mm512_mul_ps(d, _mm512_loadu_ps(x.dx.data() + 16 * at)),
                                     acc[w][m]);
         if constexpr (Codes::kMin)
-          acc[w][m] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(x.dsum.data() + 16 * at), acc[w][m]);
+          acc[w][m] =
+              _mm512_fmadd_ps(mins, _mm512_loadu_ps(x.dsum.data() + 16 * at), acc[w][m]);
       }
     }
   }
@@ -247,8 +254,8 @@ inline __m256i pair_nibbles(__m256i qs) {
 // 16 bytes `meta` (one 128-bit lane each), repeated over its block's four int32 lanes.
 template <int kAt>
 inline __m256 pair_halves(__m256i meta) {
-  const __m256i halves = _mm256_shuffle_epi8(meta, _mm256_set1_epi32((kAt + 1) << 24 | kAt << 16 |
-                                                                     (kAt + 1) << 8 | kAt));
+  constexpr int kPair = (kAt + 1) << 8 | kAt;  // the half's two bytes
+  const __m256i halves = _mm256_shuffle_epi8(meta, _mm256_set1_epi32(kPair << 16 | kPair));
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
 }
 
@@ -266,7 +273,8 @@ struct Q5Group {
                                                       0x0202020202020202, 0x0303030303030303);
     const __m256i set = _mm256_cmpeq_epi8(
         _mm256_and_si256(_mm256_shuffle_epi8(meta, spread), bit), bit);
-    return _mm256_or_si256(pair_nibbles<kHigh>(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    return _mm256_or_si256(pair_nibbles<kHigh>(qs),
+                           _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
   }
   static __m256i offset(const int32_t* at) { return load256(at); }
 };
@@ -324,7 +332,8 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
                                       _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + at / 4)),
                                       acc[w][m]);
           if constexpr (Codes::kMin)
-            acc[w][m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x.dsum.data() + at / 4), acc[w][m]);
+            acc[w][m] =
+                _mm256_fmadd_ps(mins, _mm256_loadu_ps(x.dsum.data() + at / 4), acc[w][m]);
         }
       }
     }
@@ -335,8 +344,8 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
 }
 #endif
 
-// Rows [n0, n1) of a grouped part (Q5_0; Q8_0 with VBMI and VNNI) through the R rows of x in
-// `x`, W weight rows at a time.
+// Rows [n0, n1) of a grouped part (Q4_0, Q4_1, Q5_0; Q8_0 with VBMI and VNNI) through the R
+// rows of x in `x`, W weight rows at a time.
 template <int R>
 void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const float* bias,
                  float* y, int64_t ldy) {

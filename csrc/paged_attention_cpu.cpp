@@ -4,8 +4,9 @@
 //
 //   q            [T, H, D]          float32, rows may be strided (views of a fused qkv)
 //   k/v          [T, KVH, D]        float32, the step's new keys and values, likewise
-//   k/v_cache    [NB, BS, KVH, row] contiguous (one layer): float32, bfloat16 or float16 rows of D, or
-//                                   int8 / fp8 e4m3 codes and a scale (csrc/kv_rows.h)
+//   k/v_cache    [NB, BS, KVH, row] contiguous (one layer): float32, bfloat16 or float16 rows
+//                                   of D, or int8 / fp8 e4m3 codes and a scale
+//                                   (csrc/kv_rows.h)
 //   slot_mapping [T]                int64   cache slot of each token's K/V
 //   block_tables [S, MB]            int32
 //   seq_ids      [T]                int32   which sequence each token belongs to

@@ -61,9 +61,10 @@ class GGMLLinearMethod(LinearMethod):
         layer.parts[shard or 0] = tensor
 
     def set_activations(self, activations: str) -> None:
-        """float32; int16 / int8 rows for the 4-bit types' integer GEMVs (AWQ's kernels), and
-        int8 rows for the blocks' kernels: the K-quants (Q4_K, Q5_K, Q6_K kept as blocks) and
-        Q5_0 / Q5_1 / Q8_0 (csrc/ggml_q8_cpu.cpp at few rows, csrc/ggml_tiles_cpu.cpp at more)."""
+        """float32; int16 rows for the 4-bit tiles' integer GEMV (AWQ's kernels); int8 rows
+        for the blocks' kernels, the 4-bit types then kept as blocks too: the K-quants and the
+        32-value types (csrc/ggml_q8_cpu.cpp and ggml_groups_cpu.cpp at few rows,
+        csrc/ggml_tiles_cpu.cpp at more)."""
         bits = {"float32": 32, "int16": 16, "int8": 8}[activations]
         kernel = cpp_build.kernels_or_none()
         if bits != 32 and kernel is None:
