@@ -6,7 +6,9 @@
 //                                32t + j for the 8 inputs 8b..8b+7, input 8b+i in the 4 bits
 //                                from (3 + 4i) mod 32 upwards (input 8b+7 wraps from bit 31)
 //   s, zs   [N' / 32, K / G, 32] float32 scale and zero * scale, W[k, n] = q s - zs, by tile
-//                                (each tile reads its codes and scales front to back)
+//                                (each tile reads its codes and scales front to back); zs
+//                                empty: zs = 8 s (a GGUF's Q4_0, w = d (q - 8), kept at 5 bits
+//                                a weight instead of 6)
 //
 // A code becomes a float without a conversion instruction. One rotation brings two fields to
 // bits 15..22 of a float's mantissa (four rotations a word): input L (odd) at 15..18, input H
@@ -43,6 +45,10 @@
 #include <limits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "team.h"
 #include "vec_math.h"
@@ -83,6 +89,22 @@ struct Shape {
   int64_t K, N, NT, G;  // N real columns, NT tiles of 32
 };
 
+// The zero terms' array, or nullptr where zs is empty: zs = kSymmetricZero s.
+constexpr float kSymmetricZero = 8.f;
+inline const float* zero_terms(const at::Tensor& zs) {
+  return zs.numel() ? zs.data_ptr<float>() : nullptr;
+}
+// Sixteen columns' zero terms at `at`, from zs or from their scales sv.
+inline vf16 zeros16(const float* zp, int64_t at, vf16 sv) {
+  return zp ? load16(zp + at) : kSymmetricZero * sv;
+}
+#if defined(__AVX2__)
+// Eight columns' zero terms, for the integer GEMVs (csrc/awq_int16_cpu.cpp, awq_int8_cpu.cpp).
+inline __m256 zeros8(const float* zp, int64_t at, __m256 sv) {
+  return zp ? _mm256_loadu_ps(zp + at) : _mm256_mul_ps(sv, _mm256_set1_ps(kSymmetricZero));
+}
+#endif
+
 Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zs,
             int64_t n, int64_t group) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kInt && codes.is_contiguous() &&
@@ -93,10 +115,11 @@ Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor&
                   n <= NT * kTile,
               "group size must be a multiple of 8 dividing K, and N fit the tiles");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  zs.sizes() == scales.sizes() && zs.is_contiguous() &&
+                  (zs.numel() == 0 || zs.sizes() == scales.sizes()) && zs.is_contiguous() &&
                   zs.scalar_type() == at::kFloat && scales.dim() == 3 &&
                   scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kTile,
-              "scales and zs must be contiguous float32 [N' / 32, K / group, 32]");
+              "scales and zs must be contiguous float32 [N' / 32, K / group, 32] (zs may be "
+              "empty: 8 x the scales)");
   return {K, n, NT, group};
 }
 
@@ -111,6 +134,7 @@ void check_x(const at::Tensor& x, int64_t K) {
 inline void prefetch_group_scales(const float* sp, const float* zp, int64_t tile_group) {
   constexpr int64_t kAhead = 2 * kTile;  // two groups on
   for (const float* p : {sp, zp}) {
+    if (p == nullptr) continue;
     __builtin_prefetch(p + tile_group * kTile + kAhead);
     __builtin_prefetch(p + tile_group * kTile + kAhead + 16);
   }
@@ -195,7 +219,7 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
     }
     for (int64_t p = 0; p < 2; ++p) {
       const int64_t at = (t * NG + g) * kTile + p * 16;
-      const vf16 sv = load16(sp + at), zv = load16(zp + at);
+      const vf16 sv = load16(sp + at), zv = zeros16(zp, at, sv);
       for (int64_t m = 0; m < M; ++m) {
         const float* sums = xsum + 2 * (m * NG + g);  // sum x, 16 sum x_H
         const vf16 a = S == 2 ? acc[0][m][p] + acc[S - 1][m][p] : acc[0][m][p];
@@ -418,7 +442,7 @@ AwqOperands awq_operands(const at::Tensor& codes, const at::Tensor& scales,
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->numel() == n),
               "the bias must be contiguous float32 [n]");
-  return {codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(),
+  return {codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zero_terms(zs),
           bias ? bias->data_ptr<float>() : nullptr, s};
 }
 
@@ -458,7 +482,7 @@ at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   if (M == 0) return y;
   const int32_t* cp = codes.data_ptr<int32_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* zp = zs.data_ptr<float>();
+  const float* zp = zero_terms(zs);
   // W[k] = s q - zs = s (256 + q) - (256 s + zs) for the fields read as 256 + q (odd k),
   // and with 16 for the others: one FMA a value.
   auto fill = [&](float* panel, int64_t t, int64_t k0, int64_t kc) {
@@ -468,7 +492,7 @@ at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
       for (int64_t h = 0; h < 2; ++h) {
         const vu16 word = load16u(cp + (t * (s.K / 8) + blk) * kTile + h * 16);
         const int64_t at = (t * NG + g) * kTile + h * 16;
-        const vf16 sv = load16(sp + at), zv = load16(zp + at);
+        const vf16 sv = load16(sp + at), zv = zeros16(zp, at, sv);
         const vf16 zlow = sv * kLowBase + zv, zhigh = sv * kHighBase + zv;
         const vu16 r[4] = {fields<16>(word), fields<8>(word), word, fields<24>(word)};
         for (int64_t i = 0; i < 8; ++i) {  // input i: rotation (i + 1) / 2 % 4
@@ -491,7 +515,7 @@ at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
   auto w = at::empty({s.K, Np}, scales.options());  // W^T, as x @ w wants
   const int32_t* cp = codes.data_ptr<int32_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* zp = zs.data_ptr<float>();
+  const float* zp = zero_terms(zs);
   float* wp = w.data_ptr<float>();
   team::parallel_for(0, s.K / 8, 2, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -499,7 +523,7 @@ at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
       for (int64_t t = 0; t < s.NT * 2; ++t) {  // t: 16 columns, half a tile
         const vu16 word = load16u(cp + ((t / 2) * (s.K / 8) + blk) * kTile + t % 2 * 16);
         const int64_t at = ((t / 2) * (s.K / s.G) + g) * kTile + t % 2 * 16;
-        const vf16 sv = load16(sp + at), zv = load16(zp + at);
+        const vf16 sv = load16(sp + at), zv = zeros16(zp, at, sv);
         float* row = wp + blk * 8 * Np + t * 16;
         // Input i sits in rotation (i + 1) / 2 % 4 below, at bits 15..18 (odd i) or 19..22.
         const vu16 r[4] = {fields<16>(word), fields<8>(word), word, fields<24>(word)};

@@ -131,7 +131,7 @@ void int16_columns(const RowsView& xr, const int32_t* cp, const float* sp, const
       }
     }
     const int64_t at = (t * NG + g) * kTile + c * 8;
-    const __m256 sv = _mm256_loadu_ps(sp + at), zv = _mm256_loadu_ps(zp + at);
+    const __m256 sv = _mm256_loadu_ps(sp + at), zv = zeros8(zp, at, sv);
     for (int64_t m = 0; m < M; ++m) {
       const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(xr.xs[m * NG + g]));
       out[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), scale, out[m]);
@@ -194,7 +194,7 @@ at::Tensor awq_gemv_int16(at::Tensor x, at::Tensor codes, at::Tensor scales, at:
                         xr.xsum.data() + m0 * NG};
     with_rows(std::min(kRowsPerPass, M - m0), [&]<int64_t R>() {
       int16_rows<R>(rows, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                    zs.data_ptr<float>(), y.data_ptr<float>() + m0 * s.N, s);
+                    zero_terms(zs), y.data_ptr<float>() + m0 * s.N, s);
     });
   }
 #endif

@@ -130,7 +130,7 @@ void int8_group(const Int8View& xr, const int32_t* stream, const float* sp, cons
                                _mm256_set1_ps(xr.xb[m * NB + blk]), acc[m]);
   }
   const int64_t at = tile_group * kTile + c * 8;
-  const __m256 sv = _mm256_loadu_ps(sp + at), zv = _mm256_loadu_ps(zp + at);
+  const __m256 sv = _mm256_loadu_ps(sp + at), zv = zeros8(zp, at, sv);
   for (int64_t m = 0; m < M; ++m) {
     float* o = out + m * kTile + c * 8;
     __m256 y = _mm256_fmadd_ps(acc[m], sv, _mm256_loadu_ps(o));
@@ -184,7 +184,7 @@ at::Tensor awq_gemv_int8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::
   team::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       int8_tile(rows, M, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                zs.data_ptr<float>(), y.data_ptr<float>(), t, s);
+                zero_terms(zs), y.data_ptr<float>(), t, s);
   });
 #endif
   return y;

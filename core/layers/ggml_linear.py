@@ -127,10 +127,12 @@ class GGMLLinearMethod(LinearMethod):
 def _to_int4_tiles(layer: Linear) -> None:
     """4-bit parts repacked for the 4-bit kernel (csrc/awq_cpu.cpp): a batch-1 GEMV there runs
     several times as fast as the generic block GEMV, for codes plus float32 scales and zs per
-    32 values (6 bits a weight against Q4_0's 4.5, Q4_1's 5, Q4_K's 4.5). The blocks' pages
-    are handed back once converted."""
+    32 values (6 bits a weight against Q4_0's 4.5, Q4_1's 5, Q4_K's 4.5; Q4_0 alone, whose zs
+    is 8 scales, 5). The blocks' pages are handed back once converted."""
     forms = [int4_form(p) for p in layer.parts]
     codes, scales, zs = (torch.cat([f[i] for f in forms]).t().contiguous() for i in range(3))
+    if all(p.format.name == "Q4_0" for p in layer.parts):
+        zs = None  # 8 scales: the kernels take it so
     for name, tensor in zip(("codes", "scales_f32", "zs"), tiled(codes, scales, zs)):
         layer.register_buffer(name, tensor, persistent=False)
     layer.int4_types = sorted({p.format.name for p in layer.parts})

@@ -1,5 +1,6 @@
 """4-bit weights in the layout of the CPU's 4-bit kernel (csrc/awq_cpu.cpp): W[k, n] =
-codes[k, n] * scales[g, n] - zs[g, n] for input k in group g, 32 output columns per tile.
+codes[k, n] * scales[g, n] - zs[g, n] for input k in group g, 32 output columns per tile; an
+empty zs stands for 8 * scales (a GGUF's Q4_0: 5 bits a weight held instead of 6).
 
 AWQ checkpoints repack into it (plugins/weights/awq.py), and so do a GGUF's 4-bit types
 (Q4_0, Q4_1, Q4_K: core/layers/ggml_linear.py), whose blocks are groups of 32 inputs.
@@ -40,11 +41,12 @@ def pad_columns(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def tiled(codes: torch.Tensor, scales: torch.Tensor,
-          zs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's (codes, scales, zs) of codes [K, N] and float scales / zs [K/G, N]."""
+          zs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's (codes, scales, zs) of codes [K, N] and float scales / zs [K/G, N]; zs
+    None: 8 * scales, left to the kernel (an empty zs)."""
     n = codes.shape[1]
     return (repack_words(codes), by_tile(pad_columns(scales.float(), n)),
-            by_tile(pad_columns(zs.float(), n)))
+            by_tile(pad_columns(zs.float(), n)) if zs is not None else torch.empty(0))
 
 
 def gemv_rows(kernel: Any, activation_bits: int) -> int:

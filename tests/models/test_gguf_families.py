@@ -137,8 +137,9 @@ def test_q8_0_experts_and_permuted_qk_dequantize_exactly(tmp_path: Path, smol_hf
                                              ("mistral-window", "Q5_0"), ("qwen2", "Q4_1")])
 def test_quantized_blocks_compute_as_their_dequantized_weights(
         tmp_path: Path, smol_hf_dir: Path, smol_gguf: Path, case: str, quant: str):
-    # The weights stay in their blocks: 4-bit ones repacked for the 4-bit kernel, Q5_0 in the
-    # generic block GEMV; both inside the C++ decoder. Qwen2 adds q/k/v biases.
+    # The weights stay in their blocks: 4-bit ones repacked for the 4-bit kernel (Q4_0 without
+    # zero terms: 8 scales), Q5_0 in the generic block GEMV; both inside the C++ decoder. Qwen2
+    # adds q/k/v biases.
     family, overrides = CASES[case]
     model_dir = build_tiny_model(tmp_path / "hf", smol_hf_dir, family, **overrides)
     gguf_path = write_gguf(model_dir, tmp_path / f"{case}-{quant}.gguf", quant, smol_gguf)
@@ -149,6 +150,10 @@ def test_quantized_blocks_compute_as_their_dequantized_weights(
     try:
         labels = set(llm.llm_engine.runner.weight_bytes_by_type)
         assert llm.llm_engine.runner.model.model.fused is not None
+        mlp = llm.llm_engine.runner.model.model.layers[0].mlp
+        if quant.startswith("Q4"):
+            held = 0 if quant == "Q4_0" else mlp.down_proj.scales_f32.numel()
+            assert mlp.down_proj.zs.numel() == held
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     finally:
         llm.llm_engine.shutdown()

@@ -100,6 +100,29 @@ def test_awq_gemv_precision_on_hard_activations(ext, rows: int) -> None:  # noqa
         assert error < 2e-5, f"{name}, {rows} rows: error {error:.1e} of sum |x w|"
 
 
+# A GGUF's Q4_0 (w = d (q - 8)) is held without its zero terms: an empty zs stands for 8 x the
+# scales, which every entry point derives as it goes, to the bit (8 x s is exact in float).
+@pytest.mark.parametrize("k,n,group", [(64, 40, 32), (320, 72, 32)])
+def test_an_empty_zs_is_eight_scales(ext, k: int, n: int, group: int) -> None:  # noqa: ANN001
+    layer, _ = _awq_layer(k, n, group, bias=False, seed=k)
+    codes, scales = layer.codes, layer.scales_f32
+    given, empty = 8 * scales, torch.empty(0)
+    torch.testing.assert_close(ext.awq_dequantize(codes, scales, empty, n, group),
+                               ext.awq_dequantize(codes, scales, given, n, group), rtol=0, atol=0)
+    bits = [32, 16, 8] if ext.awq_gemv_has_integer() else [32]
+    gen = torch.Generator().manual_seed(n)
+    for rows in (1, 3, 9, 40):
+        x = torch.randn(rows, k, generator=gen)
+        for b in bits:
+            for limit in (0, 1 << 20):  # the GEMM, the GEMV of these bits
+                want = ext.awq_linear(x, codes, scales, given, None, n, group, limit, b)
+                got = ext.awq_linear(x, codes, scales, empty, None, n, group, limit, b)
+                torch.testing.assert_close(got, want, rtol=0, atol=0,
+                                           msg=lambda m: f"{b} bits, {rows} rows: {m}")  # noqa: B023
+    with pytest.raises(RuntimeError, match="zs may be empty"):
+        ext.awq_gemv(x, codes, scales, torch.zeros(3), n, group)
+
+
 def test_awq_zero_rows(ext) -> None:  # noqa: ANN001
     layer, _ = _awq_layer(64, 40, 32, bias=False, seed=0)
     args = (layer.codes, layer.scales_f32, layer.zs, 40, 32)
