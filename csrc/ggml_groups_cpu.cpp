@@ -98,21 +98,26 @@ inline __m512i byte_index(const At& at) {
 // Q5_0's group of four 22-byte blocks (88 bytes: two registers): its 64 nibble bytes and
 // (`meta`) its scales as halves, each repeated four times, then the low and the high 16
 // fifth bits of each block (two 64-bit masks); the fifth bits go in under the masks.
+template <bool kOffset>
 struct Q5Group {
-  static constexpr int64_t kBytes = kQ5Bytes;
+  static constexpr int64_t kBytes = kOffset ? 24 : kQ5Bytes;
   static constexpr int kLoads = 2;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = kOffset;
+  static constexpr int kBits = kOffset ? 4 : 2, kCodes = kOffset ? 8 : 6;  // qh, qs at
   struct Index {
-    __m512i nibbles = byte_index([](int j) { return kQ5Bytes * (j / 16) + 6 + j % 16; });
+    __m512i nibbles = byte_index([](int j) { return kBytes * (j / 16) + kCodes + j % 16; });
     __m512i meta = byte_index([](int j) {
       const int k = j - 32;  // the fifth bits' bytes (k >= 16: unused)
-      return j < 32 ? kQ5Bytes * (j / 8) + j % 2
-                    : kQ5Bytes * (k % 8 / 2) + 2 + k % 2 + 2 * (k / 8 % 2);
+      return j < 32 ? kBytes * (j / 8) + j % 2
+                    : kBytes * (k % 8 / 2) + kBits + k % 2 + 2 * (k / 8 % 2);
     });
+    __m512i mins = byte_index([](int j) { return kBytes * (j % 32 / 8) + 2 + j % 2; });
   };
-  static __m512i offset(const int32_t* at) { return _mm512_loadu_si512(at); }
+  static __m512i offset(const int32_t* at) {
+    return kOffset ? _mm512_setzero_si512() : _mm512_loadu_si512(at);
+  }
   static void decode(const __m512i* r, const Index& ix, __m512i& lo, __m512i& hi, __m512& d,
-                     __m512&) {
+                     __m512& mins) {
     const __m512i qs = _mm512_permutex2var_epi8(r[0], ix.nibbles, r[1]);
     const __m512i m = _mm512_permutex2var_epi8(r[0], ix.meta, r[1]);
     const __m128i bits = _mm512_extracti32x4_epi32(m, 2);
@@ -122,6 +127,9 @@ struct Q5Group {
     lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(_mm_cvtsi128_si64(bits)), lo, fifth);
     hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(_mm_extract_epi64(bits, 1)), hi, fifth);
     d = _mm512_cvtph_ps(_mm512_castsi512_si256(m));
+    if constexpr (kOffset)
+      mins = _mm512_cvtph_ps(
+          _mm512_castsi512_si256(_mm512_permutex2var_epi8(r[0], ix.mins, r[1])));
   }
 };
 
@@ -261,22 +269,25 @@ inline __m256 pair_halves(__m256i meta) {
 
 // Q5_0's pair: the nibbles plus 16 where the fifth bit is set (a byte shuffle spreads the
 // fifth bits' bytes over the code bytes, a compare with each byte's bit tests them).
+template <bool kOffset>
 struct Q5Group {
-  static constexpr int64_t kBytes = kQ5Bytes, kCodesAt = 6;
-  static constexpr bool kMin = false;
+  static constexpr int64_t kBytes = kOffset ? 24 : kQ5Bytes, kCodesAt = kOffset ? 8 : 6;
+  static constexpr bool kMin = kOffset;
   template <bool kHigh>
   static __m256i codes(__m256i qs, __m256i meta) {
+    // Bytes q, q + 1 of qh hold the fifth bits of the low (or high) 16 values.
+    constexpr int64_t q = (kOffset ? 4 : 2) + (kHigh ? 2 : 0);
+    constexpr int64_t lo8 = 0x0101010101010101 * q, hi8 = 0x0101010101010101 * (q + 1);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-    const __m256i spread = kHigh ? _mm256_setr_epi64x(0x0404040404040404, 0x0505050505050505,
-                                                      0x0404040404040404, 0x0505050505050505)
-                                 : _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303,
-                                                      0x0202020202020202, 0x0303030303030303);
     const __m256i set = _mm256_cmpeq_epi8(
-        _mm256_and_si256(_mm256_shuffle_epi8(meta, spread), bit), bit);
+        _mm256_and_si256(_mm256_shuffle_epi8(meta, _mm256_setr_epi64x(lo8, hi8, lo8, hi8)), bit),
+        bit);
     return _mm256_or_si256(pair_nibbles<kHigh>(qs),
                            _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
   }
-  static __m256i offset(const int32_t* at) { return load256(at); }
+  static __m256i offset(const int32_t* at) {
+    return kOffset ? _mm256_setzero_si256() : load256(at);
+  }
 };
 
 // Q4_0's pair (w = d (c - 8): -8 sum q, half of x's -16 sum q) or Q4_1's (w = d c + m: the
@@ -360,7 +371,8 @@ void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const
 #endif
     case Q4_0: return rows_of_type.template operator()<Q4Group<false>>();
     case Q4_1: return rows_of_type.template operator()<Q4Group<true>>();
-    default: return rows_of_type.template operator()<Q5Group>();
+    case Q5_1: return rows_of_type.template operator()<Q5Group<true>>();
+    default: return rows_of_type.template operator()<Q5Group<false>>();
   }
 }
 

@@ -456,7 +456,6 @@ void q8_part(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x256, const Q8
     case Q4_K: return q8_gemv_rows<K4Int<false>>(p, n0, n1, x256, m0, M, bias, y, ldy);
     case Q5_K: return q8_gemv_rows<K4Int<true>>(p, n0, n1, x256, m0, M, bias, y, ldy);
     case Q6_K: return q8_gemv_rows<Q6KInt>(p, n0, n1, x256, m0, M, bias, y, ldy);
-    case Q5_1: return q8_32_gemv_rows<Q5Int<true>>(p, n0, n1, x32, m0, M, bias, y, ldy);
     case Q8_0: return q8_32_gemv_rows<Q8Int>(p, n0, n1, x32, m0, M, bias, y, ldy);
     default: TORCH_CHECK(false, "q8_part: no int8 GEMV here for ggml type ", p.type);
   }
@@ -494,12 +493,11 @@ constexpr bool kQ8Groups = false;
 // Whether a part of this type at these rows takes the grouped GEMV (ggml_groups_cpu.cpp).
 inline bool int8_grouped(int64_t type, int64_t rows) {
   if (!kInt8KQuants || rows > kGroupRows) return false;
-  return type == Q4_0 || type == Q4_1 || type == Q5_0 ||
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 ||
          (type == Q8_0 && kQ8Groups && rows >= 3);
 }
 inline bool int8_block32(int64_t type, int64_t rows) {
-  return int8_grouped(type, rows) ||
-         (kInt8KQuants && (type == Q5_1 ? rows <= 2 : type == Q8_0 && rows == 2));
+  return int8_grouped(type, rows) || (kInt8KQuants && type == Q8_0 && rows == 2);
 }
 
 }  // namespace ggml

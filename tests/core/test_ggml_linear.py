@@ -169,16 +169,16 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
-# Q5_1 takes x in int8 per 32 inputs at 1-2 rows, Q4_0, Q4_1 and Q5_0 at 1-6 (grouped), Q8_0
-# at 2 and, grouped where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows the others stay float
-# (from 5 the tiles take them). A Q6_K part beside them takes x per 256.
+# Q4_0, Q4_1, Q5_0 and Q5_1 take x in int8 per 32 inputs at 1-6 rows (grouped), Q8_0 at 2
+# and, grouped where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows it otherwise stays float
+# (from 5 the tiles take it). A Q6_K part beside them takes x per 256.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
                                                                   rows: int):
     names = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K")
     x, bias, weights, y = int8_layer(cpu_kernels, names, rows, 512, 20, slice(32, 64))
     int8 = cpu_kernels.isa != "generic"
-    in_int8 = [int8, int8, int8, int8 and rows <= 2, q8_0_in_int8(cpu_kernels, rows)]
+    in_int8 = [int8, int8, int8, int8, q8_0_in_int8(cpu_kernels, rows)]
     want = [q8_0_reference(x, w) if q8 else x.double() @ w.double().t()
             for w, q8 in zip(weights[:5], in_int8)]
     want.append(q8_reference(x, weights[5]) if int8 else x.double() @ weights[5].double().t())
@@ -217,13 +217,13 @@ def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
     return tensor.view(blocks.shape)
 
 
-# At 1-6 rows of x, Q4_0, Q4_1 and Q5_0 rows take four blocks at a time (AVX2, AVX-512), Q8_0
-# rows at 3-6 where the CPU has VBMI and VNNI: widths of 17-20 blocks end in short groups,
-# whose bytes past the last row must not be read; 37 rows split between two threads, one to
-# four weight rows at a time.
+# At 1-6 rows of x, Q4_0, Q4_1, Q5_0 and Q5_1 rows take four blocks at a time (AVX2, AVX-512),
+# Q8_0 rows at 3-6 where the CPU has VBMI and VNNI: widths of 17-20 blocks end in short
+# groups, whose bytes past the last row must not be read; 37 rows split between two threads,
+# one to four weight rows at a time.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("cols", [544, 576, 608, 640, 4864])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_grouped_types_at_few_rows_of_int8_x(cpu_kernels, two_threads, name: str, cols: int,
                                              rows: int):
     qtype = FORMATS_BY_NAME[name]
@@ -266,13 +266,13 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
     rule they are chosen by: with AVX2 or AVX-512 every type they read (Q8_0 with VNNI only)
-    from 5 rows, the K-quants from 12, any number of rows; not Q4_0, Q4_1 and Q5_0 up to 6
-    rows, nor Q8_0 there with VBMI (their grouped GEMV takes them)."""
+    from 5 rows, the K-quants from 12, any number of rows; not the 32-value types up to 6 rows
+    (Q8_0 there only with VBMI): their grouped GEMV takes them."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     rule = (kernels.isa != "generic" and readable and rows >= 5
             and ("Q8_0" not in names or kernels.vnni) and (not kquants or rows >= 12)
-            and (not {"Q4_0", "Q4_1", "Q5_0"} & set(names) or rows > 6)
+            and (not {"Q4_0", "Q4_1", "Q5_0", "Q5_1"} & set(names) or rows > 6)
             and ("Q8_0" not in names or rows > 6 or not kernels.ggml_q8_0_groups))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
     assert tiles == rule, (names, rows)
