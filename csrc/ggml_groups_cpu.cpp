@@ -1,5 +1,5 @@
-// Q4_0, Q4_1 and Q5_0 (and, with VBMI and VNNI, Q8_0) against 1 to kGroupRows rows of int8 x,
-// a weight row four blocks of 32 at a time. Included by csrc/ggml_cpu.cpp after
+// Q4_0, Q4_1, Q5_0 and Q5_1 (and, with VBMI and VNNI, Q8_0) against 1 to kGroupRows rows of
+// int8 x, a weight row four blocks of 32 at a time. Included by csrc/ggml_cpu.cpp after
 // ggml_q8_cpu.cpp, whose Q8Rows it reads.
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
@@ -10,19 +10,19 @@
 // At 2-6 rows a weight row's codes, decoded once, meet each row of x in turn. Q8_0 at 3-6 rows
 // (the LM head of a small model, a Q8_0 file's every layer) had the float GEMV or the tiles.
 // Q4_0 and Q4_1, with int8 x, had the 4-bit tiles' GEMV (6 bits a weight against their 4.5
-// and 5: core/layers/int4_tiles.py).
+// and 5: core/layers/int4_tiles.py); Q5_1 the block-at-a-time one at 1-2 rows, else float.
 //
 // x is laid out for it once a call (`Q8Groups`): per group of four blocks, the first 16 codes
 // of each block side by side (`lo`), the last 16 (`hi`), the offset's share -16 sum(q) in the
 // first int32 lane of each block (Q5_0: w = d (c - 16), so the block's dot is
 // d dx (c . q - 16 sum q); for Q8_0, whose signed codes go in + 128, -128 sum q: eight times
 // it, a shift as it is loaded; for Q4_0, w = d (c - 8), half of it), dx repeated over each
-// block's four lanes and dx sum q in each block's first lane (`dsum`: Q4_1's w = d c + m adds
-// m dx sum q, one more multiply-add). Then a Q5_0 block's codes are its 16 nibble bytes, low
-// nibbles against `lo` and high against `hi`, plus 16 where its fifth bit is set; its byte
-// products land in the four int32 lanes that its scale, widened from half once for the group,
-// multiplies. A short last group has zeros in x, and its weight
-// bytes past the row are never loaded.
+// block's four lanes and dx sum q in each block's first lane (`dsum`: Q4_1's and Q5_1's
+// w = d c + m adds m dx sum q, one more multiply-add). Then a Q5_0 block's codes are its 16
+// nibble bytes, low nibbles against `lo` and high against `hi`, plus 16 where its fifth bit is
+// set; its byte products land in the four int32 lanes that its scale, widened from half once
+// for the group, multiplies. A short last group has zeros in x, and its weight bytes past the
+// row are never loaded.
 //
 //   AVX-512 with VBMI and VNNI: two byte permutes (vpermt2b) gather the group's 88 bytes into
 //   its 64 nibble bytes and into its scales (each repeated four times) and fifth bits (two
@@ -30,7 +30,7 @@
 //   About six instructions a block. Masked loads stop at the row's end. Q8_0 (136 bytes, three
 //   registers): four permutes and a blend gather each block's first and last 16 codes and its
 //   scale, a xor adds the 128. Q4_0 / Q4_1 (72 / 80 bytes): two permutes gather the nibbles
-//   and the scales (Q4_1 its m too).
+//   and the scales (Q4_1 its m too); Q5_1 (96 bytes) a third its m's.
 //   AVX2 (and AVX-512 without VBMI): a pair of blocks a register (two 16-byte loads each for
 //   the nibbles and for the scale and fifth bits), the fifth bits by a byte shuffle and compare,
 //   vpmaddubsw / vpmaddwd for the products. About fourteen a block (Q4_0 / Q4_1 without the
@@ -97,7 +97,8 @@ inline __m512i byte_index(const At& at) {
 
 // Q5_0's group of four 22-byte blocks (88 bytes: two registers): its 64 nibble bytes and
 // (`meta`) its scales as halves, each repeated four times, then the low and the high 16
-// fifth bits of each block (two 64-bit masks); the fifth bits go in under the masks.
+// fifth bits of each block (two 64-bit masks); the fifth bits go in under the masks. Q5_1's
+// of four 24-byte blocks (96 bytes) likewise, and its m's (`mins`) as Q4_1's.
 template <bool kOffset>
 struct Q5Group {
   static constexpr int64_t kBytes = kOffset ? 24 : kQ5Bytes;
@@ -267,8 +268,9 @@ inline __m256 pair_halves(__m256i meta) {
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
 }
 
-// Q5_0's pair: the nibbles plus 16 where the fifth bit is set (a byte shuffle spreads the
-// fifth bits' bytes over the code bytes, a compare with each byte's bit tests them).
+// Q5_0's pair (or Q5_1's, whose m comes in as Q4_1's): the nibbles plus 16 where the fifth
+// bit is set (a byte shuffle spreads the fifth bits' bytes over the code bytes, a compare with
+// each byte's bit tests them).
 template <bool kOffset>
 struct Q5Group {
   static constexpr int64_t kBytes = kOffset ? 24 : kQ5Bytes, kCodesAt = kOffset ? 8 : 6;
@@ -355,8 +357,8 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
 }
 #endif
 
-// Rows [n0, n1) of a grouped part (Q4_0, Q4_1, Q5_0; Q8_0 with VBMI and VNNI) through the R
-// rows of x in `x`, W weight rows at a time.
+// Rows [n0, n1) of a grouped part (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 with VBMI and VNNI) through
+// the R rows of x in `x`, W weight rows at a time.
 template <int R>
 void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const float* bias,
                  float* y, int64_t ldy) {

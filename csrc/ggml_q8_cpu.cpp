@@ -478,9 +478,10 @@ inline bool int8_kquant(int64_t type) {
 // threads, old vs new, 3072 x 576 layers, the 49152 x 576 head): Q5_1 at 1-2 rows 1.36-1.53x
 // (AVX-512), 1.70-2.08x (AVX2); Q8_0 at 2 rows 1.76-1.95x, at 1 row 0.87-1.05x (the float
 // side-by-side GEMV), so it stays float there; from 4 rows (one weight row at a time)
-// 0.7-1.3x. Q4_0, Q4_1 and Q5_0 up to kGroupRows rows: a weight row four blocks at a time
-// (ggml_groups_cpu.cpp), from 1 to 6 rows 1.3-2.9x the float GEMV or the tiles (two
-// threads, 3072 x 576, AVX-512 and AVX2); at 8 rows 0.9x the tiles. Q8_0 alike at 3-6 rows
+// 0.7-1.3x. Q4_0, Q4_1, Q5_0 and Q5_1 up to kGroupRows rows: a weight row four blocks at a
+// time (ggml_groups_cpu.cpp), Q5_0 from 1 to 6 rows 1.3-2.9x the float GEMV or the tiles (two
+// threads, 3072 x 576, AVX-512 and AVX2); at 8 rows 0.9x the tiles; a Q5_K_M file (Q5_1) at 1
+// and 4 sequences 1.11-1.32x the int8 GEMV above and the float GEMV. Q8_0 alike at 3-6 rows
 // where the CPU has VBMI and VNNI (kQ8Groups): the 49152 x 576 head streamed from memory at 4
 // rows 1.4x the float GEMV; at 1-2 rows 0.72-0.74x the float GEMV and the int8 one, whose
 // eight rows side by side read memory faster (~50 GB/s against ~37).
