@@ -112,7 +112,9 @@ struct Q5Group {
       return j < 32 ? kBytes * (j / 8) + j % 2
                     : kBytes * (k % 8 / 2) + kBits + k % 2 + 2 * (k / 8 % 2);
     });
-    __m512i mins = byte_index([](int j) { return kBytes * (j % 32 / 8) + 2 + j % 2; });
+    __m512i mins = kOffset  // Q5_1's m's (Q5_0 has none)
+                       ? byte_index([](int j) { return kBytes * (j % 32 / 8) + 2 + j % 2; })
+                       : _mm512_setzero_si512();
   };
   static __m512i offset(const int32_t* at) {
     return kOffset ? _mm512_setzero_si512() : _mm512_loadu_si512(at);
