@@ -17,8 +17,8 @@
 // Q6_K 16): w = dw c + mw. Against x quantized per 32 inputs (x ~ dx q, llama.cpp's Q8_0
 // activations) a sub-block's dot is dx (dw (c . q) + mw sum q), with
 //   Q4_0, Q5_0: c the 4- or 5-bit code, mw = -8 dw, -16 dw;  Q4_1, Q5_1: mw = m;
-//   Q8_0: c = its signed code + 128, mw = -128 dw (codes up to 255: VNNI only, as
-//   vpmaddubsw's pairs of 255 x 127 would saturate);
+//   Q8_0 with VNNI: c = its signed code + 128, mw = -128 dw; without (vpmaddubsw's pairs of
+//   255 x 127 would saturate): |c| times q with c's sign, pairs up to 2 x 128 x 127, mw = 0;
 //   Q4_K, Q5_K: dw = d sc, mw = -dmin m (per 32);  Q6_K: c its 6-bit code, dw = d sc,
 //   mw = -32 dw (per 16).
 // The error is x's in 8 bits per 32 inputs, as the 32-value types' int8 GEMV's.
@@ -56,6 +56,16 @@ constexpr int64_t kTilePassRows = kLanes;
 constexpr int kTileP1 = 6, kTileP2 = 2;
 #endif
 
+// x's bytes with the signs of w's: vpmaddubsw of |w| (unsigned) and these is w x.
+#if defined(__AVX512F__)
+inline vin signs_of(vin x, vin w) {
+  return (vin)_mm512_mask_sub_epi8((__m512i)x, _mm512_movepi8_mask((__m512i)w),
+                                   _mm512_setzero_si512(), (__m512i)x);
+}
+#else
+inline vin signs_of(vin x, vin w) { return (vin)_mm256_sign_epi8((__m256i)x, (__m256i)w); }
+#endif
+
 inline vin loadi(const int32_t* p) {
   vin v;
   std::memcpy(&v, p, sizeof(v));
@@ -70,9 +80,13 @@ inline vin broadcast_codes(const uint8_t* codes) {  // four codes into every 32-
   return vin{} + four;
 }
 
-// P weight rows' codes for a chunk of inputs, with a scale and an offset per S of them.
+// Where a signed type's codes sit in TileWeights::codes, after their magnitudes.
+constexpr int64_t kSignedCodes = kTileMaxP * kChunk;
+
+// P weight rows' codes for a chunk of inputs, with a scale and an offset per S of them (a
+// signed type: the codes' magnitudes, then the codes).
 struct TileWeights {
-  alignas(64) uint8_t codes[kTileMaxP * kChunk];
+  alignas(64) uint8_t codes[2 * kTileMaxP * kChunk];
   alignas(64) float dw[kTileMaxP * kChunk / 16];
   alignas(64) float mw[kTileMaxP * kChunk / 16];
 };
@@ -139,7 +153,7 @@ struct Q4Tile {
   static float offset(const uint8_t* b) { return kMin ? half(b + 2) : -8.f * half(b); }
 };
 
-// Q8_0: its signed codes + 128.
+// Q8_0 with VNNI: its signed codes + 128.
 struct Q8Tile {
   static constexpr int64_t kBytes = 34;
   static __m256i codes(const uint8_t* b) {
@@ -157,6 +171,21 @@ void tile_block32(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes,
     store_codes(codes + 32 * i, Codes::codes(b));
     dw[i] = half(b);
     mw[i] = Codes::offset(b);
+  }
+}
+
+// Q8_0 without VNNI, whose codes + 128 would overflow vpmaddubsw's pairs: the codes'
+// magnitudes (unsigned bytes, -128 as 128) and, kSignedCodes on, the codes themselves, whose
+// signs x takes (tile_dots); both kept, not derived per row of x: 1.1-1.15x.
+void tile_q8_signed(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
+                    float* mw) {
+  const uint8_t* b = row + v0 / 32 * Q8Tile::kBytes;
+  for (int64_t i = 0; i < count / 32; ++i, b += Q8Tile::kBytes) {
+    const __m256i c = load256(b + 2);
+    store_codes(codes + 32 * i, _mm256_abs_epi8(c));
+    store_codes(codes + kSignedCodes + 32 * i, c);
+    dw[i] = half(b);
+    mw[i] = 0.f;
   }
 }
 
@@ -196,7 +225,7 @@ TileDecoder tile_decoder(int64_t type) {
     case Q4_1: return tile_block32<Q4Tile<true>>;
     case Q5_0: return tile_block32<Q5Int<false>>;
     case Q5_1: return tile_block32<Q5Int<true>>;
-    case Q8_0: return kTileVnni ? tile_block32<Q8Tile> : nullptr;
+    case Q8_0: return kTileVnni ? tile_block32<Q8Tile> : tile_q8_signed;
     case Q4_K: return tile_k4<false>;
     case Q5_K: return tile_k4<true>;
     case Q6_K: return tile_q6k;
@@ -206,7 +235,7 @@ TileDecoder tile_decoder(int64_t type) {
 
 // dots[i][v] = the dot products of S codes of weight row i (from `codes`, a row every kChunk)
 // with S inputs of each row of x in vector v (x^T from xq), one row of x a 32-bit lane.
-template <int P, int V, int S>
+template <int P, int V, int S, bool kSigned>
 __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const int32_t* xq,
                                                      vin (&dots)[P][V]) {
 #pragma GCC unroll 12
@@ -228,6 +257,21 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
     }
   }
 #else
+  if constexpr (kSigned) {
+    // Signed codes (Q8_0): |w| times x with w's sign, pairs of products up to 2 x 128 x 127,
+    // widened every group.
+#pragma GCC unroll 8
+    for (int g = 0; g < S / 4; ++g)
+#pragma GCC unroll 12
+      for (int i = 0; i < P; ++i) {
+        const vin magnitude = broadcast_codes(codes + i * kChunk + 4 * g);
+        const vin wb = broadcast_codes(codes + kSignedCodes + i * kChunk + 4 * g);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v)
+          dots[i][v] += widen(maddubs(magnitude, signs_of(loadi(xq + (g * V + v) * kLanes), wb)));
+      }
+    return;
+  }
   // vpmaddubsw's pairs summed in int16 over G groups of four inputs before vpmaddwd widens
   // them: below 2^15 for codes under 32 over four groups (4 x 2 x 31 x 127), Q6_K's under 64
   // over two.
@@ -251,14 +295,14 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
 
 // acc[i][v] += weight row i's chunk of `count` inputs from k0 against vector v of x^T, S inputs
 // to a scale: per four inputs one broadcast of each row's codes into P x V dot products.
-template <int P, int V, int S>
+template <int P, int V, int S, bool kSigned>
 __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, const TileX& x,
                                                       int64_t k0, int64_t count,
                                                       vfn (&acc)[P][V]) {
   const int32_t* xq = x.q.data() + k0 / 4 * V * kLanes;
   for (int64_t s = 0; s < count; s += S) {
     vin dots[P][V];
-    tile_dots<P, V, S>(w.codes + s, xq, dots);
+    tile_dots<P, V, S, kSigned>(w.codes + s, xq, dots);
     xq += S / 4 * V * kLanes;
     const int64_t t = (k0 + s) / 16;  // x's 16 inputs at the sub-block's start
     vfn dx[V], sx[V];
@@ -275,7 +319,7 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
         acc[i][v] += __builtin_convertvector(dots[i][v], vfn) * (dw * dx[v]);
-        acc[i][v] += mw * sx[v];
+        if constexpr (!kSigned) acc[i][v] += mw * sx[v];
       }
     }
   }
@@ -285,7 +329,7 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
 // first row's outputs), P weight rows at a time, kChunk inputs at a time: each chunk of the
 // tile's rows is decoded once for every pass (one pass at a time decoded it again for each:
 // at 64 rows, AVX2's eight passes spent ~30% of their time decoding Q5_0).
-template <int P, int V, int S>
+template <int P, int V, int S, bool kSigned = false>
 void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX* xs,
                int64_t passes, int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
   TileWeights w;
@@ -310,7 +354,9 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
         else if (n + P + i < n1)
           prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
       }
-      out.each([&](int64_t x, vfn (&acc)[P][V]) { tile_chunk<P, V, S>(w, xs[x], k0, count, acc); });
+      out.each([&](int64_t x, vfn (&acc)[P][V]) {
+        tile_chunk<P, V, S, kSigned>(w, xs[x], k0, count, acc);
+      });
     }
     out.put(n, rows, n + rows == n1, kTilePassRows, M, bias, y, ldy);
   }
@@ -323,6 +369,11 @@ void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX* xs, int64_t p
   if (p.type == Q6_K)
     return one ? tile_rows<kTileP1, 1, 16>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy)
                : tile_rows<kTileP2, 2, 16>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
+  if (p.type == Q8_0 && !kTileVnni)
+    return one ? tile_rows<kTileP1, 1, 32, true>(p, decode, n0, n1, xs, passes, M, K, bias, y,
+                                                 ldy)
+               : tile_rows<kTileP2, 2, 32, true>(p, decode, n0, n1, xs, passes, M, K, bias, y,
+                                                 ldy);
   return one ? tile_rows<kTileP1, 1, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy)
              : tile_rows<kTileP2, 2, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
 }
@@ -371,7 +422,10 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
 // 1.0x / 4.9x / 1.9x / 1.2x. With a chunk's decode shared by a group of passes, AVX2's Q4_K
 // and Q6_K tiles against their int8 GEMV at 12 / 16 / 64 / 128 rows 1.0-1.1x / 1.45-1.6x /
 // 1.7-1.9x / 1.7-1.9x, and the 32-value types and K-quants at 256-512 rows 1.6-2.1x the
-// float GEMM that took them past 128 rows.
+// float GEMM that took them past 128 rows. AVX2's Q8_0 (signed codes) against the float
+// kernels at 5 / 8 / 16 / 64 / 128 rows 1.0-1.1x / 1.3-1.75x / 1.35-1.4x / 1.4-1.45x /
+// 1.4-1.5x (1536 x 576, 576 x 1536, the 49152 x 576 head), the float GEMM at 256-512 rows
+// 1.45-1.7x (896- and 4096-wide layers).
 inline bool int8_tile(int64_t type, int64_t rows) {
 #if defined(__AVX2__)
   const bool k_quant = format(type).values == 256;

@@ -66,7 +66,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ggml_int8_kquants") = ggml::kInt8KQuants;
   m.def("ggml_int8_tiles", &ggml::ggml_int8_tiles,
         "whether int8 activations take a layer of these ggml types in tiles at `rows` rows");
-  m.attr("vnni") = ggml::kTileVnni;
   m.attr("ggml_q8_0_groups") = ggml::kQ8Groups;  // Q8_0 at few rows of int8 x, grouped
   m.def("ggml_rows", &ggml::ggml_rows, "rows of a table in a ggml block format, as float32");
   m.def("ggml_dequantize", &ggml::ggml_dequantize, "a table in a ggml block format as float32");

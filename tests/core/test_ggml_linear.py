@@ -145,7 +145,7 @@ def test_int8_activations_are_the_q8_scheme_for_the_k_quants(cpu_kernels, two_th
         want = q8_0_reference(x, k_quants)
     else:
         want = q8_reference(x, k_quants) if int8 else x.double() @ k_quants.double().t()
-    w = weights[3]  # Q8_0: grouped in int8 at 3-6 rows with VBMI, tiled with VNNI, else float
+    w = weights[3]  # Q8_0: grouped in int8 at 3-6 rows with VBMI, tiled from 5, else float
     in_int8 = q8_0_in_int8(cpu_kernels, rows)
     q8_0 = q8_0_reference(x, w) if in_int8 else x.double() @ w.double().t()
     want = torch.cat([want, q8_0], dim=1)
@@ -265,13 +265,13 @@ def test_int8_layers_keep_integer_kernels_past_32_rows(cpu_kernels, rows: int,
 
 def tiled(kernels: Any, names: tuple[str, ...], rows: int) -> bool:
     """Whether the tiles take a layer of the named types at `rows` rows, checked against the
-    rule they are chosen by: with AVX2 or AVX-512 every type they read (Q8_0 with VNNI only)
-    from 5 rows, the K-quants from 12, any number of rows; not the 32-value types up to 6 rows
-    (Q8_0 there only with VBMI): their grouped GEMV takes them."""
+    rule they are chosen by: with AVX2 or AVX-512 every type they read from 5 rows, the
+    K-quants from 12, any number of rows; not the 32-value types up to 6 rows (Q8_0 there only
+    with VBMI): their grouped GEMV takes them."""
     kquants = any(n.endswith("_K") for n in names)
     readable = set(names) <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     rule = (kernels.isa != "generic" and readable and rows >= 5
-            and ("Q8_0" not in names or kernels.vnni) and (not kquants or rows >= 12)
+            and (not kquants or rows >= 12)
             and (not {"Q4_0", "Q4_1", "Q5_0", "Q5_1"} & set(names) or rows > 6)
             and ("Q8_0" not in names or rows > 6 or not kernels.ggml_q8_0_groups))
     tiles = kernels.ggml_int8_tiles(torch.tensor([FORMATS_BY_NAME[n] for n in names]), rows)
