@@ -112,8 +112,7 @@ def q8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # The K-quants take int8 activations in AVX2 and AVX-512 code; the generic flavour keeps the
-# float GEMV. Rows 17 and 32 cross passes of the GEMV, where the Q8_0 part stays float; with
-# AVX-512 and VNNI the tiles take all four parts there.
+# float GEMV. At rows 17 and 32 the tiles take all four parts.
 def int8_layer(kernels: Any, names: tuple[str, ...], rows: int, cols: int, seed: int,
                outlier: slice) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
                                         torch.Tensor]:
