@@ -4,7 +4,7 @@
 //
 // Why: a batch-1 step of a Q4_K_M file whose layers are too narrow for the K-quants (the
 // 576-wide SmolLM2 or the 896-wide Qwen2.5-0.5B: llama-quantize falls back to Q5_0) spends
-// half its time in these layers, and the block-at-a-time GEMV (q8_32_weight_rows) was bound
+// half its time in these layers, and a block-at-a-time int8 GEMV (now Q8_0's only) was bound
 // by its ~25 instructions a block (nibbles, the fifth bits, two half scales converted one at a
 // time, a byte dot in three instructions, a scalar offset), at 13-24 GB/s of the machine's ~33.
 // At 2-6 rows a weight row's codes, decoded once, meet each row of x in turn. Q8_0 at 3-6 rows

@@ -1,6 +1,6 @@
 // The K-quants (Q4_K, Q5_K, Q6_K) times int8 activations: byte dot products (vpmaddubsw), as
-// llama.cpp multiplies a K-quant by its Q8_K activations; at one or two rows of x the 32-value
-// types too, against its Q8_0 activations (below `q8_32_dot`). Included by csrc/ggml_cpu.cpp.
+// llama.cpp multiplies a K-quant by its Q8_K activations; at two rows of x Q8_0 too, against
+// its Q8_0 activations (below `q8_0_dot`). Included by csrc/ggml_cpu.cpp.
 //
 // Each row of x is quantized per K-block of 256 inputs: x_k ~ xd q_k, xd = max |x| / 127,
 // with the sums of q over each 16 inputs (bsums). Every K-quant weight is a code times a
@@ -328,12 +328,9 @@ void q8_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_
     });
 }
 
-// The 32-value types against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's dot
-// is d_w d_x (codes . q) + c_w d_x sum q, the codes bytes that vpmaddubsw multiplies by q:
-//   Q8_0: w = d c, c signed: |c| times q with c's sign (vpsignb), c_w = 0;
-//   Q5_0: w = d (c - 16), c = the 5-bit code unsigned: c_w = -16 d;
-//   Q5_1: w = d c + m: c_w = m.
-// Pairs of products stay below 2^15 (2 x 127 x 127), the block's sum in int32.
+// Q5_0 / Q5_1 codes as unsigned bytes (the int8 tiles read them, ggml_tiles_cpu.cpp): the
+// nibbles plus 16 where the fifth bit is set; offset: the c_w of w = d c + c_w (Q5_0: -16 d,
+// Q5_1: m).
 inline __m256i set_bits_as_bytes(uint32_t bits) {  // byte j: 0xFF where bit j is set
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   return _mm256_movm_epi8(bits);
@@ -350,7 +347,6 @@ inline __m256i set_bits_as_bytes(uint32_t bits) {  // byte j: 0xFF where bit j i
 template <bool kOffset>
 struct Q5Int {
   static constexpr int64_t kBytes = kOffset ? 24 : 22;
-  static constexpr bool kSigned = false;
   static __m256i codes(const uint8_t* b) {  // value j: low nibble of byte j, j + 16: high
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kOffset ? 8 : 6)));
     const __m256i nibbles = low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF);
@@ -361,90 +357,40 @@ struct Q5Int {
   static float offset(const uint8_t* b) { return kOffset ? half(b + 2) : -16.f * half(b); }
 };
 
-struct Q8Int {
-  static constexpr int64_t kBytes = 34;
-  static constexpr bool kSigned = true;
-  static __m256i codes(const uint8_t* b) { return load256(b + 2); }
-  static float offset(const uint8_t*) { return 0.f; }
-};
+// Q8_0 at two rows of x, against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's
+// dot is d_w d_x (codes . q), the signed codes by sign transfer (|c| times q with c's sign,
+// vpsignb), pairs of products below 2^15 (2 x 128 x 127), the block's sum in int32. (At one
+// row the float GEMV keeps Q8_0, from three the grouped GEMV or the tiles: int8_block32.)
+constexpr int64_t kQ8_0Bytes = 34;
 
-// codes . q of one block as 8 int32 partial sums (Q8_0's signed codes by sign transfer).
-template <typename Codes>
-inline __m256i block32_sums(__m256i c, __m256i q) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Codes::kSigned)
-    return _mm256_madd_epi16(
-        _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c)), ones);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
-}
-
-// One weight row of a 32-value type through M rows of x (rows m0.. of `x`, blocks of 32):
-// acc[m] += its float partial sums, extra[m] += the offsets' share.
-template <int M, typename Codes>
-inline void q8_32_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc,
-                      float* extra) {
+// One Q8_0 weight row through M rows of x (rows m0.. of `x`): acc[m] += its partial sums.
+template <int M>
+inline void q8_0_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc) {
   const int64_t NB = x.K / 32;
-  for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < NB; ++i, b += kQ8_0Bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch), _MM_HINT_NTA);
-    const __m256i c = Codes::codes(b);
-    const float d = half(b), o = Codes::offset(b);
+    const __m256i c = load256(b + 2), magnitude = _mm256_sign_epi8(c, c);
+    const float d = half(b);
     for (int m = 0; m < M; ++m) {
       const int64_t at = (m0 + m) * NB + i;
-      const __m256i sums = block32_sums<Codes>(c, load256(x.q.data() + at * 32));
+      const __m256i q = _mm256_sign_epi8(load256(x.q.data() + at * 32), c);
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), ones);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * x.d[at]), acc[m]);
-      if constexpr (!Codes::kSigned)
-        extra[m] += o * x.d[at] * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
     }
   }
 }
 
-// Weight row n through rows m0..m0 + M of x into y[m * ldy + n].
-template <int M, typename Codes>
-inline void q8_32_row(const Part& p, int64_t n, const Q8Rows& x, int64_t m0, const float* bias,
-                      float* y, int64_t ldy) {
-  __m256 acc[M];
-  float extra[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), extra[m] = 0.f;
-  q8_32_dot<M, Codes>(p.data + n * p.stride, x, m0, acc, extra);
-  for (int m = 0; m < M; ++m)
-    y[m * ldy + n] = hsum8(acc[m]) + extra[m] + (bias ? bias[n] : 0.0f);
-}
-
-// W weight rows at once through one row of x (row m0): each block of x loaded once for all,
-// W independent chains of FMAs (one row at a time waited on its chain: 1.0x the float GEMV).
-template <int W, typename Codes>
-inline void q8_32_weight_rows(const Part& p, int64_t n, const Q8Rows& x, int64_t m0,
-                              const float* bias, float* y) {
-  const int64_t NB = x.K / 32;
-  __m256 acc[W];
-  float extra[W];
-  for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps(), extra[w] = 0.f;
-  const uint8_t* b = p.data + n * p.stride;
-  for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
-    const int64_t at = m0 * NB + i;
-    const __m256i xq = load256(x.q.data() + at * 32);
-    const float dx = x.d[at], dsum = dx * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
-    for (int w = 0; w < W; ++w) {
-      const uint8_t* bw = b + w * p.stride;
-      _mm_prefetch(reinterpret_cast<const char*>(bw + kQ8Prefetch), _MM_HINT_NTA);
-      const __m256i sums = block32_sums<Codes>(Codes::codes(bw), xq);
-      acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(half(bw) * dx), acc[w]);
-      if constexpr (!Codes::kSigned) extra[w] += Codes::offset(bw) * dsum;
-    }
-  }
-  for (int w = 0; w < W; ++w) y[n + w] = hsum8(acc[w]) + extra[w] + (bias ? bias[n + w] : 0.f);
-}
-
-// Rows [n0, n1) of a 32-value part through rows m0..m0 + M of x, four rows of x at a time;
-// one row of x takes four weight rows at a time.
-template <typename Codes>
-void q8_32_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0,
-                     int64_t M, const float* bias, float* y, int64_t ldy) {
-  if (M == 1)
-    for (; n0 + 4 <= n1; n0 += 4) q8_32_weight_rows<4, Codes>(p, n0, x, m0, bias, y);
+// Rows [n0, n1) of a Q8_0 part through rows m0..m0 + M of x, four rows of x at a time.
+void q8_0_gemv_rows(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x, int64_t m0,
+                    int64_t M, const float* bias, float* y, int64_t ldy) {
   for (int64_t n = n0; n < n1; ++n)
     in_fours(M, [&]<int R>(int64_t m) {
-      q8_32_row<R, Codes>(p, n, x, m0 + m, bias, y + m * ldy, ldy);
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      q8_0_dot<R>(p.data + n * p.stride, x, m0 + m, acc);
+      for (int r = 0; r < R; ++r)
+        y[(m + r) * ldy + n] = hsum8(acc[r]) + (bias ? bias[n] : 0.0f);
     });
 }
 
@@ -456,7 +402,7 @@ void q8_part(const Part& p, int64_t n0, int64_t n1, const Q8Rows& x256, const Q8
     case Q4_K: return q8_gemv_rows<K4Int<false>>(p, n0, n1, x256, m0, M, bias, y, ldy);
     case Q5_K: return q8_gemv_rows<K4Int<true>>(p, n0, n1, x256, m0, M, bias, y, ldy);
     case Q6_K: return q8_gemv_rows<Q6KInt>(p, n0, n1, x256, m0, M, bias, y, ldy);
-    case Q8_0: return q8_32_gemv_rows<Q8Int>(p, n0, n1, x32, m0, M, bias, y, ldy);
+    case Q8_0: return q8_0_gemv_rows(p, n0, n1, x32, m0, M, bias, y, ldy);
     default: TORCH_CHECK(false, "q8_part: no int8 GEMV here for ggml type ", p.type);
   }
 }
