@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import Request
 
 from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
@@ -33,6 +34,7 @@ class OpenAIServingPooling(OpenAIServing):
     """Embeddings, rerank and score on a pooling model (pkv serve --task embed / classify)."""
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
+        """The OpenAI body; float vectors as float32 arrays, for `json_body` to write."""
         self._check_model(body.model, "embed")
         try:
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
@@ -136,23 +138,20 @@ def _embedding_inputs(value: str | list[str] | list[int] | list[list[int]]
     return list(value)  # type: ignore[arg-type]
 
 
-def _encode(vector: Any, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":  # little-endian float32, as OpenAI sends it
-        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
-    return float32_digits(vector.numpy())
+def _encode(vector: Any, encoding_format: str) -> np.ndarray | str:
+    """base64 of little-endian float32 (as OpenAI sends it), or the float32 array itself,
+    which `json_body` writes as JSON numbers."""
+    values = vector.numpy().astype("<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(values.tobytes()).decode()
+    return values
 
 
-def float32_digits(values: np.ndarray) -> list[float]:
-    """float32 values as the floats of their 9 significant digits, which read back as the
-    same float32: widened as they are, each would print 17 digits. JSON a third smaller and
-    faster to write and to parse (64 x 384 values: 10 -> 6.5 ms to write, 4 -> 2 to read)."""
-    wide = values.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        exponent = np.floor(np.log10(np.abs(wide)))
-    shift = 8 - np.where(np.isfinite(exponent), exponent, 0)
-    scale = 10.0 ** np.abs(shift)  # exact up to 1e22: so the one rounding is to 9 digits
-    return np.where(shift >= 0, np.round(wide * scale) / scale,
-                    np.round(wide / scale) * scale).tolist()
+def json_body(payload: dict[str, Any]) -> bytes:
+    """`payload` as JSON, its float32 arrays as each value's shortest digits that read back
+    as the same float32 (orjson). Python's json writes 64 x 384 floats in ~7 ms (a float's
+    repr each); orjson in ~0.5 ms, and a third fewer bytes than a float64's 17 digits."""
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _one_score(final: PoolingRequestOutput) -> float:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers
 
 from pkv.cli.bench.embed import write_random_bert
-from pkv.core.server.serving_pooling import float32_digits
+from pkv.core.server.serving_pooling import json_body
 from pkv.tests.server.conftest import RunningServer, start_server, stop_server
 from pkv.tests.server.test_anthropic import _counter
 
@@ -102,7 +102,7 @@ def test_raw_http_base64_and_token_ids(embed_server: RunningServer, models: dict
     b64 = _post(embed_server, "/v1/embeddings",
                 {"input": TEXTS[1], "encoding_format": "base64"}).json()
     decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
-    # JSON floats carry a float32's 9 significant digits and read back as the same float32.
+    # JSON floats carry a float32's shortest digits (9 at most) and read back as the same one.
     assert np.array_equal(np.array(floats["data"][0]["embedding"], dtype=np.float32), decoded)
     assert max(_digits(x) for x in floats["data"][0]["embedding"]) <= 9
     assert floats["object"] == "list" and floats["model"] == "embedder"
@@ -117,18 +117,18 @@ def _digits(x: float) -> int:
     return len(Decimal(repr(x)).normalize().as_tuple().digits)
 
 
-def test_float32_digits_read_back_as_the_same_float32():
+def test_json_body_writes_float32_arrays_that_read_back_as_the_same_float32():
     rng = np.random.default_rng(0)
     values = np.concatenate([
         rng.standard_normal(20000),
         rng.standard_normal(20000) * 10.0 ** rng.integers(-44, 38, 20000),
         [0.0, -0.0, 1.0, 0.1, 1 / 3, 3.4e38, 1.2e-38, 1e-45]]).astype(np.float32)
-    written = float32_digits(values)
-    assert np.array_equal(np.array(written, dtype=np.float32), values)
-    # 9 digits where the powers of ten scaling them are exact (past 1e22 they are not).
-    assert max(_digits(x) for x in written if 1e-14 <= abs(x) < 1e22) <= 9
+    written = json.loads(json_body({"embedding": values, "index": 3}))
+    assert written["index"] == 3
+    assert np.array_equal(np.array(written["embedding"], dtype=np.float32), values)
+    assert max(_digits(x) for x in written["embedding"]) <= 9
     # Widened as they are, the same values print 17 digits: a third more JSON.
-    assert len(json.dumps(values.tolist())) > 1.3 * len(json.dumps(written))
+    assert len(json.dumps(values.tolist())) > 1.3 * len(json_body({"embedding": values}))
 
 
 @pytest.mark.parametrize("body, status, param", [
