@@ -87,6 +87,32 @@ inline void prefetch_values(const Part& p, const uint8_t* row, int64_t v0, int64
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(from + b);
 }
 
+// Lanes j of rows r and r + S exchanged where j has bit S set, for the rows with bit S clear:
+// the step of a square transpose that swaps the off-diagonal S x S blocks.
+template <int S>
+inline void exchange_blocks(vfn (&rows)[kLanes]) {
+  vin low, high;  // __builtin_shuffle's indices: below kLanes from the first vector
+  for (int j = 0; j < kLanes; ++j) {
+    low[j] = (j & S) ? kLanes + j - S : j;
+    high[j] = (j & S) ? kLanes + j : j + S;
+  }
+  for (int r = 0; r < kLanes; ++r) {
+    if (r & S) continue;
+    const vfn a = rows[r], b = rows[r + S];
+    rows[r] = __builtin_shuffle(a, b, low);
+    rows[r + S] = __builtin_shuffle(a, b, high);
+  }
+}
+
+// rows[i][j] <-> rows[j][i]: log2(kLanes) steps of kLanes two-vector shuffles.
+template <int S = 1>
+inline void transpose(vfn (&rows)[kLanes]) {
+  if constexpr (S < kLanes) {
+    exchange_blocks<S>(rows);
+    transpose<2 * S>(rows);
+  }
+}
+
 // A kernel's outputs, computed a column (weight row) at a time as V vectors of rows of x, held
 // in that layout for up to kCols columns and written into y a row at a time. Written a column
 // at a time, a column's 4-byte stores fell ldy apart, often a multiple of 4 KB (3072 or 49152
@@ -101,12 +127,26 @@ class ColumnBuffer {
     for (int v = 0; v < V; ++v) storev(cols_[n - c0_] + v * kLanes, column[v]);
   }
 
-  // Columns [c0, c1) into rows [0, M) of y (+ bias) once the buffer is full or `last`.
+  // Columns [c0, c1) into rows [0, M) of y (+ bias) once the buffer is full or `last`:
+  // kLanes columns at a time as square blocks transposed in registers, the rest one value at
+  // a time. One value at a time throughout, this took 12% of the int8 tiles' time at 64 rows
+  // of 576-input layers.
   void flush_if(bool last, int64_t c1, int64_t M, const float* bias, float* y, int64_t ldy) {
     if (!last && c1 - c0_ < kCols) return;
+    int64_t c = c0_;
+    for (; c + kLanes <= c1; c += kLanes) {
+      const vfn b = bias != nullptr ? loadv(bias + c) : vfn{};
+      for (int64_t m0 = 0; m0 < M; m0 += kLanes) {
+        vfn block[kLanes];
+        for (int j = 0; j < kLanes; ++j) block[j] = loadv(cols_[c + j - c0_] + m0);
+        transpose(block);
+        for (int64_t m = m0; m < std::min<int64_t>(M, m0 + kLanes); ++m)
+          storev(y + m * ldy + c, block[m - m0] + b);
+      }
+    }
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = c0_; c < c1; ++c)
-        y[m * ldy + c] = cols_[c - c0_][m] + (bias != nullptr ? bias[c] : 0.f);
+      for (int64_t k = c; k < c1; ++k)
+        y[m * ldy + k] = cols_[k - c0_][m] + (bias != nullptr ? bias[k] : 0.f);
     c0_ = c1;
   }
 
