@@ -174,10 +174,11 @@ struct K4Int {
 // qh bytes 32 n on.
 struct Q6KInt {
   static constexpr int64_t kBytes = 210;
+  static constexpr float kZero = 32.f;  // the code of value 0
   static IntScales scales(const uint8_t* b) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
     const float d = half(b + 208);
-    return {sc, sc, d, -32.f * d};
+    return {sc, sc, d, -kZero * d};
   }
   template <int R>
   static __m256i run(const uint8_t* b) {
@@ -347,6 +348,7 @@ inline __m256i set_bits_as_bytes(uint32_t bits) {  // byte j: 0xFF where bit j i
 template <bool kOffset>
 struct Q5Int {
   static constexpr int64_t kBytes = kOffset ? 24 : 22;
+  static constexpr float kZero = kOffset ? 0.f : 16.f;  // Q5_0's code of value 0
   static __m256i codes(const uint8_t* b) {  // value j: low nibble of byte j, j + 16: high
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kOffset ? 8 : 6)));
     const __m256i nibbles = low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF);
@@ -354,7 +356,7 @@ struct Q5Int {
     std::memcpy(&qh, b + (kOffset ? 4 : 2), 4);
     return _mm256_or_si256(nibbles, _mm256_and_si256(set_bits_as_bytes(qh), _mm256_set1_epi8(16)));
   }
-  static float offset(const uint8_t* b) { return kOffset ? half(b + 2) : -16.f * half(b); }
+  static float offset(const uint8_t* b) { return kOffset ? half(b + 2) : -kZero * half(b); }
 };
 
 // Q8_0 at two rows of x, against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's

@@ -138,6 +138,12 @@ void tile_x(const Q8Rows& x32, int64_t m0, int64_t rows, int64_t K, int64_t W,
 using TileDecoder = void (*)(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes,
                              float* dw, float* mw);
 
+// How a type's offset mw enters a sub-block's dot dx (dw (c . q) + mw sum q): kMin, its own
+// (Q4_1, Q5_1, the K-quants' mins); kZero, a code z of value 0 (mw = -z dw: Q4_0, Q5_0, Q6_K,
+// Q8_0 + 128), taken as dw (dx (c . q) - z sx), one multiply-add fewer per weight row and
+// row of x than mw's own (its term once per vector of x); kSigned, none (signed codes).
+enum class TileOffset { kMin, kZero, kSigned };
+
 inline void store_codes(uint8_t* to, __m256i c) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), c);
 }
@@ -146,20 +152,22 @@ inline void store_codes(uint8_t* to, __m256i c) {
 template <bool kMin>
 struct Q4Tile {
   static constexpr int64_t kBytes = kMin ? 20 : 18;
+  static constexpr float kZero = kMin ? 0.f : 8.f;  // Q4_0's code of value 0
   static __m256i codes(const uint8_t* b) {
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kMin ? 4 : 2)));
     return low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF);
   }
-  static float offset(const uint8_t* b) { return kMin ? half(b + 2) : -8.f * half(b); }
+  static float offset(const uint8_t* b) { return kMin ? half(b + 2) : -kZero * half(b); }
 };
 
 // Q8_0 with VNNI: its signed codes + 128.
 struct Q8Tile {
   static constexpr int64_t kBytes = 34;
+  static constexpr float kZero = 128.f;
   static __m256i codes(const uint8_t* b) {
     return _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8(-128));
   }
-  static float offset(const uint8_t* b) { return -128.f * half(b); }
+  static float offset(const uint8_t* b) { return -kZero * half(b); }
 };
 
 // The 32-value types (Q5_0 / Q5_1 as ggml_q8_cpu.cpp reads them): a block's codes, d, offset.
@@ -214,7 +222,7 @@ void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, flo
     store_runs<Q6KInt>(b, codes + 256 * i, std::make_integer_sequence<int, 8>{});
     const vf16 scales = widen_i8(reinterpret_cast<const int8_t*>(b + 192)) * half(b + 208);
     store16(dw + 16 * i, scales);  // as Q6KCodes::decode widens them
-    store16(mw + 16 * i, scales * -32.f);
+    store16(mw + 16 * i, scales * -Q6KInt::kZero);
   }
 }
 
@@ -235,7 +243,7 @@ TileDecoder tile_decoder(int64_t type) {
 
 // dots[i][v] = the dot products of S codes of weight row i (from `codes`, a row every kChunk)
 // with S inputs of each row of x in vector v (x^T from xq), one row of x a 32-bit lane.
-template <int P, int V, int S, bool kSigned>
+template <int P, int V, int S, TileOffset O>
 __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const int32_t* xq,
                                                      vin (&dots)[P][V]) {
 #pragma GCC unroll 12
@@ -257,7 +265,7 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
     }
   }
 #else
-  if constexpr (kSigned) {
+  if constexpr (O == TileOffset::kSigned) {
     // Signed codes (Q8_0): |w| times x with w's sign, pairs of products up to 2 x 128 x 127,
     // widened every group.
 #pragma GCC unroll 8
@@ -295,22 +303,26 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
 
 // acc[i][v] += weight row i's chunk of `count` inputs from k0 against vector v of x^T, S inputs
 // to a scale: per four inputs one broadcast of each row's codes into P x V dot products.
-template <int P, int V, int S, bool kSigned>
+// `zero`: the code of value 0 (TileOffset::kZero).
+template <int P, int V, int S, TileOffset O>
 __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, const TileX& x,
-                                                      int64_t k0, int64_t count,
+                                                      int64_t k0, int64_t count, float zero,
                                                       vfn (&acc)[P][V]) {
   const int32_t* xq = x.q.data() + k0 / 4 * V * kLanes;
   for (int64_t s = 0; s < count; s += S) {
     vin dots[P][V];
-    tile_dots<P, V, S, kSigned>(w.codes + s, xq, dots);
+    tile_dots<P, V, S, O>(w.codes + s, xq, dots);
     xq += S / 4 * V * kLanes;
     const int64_t t = (k0 + s) / 16;  // x's 16 inputs at the sub-block's start
     vfn dx[V], sx[V];
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) {
       dx[v] = loadv(x.d.data() + (t * V + v) * kLanes);
-      sx[v] = loadv(x.s.data() + (t * V + v) * kLanes);
-      if constexpr (S == 32) sx[v] += loadv(x.s.data() + ((t + 1) * V + v) * kLanes);  // two 16s
+      if constexpr (O != TileOffset::kSigned) {
+        sx[v] = loadv(x.s.data() + (t * V + v) * kLanes);
+        if constexpr (S == 32) sx[v] += loadv(x.s.data() + ((t + 1) * V + v) * kLanes);
+        if constexpr (O == TileOffset::kZero) sx[v] *= -zero;
+      }
     }
     const int64_t j = s / S;
 #pragma GCC unroll 12
@@ -318,8 +330,13 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
       const float dw = w.dw[i * (kChunk / 16) + j], mw = w.mw[i * (kChunk / 16) + j];
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
-        acc[i][v] += __builtin_convertvector(dots[i][v], vfn) * (dw * dx[v]);
-        if constexpr (!kSigned) acc[i][v] += mw * sx[v];
+        const vfn dot = __builtin_convertvector(dots[i][v], vfn);
+        if constexpr (O == TileOffset::kZero) {
+          acc[i][v] += dw * (dot * dx[v] + sx[v]);
+        } else {
+          acc[i][v] += dot * (dw * dx[v]);
+          if constexpr (O == TileOffset::kMin) acc[i][v] += mw * sx[v];
+        }
       }
     }
   }
@@ -329,9 +346,10 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
 // first row's outputs), P weight rows at a time, kChunk inputs at a time: each chunk of the
 // tile's rows is decoded once for every pass (one pass at a time decoded it again for each:
 // at 64 rows, AVX2's eight passes spent ~30% of their time decoding Q5_0).
-template <int P, int V, int S, bool kSigned = false>
-void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const TileX* xs,
-               int64_t passes, int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
+template <int P, int V, int S, TileOffset O>
+void tile_rows(const Part& p, TileDecoder decode, float zero, int64_t n0, int64_t n1,
+               const TileX* xs, int64_t passes, int64_t M, int64_t K, const float* bias, float* y,
+               int64_t ldy) {
   TileWeights w;
   PassOutputs<P, V, 8 * P> out(passes, n0);
   for (int64_t n = n0; n < n1; n += P) {
@@ -355,27 +373,46 @@ void tile_rows(const Part& p, TileDecoder decode, int64_t n0, int64_t n1, const 
           prefetch_values(p, row + P * p.stride, 0, std::min(kChunk, K));
       }
       out.each([&](int64_t x, vfn (&acc)[P][V]) {
-        tile_chunk<P, V, S, kSigned>(w, xs[x], k0, count, acc);
+        tile_chunk<P, V, S, O>(w, xs[x], k0, count, zero, acc);
       });
     }
     out.put(n, rows, n + rows == n1, kTilePassRows, M, bias, y, ldy);
   }
 }
 
+// The code of value 0 of a type whose offset is one (TileOffset::kZero), else 0.
+float tile_zero(int64_t type) {
+  switch (type) {
+    case Q4_0: return Q4Tile<false>::kZero;
+    case Q5_0: return Q5Int<false>::kZero;
+    case Q8_0: return kTileVnni ? Q8Tile::kZero : 0.f;
+    case Q6_K: return Q6KInt::kZero;
+    default: return 0.f;
+  }
+}
+
+template <int S, TileOffset O>
+void tile_rows_of(const Part& p, float zero, int64_t n0, int64_t n1, const TileX* xs,
+                  int64_t passes, int64_t M, int64_t K, const float* bias, float* y,
+                  int64_t ldy) {
+  const TileDecoder decode = tile_decoder(p.type);
+  if (xs[0].W == kLanes)
+    tile_rows<kTileP1, 1, S, O>(p, decode, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
+  else
+    tile_rows<kTileP2, 2, S, O>(p, decode, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
+}
+
 void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX* xs, int64_t passes,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
-  const TileDecoder decode = tile_decoder(p.type);
-  const bool one = xs[0].W == kLanes;
+  const float zero = tile_zero(p.type);
   if (p.type == Q6_K)
-    return one ? tile_rows<kTileP1, 1, 16>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy)
-               : tile_rows<kTileP2, 2, 16>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
+    return tile_rows_of<16, TileOffset::kZero>(p, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
   if (p.type == Q8_0 && !kTileVnni)
-    return one ? tile_rows<kTileP1, 1, 32, true>(p, decode, n0, n1, xs, passes, M, K, bias, y,
-                                                 ldy)
-               : tile_rows<kTileP2, 2, 32, true>(p, decode, n0, n1, xs, passes, M, K, bias, y,
+    return tile_rows_of<32, TileOffset::kSigned>(p, zero, n0, n1, xs, passes, M, K, bias, y,
                                                  ldy);
-  return one ? tile_rows<kTileP1, 1, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy)
-             : tile_rows<kTileP2, 2, 32>(p, decode, n0, n1, xs, passes, M, K, bias, y, ldy);
+  if (zero != 0.f)
+    return tile_rows_of<32, TileOffset::kZero>(p, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
+  tile_rows_of<32, TileOffset::kMin>(p, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another, x in int8 per 32
