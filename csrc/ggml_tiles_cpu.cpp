@@ -134,7 +134,7 @@ void tile_x(const Q8Rows& x32, int64_t m0, int64_t rows, int64_t K, int64_t W,
 }
 
 // A type's reader: values [v0, v0 + count) of a weight row (whole blocks) as codes, with each S
-// values' scale and offset (dw, mw: count / S of each).
+// values' scale dw and, for a TileOffset::kMin type, offset mw (count / S of each).
 using TileDecoder = void (*)(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes,
                              float* dw, float* mw);
 
@@ -167,7 +167,6 @@ struct Q8Tile {
   static __m256i codes(const uint8_t* b) {
     return _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8(-128));
   }
-  static float offset(const uint8_t* b) { return -kZero * half(b); }
 };
 
 // The 32-value types (Q5_0 / Q5_1 as ggml_q8_cpu.cpp reads them): a block's codes, d, offset.
@@ -178,7 +177,7 @@ void tile_block32(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes,
   for (int64_t i = 0; i < count / 32; ++i, b += Codes::kBytes) {
     store_codes(codes + 32 * i, Codes::codes(b));
     dw[i] = half(b);
-    mw[i] = Codes::offset(b);
+    if constexpr (Codes::kZero == 0.f) mw[i] = Codes::offset(b);  // else kZero's
   }
 }
 
@@ -186,14 +185,13 @@ void tile_block32(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes,
 // magnitudes (unsigned bytes, -128 as 128) and, kSignedCodes on, the codes themselves, whose
 // signs x takes (tile_dots); both kept, not derived per row of x: 1.05-1.15x.
 void tile_q8_signed(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
-                    float* mw) {
+                    float*) {
   const uint8_t* b = row + v0 / 32 * Q8Tile::kBytes;
   for (int64_t i = 0; i < count / 32; ++i, b += Q8Tile::kBytes) {
     const __m256i c = load256(b + 2);
     store_codes(codes + 32 * i, _mm256_abs_epi8(c));
     store_codes(codes + kSignedCodes + 32 * i, c);
     dw[i] = half(b);
-    mw[i] = 0.f;
   }
 }
 
@@ -216,13 +214,12 @@ void tile_k4(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, floa
 
 // Q6_K: sixteen runs of 16 values, each with its int8 scale.
 void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, float* dw,
-              float* mw) {
+              float*) {
   const uint8_t* b = row + v0 / 256 * Q6KInt::kBytes;
   for (int64_t i = 0; i < count / 256; ++i, b += Q6KInt::kBytes) {
     store_runs<Q6KInt>(b, codes + 256 * i, std::make_integer_sequence<int, 8>{});
     const vf16 scales = widen_i8(reinterpret_cast<const int8_t*>(b + 192)) * half(b + 208);
     store16(dw + 16 * i, scales);  // as Q6KCodes::decode widens them
-    store16(mw + 16 * i, scales * -Q6KInt::kZero);
   }
 }
 
