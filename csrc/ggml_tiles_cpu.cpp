@@ -140,8 +140,8 @@ using TileDecoder = void (*)(const uint8_t* row, int64_t v0, int64_t count, uint
 
 // How a type's offset mw enters a sub-block's dot dx (dw (c . q) + mw sum q): kMin, its own
 // (Q4_1, Q5_1, the K-quants' mins); kZero, a code z of value 0 (mw = -z dw: Q4_0, Q5_0, Q6_K,
-// Q8_0 + 128), taken as dw (dx (c . q) - z sx), one multiply-add fewer per weight row and
-// row of x than mw's own (its term once per vector of x); kSigned, none (signed codes).
+// Q8_0 + 128), taken as dw (dx (c . q) - z sx): z sx once per vector of x, a multiply-add
+// fewer per weight row and vector of x than mw's own; kSigned, none (signed codes).
 enum class TileOffset { kMin, kZero, kSigned };
 
 inline void store_codes(uint8_t* to, __m256i c) {
@@ -324,7 +324,7 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
     const int64_t j = s / S;
 #pragma GCC unroll 12
     for (int i = 0; i < P; ++i) {
-      const float dw = w.dw[i * (kChunk / 16) + j], mw = w.mw[i * (kChunk / 16) + j];
+      const float dw = w.dw[i * (kChunk / 16) + j];
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
         const vfn dot = __builtin_convertvector(dots[i][v], vfn);
@@ -332,7 +332,7 @@ __attribute__((always_inline)) inline void tile_chunk(const TileWeights& w, cons
           acc[i][v] += dw * (dot * dx[v] + sx[v]);
         } else {
           acc[i][v] += dot * (dw * dx[v]);
-          if constexpr (O == TileOffset::kMin) acc[i][v] += mw * sx[v];
+          if constexpr (O == TileOffset::kMin) acc[i][v] += w.mw[i * (kChunk / 16) + j] * sx[v];
         }
       }
     }
