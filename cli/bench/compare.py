@@ -6,6 +6,7 @@ same spell, so each round's ratio is sound where separate `pkv bench` runs are n
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,32 @@ def run_rounds(baseline: Any, candidate: Any, prompts: list[list[int]], output_l
         for engine, tps in order if r % 2 == 0 else order[::-1]:
             tps.append(run_pkv(engine, prompts, output_len, batch).output_tps)
     return run
+
+
+def alternate(ours: Callable[[], Any], theirs: Callable[[], Any] | None,
+              rounds: int) -> list[tuple[Any, Any]]:
+    """`rounds` (pkv's result, the baseline's) pairs, alternating which runs first; without a
+    baseline, pkv's runs alone (None beside each)."""
+    pairs = []
+    for r in range(rounds):
+        if theirs is None:
+            pairs.append((ours(), None))
+        elif r % 2 == 0:
+            mine = ours()
+            pairs.append((mine, theirs()))
+        else:
+            other = theirs()
+            pairs.append((ours(), other))
+    return pairs
+
+
+def median_round(pairs: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """The round whose output tok/s ratio (pkv's alone without a baseline) is the median: a
+    whole pair, so that its tables agree with the ratio quoted."""
+    def key(pair: tuple[Any, Any]) -> float:
+        mine, other = pair
+        return mine.output_tps / other.output_tps if other is not None else mine.output_tps
+    return sorted(pairs, key=key)[(len(pairs) - 1) // 2]
 
 
 def compare_table(runs: list[CompareRun], baseline: str, candidate: str) -> Table:

@@ -37,6 +37,33 @@ def offline_table(results: list[BenchResult]) -> Table:
     return table
 
 
+def rounds_table(batch: int, pairs: list[tuple[BenchResult, BenchResult | None]]) -> Table:
+    """pkv and its baseline round by round (`--rounds`): decode and output tok/s and their
+    ratios, with the medians."""
+    import statistics
+
+    name = pairs[0][1].name if pairs[0][1] is not None else "-"
+    table = Table(title=f"pkv bench --rounds: batch {batch}, pkv against {name}, run alternately")
+    for column in ("round", "pkv decode tok/s", f"{name} decode tok/s", "decode ratio",
+                   "pkv out tok/s", f"{name} out tok/s", "out ratio"):
+        table.add_column(column, justify="right")
+    decode, out = [], []
+    for i, (mine, other) in enumerate(pairs, 1):
+        if other is None:
+            table.add_row(str(i), f"{mine.decode_tps:.1f}", "-", "-", f"{mine.output_tps:.1f}",
+                          "-", "-")
+            continue
+        decode.append(mine.decode_tps / other.decode_tps if other.decode_s else float("nan"))
+        out.append(mine.output_tps / other.output_tps)
+        table.add_row(str(i), f"{mine.decode_tps:.1f}", f"{other.decode_tps:.1f}",
+                      f"{decode[-1]:.2f}x", f"{mine.output_tps:.1f}", f"{other.output_tps:.1f}",
+                      f"{out[-1]:.2f}x")
+    if out:
+        table.add_row("median", "", "", f"[bold]{statistics.median(decode):.2f}x[/]", "", "",
+                      f"[bold]{statistics.median(out):.2f}x[/]")
+    return table
+
+
 def profile_table(results: list[BenchResult]) -> Table:
     """Where a step's time goes: mean ms per step by phase; overhead is all but the forward."""
     from pkv.core.worker.step_timer import PHASES

@@ -40,6 +40,43 @@ def test_offline_sweep_with_hf_baseline_writes_json_and_plot(tmp_path: Path,
     assert "pkv / hf" in result.output
 
 
+def test_rounds_alternate_pkv_and_its_baseline_and_keep_the_median_pair(tmp_path: Path,
+                                                                        tiny_llama_dir: Path):
+    out = tmp_path / "rounds.json"
+    result = _bench(str(tiny_llama_dir), "--batch", "2", "--num-prompts", "2", "--input-len", "5",
+                    "--output-len", "3", "--warmup", "1", "--kv-cache-memory", "8MiB",
+                    "--baseline", "hf", "--baseline-batch", "2", "--rounds", "3",
+                    "--json", str(out))
+    assert result.exit_code == 0, result.output
+    table = result.output[result.output.index("pkv bench --rounds: batch 2"):]
+    rows = [line for line in table.splitlines() if re.match(r"\W*[123] ", line)]
+    assert len(rows) == 3, table
+    out_ratios = [float(re.findall(r"([0-9.]+)x", row)[-1]) for row in rows[:3]]
+    median = float(re.findall(r"([0-9.]+)x", table[table.index("median"):])[-1])
+    assert median == pytest.approx(sorted(out_ratios)[1], abs=0.006)
+    # The run kept for the tables and the JSON is the median round, a whole pair.
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["baseline"]["ratio"] == pytest.approx(sorted(out_ratios)[1], abs=0.006)
+
+
+def test_rounds_alternate_which_engine_goes_first():
+    from pkv.cli.bench.compare import alternate, median_round
+
+    calls: list[str] = []
+
+    class Run:
+        def __init__(self, tps: float) -> None:
+            self.output_tps = tps
+
+    mine, theirs = iter([10.0, 30.0, 20.0]), iter([10.0, 10.0, 10.0])
+    pairs = alternate(lambda: calls.append("pkv") or Run(next(mine)),
+                      lambda: calls.append("base") or Run(next(theirs)), 3)
+    assert calls == ["pkv", "base", "base", "pkv", "pkv", "base"]
+    assert median_round(pairs)[0].output_tps == 20.0  # ratios 1, 3, 2: the median pair
+    alone = alternate(lambda: Run(next(iter([5.0]))), None, 2)
+    assert [other for _, other in alone] == [None, None]
+
+
 def test_dataset_prompts(tmp_path: Path, tiny_llama_dir: Path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "Hello there"}\n{"prompt": "Another prompt"}\n')
@@ -55,6 +92,7 @@ def test_dataset_prompts(tmp_path: Path, tiny_llama_dir: Path):
     (["--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
     (["--baseline", "openai", "--url", "http://127.0.0.1:9"], "cannot reach"),
     (["--baseline", "vllm"], "--baseline must be"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_llama_dir: Path, args: list[str], message: str):
     result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", *args)

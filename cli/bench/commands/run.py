@@ -1,7 +1,7 @@
 """`pkv bench [run]`: offline throughput of pkv on one workload over a sweep of batch sizes.
 
-Baselines (transformers, or an OpenAI-compatible server) run in the same process, back to back,
-so ratios survive a noisy machine. The prompts and each engine's run of them:
+Baselines (transformers, an OpenAI-compatible server, llama.cpp's llama-batched-bench) run
+back to back with pkv, `--rounds` times alternately, so ratios survive a noisy machine. The prompts and each engine's run of them:
 pkv.cli.bench.workload; the tables: pkv.cli.bench.report.
 """
 
@@ -57,6 +57,7 @@ def run(
     lora_mix: Annotated[bool, typer.Option(help="Spread requests evenly over the --lora-modules adapters.")] = False,
     profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
     roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
+    rounds: Annotated[int, typer.Option(help="Runs of pkv and the baseline, alternating, per batch size: each round's ratio and their median.")] = 1,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
@@ -73,6 +74,8 @@ def run(
             raise ValueError("--input-len and --output-len must be >= 1")
         if shared_prefix_len < 0 or long_prompt_len < 0:
             raise ValueError("--shared-prefix-len and --long-prompt-len must be >= 0")
+        if rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {rounds}")
         if workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
         _run_offline(locals() | {"batches": batches})
@@ -83,6 +86,7 @@ def _run_offline(o: dict[str, Any]) -> None:
 
     from pkv.cli.bench import report
     from pkv.cli.bench import workload as off
+    from pkv.cli.bench.compare import alternate, median_round
     from pkv.cli.bench.serve import check_server
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
@@ -150,8 +154,30 @@ def _run_offline(o: dict[str, Any]) -> None:
                       f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB")
         loras = ([lora_requests[i % len(lora_requests)] for i in range(len(prompts))]
                  if lora_requests else None)
-        result = off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"],
-                             loras)
+        def ours() -> Any:
+            return off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"],
+                               loras)
+
+        theirs = None
+        if hf_model is not None:
+            def theirs() -> Any:
+                return off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
+        elif remote_model is not None:
+            def theirs() -> Any:
+                return off.run_openai(url, remote_model, headers, prompts, o["output_len"], b)
+        elif llama_cpp is not None:
+            kv_type = lcpp.cache_type(engine.runner.kv_format.name)
+            console.print(f"llama.cpp: KV cache {kv_type} (pkv's: "
+                          f"{engine.runner.kv_format.name})")
+
+            def theirs() -> Any:
+                with console.status(f"llama.cpp, batch {b}, KV cache {kv_type}"):
+                    return lcpp.run_batched_bench(*llama_cpp, b, o["input_len"],
+                                                  o["output_len"], torch_threads(), kv_type)
+        pairs = alternate(ours, theirs, o["rounds"])
+        if len(pairs) > 1:
+            console.print(report.rounds_table(b, pairs))
+        result, other = median_round(pairs)
         if b in rooflines:
             result.roofline_tps = rooflines[b].tokens_per_s
             result.roofline_gflops = rooflines[b].gflops_per_s
@@ -159,18 +185,6 @@ def _run_offline(o: dict[str, Any]) -> None:
             chunk = engine.max_num_batched_tokens
             result.prefill_roofline_tps = measure_prefill(
                 engine.model_config, [len(p) for p in prompts], chunk).tokens_per_s
-        other = None
-        if hf_model is not None:
-            other = off.run_hf(hf_model, prompts, o["output_len"], o["baseline_batch"])
-        elif remote_model is not None:
-            other = off.run_openai(url, remote_model, headers, prompts, o["output_len"], b)
-        elif llama_cpp is not None:
-            kv_type = lcpp.cache_type(engine.runner.kv_format.name)
-            with console.status(f"llama.cpp, batch {b}, KV cache {kv_type}"):
-                other = lcpp.run_batched_bench(*llama_cpp, b, o["input_len"], o["output_len"],
-                                               torch_threads(), kv_type)
-            console.print(f"llama.cpp: KV cache {kv_type} (pkv's: "
-                          f"{engine.runner.kv_format.name})")
         runs.append((result, other))
         console.print(report.offline_table([result] + ([other] if other else [])))
         if result.spec_acceptance_rate is not None:
