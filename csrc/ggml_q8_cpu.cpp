@@ -361,8 +361,9 @@ struct Q5Int {
 
 // Q8_0 at two rows of x, against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's
 // dot is d_w d_x (codes . q), the signed codes by sign transfer (|c| times q with c's sign,
-// vpsignb), pairs of products below 2^15 (2 x 128 x 127), the block's sum in int32. (At one
-// row the float GEMV keeps Q8_0, from three the grouped GEMV or the tiles: int8_block32.)
+// vpsignb), pairs of products below 2^15 (2 x 128 x 127), the block's sum in int32; at one
+// row too where the float GEMV is AVX2's (int8_block32). From three rows the grouped GEMV or
+// the tiles.
 constexpr int64_t kQ8_0Bytes = 34;
 
 // One Q8_0 weight row through M rows of x (rows m0.. of `x`): acc[m] += its partial sums.
@@ -445,8 +446,17 @@ inline bool int8_grouped(int64_t type, int64_t rows) {
   return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 ||
          (type == Q8_0 && kQ8Groups && rows >= 3);
 }
+// Q8_0 at one row: the float GEMV where it has AVX-512 (bandwidth-bound: the int8 GEMV ran a
+// Q8_0 file's batch-1 decode 0.97x), the int8 one on AVX2, where the float GEMV is bound by
+// its widening and converting (a Q8_0 file's batch 1 1.12x, a Q4_0 file's Q8_0 head 1.06x).
+#if defined(__AVX512F__)
+constexpr bool kQ8_0OneRowInt8 = false;
+#else
+constexpr bool kQ8_0OneRowInt8 = true;
+#endif
 inline bool int8_block32(int64_t type, int64_t rows) {
-  return int8_grouped(type, rows) || (kInt8KQuants && type == Q8_0 && rows == 2);
+  return int8_grouped(type, rows) ||
+         (kInt8KQuants && type == Q8_0 && (rows == 2 || (rows == 1 && kQ8_0OneRowInt8)));
 }
 
 }  // namespace ggml

@@ -168,9 +168,9 @@ def q8_0_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbk,nbk,mb->mn", q, w, (amax / 127).double().squeeze(-1))
 
 
-# Q4_0, Q4_1, Q5_0 and Q5_1 take x in int8 per 32 inputs at 1-6 rows (grouped), Q8_0 at 2
-# and, grouped where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows it otherwise stays float
-# (from 5 the tiles take it). A Q6_K part beside them takes x per 256.
+# Q4_0, Q4_1, Q5_0 and Q5_1 take x in int8 per 32 inputs at 1-6 rows (grouped), Q8_0 at 2 (at
+# 1 too on AVX2) and, grouped where the CPU has VBMI and VNNI, at 3-6; at 3-4 rows it otherwise
+# stays float (from 5 the tiles take it). A Q6_K part beside them takes x per 256.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, two_threads,
                                                                   rows: int):
@@ -192,12 +192,14 @@ def test_int8_activations_are_the_q8_0_scheme_for_32_value_types(cpu_kernels, tw
 
 
 def q8_0_in_int8(kernels: Any, rows: int) -> bool:
-    """Whether a Q8_0 part takes int8 x at `rows` rows: at 2 rows (its int8 GEMV), grouped at
-    3-6 where the CPU has VBMI and VNNI, and where the tiles take it."""
+    """Whether a Q8_0 part takes int8 x at `rows` rows: at 2 rows (its int8 GEMV; at 1 too in
+    the avx2 flavour), grouped at 3-6 where the CPU has VBMI and VNNI, and where the tiles
+    take it."""
     if kernels.isa == "generic":
         return False
     grouped = kernels.ggml_q8_0_groups and 3 <= rows <= 6
-    return rows == 2 or grouped or tiled(kernels, ("Q8_0",), rows)
+    one_row = rows == 1 and kernels.isa == "avx2"
+    return rows == 2 or one_row or grouped or tiled(kernels, ("Q8_0",), rows)
 
 
 def before_a_guard_page(blocks: np.ndarray) -> torch.Tensor:
