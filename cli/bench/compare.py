@@ -44,12 +44,10 @@ def run_rounds(baseline: Any, candidate: Any, prompts: list[list[int]], output_l
                batch: int, rounds: int) -> CompareRun:
     """`rounds` runs of each engine, alternating which goes first (A B, B A, ...), so that a
     drift in the machine's speed does not favour one of them."""
-    run = CompareRun(batch, len(prompts))
-    for r in range(rounds):
-        order = ((baseline, run.baseline_tps), (candidate, run.candidate_tps))
-        for engine, tps in order if r % 2 == 0 else order[::-1]:
-            tps.append(run_pkv(engine, prompts, output_len, batch).output_tps)
-    return run
+    pairs = alternate(lambda: run_pkv(baseline, prompts, output_len, batch),
+                      lambda: run_pkv(candidate, prompts, output_len, batch), rounds)
+    return CompareRun(batch, len(prompts), [a.output_tps for a, _ in pairs],
+                      [b.output_tps for _, b in pairs])
 
 
 def alternate(ours: Callable[[], Any], theirs: Callable[[], Any] | None,

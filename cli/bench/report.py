@@ -53,13 +53,17 @@ def rounds_table(batch: int, pairs: list[tuple[BenchResult, BenchResult | None]]
             table.add_row(str(i), f"{mine.decode_tps:.1f}", "-", "-", f"{mine.output_tps:.1f}",
                           "-", "-")
             continue
-        decode.append(mine.decode_tps / other.decode_tps if other.decode_s else float("nan"))
         out.append(mine.output_tps / other.output_tps)
-        table.add_row(str(i), f"{mine.decode_tps:.1f}", f"{other.decode_tps:.1f}",
-                      f"{decode[-1]:.2f}x", f"{mine.output_tps:.1f}", f"{other.output_tps:.1f}",
-                      f"{out[-1]:.2f}x")
+        timed = bool(mine.decode_s and other.decode_s)  # (a baseline may not time decode)
+        if timed:
+            decode.append(mine.decode_tps / other.decode_tps)
+        table.add_row(str(i), f"{mine.decode_tps:.1f}",
+                      f"{other.decode_tps:.1f}" if other.decode_s else "-",
+                      f"{decode[-1]:.2f}x" if timed else "-", f"{mine.output_tps:.1f}",
+                      f"{other.output_tps:.1f}", f"{out[-1]:.2f}x")
     if out:
-        table.add_row("median", "", "", f"[bold]{statistics.median(decode):.2f}x[/]", "", "",
+        table.add_row("median", "", "",
+                      f"[bold]{statistics.median(decode):.2f}x[/]" if decode else "-", "", "",
                       f"[bold]{statistics.median(out):.2f}x[/]")
     return table
 

@@ -1,8 +1,9 @@
 """`pkv bench [run]`: offline throughput of pkv on one workload over a sweep of batch sizes.
 
 Baselines (transformers, an OpenAI-compatible server, llama.cpp's llama-batched-bench) run
-back to back with pkv, `--rounds` times alternately, so ratios survive a noisy machine. The prompts and each engine's run of them:
-pkv.cli.bench.workload; the tables: pkv.cli.bench.report.
+back to back with pkv, `--rounds` times alternately, so ratios survive a noisy machine. The
+prompts and each engine's run of them: pkv.cli.bench.workload; the tables:
+pkv.cli.bench.report.
 """
 
 from __future__ import annotations
