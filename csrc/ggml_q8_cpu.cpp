@@ -1,6 +1,6 @@
 // The K-quants (Q4_K, Q5_K, Q6_K) times int8 activations: byte dot products (vpmaddubsw), as
-// llama.cpp multiplies a K-quant by its Q8_K activations; at two rows of x Q8_0 too, against
-// its Q8_0 activations (below `q8_0_dot`). Included by csrc/ggml_cpu.cpp.
+// llama.cpp multiplies a K-quant by its Q8_K activations; at two rows of x (one, on AVX2) Q8_0
+// too, against its Q8_0 activations (below `q8_0_dot`). Included by csrc/ggml_cpu.cpp.
 //
 // Each row of x is quantized per K-block of 256 inputs: x_k ~ xd q_k, xd = max |x| / 127,
 // with the sums of q over each 16 inputs (bsums). Every K-quant weight is a code times a

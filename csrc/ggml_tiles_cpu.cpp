@@ -223,18 +223,25 @@ void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, flo
   }
 }
 
-// The reader of a tile type, or nullptr for a type this kernel does not take.
-TileDecoder tile_decoder(int64_t type) {
+// A tile type: its reader, and the code of value 0 where its offset is one
+// (TileOffset::kZero), else 0.
+struct TileType {
+  TileDecoder decode = nullptr;  // nullptr: a type this kernel does not take
+  float zero = 0.f;
+};
+
+TileType tile_type(int64_t type) {
   switch (type) {
-    case Q4_0: return tile_block32<Q4Tile<false>>;
-    case Q4_1: return tile_block32<Q4Tile<true>>;
-    case Q5_0: return tile_block32<Q5Int<false>>;
-    case Q5_1: return tile_block32<Q5Int<true>>;
-    case Q8_0: return kTileVnni ? tile_block32<Q8Tile> : tile_q8_signed;
-    case Q4_K: return tile_k4<false>;
-    case Q5_K: return tile_k4<true>;
-    case Q6_K: return tile_q6k;
-    default: return nullptr;
+    case Q4_0: return {tile_block32<Q4Tile<false>>, Q4Tile<false>::kZero};
+    case Q4_1: return {tile_block32<Q4Tile<true>>};
+    case Q5_0: return {tile_block32<Q5Int<false>>, Q5Int<false>::kZero};
+    case Q5_1: return {tile_block32<Q5Int<true>>};
+    case Q8_0: return kTileVnni ? TileType{tile_block32<Q8Tile>, Q8Tile::kZero}
+                                : TileType{tile_q8_signed};
+    case Q4_K: return {tile_k4<false>};
+    case Q5_K: return {tile_k4<true>};
+    case Q6_K: return {tile_q6k, Q6KInt::kZero};
+    default: return {};
   }
 }
 
@@ -377,22 +384,10 @@ void tile_rows(const Part& p, TileDecoder decode, float zero, int64_t n0, int64_
   }
 }
 
-// The code of value 0 of a type whose offset is one (TileOffset::kZero), else 0.
-float tile_zero(int64_t type) {
-  switch (type) {
-    case Q4_0: return Q4Tile<false>::kZero;
-    case Q5_0: return Q5Int<false>::kZero;
-    case Q8_0: return kTileVnni ? Q8Tile::kZero : 0.f;
-    case Q6_K: return Q6KInt::kZero;
-    default: return 0.f;
-  }
-}
-
 template <int S, TileOffset O>
-void tile_rows_of(const Part& p, float zero, int64_t n0, int64_t n1, const TileX* xs,
-                  int64_t passes, int64_t M, int64_t K, const float* bias, float* y,
-                  int64_t ldy) {
-  const TileDecoder decode = tile_decoder(p.type);
+void tile_rows_of(const Part& p, TileDecoder decode, float zero, int64_t n0, int64_t n1,
+                  const TileX* xs, int64_t passes, int64_t M, int64_t K, const float* bias,
+                  float* y, int64_t ldy) {
   if (xs[0].W == kLanes)
     tile_rows<kTileP1, 1, S, O>(p, decode, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
   else
@@ -401,15 +396,14 @@ void tile_rows_of(const Part& p, float zero, int64_t n0, int64_t n1, const TileX
 
 void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX* xs, int64_t passes,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
-  const float zero = tile_zero(p.type);
-  if (p.type == Q6_K)
-    return tile_rows_of<16, TileOffset::kZero>(p, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
-  if (p.type == Q8_0 && !kTileVnni)
-    return tile_rows_of<32, TileOffset::kSigned>(p, zero, n0, n1, xs, passes, M, K, bias, y,
-                                                 ldy);
-  if (zero != 0.f)
-    return tile_rows_of<32, TileOffset::kZero>(p, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
-  tile_rows_of<32, TileOffset::kMin>(p, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
+  const auto [decode, zero] = tile_type(p.type);
+  const auto rows_of = [&]<int S, TileOffset O>() {
+    tile_rows_of<S, O>(p, decode, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
+  };
+  if (p.type == Q6_K) return rows_of.template operator()<16, TileOffset::kZero>();
+  if (p.type == Q8_0 && !kTileVnni) return rows_of.template operator()<32, TileOffset::kSigned>();
+  if (zero != 0.f) return rows_of.template operator()<32, TileOffset::kZero>();
+  rows_of.template operator()<32, TileOffset::kMin>();
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another, x in int8 per 32
@@ -463,7 +457,7 @@ void tile_linear(const std::vector<Part>& ps, const Q8Rows& x32, int64_t M, int6
 inline bool int8_tile(int64_t type, int64_t rows) {
 #if defined(__AVX2__)
   const bool k_quant = format(type).values == 256;
-  return tile_decoder(type) != nullptr && rows >= (k_quant ? 12 : 5);
+  return tile_type(type).decode != nullptr && rows >= (k_quant ? 12 : 5);
 #else
   (void)type, (void)rows;
   return false;
