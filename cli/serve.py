@@ -168,7 +168,7 @@ def _check(options: dict[str, Any]) -> None:
         raise ValueError(f"log_level must be debug, info, warning or error, got "
                          f"{options['log_level']!r}")
     if config.model is None or Path(config.model).expanduser().exists():
-        from pkv.core.worker.model_runner import check_model
+        from pkv.core.worker.model_setup import check_model
 
         source = open_model(config.model)
         check_model(config, source)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pkv.core.engine.engine_thread import EngineThread
-from pkv.core.engine.llm_engine import LLMEngine, PreparedRequest
+from pkv.core.engine.input_processor import PreparedRequest
+from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.engine.outputs import PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
 from pkv.core.pooling.params import PoolingParams

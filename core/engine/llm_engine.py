@@ -1,22 +1,21 @@
 """LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
 
-    add_request -> Scheduler.schedule -> ModelRunner.execute_model -> Scheduler.update_from_output
+    add_request -> InputProcessor (tokenize, validate) -> Scheduler.schedule
+                -> ModelRunner.execute_model -> Scheduler.update_from_output
                 -> OutputProcessor (detokenize, stop strings) -> RequestOutput
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
 from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from pkv.core.engine.output_processor import OutputProcessor
 from pkv.core.engine.outputs import PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRAAdapter, LoRARequest
@@ -32,8 +31,8 @@ from pkv.core.sched.kv_offload import KVOffloadStore, OffloadStats, model_finger
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
-from pkv.core.structured_output.params import DelayedGuidedState
-from pkv.core.worker.model_runner import ModelRunner, ModelSetup, PendingStep, parallel_groups
+from pkv.core.worker.model_runner import ModelRunner, PendingStep
+from pkv.core.worker.model_setup import ModelSetup, parallel_groups
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
@@ -46,19 +45,6 @@ def _pkv_version() -> str:
         return metadata.version("pkv")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-class ContextLengthError(ValueError):
-    """The prompt (plus max_tokens) does not fit in max_model_len."""
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated, tokenized request, ready to be queued."""
-
-    request_id: str
-    prompt: str | None
-    children: list[Request]
 
 
 @dataclass(slots=True)
@@ -136,13 +122,13 @@ class LLMEngine:
                                    LoRASlotTable(config.max_loras) if self.lora else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._in_flight: deque[PendingStep] = deque()  # pipeline micro-batches not sampled
-        self._ids = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # LoRA salts name adapters by a per-process load number: this makes their blocks'
-        # keys (and so their files in the disk tier) this process's own.
-        self._lora_salt_nonce = os.urandom(8).hex().encode()
+        limits = InputLimits(source.config.vocab_size, self.max_model_len,
+                             self.max_num_batched_tokens, config.block_size)
+        self.processor = InputProcessor(self.tokenizer, limits, self.task, self.runner.pooler,
+                                        self.guided, self.lora, self.runner.device)
 
     def _offload_store(self, setup: ModelSetup) -> KVOffloadStore:
         """The disk tier, keyed by everything that decides the bytes of a KV block."""
@@ -211,68 +197,9 @@ class LLMEngine:
                         params: SamplingParams | PoolingParams | None = None,
                         cache_salt: str | None = None,
                         lora_request: LoRARequest | None = None) -> PreparedRequest:
-        """Tokenize and validate without touching engine state (safe from another thread).
-        PoolingParams make an embedding / scoring request (a pair of texts: a cross-encoder's
-        query and document)."""
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if isinstance(params, PoolingParams):
-            return self._prepare_pooling(request_id, prompt, params)
-        if self.runner.pooler is not None:
-            raise ValueError(f"this model serves task={self.task} (embeddings or scores), "
-                             "not text generation")
-        if isinstance(prompt, tuple):
-            raise ValueError("a pair of texts is a cross-encoder's input, not a prompt")
-        params = params or SamplingParams()
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
-        adapter = self._adapter(lora_request)
-        grammar = (self.guided.compile(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
-        eos = frozenset(self.tokenizer.eos_token_ids)
-        salt = cache_salt.encode() if cache_salt else b""
-        if adapter is not None:  # blocks computed under an adapter are its own
-            salt += b"\0lora:" + str(adapter.uid).encode() + b"@" + self._lora_salt_nonce
-        children = [
-            Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
-                    eos, self.config.block_size, salt, self._generator(params.seed, i),
-                    guided=self._guided_state(grammar, params), lora=adapter)
-            for i in range(params.n)
-        ]
-        return PreparedRequest(request_id, prompt_text, children)
-
-    def _prepare_pooling(self, request_id: str, prompt: str | list[int] | tuple[str, str],
-                         params: PoolingParams) -> PreparedRequest:
-        pooler = self.runner.pooler
-        if pooler is None:
-            raise ValueError("this model generates text; embeddings and scores need a pooling "
-                             "model (pkv serve MODEL --task embed)")
-        pooler.check(params)
-        types = None
-        if isinstance(prompt, tuple):
-            if not pooler.classifies:
-                raise ValueError("a pair of texts is a cross-encoder's input; this model "
-                                 "embeds one text at a time")
-            if not all(isinstance(t, str) and t for t in prompt) or len(prompt) != 2:
-                raise ValueError("a pair must be two non-empty texts")
-            text: str | None = None
-            ids, types = self.tokenizer.encode_pair(*prompt)
-        else:
-            text, ids = self._tokenize(prompt)
-        limit = min(self.max_model_len, self.max_num_batched_tokens)
-        if len(ids) > limit:
-            raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
-                                     f"{limit}")
-        request = Request(request_id, ids, SamplingParams(max_tokens=None), frozenset(),
-                          self.config.block_size, pooling=params, token_type_ids=types)
-        return PreparedRequest(request_id, text, [request])
-
-    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
-        if lora_request is None:
-            return None
-        if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters: start it with "
-                             "enable_lora=True (pkv serve --enable-lora)")
-        return self.lora.resolve(lora_request)
+        """Tokenize and validate without touching engine state (safe from another thread;
+        see InputProcessor.prepare)."""
+        return self.processor.prepare(request_id, prompt, params, cache_salt, lora_request)
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load an adapter under `name` (requests then name it)."""
@@ -287,15 +214,6 @@ class LLMEngine:
             raise ValueError("LoRA is not enabled on this engine")
         self.lora.unload(name)
 
-    def _guided_state(self, grammar: Any, params: SamplingParams) -> Any:
-        if grammar is None:
-            return None
-        after = params.structured_outputs.starts_after  # type: ignore[union-attr]
-        if after is None:
-            return grammar.new_state()
-        marker = self.tokenizer.encode(after, add_special_tokens=False)
-        return DelayedGuidedState(grammar.new_state(), marker)
-
     def add_prepared(self, prepared: PreparedRequest) -> str:
         """Queue a prepared request (on the thread that steps the engine)."""
         if prepared.request_id in self.output_processor.parents:
@@ -307,41 +225,6 @@ class LLMEngine:
         self.num_prompt_tokens += len(prepared.children[0].prompt_token_ids) * len(
             prepared.children)
         return prepared.request_id
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        limit = self.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ContextLengthError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, which must "
-                "leave room for at least one generated token")
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
-            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                                     f"({params.max_tokens}) exceeds max_model_len ({limit})")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed((seed * 1_000_003 + index) % (2**63))
-        return generator
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""

@@ -16,7 +16,8 @@ from pkv.core.engine.async_engine import AsyncLLM
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.registry import select_tool_parser
 from pkv.core.server.anthropic_messages import AnthropicServingMessages, MessagesRequest
-from pkv.core.server.responses_api import OpenAIServingResponses, ResponsesRequest
+from pkv.core.server.responses_api import OpenAIServingResponses
+from pkv.core.server.responses_items import ResponsesRequest
 from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.memory_report import HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics

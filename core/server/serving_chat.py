@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from pkv.core.engine.async_engine import AsyncLLM, RequestStream
-from pkv.core.engine.llm_engine import PreparedRequest
+from pkv.core.engine.input_processor import PreparedRequest
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.chat_choice import ChoiceShaper

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pkv.core.engine.async_engine import AsyncLLM, RequestStream
-from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.engine.input_processor import ContextLengthError, PreparedRequest
 from pkv.core.engine.outputs import CompletionOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
 from pkv.core.sample.sampling_params import SamplingParams

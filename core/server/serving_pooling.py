@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 from fastapi import Request
 
-from pkv.core.engine.llm_engine import ContextLengthError, PreparedRequest
+from pkv.core.engine.input_processor import ContextLengthError, PreparedRequest
 from pkv.core.engine.outputs import PoolingRequestOutput
 from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs

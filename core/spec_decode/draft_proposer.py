@@ -26,7 +26,9 @@ import torch
 from pkv.core.config.engine import EngineConfig
 from pkv.core.config.speculative import SpeculativeConfig
 from pkv.core.sched.request import Request
-from pkv.core.worker.model_runner import ModelRunner, ModelSetup, SeqChunk
+from pkv.core.worker.input_batch import SeqChunk
+from pkv.core.worker.model_runner import ModelRunner
+from pkv.core.worker.model_setup import ModelSetup
 
 
 def check_draft_vocab(spec: SpeculativeConfig, draft_vocab: int, target_vocab: int) -> None:

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model and the KV cache; turns a SchedulerOutput into sampled tokens.
 
-Per step it flattens the scheduled requests into one batch (input_ids, positions,
-slot_mapping, block_tables, seq_lens, query_start_loc), runs the model once, computes logits
-only for the rows that sample, and samples them.
+Per step it flattens the scheduled requests into one batch (input_batch.py), runs the model
+once, computes logits only for the rows that sample, and samples them. Under pipeline
+parallelism the driver launches micro-batches down the stages and completes them as their
+final hidden states come back; the other ranks serve their stage.
 """
 
 from __future__ import annotations
@@ -15,23 +16,18 @@ import torch
 import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
-from pkv.core.distributed.parallel import ShardPlan, TPGroup, check_tp_size
-from pkv.core.distributed.pipeline import (PipelineStage, object_group, partition_layers,
-                                           recv_object, send_object, stage_of)
-from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.distributed.parallel import ShardPlan, TPGroup
+from pkv.core.distributed.pipeline import PipelineStage, recv_object, send_object
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
 from pkv.core.layers.kv_groups import plan_kv_groups
 from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.lora.adapter import LoRAWeight
 from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
-from pkv.core.model_loader.loader import ModelSource, build_model, open_model
-from pkv.core.model_loader.quantization import WeightLoader, int8_lm_head, resolve_weight_loader
-from pkv.core.models.config import ModelConfig
-from pkv.core.models.registry import family_of
+from pkv.core.model_loader.loader import build_model
+from pkv.core.model_loader.quantization import int8_lm_head
 from pkv.core.pooling.pooler import Pooler
-from pkv.core.pooling.tasks import build_pooler, resolve_task
-from pkv.core.registry import PluginRegistry, discover, select_attention_backend
+from pkv.core.pooling.tasks import build_pooler
 from pkv.core.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from pkv.core.sample.sampler import Sampler, SamplingRow
 from pkv.core.sample.sampling_params import SamplingParams
@@ -40,142 +36,15 @@ from pkv.core.sched.request import Request, record_failure
 from pkv.core.sched.scheduler import SchedulerOutput
 from pkv.core.worker.fused_decoder import build_fused_decoder
 from pkv.core.worker.huge_pages import move_weights_to_huge_pages
+from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
+                                         token_types)
 from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
+from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, parallel_groups, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import StepInputs, broadcast
 from pkv.csrc import cpp_build
 
 _GREEDY = SamplingParams(temperature=0)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (bf16 matmul is many times slower without native bf16),
-    the checkpoint's dtype on GPU."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES.get(str(model.torch_dtype).removeprefix("torch."), torch.bfloat16)
-
-
-def keeps_16_bit(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
-    """Whether a float16 / bfloat16 checkpoint keeps its weights in 16 bits on CPU: with
-    `dtype=auto` (float32 computes, float32 accumulates) where the kernels build and every
-    linear's inputs are whole 32-value blocks."""
-    if config.dtype != "auto" or device.type != "cpu":
-        return False
-    if str(model.torch_dtype).removeprefix("torch.") not in ("bfloat16", "float16"):
-        return False
-    widths = (model.hidden_size, model.intermediate_size or 32,
-              model.num_attention_heads * model.head_dim)
-    return all(w % 32 == 0 for w in widths) and cpp_build.kernels_or_none() is not None
-
-
-def resolve_max_model_len(config: EngineConfig, model_max: int) -> int:
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({model_max})")
-    return config.max_model_len
-
-
-@dataclass
-class ModelSetup:
-    """Everything decided about the model before its weights load (same on every rank)."""
-
-    source: ModelSource
-    max_model_len: int
-    device: torch.device
-    backend: AttentionBackend
-    loader: WeightLoader | None
-    registry: PluginRegistry
-    task: str = "generate"  # generate, embed or classify (see core/pooling/tasks.py)
-
-    @classmethod
-    def prepare(cls, config: EngineConfig) -> ModelSetup:
-        """Open the model and pick its attention backend and weight loader; errors here
-        come before any weights load."""
-        registry = discover()
-        source = open_model(config.model, registry, revision=config.revision,
-                            gguf_file=config.gguf_file)
-        device = resolve_device(config.device)
-        backend = select_attention_backend(config.attention_backend, device.type, registry)
-        loader = resolve_weight_loader(config.quantization, source, registry)
-        task = check_model(config, source)
-        return cls(source, resolve_max_model_len(config, source.config.max_position_embeddings),
-                   device, backend, loader, registry, task)
-
-
-def check_model(config: EngineConfig, source: ModelSource) -> str:
-    """What the model and the settings must agree on before any weights load (the split,
-    the task, a pooling model's limits, the pipeline's partition); returns the task."""
-    if config.tensor_parallel_size > 1:
-        check_tp_size(source.config, config.tensor_parallel_size)
-    task = resolve_task(config.task, source.config, source.folder)
-    if task != "generate":
-        check_pooling_config(config, task, source.config)
-    if config.pipeline_parallel_size > 1:
-        check_pipeline_model(config, source.config)
-    return task
-
-
-def check_pooling_config(config: EngineConfig, task: str, model: ModelConfig) -> None:
-    """What an embedding or scoring model does not run with, each in one line (a decoder
-    saved for embeddings runs in pipeline stages; an encoder has none)."""
-    encoder = not getattr(family_of(model.architecture), "keeps_kv", True)
-    off = [(config.tensor_parallel_size > 1, "tensor parallelism"),
-           (config.enable_lora, "LoRA adapters"),
-           (config.speculative_config is not None, "speculative decoding"),
-           (config.kv_offload_dir is not None, "a KV disk tier"),
-           (config.pipeline_parallel_size > 1 and encoder, "pipeline parallelism")]
-    for on, what in off:
-        if on:
-            raise ValueError(f"task={task} (a pooling model) does not run with {what}")
-
-
-def check_pipeline_model(config: EngineConfig, model: ModelConfig) -> None:
-    """The pipeline's partition of this model parses and gives every stage a layer (a
-    one-line error if not)."""
-    pipeline_stage(config, model, 0)
-
-
-def parallel_groups(config: EngineConfig, model: ModelConfig,
-                    rank: int) -> tuple[TPGroup, PipelineStage]:
-    """This world rank's tensor-parallel group and pipeline stage. With both, world rank
-    r is member r % T of stage r // T, and each stage's members are a process group of
-    their own (made here on every rank, in the same order, as torch.distributed needs)."""
-    width = config.tensor_parallel_size
-    if config.pipeline_parallel_size == 1:
-        return TPGroup(rank, width), PipelineStage()
-    stage, member = divmod(rank, width)
-    tp = TPGroup()
-    if width > 1:
-        groups = [dist.new_group(list(range(s * width, (s + 1) * width)))
-                  for s in range(config.pipeline_parallel_size)]
-        tp = TPGroup(member, width, groups[stage])
-    return tp, replace(pipeline_stage(config, model, stage, member), objects=object_group())
-
-
-def pipeline_stage(config: EngineConfig, model: ModelConfig, stage: int,
-                   member: int = 0) -> PipelineStage:
-    """Stage `stage`'s layers: `pp_layer_partition`, or as even as the stages' weights allow
-    (the first also holds the embedding and the LM head)."""
-    table = model.vocab_size * model.hidden_size
-    head = 0 if model.tie_word_embeddings else table
-    layer = (model.num_parameters - table - head - model.hidden_size) / model.num_hidden_layers
-    counts = partition_layers(model.num_hidden_layers, config.pipeline_parallel_size,
-                              config.pp_layer_partition, layer, table + head)
-    return stage_of(stage, counts, config.tensor_parallel_size, member)
 
 
 class ModelRunner:
@@ -387,7 +256,7 @@ class ModelRunner:
         setup fails (e.g. its grammar) is recorded in `failures` and sampled greedily, for
         the engine to end. Pooling requests (whole prompts) get their pooled vector instead,
         by request id."""
-        chunks, sampling = self._chunks(sched, block_tables)
+        chunks, sampling = step_chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         if self.lora_layers:
@@ -430,7 +299,7 @@ class ModelRunner:
         layers over it, its hidden states after them; return without waiting for the rest
         of the pipeline (`complete` does). `failures`: what already failed for its requests
         (a draft model's step), for `complete` to add to."""
-        chunks, sampling = self._chunks(sched, block_tables)
+        chunks, sampling = step_chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
@@ -607,25 +476,6 @@ class ModelRunner:
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         return self.run_step(StepInputs(input_ids, positions, meta, logits_idx, high_watermark))
 
-    @staticmethod
-    def _chunks(sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
-                ) -> tuple[list[SeqChunk], list[Request]]:
-        """Each scheduled request's tokens this step (its drafts after them), and the
-        requests that sample, in order."""
-        chunks, sampling = [], []
-        for request in sched.scheduled:
-            drafts = sched.spec_token_ids.get(request.request_id, [])
-            n = sched.num_scheduled_tokens[request.request_id] - len(drafts)
-            start = request.num_computed_tokens
-            samples = sched.samples(request) and request.pooling is None
-            chunks.append(SeqChunk(request.all_token_ids[start:start + n] + drafts, start,
-                                   block_tables[request.request_id],
-                                   request.num_tokens + len(drafts),
-                                   len(drafts) + 1 if samples else 0))
-            if samples:
-                sampling.append(request)
-        return chunks, sampling
-
     def _sampling_rows(self, sampling: list[Request], drafts: list[list[int]],
                        failures: dict[str, Exception] | None) -> list[SamplingRow]:
         """One row per request, or len(drafts) + 1 rows for a request with drafts: row j
@@ -652,24 +502,6 @@ class ModelRunner:
                            banned, allowed)
 
 
-def pool_spans(meta: AttentionMetadata,
-               pooling: list[tuple[Request, int]]) -> list[tuple[int, int]]:
-    """The step's rows (first, count) of each pooling request: its whole prompt."""
-    starts = meta.query_start_loc_cpu
-    return [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
-
-
-def token_types(requests: list[Request], device: torch.device) -> torch.Tensor | None:
-    """The step's token type ids (a cross-encoder's pair segments; 0 elsewhere), or None
-    when every one is 0. Pooling requests run whole, so their types line up with rows."""
-    if all(r.token_type_ids is None for r in requests):
-        return None
-    types: list[int] = []
-    for r in requests:
-        types += r.token_type_ids or [0] * r.num_tokens
-    return torch.tensor(types, dtype=torch.long, device=device)
-
-
 @dataclass(slots=True)
 class PendingStep:
     """A micro-batch launched down the pipeline, not yet sampled."""
@@ -682,79 +514,6 @@ class PendingStep:
     pooling: list[tuple[Request, int]]  # its pooling requests and their places in it
     pool_lens: list[int]  # their rows, which come back after the sampling rows
 
-
-@dataclass(slots=True)
-class SeqChunk:
-    """One sequence's share of a step: `token_ids` at positions `start`.. over its blocks."""
-
-    token_ids: list[int]
-    start: int
-    block_tables: list[list[int]]  # one per KV group
-    total_len: int  # the whole sequence's length, computed or not (LongRoPE picks by it)
-    num_logits: int  # how many of its last rows need logits
-
-
-def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device,
-                  layer_groups: list[int] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """One step's flattened batch: input ids, positions, attention metadata and the rows
-    whose logits are computed. Single-token chunks that come first count as decodes. With
-    several KV groups, each gets its own slots and block tables (`meta.groups`), and
-    `layer_groups` says which group each layer reads.
-
-    Built as Python lists and made into two tensors (int64, int32) that every field views:
-    the step's weights have just streamed through the caches, so each numpy or torch call
-    here runs cold (~4x its warm time), and at batch 1 the twenty-odd calls this took
-    before were 3-5% of a 4-bit decode step (0.12-0.23 of ~4.3 ms)."""
-    bs = block_size
-    num_groups = len(chunks[0].block_tables)
-    widths = [max(len(c.block_tables[g]) for c in chunks) for g in range(num_groups)]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[list[int]] = [[] for _ in range(num_groups)]
-    logits_idx: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    tables: list[list[int]] = [[] for _ in range(num_groups)]
-    seq_ids: list[int] = []
-    num_decode_tokens = 0
-    for i, chunk in enumerate(chunks):
-        n = len(chunk.token_ids)
-        end = chunk.start + n
-        input_ids += chunk.token_ids
-        positions += range(chunk.start, end)
-        for g, table in enumerate(chunk.block_tables):
-            slots[g] += [table[p // bs] * bs + p % bs for p in range(chunk.start, end)]
-            tables[g] += table
-            tables[g] += [0] * (widths[g] - len(table))
-        seq_ids += [i] * n
-        query_start_loc.append(query_start_loc[-1] + n)
-        seq_lens.append(end)
-        if n == 1 and num_decode_tokens == i:
-            num_decode_tokens += 1
-        logits_idx += range(query_start_loc[-1] - chunk.num_logits, query_start_loc[-1])
-    num_tokens, num_seqs = len(input_ids), len(chunks)
-    kv_lens = [p + 1 for p in positions]
-    total_lens = [c.total_len for c in chunks]
-    longs = torch.tensor(input_ids + positions + logits_idx + sum(slots, []), dtype=torch.long)
-    ints = torch.tensor(query_start_loc + seq_lens + seq_ids + kv_lens + total_lens
-                        + sum(tables, []), dtype=torch.int32)
-    ids_t, positions_t, logits_t, *slots_t = longs.to(device).split(
-        [num_tokens, num_tokens, len(logits_idx)] + [num_tokens] * num_groups)
-    qsl_t, seq_lens_t, seq_ids_t, kv_lens_t, total_t, *tables_t = ints.to(device).split(
-        [num_seqs + 1, num_seqs, num_tokens, num_tokens, num_seqs]
-        + [num_seqs * w for w in widths])
-    meta = AttentionMetadata(
-        slot_mapping=slots_t[0], query_start_loc=qsl_t, seq_lens=seq_lens_t,
-        block_tables=tables_t[0].view(num_seqs, widths[0]), num_decode_tokens=num_decode_tokens,
-        seq_ids=seq_ids_t, kv_lens=kv_lens_t, query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens, total_lens=total_t)
-    if num_groups > 1:
-        meta.groups = tuple(replace(meta, slot_mapping=slots_t[g],
-                                    block_tables=tables_t[g].view(num_seqs, widths[g]))
-                            for g in range(num_groups))
-        meta.layer_groups = tuple(layer_groups or ())
-    return ids_t, positions_t, meta, logits_t
 
 
 def build_runner(config: EngineConfig, rank: int) -> ModelRunner:

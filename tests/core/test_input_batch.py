@@ -2,7 +2,7 @@
 
 import torch
 
-from pkv.core.worker.model_runner import SeqChunk, flatten_batch
+from pkv.core.worker.input_batch import SeqChunk, flatten_batch
 
 
 def test_mixed_batch_flattens_to_the_slots_and_rows_each_chunk_owns() -> None:

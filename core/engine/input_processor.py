@@ -1,0 +1,177 @@
+"""InputProcessor: a prompt and its parameters in, validated Requests out.
+
+    prompt (text, token ids, or a cross-encoder's pair of texts) + SamplingParams / PoolingParams
+        -> tokenize -> check against max_model_len and the vocabulary -> adapter, grammar,
+           seeded generator, prefix-cache salt -> PreparedRequest (one Request per sample)
+
+It reads no engine state that steps change, so the server runs it off the engine's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pkv.core.lora.adapter import LoRAAdapter, LoRARequest
+from pkv.core.lora.manager import LoRAManager
+from pkv.core.pooling.params import PoolingParams
+from pkv.core.pooling.pooler import Pooler
+from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.sched.request import Request
+from pkv.core.structured_output.params import DelayedGuidedState
+
+
+class ContextLengthError(ValueError):
+    """The prompt (plus max_tokens) does not fit in max_model_len."""
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to be queued."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+
+
+@dataclass(slots=True)
+class InputLimits:
+    """What a request is checked against."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int  # a pooling request runs whole, in one step
+    block_size: int
+
+
+class InputProcessor:
+    """Turns prompts into Requests for one engine: its tokenizer, limits, grammar backend,
+    adapters and, for a pooling model, its pooler."""
+
+    def __init__(self, tokenizer: Any, limits: InputLimits, task: str, pooler: Pooler | None,
+                 guided: Any, lora: LoRAManager | None, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.task = task
+        self.pooler = pooler
+        self.guided = guided
+        self.lora = lora
+        self.device = device
+        self._ids = itertools.count()
+        # LoRA salts name adapters by a per-process load number: this makes their blocks'
+        # keys (and so their files in the disk tier) this process's own.
+        self._lora_salt_nonce = os.urandom(8).hex().encode()
+
+    def prepare(self, request_id: str | None, prompt: str | list[int] | tuple[str, str],
+                params: SamplingParams | PoolingParams | None = None,
+                cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
+        """Tokenize and validate (ValueError on bad input). PoolingParams make an embedding /
+        scoring request (a pair of texts: a cross-encoder's query and document)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if isinstance(params, PoolingParams):
+            return self._prepare_pooling(request_id, prompt, params)
+        if self.pooler is not None:
+            raise ValueError(f"this model serves task={self.task} (embeddings or scores), "
+                             "not text generation")
+        if isinstance(prompt, tuple):
+            raise ValueError("a pair of texts is a cross-encoder's input, not a prompt")
+        params = params or SamplingParams()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        adapter = self._adapter(lora_request)
+        grammar = (self.guided.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        salt = cache_salt.encode() if cache_salt else b""
+        if adapter is not None:  # blocks computed under an adapter are its own
+            salt += b"\0lora:" + str(adapter.uid).encode() + b"@" + self._lora_salt_nonce
+        children = [
+            Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
+                    eos, self.limits.block_size, salt, self._generator(params.seed, i),
+                    guided=self._guided_state(grammar, params), lora=adapter)
+            for i in range(params.n)
+        ]
+        return PreparedRequest(request_id, prompt_text, children)
+
+    def _prepare_pooling(self, request_id: str, prompt: str | list[int] | tuple[str, str],
+                         params: PoolingParams) -> PreparedRequest:
+        pooler = self.pooler
+        if pooler is None:
+            raise ValueError("this model generates text; embeddings and scores need a pooling "
+                             "model (pkv serve MODEL --task embed)")
+        pooler.check(params)
+        types = None
+        if isinstance(prompt, tuple):
+            if not pooler.classifies:
+                raise ValueError("a pair of texts is a cross-encoder's input; this model "
+                                 "embeds one text at a time")
+            if not all(isinstance(t, str) and t for t in prompt) or len(prompt) != 2:
+                raise ValueError("a pair must be two non-empty texts")
+            text: str | None = None
+            ids, types = self.tokenizer.encode_pair(*prompt)
+        else:
+            text, ids = self._tokenize(prompt)
+        limit = min(self.limits.max_model_len, self.limits.max_num_batched_tokens)
+        if len(ids) > limit:
+            raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
+                                     f"{limit}")
+        request = Request(request_id, ids, SamplingParams(max_tokens=None), frozenset(),
+                          self.limits.block_size, pooling=params, token_type_ids=types)
+        return PreparedRequest(request_id, text, [request])
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with "
+                             "enable_lora=True (pkv serve --enable-lora)")
+        return self.lora.resolve(lora_request)
+
+    def _guided_state(self, grammar: Any, params: SamplingParams) -> Any:
+        if grammar is None:
+            return None
+        after = params.structured_outputs.starts_after  # type: ignore[union-attr]
+        if after is None:
+            return grammar.new_state()
+        marker = self.tokenizer.encode(after, add_special_tokens=False)
+        return DelayedGuidedState(grammar.new_state(), marker)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.limits.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        limit = self.limits.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ContextLengthError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, which must "
+                "leave room for at least one generated token")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                                     f"({params.max_tokens}) exceeds max_model_len ({limit})")
+        vocab = self.limits.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed((seed * 1_000_003 + index) % (2**63))
+        return generator

@@ -1,0 +1,165 @@
+"""The Responses API's shapes on the chat machinery: the request body, its `input` items as
+chat messages (consecutive function calls one assistant turn), the chat completion request
+that asks the same, and an assistant message as output items (`reasoning`, `message`,
+`function_call`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pkv.core.engine.outputs import RequestOutput
+from pkv.core.server.errors import OpenAIError
+from pkv.core.server.protocol import STRICT, ChatCompletionRequest
+from pkv.core.server.serving_chat import chat_request_from
+
+
+class ResponsesRequest(BaseModel):
+    """The body of POST /v1/responses (fields pkv does not use are accepted and ignored)."""
+
+    model_config = STRICT
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+def _item_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(400, f"{where}: content must be a string or a list of parts", where)
+    for i, part in enumerate(content):
+        if part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"{where}[{i}]: expected an input_text part", f"{where}[{i}]")
+    return "".join(part["text"] for part in content)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: consecutive function calls become one assistant turn."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in ("user", "assistant", "system",
+                                                        "developer"):
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role,
+                             "content": _item_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call" and all(isinstance(item.get(k), str)
+                                             for k in ("call_id", "name", "arguments")):
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str)
+                             else json.dumps(output)})
+        elif kind == "reasoning":
+            continue  # earlier thinking is not shown to the model again
+        else:
+            raise OpenAIError(400, f"{where}: expected a message, function_call or "
+                              "function_call_output item", where)
+    return messages
+
+
+# Chat fields by the Responses field that gave them (errors name what the client sent).
+CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text",
+                      "reasoning_effort": "reasoning", "messages": "input"}
+
+
+def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion request that asks the same, after `history`."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions
+                else []) + history + input_messages(body.input)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages,
+                            "max_tokens": body.max_output_tokens,
+                            "temperature": body.temperature, "top_p": body.top_p,
+                            "parallel_tool_calls": body.parallel_tool_calls}
+    if body.tools:
+        for i, tool in enumerate(body.tools):
+            if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                raise OpenAIError(400, f"tools[{i}]: pkv serves function tools (with a name)",
+                                  f"tools[{i}]")
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description"),
+            "parameters": t.get("parameters")}} for t in body.tools]
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise OpenAIError(400, "tool_choice: a function choice needs a name", "tool_choice")
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+    fmt = (body.text or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    return chat_request_from(chat, CHAT_TO_RESPONSES)
+
+
+
+def output_items(message: dict[str, Any], ids: ResponseIds) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Responses output items."""
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "id": ids.new("rs"), "summary": [],
+                      "content": [{"type": "reasoning_text",
+                                   "text": message["reasoning_content"]}]})
+    if message.get("content"):
+        items.append({"type": "message", "id": ids.new("msg"), "status": "completed",
+                      "role": "assistant", "content": [
+                          {"type": "output_text", "text": message["content"],
+                           "annotations": [], "logprobs": []}]})
+    for call in message.get("tool_calls") or []:
+        items.append({"type": "function_call", "id": ids.new("fc"), "call_id": call["id"],
+                      "name": call["function"]["name"],
+                      "arguments": call["function"]["arguments"], "status": "completed"})
+    return items
+
+
+class ResponseIds:
+    """Output item ids of one response: its id's tail and a counter."""
+
+    def __init__(self, response_id: str) -> None:
+        self.base, self.n = response_id.removeprefix("resp_"), 0
+
+    def new(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}_{self.base}{self.n:02d}"
+
+
+def response_usage(final: RequestOutput) -> dict[str, Any]:
+    """A finished request's usage, in the Responses shape."""
+    prompt = len(final.prompt_token_ids or [])
+    output = sum(len(c.token_ids) for c in final.outputs)
+    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+            "input_tokens_details": {"cached_tokens": max(0, final.num_cached_tokens)},
+            "output_tokens_details": {"reasoning_tokens": 0}}
