@@ -11,7 +11,7 @@
 // and q signed ones, what vpmaddubsw multiplies: pairs of products stay below 2^15
 // (2 x 63 x 127), a block's sums in int32; one conversion to float per block and row.
 //
-// Why: the float GEMV (ggml_cpu.cpp) widens, converts and scales every value before its FMA
+// Why: the float GEMV (ggml_float_cpu.cpp) widens, converts and scales every value before its FMA
 // and is bound by that arithmetic (15-25 GB/s); here one vpmaddubsw takes 32 values.
 // The error is that of x in 8 bits (at most 2^-8 of the block's largest activation), as
 // llama.cpp's. AVX2 takes 32 values an instruction, AVX-512 64; the generic flavour has no

@@ -1,0 +1,647 @@
+// Weights in ggml blocks against float32 x: at few rows each thread walks its share of the
+// weight rows once, decoding them in registers (or 256 values at a time into a buffer in L1)
+// and taking every row of x through them; at many rows, panels of rows dequantized to float32
+// and multiplied by the float32 GEMM. Included by csrc/ggml_cpu.cpp after
+// ggml_blocks_cpu.cpp (the block readers and parts).
+
+namespace ggml {
+namespace {
+
+// The partial sums of R rows of x against one weight row, held in registers while the row's
+// blocks are decoded (taken from and given back to the caller's accumulators). With one
+// accumulator a row, every FMA of a one-row GEMV waits for the one before (4 cycles): the
+// 8B Q6_K down projection ran at 10 GB/s so, one row as slow as four. Below four rows each
+// row keeps kChains accumulators, which callers fill in turn (add<C>), summed at the end.
+template <int R, int kMaxChains = 4>
+struct RowSums {
+  static constexpr int kChains = std::min(kMaxChains, R == 1 ? 4 : (R == 2 ? 2 : 1));
+  vf16 a[R][kChains];
+  const float* x;
+  int64_t ldx;
+
+  RowSums(const vf16* acc, const float* x_, int64_t ldx_) : x(x_), ldx(ldx_) {
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = acc[r];
+      for (int c = 1; c < kChains; ++c) a[r][c] = vf16{};
+    }
+  }
+  // Every row: its chain C += w * x[r][at, at + 16).
+  template <int C = 0>
+  void add(const vf16& w, int64_t at) {
+    for (int r = 0; r < R; ++r) a[r][C % kChains] += w * load16(x + r * ldx + at);
+  }
+  void store(vf16* acc) const {
+    for (int r = 0; r < R; ++r) {
+      vf16 sum = a[r][0];
+      for (int c = 1; c < kChains; ++c) sum += a[r][c];
+      acc[r] = sum;
+    }
+  }
+};
+
+// acc[r] += w[0, count) * x[r * ldx + (0, count)] lane-wise for R rows of x: each vector of
+// w is loaded once for the R rows, four vectors a step on RowSums' chains.
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t ldx, int64_t count, vf16* acc) {
+  RowSums<R> sums(acc, x, ldx);
+  int64_t i = 0;
+  for (; i + 64 <= count; i += 64) {
+    sums.template add<0>(load16(w + i), i);
+    sums.template add<1>(load16(w + i + 16), i + 16);
+    sums.template add<2>(load16(w + i + 32), i + 32);
+    sums.template add<3>(load16(w + i + 48), i + 48);
+  }
+  for (; i < count; i += 16) sums.add(load16(w + i), i);
+  sums.store(acc);
+}
+
+// y[m * ldy + n] for rows n in [n0, n1) of part p and every row m < M of x, the block
+// dequantizer `deq` inlined. Each row of x keeps a vector of partial sums over the whole
+// weight row (one horizontal sum at its end).
+template <typename Deq>
+void gemv_rows(const Part& p, Deq deq, int64_t n0, int64_t n1, const float* x, int64_t M,
+               int64_t K, const float* bias, float* y, int64_t ldy) {
+  alignas(64) float w[kChunk];
+  vf16 acc[kMaxRows];
+  const int64_t per_chunk = kChunk / p.fmt.values;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* b = p.data + n * p.stride;
+    for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
+    for (int64_t v0 = 0; v0 < K; v0 += kChunk) {
+      const int64_t count = std::min(kChunk, K - v0);
+      for (int64_t i = 0; i < std::min(per_chunk, count / p.fmt.values); ++i, b += p.fmt.bytes)
+        deq(b, w + i * p.fmt.values);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(w, x + m * K + v0, K, count, acc + m);
+      for (; m < M; ++m) dot_rows<1>(w, x + m * K + v0, K, count, acc + m);
+    }
+    const float bn = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = hsum(acc[m]) + bn;
+  }
+}
+
+// 16 int8 values widened to floats in registers.
+inline vf16 widen_i8(const int8_t* p) {
+  vf16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vfn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(p + 8 * h));
+    v.p[h] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+#else
+  float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = p[i];
+  v = load16(f);
+#endif
+  return v;
+}
+
+// A Q8_0 block's 32 weights, d q, in registers.
+struct Q8Block {
+  static constexpr int64_t kBytes = 34;
+  static void weights(const uint8_t* b, vf16& w0, vf16& w1) {
+    const float d = half(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    w0 = widen_i8(q) * d;
+    w1 = widen_i8(q + 16) * d;
+  }
+};
+
+// Q8_0 without the buffer: each block's 32 codes widened and scaled in registers, then taken
+// through R rows of x (the LM head of many GGUFs: at batch 1 the largest matrix of a step).
+template <int R>
+inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t ldx,
+                     vf16* acc) {
+  RowSums<R> sums(acc, x, ldx);
+  for (int64_t i = 0; i < blocks; ++i, row += Q8Block::kBytes) {
+    vf16 w0, w1;
+    Q8Block::weights(row, w0, w1);
+    if (i % 2 == 0) {
+      sums.template add<0>(w0, 32 * i);
+      sums.template add<1>(w1, 32 * i + 16);
+    } else {
+      sums.template add<2>(w0, 32 * i);
+      sums.template add<3>(w1, 32 * i + 16);
+    }
+  }
+  sums.store(acc);
+}
+
+// Weight rows read side by side (W rows, a block of each in turn) are a pattern the hardware
+// prefetcher does not follow: the next W rows' `bytes` are prefetched, share i of `shares`
+// (a block's worth) at a time. (Without it a Q8_0 LM head of 49152 x 576 ran at 0.45x the
+// one-row-at-a-time GEMV.)
+struct RowsAhead {
+  const uint8_t* next;
+  int64_t lines, per;
+  RowsAhead(const uint8_t* next_, int64_t bytes, int64_t shares)
+      : next(next_), lines((bytes + 63) / 64), per((lines + shares - 1) / shares) {}
+  void share(int64_t i) const {
+    for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l)
+      __builtin_prefetch(next + 64 * l);
+  }
+};
+
+// 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
+inline vu16 widen_u8(const uint8_t* p) {
+  vu16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vun)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vun)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)));
+#else
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) v.p[i][j] = p[i * kLanes + j];
+#endif
+  return v;
+}
+
+inline vf16 to_floats(vu16 a) {
+  vf16 f;
+  for (int i = 0; i < kParts; ++i) f.p[i] = __builtin_convertvector((vin)a.p[i], vfn);
+  return f;
+}
+
+// Bytes as GCC vectors: 32 at a time, what one AVX2 register holds (two SSE2 / NEON ones).
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+
+inline vb32 load32b(const uint8_t* p) {
+  vb32 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+
+inline void store32b(uint8_t* p, vb32 v) { std::memcpy(p, &v, 32); }
+
+// Bytes shifted left by N within 16-bit lanes (one instruction; the caller masks the bits
+// that crossed into the next byte). GCC shifts byte vectors left by adding them to themselves
+// N times.
+template <int N>
+inline vb32 shl16(vb32 v) {
+  typedef uint16_t vh16 __attribute__((vector_size(32)));
+  return reinterpret_cast<vb32>(reinterpret_cast<vh16>(v) << N);
+}
+
+// The K-quants without a float buffer. A block's codes are put together 32 bytes at a time
+// (a few byte operations per 32 values, where 32-bit lanes took as many per 16) into a
+// 256-byte buffer in L1 and its scales widened in one vector (one by one in scalar registers
+// they took more instructions than the values); then each run of 16 values is widened,
+// scaled and multiplied in registers. A decoder type says how its blocks read:
+//   kBytes          bytes a block
+//   kRunsPerScale   runs of 16 values under one scale (and offset)
+//   kOffset         weight = code * s + o (ggml's (d sc) q - (dmin m)); otherwise the codes
+//                   are signed and weight = code * s (Q6_K's (d sc) (q - 32))
+//   decode(b, q, s, o)  the block's 256 codes in value order, its scales and offsets
+struct KQuantBuffers {
+  alignas(64) uint8_t q[256];
+  alignas(64) float s[16];
+  alignas(64) float o[16];
+};
+
+// Run j's 16 weights from a decoded block.
+template <typename Codes>
+inline vf16 run_weights(const KQuantBuffers& k, int j) {
+  constexpr int kPer = Codes::kRunsPerScale;
+  if constexpr (Codes::kOffset)
+    return to_floats(widen_u8(k.q + 16 * j)) * k.s[j / kPer] + k.o[j / kPer];
+  else
+    return widen_i8(reinterpret_cast<const int8_t*>(k.q + 16 * j)) * k.s[j / kPer];
+}
+
+// Read the decoded buffers back from memory (a widening load and a broadcast load a run):
+// left to itself GCC kept them in registers and took every run out with two or three
+// shuffles (vextracti64x2, vpermd and the index it permutes by), on the port the widening
+// needs too.
+inline void reload_buffers() { asm volatile("" ::: "memory"); }
+
+// Q6_K: per 128 values, the low 4 bits (ql) of runs 0 and 64 share bytes, as do those of 32
+// and 96; qh holds the top 2 bits of all four; (d sc) per 16 values, q - 32.
+struct Q6KCodes {
+  static constexpr int64_t kBytes = 210;
+  static constexpr int kRunsPerScale = 1;
+  static constexpr bool kOffset = false;
+  static void decode(const uint8_t* b, KQuantBuffers& k) {
+    for (int n = 0; n < 2; ++n) {
+      const vb32 lo = load32b(b + 64 * n), hi = load32b(b + 64 * n + 32);
+      const vb32 top = load32b(b + 128 + 32 * n);
+      uint8_t* out = k.q + 128 * n;
+      store32b(out, ((lo & 0xF) | (shl16<4>(top) & 0x30)) - 32);
+      store32b(out + 32, ((hi & 0xF) | (shl16<2>(top) & 0x30)) - 32);
+      store32b(out + 64, ((lo >> 4) | (top & 0x30)) - 32);
+      store32b(out + 96, ((hi >> 4) | ((top >> 2) & 0x30)) - 32);
+    }
+    store16(k.s, widen_i8(reinterpret_cast<const int8_t*>(b + 192)) * half(b + 208));
+  }
+};
+
+// Q4_K's and Q5_K's packed 6-bit scales and mins (12 bytes) as 16 bytes, as ggml unpacks
+// them a word at a time: the 8 sub-blocks' scale codes, then their min codes.
+inline void unpack_k4_scales(const uint8_t* packed, uint32_t (&u)[4]) {
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  const uint32_t mins = u[1] & 0x3f3f3f3f;
+  u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  u[2] = mins;
+  u[0] &= 0x3f3f3f3f;
+}
+
+// The same as floats: s[j] = d sc_j, o[j] = -dmin m_j for the 8 sub-blocks.
+inline void k4_scales(const uint8_t* packed, float d, float dmin, float* s, float* o) {
+  uint32_t u[4];
+  unpack_k4_scales(packed, u);
+  // d for the 8 scales, -dmin for the 8 mins (exact: products by 1 and 0)
+  static constexpr float kHalves[2][16] = {{1, 1, 1, 1, 1, 1, 1, 1},
+                                           {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}};
+  const vf16 factor = load16(kHalves[0]) * d - load16(kHalves[1]) * dmin;
+  alignas(64) float both[16];
+  store16(both, to_floats(widen_u8(reinterpret_cast<const uint8_t*>(u))) * factor);
+  std::memcpy(s, both, 32);
+  std::memcpy(o, both + 8, 32);
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32 values under 6-bit scales and mins; per 64 values the
+// low nibbles of 32 bytes, then their high nibbles (Q5_K: the fifth bits in qh, bits 2j and
+// 2j + 1 of byte l for the pair j).
+template <bool kFifth>
+struct K4Codes {
+  static constexpr int64_t kBytes = kFifth ? 176 : 144;
+  static constexpr int kRunsPerScale = 2;
+  static constexpr bool kOffset = true;
+  static void decode(const uint8_t* b, KQuantBuffers& k) {
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    const vb32 qh = load32b(b + 16);
+    for (int j = 0; j < 4; ++j) {
+      vb32 low = load32b(qs + 32 * j) & 0xF, high = load32b(qs + 32 * j) >> 4;
+      if constexpr (kFifth) {
+        low |= shl16<4>((qh >> (2 * j)) & 1);
+        high |= shl16<4>((qh >> (2 * j + 1)) & 1);
+      }
+      store32b(k.q + 64 * j, low);
+      store32b(k.q + 64 * j + 32, high);
+    }
+    k4_scales(b + 4, half(b), half(b + 2), k.s, k.o);
+  }
+};
+
+// One weight row through R rows of x, a block decoded once for all of them (RowSums' chains
+// taking four runs in turn).
+template <int R, typename Codes>
+inline void kquant_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx,
+                       vf16* acc) {
+  RowSums<R> sums(acc, x, ldx);
+  KQuantBuffers k;
+  for (int64_t i = 0; i < blocks; ++i, b += Codes::kBytes) {
+    Codes::decode(b, k);
+    reload_buffers();
+    for (int j = 0; j < 16; j += 4) {
+      sums.template add<0>(run_weights<Codes>(k, j), 256 * i + 16 * j);
+      sums.template add<1>(run_weights<Codes>(k, j + 1), 256 * i + 16 * j + 16);
+      sums.template add<2>(run_weights<Codes>(k, j + 2), 256 * i + 16 * j + 32);
+      sums.template add<3>(run_weights<Codes>(k, j + 3), 256 * i + 16 * j + 48);
+    }
+  }
+  sums.store(acc);
+}
+
+// W weight rows through one row of x (a decode step): each vector of x is loaded once for
+// the W rows, and the W accumulators are independent chains. One weight row at a time read
+// x again per row, from L2 where it outgrows L1 (the 8B down projection's 14336 inputs:
+// 57 KB of x per 11 KB of Q6_K).
+template <int W, typename Codes>
+inline void kquant_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
+                            vf16* acc) {
+  KQuantBuffers k[W];
+  const RowsAhead ahead(row + W * stride, W * stride, blocks);
+  for (int64_t i = 0; i < blocks; ++i, row += Codes::kBytes) {
+    ahead.share(i);
+    for (int w = 0; w < W; ++w) Codes::decode(row + w * stride, k[w]);
+    reload_buffers();
+    for (int j = 0; j < 16; ++j) {
+      const vf16 xv = load16(x + 256 * i + 16 * j);
+      for (int w = 0; w < W; ++w) acc[w] += run_weights<Codes>(k[w], j) * xv;
+    }
+  }
+}
+
+// Q5_0 / Q5_1 without the buffer: value j of a block takes bit j of qh as its fifth bit,
+// then ggml's d (q - 16) or d q + m in registers. For Q5_0, q - 16 is built as a signed
+// integer: its low four bits, with every bit from 4 up set where the fifth bit is clear
+// (-16 + the low bits): no subtraction, and (q - 16) d exact as ggml's. Where a lane takes
+// its bit: AVX-512 mask registers; elsewhere a test of the lane's bit (`Q5Bits`) against the
+// broadcast word (per-lane shifts ran at half the speed on AVX-512: 1.5x at mask registers).
+struct Q5Bits {
+  vu16 lo, hi;  // 1 << j and 1 << (16 + j): value j's and value 16 + j's bit of qh
+  Q5Bits() {
+    for (int i = 0; i < kParts; ++i)
+      for (int j = 0; j < kLanes; ++j) {
+        lo.p[i][j] = 1u << (i * kLanes + j);
+        hi.p[i][j] = 1u << (16 + i * kLanes + j);
+      }
+  }
+};
+
+template <bool kOffset>
+inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) {
+  const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
+  const uint32_t qh = word(b + (kOffset ? 4 : 2));
+  const uint8_t* qs = b + (kOffset ? 8 : 6);
+#if defined(__AVX512F__)
+  const vu16 q = widen_u8(qs);
+  const uint32_t where = kOffset ? qh : ~qh;  // lanes taking 16 (Q5_1) or -16 (Q5_0)
+  constexpr int32_t kAdd = kOffset ? 16 : -16;
+  const __m512i lo = (__m512i)(q.p[0] & 0xF), hi = (__m512i)(q.p[0] >> 4);
+  const __m512i add = _mm512_set1_epi32(kAdd);
+  const __m512i v0 = _mm512_mask_or_epi32(lo, (__mmask16)(where & 0xFFFF), lo, add);
+  const __m512i v1 = _mm512_mask_or_epi32(hi, (__mmask16)(where >> 16), hi, add);
+  vf16 f0, f1;
+  f0.p[0] = (vfn)_mm512_cvtepi32_ps(v0);
+  f1.p[0] = (vfn)_mm512_cvtepi32_ps(v1);
+  (void)bit;
+#elif defined(__AVX2__)
+  // In bytes: the 32 codes side by side (low nibbles, then high), each value's bit of qh
+  // spread to its byte by a shuffle and tested, the signed value (Q5_0) or the code (Q5_1)
+  // formed in the byte, then widened: ~25 instructions a block where the int32 lanes took ~35.
+  const __m128i lo4 = _mm_set1_epi8(0x0F), raw = _mm_loadu_si128((const __m128i*)qs);
+  const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), lo4),
+                                         _mm_and_si128(raw, lo4));
+  const __m256i spread = _mm256_shuffle_epi8(  // byte j: the byte of qh holding value j's bit
+      _mm256_set1_epi32(static_cast<int32_t>(qh)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit_of = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i taken = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of), bit_of);
+  const __m256i v = kOffset  // Q5_0: -16 + the low bits where the fifth bit is clear
+      ? _mm256_or_si256(codes, _mm256_and_si256(taken, _mm256_set1_epi8(16)))
+      : _mm256_or_si256(codes, _mm256_andnot_si256(taken, _mm256_set1_epi8(-16)));
+  const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
+  vf16 f0, f1;
+  f0.p[0] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+  f0.p[1] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0)));
+  f1.p[0] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+  f1.p[1] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v1, v1)));
+  (void)bit;
+#else
+  const vu16 q = widen_u8(qs);
+  const uint32_t where = kOffset ? qh : ~qh;  // lanes taking 16 (Q5_1) or -16 (Q5_0)
+  constexpr int32_t kAdd = kOffset ? 16 : -16;
+  const vun words = vun{} + where;
+  vf16 f0, f1;
+  for (int k = 0; k < kParts; ++k) {
+    const vin take_lo = (vin)((words & bit.lo.p[k]) == bit.lo.p[k]);  // -1 where taken
+    const vin take_hi = (vin)((words & bit.hi.p[k]) == bit.hi.p[k]);
+    f0.p[k] = __builtin_convertvector((vin)(q.p[k] & 0xF) | (take_lo & kAdd), vfn);
+    f1.p[k] = __builtin_convertvector((vin)(q.p[k] >> 4) | (take_hi & kAdd), vfn);
+  }
+#endif
+  w0 = kOffset ? f0 * d + m : f0 * d;
+  w1 = kOffset ? f1 * d + m : f1 * d;
+}
+
+template <int R, bool kOffset>
+inline void q5_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
+  constexpr int64_t kBytes = kOffset ? 24 : 22;
+  const Q5Bits bit;
+  RowSums<R, 1> sums(acc, x, ldx);  // (more chains left AVX2 short of registers: 0.6-0.9x)
+  for (int64_t i = 0; i < blocks; ++i, b += kBytes) {
+    vf16 w0, w1;
+    q5_weights<kOffset>(b, bit, w0, w1);
+    sums.add(w0, 32 * i);
+    sums.add(w1, 32 * i + 16);
+  }
+  sums.store(acc);
+}
+
+template <bool kOffset>
+struct Q5Block {
+  static constexpr int64_t kBytes = kOffset ? 24 : 22;
+  static void weights(const uint8_t* b, vf16& w0, vf16& w1) {
+    const Q5Bits bit;  // (constants)
+    q5_weights<kOffset>(b, bit, w0, w1);
+  }
+};
+
+// A type of 32-value blocks (Block: Q8Block, Q5Block) at one row of x (a decode step): W
+// weight rows at a time, each vector of x loaded once for all of them, W independent chains,
+// the next W rows prefetched (the Q8_0 head of 49152 x 576 at two threads: 1.2-1.5x one row
+// at a time; Q5_0 layers 1.1-1.45x).
+template <int W, typename Block>
+inline void block32_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
+                             vf16* acc) {
+  vf16 a[W];  // in registers: stores through acc might alias x
+  for (int w = 0; w < W; ++w) a[w] = acc[w];
+  const RowsAhead ahead(row + W * stride, W * stride, blocks);
+  for (int64_t i = 0; i < blocks; ++i, row += Block::kBytes) {
+    ahead.share(i);
+    const vf16 x0 = load16(x + 32 * i), x1 = load16(x + 32 * i + 16);
+    for (int w = 0; w < W; ++w) {
+      vf16 w0, w1;
+      Block::weights(row + w * stride, w0, w1);
+      a[w] += w0 * x0;
+      a[w] += w1 * x1;
+    }
+  }
+  for (int w = 0; w < W; ++w) acc[w] = a[w];
+}
+
+// 16 bfloat16 values as floats (each the upper half of a float32), and 16 float16 ones.
+inline vf16 widen_bf16(const uint8_t* p) {
+  vu16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vun)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vun)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+#else
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * (i * kLanes + j), 2);
+      v.p[i][j] = h;
+    }
+#endif
+  return as_floats(v << 16);
+}
+
+inline vf16 widen_f16(const uint8_t* p) {
+  vf16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vfn)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vfn)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+#else
+  float f[16];
+  for (int j = 0; j < 16; ++j) f[j] = half(p + 2 * j);
+  v = load16(f);
+#endif
+  return v;
+}
+
+// 16-bit weights (a bf16 / fp16 checkpoint, or a GGUF's F16 / BF16) widened in registers.
+template <int R, bool kBf16>
+inline void half_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, vf16* acc) {
+  RowSums<R> sums(acc, x, ldx);
+  auto widen = [](const uint8_t* p) { return kBf16 ? widen_bf16(p) : widen_f16(p); };
+  int64_t i = 0;  // 16 values a step
+  for (; i + 4 <= 2 * blocks; i += 4, b += 128) {
+    sums.template add<0>(widen(b), 16 * i);
+    sums.template add<1>(widen(b + 32), 16 * i + 16);
+    sums.template add<2>(widen(b + 64), 16 * i + 32);
+    sums.template add<3>(widen(b + 96), 16 * i + 48);
+  }
+  for (; i < 2 * blocks; ++i, b += 32) sums.add(widen(b), 16 * i);
+  sums.store(acc);
+}
+
+// A register-level decoder's GEMV: rows n0..n1 of p, each through every row of x, kRows at a
+// time (8 where 32 registers hold their accumulators, AVX-512; 4 elsewhere), then singly.
+// Dot::run<R> decodes a weight row once per R rows of x.
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 4;
+#endif
+
+template <int64_t kBlock, typename Dot>
+void register_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M,
+                        int64_t K, const float* bias, float* y, int64_t ldy) {
+  vf16 acc[kMaxRows];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.data + n * p.stride;
+    for (int64_t m = 0; m < M; ++m) acc[m] = vf16{};
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows)
+      Dot::template run<kRows>(row, K / kBlock, x + m * K, K, acc + m);
+    for (; m + 4 <= M; m += 4) Dot::template run<4>(row, K / kBlock, x + m * K, K, acc + m);
+    for (; m < M; ++m) Dot::template run<1>(row, K / kBlock, x + m * K, K, acc + m);
+    const float bn = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t r = 0; r < M; ++r) y[r * ldy + n] = hsum(acc[r]) + bn;
+  }
+}
+
+// At one row of x, RowsDot::kRows weight rows at a time (RowsDot::run<W>: kquant_rows_dot,
+// block32_rows_dot); at more, register_gemv_rows.
+#if defined(__AVX512F__)
+constexpr int kWeightRows = 8;
+constexpr int kQ8WeightRows = 8;
+#else
+constexpr int kWeightRows = 2;  // (a vf16 is two AVX2 registers: 16 hold 2 rows' work)
+constexpr int kQ8WeightRows = 4;  // (Q8_0 holds no buffer: 4 rows' sums fit)
+#endif
+
+template <int64_t kBlock, typename Dot, typename RowsDot>
+void weight_rows_gemv(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M,
+                      int64_t K, const float* bias, float* y, int64_t ldy) {
+  if (M > 1) return register_gemv_rows<kBlock, Dot>(p, n0, n1, x, M, K, bias, y, ldy);
+  auto finish = [&](int64_t n, const vf16& acc) {
+    y[n] = hsum(acc) + (bias != nullptr ? bias[n] : 0.0f);
+  };
+  constexpr int W = RowsDot::kRows;
+  int64_t n = n0;
+  for (; n + W <= n1; n += W) {
+    vf16 acc[W];
+    zero(acc);
+    RowsDot::template run<W>(p.data + n * p.stride, p.stride, K / kBlock, x, acc);
+    for (int w = 0; w < W; ++w) finish(n + w, acc[w]);
+  }
+  for (; n < n1; ++n) {
+    vf16 acc[1];
+    zero(acc);
+    RowsDot::template run<1>(p.data + n * p.stride, p.stride, K / kBlock, x, acc);
+    finish(n, acc[0]);
+  }
+}
+
+// The register-level decoders as types, for register_gemv_rows.
+#define PKV_GGML_DOT(NAME, ...)                                                 \
+  struct NAME {                                                                \
+    template <int R>                                                           \
+    static void run(const uint8_t* b, int64_t blocks, const float* x, int64_t ldx, \
+                    vf16* acc) {                                               \
+      __VA_ARGS__(b, blocks, x, ldx, acc);                                     \
+    }                                                                          \
+  };
+PKV_GGML_DOT(Q8Dot, q8_0_dot<R>)
+PKV_GGML_DOT(Q6KDot, (kquant_dot<R, Q6KCodes>))
+PKV_GGML_DOT(Q4KDot, (kquant_dot<R, K4Codes<false>>))
+PKV_GGML_DOT(Q5KDot, (kquant_dot<R, K4Codes<true>>))
+PKV_GGML_DOT(Q50Dot, q5_dot<R, false>)
+PKV_GGML_DOT(Q51Dot, q5_dot<R, true>)
+PKV_GGML_DOT(Bf16Dot, half_dot<R, true>)
+PKV_GGML_DOT(F16Dot, half_dot<R, false>)
+#undef PKV_GGML_DOT
+
+// The side-by-side decoders as types, for weight_rows_gemv: kRows weight rows at a time.
+#define PKV_GGML_ROWS_DOT(NAME, ROWS, ...)                                       \
+  struct NAME {                                                                 \
+    static constexpr int kRows = ROWS;                                          \
+    template <int W>                                                            \
+    static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x, \
+                    vf16* acc) {                                                \
+      __VA_ARGS__(row, stride, blocks, x, acc);                                 \
+    }                                                                           \
+  };
+PKV_GGML_ROWS_DOT(Q8RowsDot, kQ8WeightRows, (block32_rows_dot<W, Q8Block>))
+PKV_GGML_ROWS_DOT(Q6KRowsDot, kWeightRows, (kquant_rows_dot<W, Q6KCodes>))
+PKV_GGML_ROWS_DOT(Q4KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<false>>))
+PKV_GGML_ROWS_DOT(Q5KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<true>>))
+PKV_GGML_ROWS_DOT(Q50RowsDot, kWeightRows, (block32_rows_dot<W, Q5Block<false>>))
+PKV_GGML_ROWS_DOT(Q51RowsDot, kWeightRows, (block32_rows_dot<W, Q5Block<true>>))
+#undef PKV_GGML_ROWS_DOT
+
+// gemv_rows with the part's dequantizer as a compile-time function.
+void gemv_part(const Part& p, int64_t type, int64_t n0, int64_t n1, const float* x,
+               int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
+  switch (type) {
+#define PKV_GGML_CASE(T, FN)                                                                \
+  case T:                                                                                   \
+    return gemv_rows(p, [](const uint8_t* b, float* o) { FN(b, o); }, n0, n1, x, M, K, bias, \
+                     y, ldy);
+    PKV_GGML_CASE(F32, f32)
+    PKV_GGML_CASE(Q4_0, q4_0)
+    PKV_GGML_CASE(Q4_1, q4_1)
+    case Q8_0: return weight_rows_gemv<32, Q8Dot, Q8RowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q6_K: return weight_rows_gemv<256, Q6KDot, Q6KRowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case BF16: return register_gemv_rows<32, Bf16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case F16: return register_gemv_rows<32, F16Dot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_0: return weight_rows_gemv<32, Q50Dot, Q50RowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_1: return weight_rows_gemv<32, Q51Dot, Q51RowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    PKV_GGML_CASE(Q2_K, q2_k)
+    PKV_GGML_CASE(Q3_K, q3_k)
+    case Q4_K: return weight_rows_gemv<256, Q4KDot, Q4KRowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+    case Q5_K: return weight_rows_gemv<256, Q5KDot, Q5KRowsDot>(p, n0, n1, x, M, K, bias, y, ldy);
+#undef PKV_GGML_CASE
+    default: TORCH_CHECK(false, "ggml_linear: ggml type ", type, " is not one the kernels read");
+  }
+}
+
+// Rows of each part dequantized into float32 panels, each multiplied by the float32 linear
+// (csrc/gemv_cpu.cpp's f32_linear: torch's mm on a fresh panel of a transposed weight ran 3-10x
+// slower here) into the part's columns of y, with its share of the bias. The panel's buffer is kept
+// per thread and reused: a fresh one of MBs is a new mapping whose first touch page-faults (as long
+// as the dequantizing).
+void gemm(const std::vector<Part>& parts, const at::Tensor& x,
+          const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t K = x.size(1);
+  const int64_t panel = std::max<int64_t>(256, (int64_t{4} << 20) / K);  // 16 MB of float32
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < panel * K) buffer = at::empty({panel * K}, x.options());
+  float* wd = buffer.data_ptr<float>();
+  for (const Part& p : parts) {
+    for (int64_t r0 = 0; r0 < p.rows; r0 += panel) {
+      const int64_t rows = std::min(panel, p.rows - r0);
+      at::parallel_for(0, rows, 8, [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; ++r)
+          dequantize_run(p, p.data + (r0 + r) * p.stride, 0, K, wd + r * K);
+      });
+      const at::Tensor w = buffer.narrow(0, 0, rows * K).view({rows, K});
+      const auto b = bias ? std::optional(bias->narrow(0, p.col + r0, rows)) : std::nullopt;
+      y.narrow(1, p.col + r0, rows).copy_(gemv::f32_linear(x, w, b, std::nullopt));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ggml
