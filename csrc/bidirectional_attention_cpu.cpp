@@ -6,7 +6,7 @@
 //   starts    [S + 1]      int64: prompt s is rows [starts[s], starts[s + 1])
 //   returns   [T, H, D]
 //
-// The work is the tiled prefill path's (csrc/paged_attention_cpu.cpp: `prefill::attend_item`),
+// The work is the tiled prefill path's (csrc/paged_prefill_cpu.cpp: `prefill::attend_item`),
 // its keys read in place from k and v: items of (prompt, KV head, tile of query rows), handed
 // out dearest first, every key tile unmasked (a row sees each key of its prompt). One call runs
 // a step's prompts together, where one torch SDPA call per prompt paid its dispatch and its
