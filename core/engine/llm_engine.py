@@ -31,8 +31,9 @@ from pkv.core.sched.kv_offload import KVOffloadStore, OffloadStats, model_finger
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
-from pkv.core.worker.model_runner import ModelRunner, PendingStep
+from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
+from pkv.core.worker.pipeline_runner import PendingStep, PipelineModelRunner
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
@@ -96,7 +97,8 @@ class LLMEngine:
             weakref.finalize(self, self.workers.shutdown)  # also when the LLM is dropped
         try:
             tp, stage = parallel_groups(config, source.config, 0)
-            self.runner = ModelRunner(
+            runner_cls = PipelineModelRunner if stage.enabled else ModelRunner
+            self.runner = runner_cls(
                 config, setup, show_progress, tp, stage=stage,
                 extra_block_bytes=self.proposer.kv_bytes_per_block if self.proposer else 0)
         except BaseException:
@@ -104,8 +106,10 @@ class LLMEngine:
             raise
         self.max_num_batched_tokens = config.token_budget(self.max_model_len,
                                                           encoder=not self.runner.keeps_kv)
-        if self.workers is not None and self.workers.pipeline:
-            self.workers.stop_stages = self.runner.stop_stages
+        # The driver's pipeline stage, under pipeline parallelism.
+        self.pipeline = self.runner if isinstance(self.runner, PipelineModelRunner) else None
+        if self.workers is not None and self.pipeline is not None:
+            self.workers.stop_stages = self.pipeline.stop_stages
         if self.proposer is not None:
             self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
@@ -176,9 +180,10 @@ class LLMEngine:
     def _drain_pipeline(self) -> None:
         """Take back the final rows of micro-batches still in flight (requests aborted in
         them): until they are, the last stage's sends of them never finish."""
-        while getattr(self, "_in_flight", None):
+        pipeline = getattr(self, "pipeline", None)
+        while pipeline is not None and getattr(self, "_in_flight", None):
             try:
-                self.runner.complete(self._in_flight.popleft())
+                pipeline.complete(self._in_flight.popleft())
             except RuntimeError:  # a dead stage: nothing more will come back
                 self._in_flight.clear()
 
@@ -274,8 +279,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
-        if self.runner.stage.enabled:
-            return self._pipelined_step()
+        if self.pipeline is not None:
+            return self._pipelined_step(self.pipeline)
         if self.workers is not None:
             self.workers.check()  # a dead rank would make the step wait forever
         self.timer.start()
@@ -304,7 +309,8 @@ class LLMEngine:
             raise RuntimeError(self.workers.explain(exc)) from exc
         return self._complete(sched, sampled_reqs, result, pooled, failures)
 
-    def _pipelined_step(self) -> list[RequestOutput | PoolingRequestOutput]:
+    def _pipelined_step(self, pipeline: PipelineModelRunner
+                        ) -> list[RequestOutput | PoolingRequestOutput]:
         """A step under pipeline parallelism: launch a micro-batch of requests that no batch
         in flight holds; once P are in flight (or nothing more can start), finish the oldest.
         While stage k runs one micro-batch, stage k + 1 runs the one before it."""
@@ -323,13 +329,13 @@ class LLMEngine:
         self.timer.lap("schedule")
         try:
             if sched.scheduled:
-                self._launch(sched)
+                self._launch(sched, pipeline)
                 if len(self._in_flight) < stages:
                     return []
             elif not self._in_flight:
                 return [] if sched.preempted else self._fail_unplaceable()
             pending = self._in_flight.popleft()
-            sampled_reqs, result, pooled = self.runner.complete(pending, pending.failures)
+            sampled_reqs, result, pooled = pipeline.complete(pending, pending.failures)
         except RuntimeError as exc:
             self._in_flight.clear()
             raise RuntimeError(workers.explain(exc)) from exc
@@ -343,15 +349,15 @@ class LLMEngine:
         return self._complete(pending.sched, [sampled_reqs[i] for i in kept], result, pooled,
                               pending.failures)
 
-    def _launch(self, sched: SchedulerOutput) -> None:
+    def _launch(self, sched: SchedulerOutput, pipeline: PipelineModelRunner) -> None:
         """Start a micro-batch down the pipeline, its drafts proposed first."""
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
         failures: dict[str, Exception] = {}
         if sched.spec_lookahead:
             self._propose(sched, tables, failures)
             self.timer.lap("propose")
-        self._in_flight.append(self.runner.launch(sched, tables,
-                                                  self.kv_cache.pool.high_watermark, failures))
+        self._in_flight.append(pipeline.launch(sched, tables, self.kv_cache.pool.high_watermark,
+                                               failures))
 
     def _complete(self, sched: SchedulerOutput, sampled_reqs: list[Request],
                   result: VerifyOutput, pooled: dict[str, torch.Tensor],

@@ -2,14 +2,10 @@
 
 Per step it flattens the scheduled requests into one batch (input_batch.py), runs the model
 once, computes logits only for the rows that sample, and samples them. Under pipeline
-parallelism the driver launches micro-batches down the stages and completes them as their
-final hidden states come back; the other ranks serve their stage.
+parallelism each rank's runner is a PipelineModelRunner (pipeline_runner.py).
 """
 
 from __future__ import annotations
-
-import itertools
-from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -17,7 +13,7 @@ import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup
-from pkv.core.distributed.pipeline import PipelineStage, recv_object, send_object
+from pkv.core.distributed.pipeline import PipelineStage
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
 from pkv.core.layers.kv_groups import plan_kv_groups
@@ -39,7 +35,7 @@ from pkv.core.worker.huge_pages import move_weights_to_huge_pages
 from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
                                          token_types)
 from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
-from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, parallel_groups, resolve_dtype
+from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import StepInputs, broadcast
 from pkv.csrc import cpp_build
@@ -289,123 +285,6 @@ class ModelRunner:
         self.timer.lap("sample")
         return result
 
-    # --- pipeline parallelism: the driver's stage ------------------------------------------
-
-    @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
-               high_watermark: int, failures: dict[str, Exception] | None = None
-               ) -> PendingStep:
-        """Start a micro-batch down the pipeline: its inputs to the next stage, this stage's
-        layers over it, its hidden states after them; return without waiting for the rest
-        of the pipeline (`complete` does). `failures`: what already failed for its requests
-        (a draft model's step), for `complete` to add to."""
-        chunks, sampling = step_chunks(sched, block_tables)
-        input_ids, positions, meta, logits_idx = flatten_batch(
-            chunks, self.block_size, self.device, self.kv_groups.group_of)
-        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
-        pooling = self._pooling(sched)
-        spans = pool_spans(meta, pooling)
-        if pooling:  # the last stage sends their rows back too, after the sampling rows
-            step.pool_idx = torch.tensor([j for a, n in spans for j in range(a, a + n)],
-                                         dtype=torch.long, device=self.device)
-        if self.lora_layers:  # each stage loads the adapters' pairs of its own layers
-            step.lora_segments = self._lora_segments(sched, chunks)
-            step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
-            self._use_lora(step)
-            step.lora_loads = [(slot, {path: pairs for path, pairs in weights.items()
-                                       if path not in self.lora_layers})
-                               for slot, weights in step.lora_loads]
-        if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
-            broadcast(("step", step), self.tp.group)
-        sent = send_object(step, self.stage.next, self.stage.objects)
-        self._zero_new_blocks(high_watermark)
-        out = self.model(input_ids, positions, self.kv_caches, meta)
-        sent += self.stage.send_next(out)
-        self.timer.lap("forward")
-        return PendingStep(sched, sampling, logits_idx.numel(), sent,
-                           {} if failures is None else failures, pooling,
-                           [n for _, n in spans])
-
-    @torch.inference_mode()
-    def complete(self, pending: PendingStep, failures: dict[str, Exception] | None = None
-                 ) -> tuple[list[Request], VerifyOutput, dict[str, torch.Tensor]]:
-        """Wait for a launched micro-batch's final hidden states (from the last stage), make
-        their logits and sample them; pool the pooling requests' rows (as execute_model)."""
-        for sent in pending.sent:
-            sent.wait()
-        logits, pooled = None, {}
-        if pending.num_logits:
-            if self.tp.enabled:  # their shares of the LM head, gathered
-                broadcast(("rows", pending.num_logits), self.tp.group)
-            logits = self._head_of_rows(pending.num_logits)
-        if pending.pooling:
-            rows = self.stage.recv_rows((sum(pending.pool_lens), self.model_config.hidden_size),
-                                        self.dtype, self.device)
-            offsets = itertools.accumulate(pending.pool_lens, initial=0)
-            pooled = self._pool(rows, list(zip(offsets, pending.pool_lens)), pending.pooling)
-        self.timer.lap("forward")  # the later stages ran it
-        return (pending.sampling,
-                self._sample(logits, pending.sched, pending.sampling, failures), pooled)
-
-    # --- pipeline parallelism: the other stages --------------------------------------------
-
-    def _head_of_rows(self, num_rows: int) -> torch.Tensor:
-        """Logits of the last stage's final hidden states of `num_rows` sampling rows."""
-        rows = self.stage.recv_rows((num_rows, self.model_config.hidden_size), self.dtype,
-                                    self.device)
-        return self.model.compute_logits(rows)
-
-    def stop_stages(self) -> None:
-        """The driver's last word to the other ranks: a None step down the pipeline (and
-        to this stage's tensor-parallel ranks)."""
-        if self.tp.enabled:
-            broadcast(None, self.tp.group)
-        for sent in send_object(None, self.stage.next, self.stage.objects):
-            sent.wait()
-
-    @torch.inference_mode()
-    def serve_stage(self) -> None:
-        """A worker rank's loop under pipeline parallelism: each step's inputs (from the
-        previous stage, or on the first stage from the driver), passed on to the next stage;
-        the hidden states in, this stage's layers, out to the next stage or, from the last,
-        the sampling rows' final states to the driver; until a None step."""
-        stage, sent = self.stage, []
-        while True:
-            if stage.is_first:  # a tensor-parallel rank of the driver's stage
-                message = broadcast(None, self.tp.group)
-                if message is not None and message[0] == "rows":
-                    self._head_of_rows(message[1])
-                    continue
-                step = message[1] if message is not None else None
-            else:
-                step = recv_object(stage.prev, stage.objects)
-            for done in sent:  # the previous step's sends, before their tensors go
-                done.wait()
-            sent = [] if stage.is_last else send_object(step, stage.next, stage.objects)
-            if not isinstance(step, StepInputs):
-                break  # None: the driver stops
-            self._zero_new_blocks(step.high_watermark)
-            if self.lora_layers:
-                self._use_lora(step)
-            meta = step.meta
-            if meta.groups:  # (the driver numbered its own layers' groups)
-                meta = replace(meta, layer_groups=self._layer_groups)
-            intermediate = None
-            if not stage.is_first:
-                shape = (step.input_ids.shape[0], self.model_config.hidden_size)
-                intermediate = stage.recv_prev(shape, self.dtype, self.device)
-            out = self.model(step.input_ids, step.positions, self.kv_caches, meta,
-                             intermediate)
-            if not stage.is_last:
-                sent += stage.send_next(out)
-            else:
-                if step.logits_idx.numel():
-                    sent += stage.send_rows(out[step.logits_idx])
-                if step.pool_idx is not None:
-                    sent += stage.send_rows(out[step.pool_idx])
-        for done in sent:
-            done.wait()
-
     def _pooling(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
         """The step's pooling requests and their places in it."""
         if self.pooler is None:
@@ -500,24 +379,3 @@ class ModelRunner:
         outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
         return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
                            banned, allowed)
-
-
-@dataclass(slots=True)
-class PendingStep:
-    """A micro-batch launched down the pipeline, not yet sampled."""
-
-    sched: SchedulerOutput
-    sampling: list[Request]
-    num_logits: int
-    sent: list  # the sends in flight (pkv.core.distributed.pipeline._Sent)
-    failures: dict[str, Exception]  # its requests' failures so far, by request id
-    pooling: list[tuple[Request, int]]  # its pooling requests and their places in it
-    pool_lens: list[int]  # their rows, which come back after the sampling rows
-
-
-
-def build_runner(config: EngineConfig, rank: int) -> ModelRunner:
-    """A worker rank's runner (the driver's is built by the engine)."""
-    setup = ModelSetup.prepare(config)
-    tp, stage = parallel_groups(config, setup.source.config, rank)
-    return ModelRunner(config, setup, show_progress=False, tp=tp, stage=stage)

@@ -20,7 +20,9 @@ from typing import Any
 import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
-from pkv.core.worker.model_runner import build_runner
+from pkv.core.worker.model_runner import ModelRunner
+from pkv.core.worker.model_setup import ModelSetup, parallel_groups
+from pkv.core.worker.pipeline_runner import PipelineModelRunner
 from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, broadcast, dist_backend,
                                      share_cores, use_local_gpu, world_size)
 
@@ -42,6 +44,14 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="pkv-parent-watch", daemon=True).start()
 
 
+def build_runner(config: EngineConfig, rank: int) -> ModelRunner:
+    """A worker rank's runner (the driver's is built by the engine)."""
+    setup = ModelSetup.prepare(config)
+    tp, stage = parallel_groups(config, setup.source.config, rank)
+    cls = PipelineModelRunner if stage.enabled else ModelRunner
+    return cls(config, setup, show_progress=False, tp=tp, stage=stage)
+
+
 def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
                 parent_pid: int | None) -> None:
     """A worker rank: load its shard, then run forward passes until told to stop."""
@@ -54,7 +64,7 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
     try:
         runner = build_runner(config, rank)
-        if runner.stage.enabled:
+        if isinstance(runner, PipelineModelRunner):
             runner.serve_stage()
         else:
             while (step := broadcast()) is not None:
