@@ -73,7 +73,6 @@ class ModelRunner:
         windows = source.config.layer_windows
         self.kv_groups = plan_kv_groups([None] * len(windows) if one_kv_group
                                         else windows).for_layers(layers)
-        self._layer_groups = tuple(self.kv_groups.group_of)  # (a stage's, for its steps)
         method = setup.loader.linear_method(source, self.device) if setup.loader else None
         if isinstance(method, GGMLLinearMethod) and config.dtype == "float32":
             method = None  # asked for float32: a GGUF's blocks are dequantized as they load
@@ -316,14 +315,6 @@ class ModelRunner:
         self.lora_batch.segments = segments
         if self.model.model.fused is not None:
             self.model.model.fused.set_lora_segments(segments)
-
-    def _use_lora(self, step: StepInputs) -> None:
-        """A pipelined step's adapter loads and runs of rows, on this stage's layers (the
-        loads before the step's forward: micro-batches reach a stage in order, so none
-        still running here can read a slot being refilled)."""
-        for slot, weights in step.lora_loads:
-            self.load_lora(slot, weights)
-        self._use_lora_segments(step.lora_segments)
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:

@@ -141,7 +141,7 @@ class PipelineModelRunner(ModelRunner):
                 self._use_lora(step)
             meta = step.meta
             if meta.groups:  # (the driver numbered its own layers' groups)
-                meta = replace(meta, layer_groups=self._layer_groups)
+                meta = replace(meta, layer_groups=tuple(self.kv_groups.group_of))
             intermediate = None
             if not stage.is_first:
                 shape = (step.input_ids.shape[0], self.model_config.hidden_size)
@@ -157,3 +157,11 @@ class PipelineModelRunner(ModelRunner):
                     sent += stage.send_rows(out[step.pool_idx])
         for done in sent:
             done.wait()
+
+    def _use_lora(self, step: StepInputs) -> None:
+        """A pipelined step's adapter loads and runs of rows, on this stage's layers (the
+        loads before the step's forward: micro-batches reach a stage in order, so none
+        still running here can read a slot being refilled)."""
+        for slot, weights in step.lora_loads:
+            self.load_lora(slot, weights)
+        self._use_lora_segments(step.lora_segments)
