@@ -1,17 +1,11 @@
-"""A CPU model's weights and KV pool on 2 MB pages (Linux transparent huge pages).
+"""A CPU model's weights on 2 MB pages (Linux transparent huge pages).
 
 A decode step streams every weight once. On 4 KB pages each of those streams needs a new
 address translation every 4 KB, and the TLB holds only a few MB worth of them. Copied into
 one 2 MB-aligned block advised `MADV_HUGEPAGE`, the weights of 4-bit SmolLM2-135M took a
 batch-1 decode step 0.93-0.96x as long (AVX2, in-process A/B against an engine on 4 KB pages;
-a float32 model's 0.99x, as its steps wait on memory bandwidth, not translations).
-
-Decode attention reads the KV pool's blocks wherever the block table puts them, each 12 KB
-block (SmolLM2) on pages of its own, so the pool is allocated advised too (still faulted in as
-blocks are first used, now 2 MB at a time). Engines on either pool, in one process, the Q4_0
-SmolLM2 with int8 activations: a batch-1 decode at 1,500 keys 1.28x as fast (AVX-512; AVX2
-1.13x), 64 sequences at 1,000 keys 1.05x (AVX2 1.09x), 64 at ~100 keys level to 1.04x
-(2026-12-05). Where the kernel's THP setting is `never`, or off Linux, nothing changes.
+a float32 model's 0.99x, as its steps wait on memory bandwidth, not translations). Where the
+kernel's THP setting is `never`, or off Linux, nothing moves.
 """
 
 from __future__ import annotations
@@ -86,10 +80,13 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = 4096,
         return 0
     weights = movable_weights(module, min_bytes)
     sizes = [-(-p.nbytes // _ALIGN) * _ALIGN for p in weights]
-    block = _huge_block(sum(sizes), madvise)
-    if block is None:
+    total = sum(sizes)
+    if total == 0:
         return 0
-    offset = 0
+    block = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    offset = -block.data_ptr() % HUGE_PAGE
+    if madvise(block.data_ptr() + offset, total, _MADV_HUGEPAGE) != 0:
+        return 0
     with torch.no_grad():
         for p, size in zip(weights, sizes):
             view = block[offset:offset + p.nbytes].view(p.dtype).view(p.shape)
@@ -97,29 +94,3 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = 4096,
             p.data = view
             offset += size
     return sum(p.nbytes for p in weights)
-
-
-def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
-                        mode: str | None = None) -> torch.Tensor:
-    """An uninitialized CPU tensor on memory advised MADV_HUGEPAGE (faulted in 2 MB at a time
-    as it is first touched), or a plain `torch.empty` where `mode` (default: the kernel's)
-    is not always or madvise."""
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    madvise = _madvise()
-    block = (_huge_block(nbytes, madvise)
-             if (mode or thp_mode()) in ("always", "madvise") and madvise is not None else None)
-    if block is None:
-        return torch.empty(shape, dtype=dtype)
-    return block.view(dtype).view(shape)
-
-
-def _huge_block(nbytes: int, madvise: Any) -> torch.Tensor | None:
-    """`nbytes` uninitialized bytes from a 2 MB boundary, advised MADV_HUGEPAGE; None if
-    there are none or madvise fails."""
-    if nbytes == 0:
-        return None
-    block = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    offset = -block.data_ptr() % HUGE_PAGE
-    if madvise(block.data_ptr() + offset, nbytes, _MADV_HUGEPAGE) != 0:
-        return None
-    return block[offset:offset + nbytes]

@@ -1,6 +1,5 @@
 """core/worker/huge_pages.py: which weights move onto 2 MB pages, that they keep their values,
-identity and ties, that an engine's C++ decoder runs on the moved weights, and that the KV
-pool is allocated on memory advised for 2 MB pages."""
+identity and ties, and that an engine's C++ decoder runs on the moved weights."""
 
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.worker import huge_pages
-from pkv.core.worker.huge_pages import (HUGE_PAGE, empty_on_huge_pages,
-                                        move_weights_to_huge_pages, movable_weights, thp_mode)
+from pkv.core.worker.huge_pages import (HUGE_PAGE, move_weights_to_huge_pages, movable_weights,
+                                        thp_mode)
 
 THP_IN_KERNEL = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
 
@@ -92,55 +91,6 @@ def test_engine_decodes_on_the_moved_weights(tiny_llama_dir: Path):
     tied = getattr(model.lm_head, "weight", None) is embed
     assert (embed.untyped_storage().data_ptr() in block) == (moved and tied)
     assert engine.runner.model.model.fused is not None
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    engine.add_request(None, [5, 6, 7, 8], params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.kv_cache.pool.num_used_blocks == 0
-    engine.shutdown()
-
-
-def _thp_eligible(address: int) -> bool:
-    """Whether the mapping holding `address` may take 2 MB pages (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's address range
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
-    return False
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8,
-                                   torch.float8_e4m3fn])
-def test_empty_on_huge_pages_starts_a_huge_page(dtype: torch.dtype):
-    # A KV pool's layout (slots, K/V, blocks, tokens, heads, row), over 2 MB even in bytes: a
-    # smaller range holds no whole huge page, and the kernel calls it ineligible.
-    shape = (2, 2, 800, 16, 3, 68)
-    t = empty_on_huge_pages(shape, dtype, mode="madvise")
-    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
-    t.view(torch.uint8).fill_(7)  # every byte is the tensor's own to write
-    assert int(t.view(torch.uint8).sum()) == 7 * t.numel() * dtype.itemsize
-    if THP_IN_KERNEL:
-        assert t.data_ptr() % HUGE_PAGE == 0
-        assert _thp_eligible(t.data_ptr())
-
-
-def test_empty_on_huge_pages_is_plain_where_thp_is_never():
-    t = empty_on_huge_pages((4, 8), torch.float32, mode="never")
-    assert t.shape == (4, 8) and t.untyped_storage().nbytes() == 4 * 8 * 4
-
-
-def test_engine_kv_pool_is_advised_for_huge_pages(tiny_llama_dir: Path):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4MiB"),
-                       show_progress=False)
-    pool = engine.runner.kv_cache
-    advised = thp_mode() in ("always", "madvise") and THP_IN_KERNEL
-    assert (pool.data_ptr() % HUGE_PAGE == 0) or not advised
-    if advised:
-        assert _thp_eligible(pool.data_ptr())
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request(None, [5, 6, 7, 8], params)
     while engine.has_unfinished_requests():
