@@ -31,9 +31,8 @@ from pkv.core.sched.kv_offload import KVOffloadStore, OffloadStats, model_finger
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
-from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
-from pkv.core.worker.pipeline_runner import PendingStep, PipelineModelRunner
+from pkv.core.worker.pipeline_runner import PendingStep, PipelineModelRunner, runner_class
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
@@ -97,8 +96,7 @@ class LLMEngine:
             weakref.finalize(self, self.workers.shutdown)  # also when the LLM is dropped
         try:
             tp, stage = parallel_groups(config, source.config, 0)
-            runner_cls = PipelineModelRunner if stage.enabled else ModelRunner
-            self.runner = runner_cls(
+            self.runner = runner_class(stage)(
                 config, setup, show_progress, tp, stage=stage,
                 extra_block_bytes=self.proposer.kv_bytes_per_block if self.proposer else 0)
         except BaseException:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pkv.core.distributed.pipeline import recv_object, send_object
+from pkv.core.distributed.pipeline import PipelineStage, recv_object, send_object
 from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sched.request import Request
 from pkv.core.sched.scheduler import SchedulerOutput
@@ -165,3 +165,8 @@ class PipelineModelRunner(ModelRunner):
         for slot, weights in step.lora_loads:
             self.load_lora(slot, weights)
         self._use_lora_segments(step.lora_segments)
+
+
+def runner_class(stage: PipelineStage) -> type[ModelRunner]:
+    """The runner a rank takes: a PipelineModelRunner where it runs a pipeline stage."""
+    return PipelineModelRunner if stage.enabled else ModelRunner

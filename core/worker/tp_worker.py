@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pkv.core.config.engine import EngineConfig
 from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
-from pkv.core.worker.pipeline_runner import PipelineModelRunner
+from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
 from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, broadcast, dist_backend,
                                      share_cores, use_local_gpu, world_size)
 
@@ -48,8 +48,7 @@ def build_runner(config: EngineConfig, rank: int) -> ModelRunner:
     """A worker rank's runner (the driver's is built by the engine)."""
     setup = ModelSetup.prepare(config)
     tp, stage = parallel_groups(config, setup.source.config, rank)
-    cls = PipelineModelRunner if stage.enabled else ModelRunner
-    return cls(config, setup, show_progress=False, tp=tp, stage=stage)
+    return runner_class(stage)(config, setup, show_progress=False, tp=tp, stage=stage)
 
 
 def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
