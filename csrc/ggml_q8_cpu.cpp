@@ -356,7 +356,7 @@ struct Q5Int {
     std::memcpy(&qh, b + (kOffset ? 4 : 2), 4);
     return _mm256_or_si256(nibbles, _mm256_and_si256(set_bits_as_bytes(qh), _mm256_set1_epi8(16)));
   }
-  static float offset(const uint8_t* b) { return kOffset ? half(b + 2) : -kZero * half(b); }
+  static float offset(const uint8_t* b) { return half(b + 2); }  // Q5_1's m (kMin types only)
 };
 
 // Q8_0 at two rows of x, against x in blocks of 32 (llama.cpp's Q8_0 activations): a block's

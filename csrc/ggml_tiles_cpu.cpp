@@ -157,7 +157,7 @@ struct Q4Tile {
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (kMin ? 4 : 2)));
     return low_bits(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0xF);
   }
-  static float offset(const uint8_t* b) { return kMin ? half(b + 2) : -kZero * half(b); }
+  static float offset(const uint8_t* b) { return half(b + 2); }  // Q4_1's m (kMin types only)
 };
 
 // Q8_0 with VNNI: its signed codes + 128.
@@ -223,24 +223,27 @@ void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, flo
   }
 }
 
-// A tile type: its reader, and the code of value 0 where its offset is one
-// (TileOffset::kZero), else 0.
+// A tile type: its reader, how its offset enters (and for TileOffset::kZero the code of value
+// 0), and the values per scale.
 struct TileType {
   TileDecoder decode = nullptr;  // nullptr: a type this kernel does not take
+  TileOffset offset = TileOffset::kMin;
   float zero = 0.f;
+  int values = 32;
 };
 
 TileType tile_type(int64_t type) {
+  constexpr TileOffset kMin = TileOffset::kMin, kZero = TileOffset::kZero;
   switch (type) {
-    case Q4_0: return {tile_block32<Q4Tile<false>>, Q4Tile<false>::kZero};
-    case Q4_1: return {tile_block32<Q4Tile<true>>};
-    case Q5_0: return {tile_block32<Q5Int<false>>, Q5Int<false>::kZero};
-    case Q5_1: return {tile_block32<Q5Int<true>>};
-    case Q8_0: return kTileVnni ? TileType{tile_block32<Q8Tile>, Q8Tile::kZero}
-                                : TileType{tile_q8_signed};
-    case Q4_K: return {tile_k4<false>};
-    case Q5_K: return {tile_k4<true>};
-    case Q6_K: return {tile_q6k, Q6KInt::kZero};
+    case Q4_0: return {tile_block32<Q4Tile<false>>, kZero, Q4Tile<false>::kZero};
+    case Q4_1: return {tile_block32<Q4Tile<true>>, kMin};
+    case Q5_0: return {tile_block32<Q5Int<false>>, kZero, Q5Int<false>::kZero};
+    case Q5_1: return {tile_block32<Q5Int<true>>, kMin};
+    case Q8_0: return kTileVnni ? TileType{tile_block32<Q8Tile>, kZero, Q8Tile::kZero}
+                                : TileType{tile_q8_signed, TileOffset::kSigned};
+    case Q4_K: return {tile_k4<false>, kMin};
+    case Q5_K: return {tile_k4<true>, kMin};
+    case Q6_K: return {tile_q6k, kZero, Q6KInt::kZero, 16};
     default: return {};
   }
 }
@@ -396,14 +399,16 @@ void tile_rows_of(const Part& p, TileDecoder decode, float zero, int64_t n0, int
 
 void tile_part(const Part& p, int64_t n0, int64_t n1, const TileX* xs, int64_t passes,
                int64_t M, int64_t K, const float* bias, float* y, int64_t ldy) {
-  const auto [decode, zero] = tile_type(p.type);
+  const TileType t = tile_type(p.type);
   const auto rows_of = [&]<int S, TileOffset O>() {
-    tile_rows_of<S, O>(p, decode, zero, n0, n1, xs, passes, M, K, bias, y, ldy);
+    tile_rows_of<S, O>(p, t.decode, t.zero, n0, n1, xs, passes, M, K, bias, y, ldy);
   };
-  if (p.type == Q6_K) return rows_of.template operator()<16, TileOffset::kZero>();
-  if (p.type == Q8_0 && !kTileVnni) return rows_of.template operator()<32, TileOffset::kSigned>();
-  if (zero != 0.f) return rows_of.template operator()<32, TileOffset::kZero>();
-  rows_of.template operator()<32, TileOffset::kMin>();
+  if (t.values == 16) return rows_of.template operator()<16, TileOffset::kZero>();  // Q6_K
+  switch (t.offset) {
+    case TileOffset::kSigned: return rows_of.template operator()<32, TileOffset::kSigned>();
+    case TileOffset::kZero: return rows_of.template operator()<32, TileOffset::kZero>();
+    case TileOffset::kMin: return rows_of.template operator()<32, TileOffset::kMin>();
+  }
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W the parts' rows one after another, x in int8 per 32
