@@ -170,14 +170,10 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be an integer in [1, 512], got "
                              f"{self.max_lora_rank!r}")
         self._check_pipeline()
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters do not run with tensor parallelism yet")
         if self.speculative_config is not None:
             # Parsed once here (one-line errors before anything loads), kept as a plain dict
             # so the config still travels as one (tensor-parallel workers, YAML).
             self.speculative_config = asdict(SpeculativeConfig.parse(self.speculative_config))
-            if self.tensor_parallel_size > 1:
-                raise ValueError("speculative decoding does not run with tensor parallelism yet")
             if self.kv_offload_dir is not None and self.speculative_config.get("model"):
                 # A draft model's KV lives in its own pool, which the disk tier does not fill.
                 raise ValueError("kv_offload_dir does not run with a draft model yet")

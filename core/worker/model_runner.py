@@ -19,7 +19,7 @@ from pkv.core.layers.kv_format import kv_format
 from pkv.core.layers.kv_groups import plan_kv_groups
 from pkv.core.layers.linear import UnquantizedLinearMethod
 from pkv.core.lora.adapter import LoRAWeight
-from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments
+from pkv.core.lora.layers import LoRABatch, attach_lora, lora_segments, merge_targets
 from pkv.core.model_loader.loader import build_model
 from pkv.core.model_loader.quantization import int8_lm_head
 from pkv.core.pooling.pooler import Pooler
@@ -120,15 +120,15 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.timer = StepTimer(sync_cuda=self.device.type == "cuda")
         self.rank_weight_bytes = [self.weight_bytes]
-        # What adapters are checked against: every stage's LoRA linears.
+        # What adapters are checked against: every rank's LoRA linears, whole.
         self.lora_targets = {path: slots.target for path, slots in self.lora_layers.items()}
         if self.distributed:
             self.rank_weight_bytes = [0] * dist.get_world_size()
             dist.all_gather_object(self.rank_weight_bytes, self.weight_bytes)
             if self.lora_layers:
-                stages: list[dict] = [{}] * dist.get_world_size()
-                dist.all_gather_object(stages, self.lora_targets)
-                self.lora_targets = {k: v for targets in stages for k, v in targets.items()}
+                ranks: list[dict] = [{}] * dist.get_world_size()
+                dist.all_gather_object(ranks, self.lora_targets)
+                self.lora_targets = merge_targets(ranks)
 
     @property
     def weight_bytes(self) -> int:
@@ -254,11 +254,14 @@ class ModelRunner:
         chunks, sampling = step_chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
-        if self.lora_layers:
-            self._use_lora_segments(self._lora_segments(sched, chunks))
         pooling = self._pooling(sched)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
                           token_types(sched.scheduled, self.device) if pooling else None)
+        if self.lora_layers:
+            step.lora_segments = self._lora_segments(sched, chunks)
+            self._use_lora_segments(step.lora_segments)
+            if self.tp.enabled:  # the engine loaded this rank's slots; the others load theirs
+                step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
         self.timer.lap("prepare_inputs")
         if self.tp.enabled:
             broadcast(step)
@@ -318,9 +321,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward pass every tensor-parallel rank runs in lockstep; logits of the
-        sampling rows."""
+        """The forward pass every tensor-parallel rank runs in lockstep (its adapters' loads
+        and runs of rows first); logits of the sampling rows."""
+        if self.lora_layers:
+            self._use_lora(step)
         return self.logits(self.forward(step), step.logits_idx)
+
+    def _use_lora(self, step: StepInputs) -> None:
+        """A step's adapter loads and runs of rows, on this rank's linears (the loads before
+        the step's forward: steps reach a rank in order, so none still running here can
+        read a slot being refilled)."""
+        for slot, weights in step.lora_loads:
+            self.load_lora(slot, weights)
+        self._use_lora_segments(step.lora_segments)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:

@@ -63,12 +63,13 @@ class PipelineModelRunner(ModelRunner):
         if self.lora_layers:  # each stage loads the adapters' pairs of its own layers
             step.lora_segments = self._lora_segments(sched, chunks)
             step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
+        if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
+            broadcast(("step", step), self.tp.group)
+        if self.lora_layers:  # later stages need only their own layers' pairs
             self._use_lora(step)
             step.lora_loads = [(slot, {path: pairs for path, pairs in weights.items()
                                        if path not in self.lora_layers})
                                for slot, weights in step.lora_loads]
-        if self.tp.enabled:  # this stage's other tensor-parallel ranks run it too
-            broadcast(("step", step), self.tp.group)
         sent = send_object(step, self.stage.next, self.stage.objects)
         self._zero_new_blocks(high_watermark)
         out = self.model(input_ids, positions, self.kv_caches, meta)
@@ -157,14 +158,6 @@ class PipelineModelRunner(ModelRunner):
                     sent += stage.send_rows(out[step.pool_idx])
         for done in sent:
             done.wait()
-
-    def _use_lora(self, step: StepInputs) -> None:
-        """A pipelined step's adapter loads and runs of rows, on this stage's layers (the
-        loads before the step's forward: micro-batches reach a stage in order, so none
-        still running here can read a slot being refilled)."""
-        for slot, weights in step.lora_loads:
-            self.load_lora(slot, weights)
-        self._use_lora_segments(step.lora_segments)
 
 
 def runner_class(stage: PipelineStage) -> type[ModelRunner]:

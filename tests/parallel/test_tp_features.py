@@ -1,0 +1,101 @@
+"""What runs on top of tensor parallelism: LoRA adapters (each rank holds its slices of every
+pair: B's rows of a column-parallel linear's outputs, A's columns of a row-parallel one's
+inputs, whose partial deltas the layer's all-reduce sums) and speculative decoding (the driver
+drafts and verifies; the ranks run the verify step as any other). Greedy tokens equal one
+rank's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pkv import LLM, SamplingParams
+from pkv.tests.conftest import PROMPTS
+from pkv.tests.core.test_lora import _adapters
+from pkv.tests.core.test_spec_decode import COPY, NGRAM
+from pkv.tests.helpers import build_tiny_model, kv_block_bytes
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPT_IDS = [[1, 2, 3, 4], list(range(200, 260)), [7] * 9, list(range(300, 341))]
+
+
+def _greedy(llm: LLM, prompts: list, **kwargs) -> list[list[int]]:  # noqa: ANN001, ANN003
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, **kwargs)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                           pp_layer_partition="1,3")])
+def test_adapters_under_tp_equal_one_rank(parallel: dict, tmp_path: Path,
+                                          smol_hf_dir: Path) -> None:
+    """Two adapters and none in one batch, one slot between them (refilled while others
+    wait): the ranks load their slices of each pair from the step the driver broadcasts."""
+    model = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama", num_hidden_layers=4)
+    adapters = _adapters(model, tmp_path)
+    loras = [[None, adapters[0][0], adapters[1][0]][i % 3] for i in range(6)]
+    prompts = [PROMPT_IDS[i % 4] + [i] for i in range(6)]
+    options = dict(max_model_len=128, block_size=4, kv_cache_memory="4MiB", enable_lora=True,
+                   max_loras=1, max_lora_rank=8, show_progress=False)
+    expected = _greedy(LLM(str(model), **options), prompts, lora_request=loras)
+    assert expected[1] != _greedy(LLM(str(model), **options), [prompts[1]])[0]
+    split = LLM(str(model), **options, **parallel)
+    targets = split.llm_engine.lora.targets
+    # The driver checks adapters against whole linears, not its slices of them.
+    assert targets["model.layers.0.self_attn.qkv_proj"].out_sizes == (64, 32, 32)
+    assert targets["model.layers.3.mlp.down_proj"].in_features == 128
+    assert _greedy(split, prompts, lora_request=loras) == expected
+
+
+def test_an_adapter_for_another_model_is_refused_under_tp(tmp_path: Path,
+                                                          smol_hf_dir: Path) -> None:
+    """An adapter whose pairs are half the width (a model half this one's size) is not taken
+    for one rank's slice: the whole linear is what it must fit."""
+    model = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama")
+    narrow = build_tiny_model(tmp_path / "narrow", smol_hf_dir, "llama", intermediate_size=64)
+    adapters = _adapters(narrow, tmp_path)
+    llm = LLM(str(model), tensor_parallel_size=2, max_model_len=64, kv_cache_memory="4MiB",
+              enable_lora=True, max_lora_rank=8, show_progress=False)
+    try:
+        with pytest.raises(ValueError, match="do not fit the model's projection"):
+            llm.generate([[1, 2, 3]], GREEDY, lora_request=adapters[0][0])
+        assert llm.llm_engine.get_stats().num_blocks_used == 0
+        assert len(llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 16
+    finally:
+        llm.shutdown()
+
+
+def test_speculation_under_tp_keeps_the_greedy_tokens(smol_llm: LLM, tmp_path: Path,
+                                                      tiny_qwen2_dir: Path,
+                                                      smol_hf_dir: Path) -> None:
+    """Prompt lookup on the bundled model, and a draft model that mostly disagrees
+    (rollbacks) on a tiny Qwen2 whose pool forces preemption."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    prompts = [COPY, *PROMPTS[:3]]
+    expected = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
+    tp = LLM(tensor_parallel_size=2, kv_cache_memory="64MiB", max_model_len=512,
+             speculative_config=NGRAM, show_progress=False)
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == expected
+        assert tp.llm_engine.spec_stats.num_accepted_tokens > 20
+        assert tp.llm_engine.get_stats().num_blocks_used == 0
+    finally:
+        tp.shutdown()
+    draft = build_tiny_model(tmp_path / "draft", smol_hf_dir, "llama", hidden_size=32,
+                             num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, intermediate_size=64)
+    options = dict(max_model_len=128, block_size=4, max_num_batched_tokens=16,
+                   show_progress=False)
+    expected = _greedy(LLM(str(tiny_qwen2_dir), kv_cache_memory="1MiB", **options), PROMPT_IDS)
+    spec = {"model": str(draft), "num_speculative_tokens": 3}
+    per_block = kv_block_bytes(tiny_qwen2_dir, 4)[0] + kv_block_bytes(draft, 4, True)[0]
+    # (A rank's block holds half the target's KV heads and, on the driver, the draft's.)
+    tp = LLM(str(tiny_qwen2_dir), tensor_parallel_size=2, speculative_config=spec,
+             kv_cache_memory=20 * per_block, **options)
+    engine = tp.llm_engine
+    assert _greedy(tp, PROMPT_IDS) == expected
+    assert engine.spec_stats.num_draft_tokens > 0  # (all rejected: a random draft)
+    assert engine.scheduler.num_preemptions > 0
