@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
+from pkv.core.engine.micro_batches import MicroBatches
 from pkv.core.engine.output_processor import OutputProcessor
-from pkv.core.engine.outputs import PoolingRequestOutput, RequestOutput
+from pkv.core.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRAAdapter, LoRARequest
 from pkv.core.lora.manager import LoRAManager
 from pkv.core.lora.slots import LoRASlotTable
@@ -27,16 +27,17 @@ from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.kv_cache_manager import cdiv
-from pkv.core.sched.kv_offload import KVOffloadStore, OffloadStats, model_fingerprint
+from pkv.core.sched.kv_offload import KVOffloadStore, model_fingerprint
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
-from pkv.core.worker.pipeline_runner import PendingStep, PipelineModelRunner, runner_class
+from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
 logger = logging.getLogger("pkv.engine")
+
 
 def _pkv_version() -> str:
     from importlib import metadata
@@ -45,26 +46,6 @@ def _pkv_version() -> str:
         return metadata.version("pkv")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A live snapshot of the engine, for logs, metrics and tests."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks_total: int
-    num_blocks_used: int
-    num_blocks_free: int
-    num_cached_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    kv_cache_usage: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    kv_resident_bytes: int  # KV pool memory touched so far (blocks are zeroed on first use)
-    kv_offload: OffloadStats | None = None  # the disk tier's counters, when it is on
 
 
 class LLMEngine:
@@ -104,10 +85,12 @@ class LLMEngine:
             raise
         self.max_num_batched_tokens = config.token_budget(self.max_model_len,
                                                           encoder=not self.runner.keeps_kv)
-        # The driver's pipeline stage, under pipeline parallelism.
-        self.pipeline = self.runner if isinstance(self.runner, PipelineModelRunner) else None
-        if self.workers is not None and self.pipeline is not None:
-            self.workers.stop_stages = self.pipeline.stop_stages
+        # The driver's micro-batches in flight, under pipeline parallelism.
+        self.micro_batches: MicroBatches | None = None
+        if isinstance(self.runner, PipelineModelRunner):
+            self.micro_batches = MicroBatches(self.runner, config.pipeline_parallel_size)
+            if self.workers is not None:
+                self.workers.stop_stages = self.runner.stop_stages
         if self.proposer is not None:
             self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
@@ -123,7 +106,6 @@ class LLMEngine:
                                    source.config.rope_spec().long_threshold, spec,
                                    LoRASlotTable(config.max_loras) if self.lora else None)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._in_flight: deque[PendingStep] = deque()  # pipeline micro-batches not sampled
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -167,23 +149,14 @@ class LLMEngine:
         """Stop worker ranks (a no-op on one rank); the engine is unusable after. `force`
         kills them without a last word (when a step may still be running)."""
         if self.workers is not None:
-            if not force:
-                self._drain_pipeline()
+            batches = getattr(self, "micro_batches", None)
+            if batches is not None and not force:
+                batches.drain()
             self.workers.shutdown(force)
         if getattr(self, "kv_offload", None) is not None:
             if not force:  # (with `force` a step may be running: the pool is not settled)
                 self.kv_cache.save_cached_blocks()  # for a restart to find them
             self.kv_offload.close()  # writes still staged reach the disk
-
-    def _drain_pipeline(self) -> None:
-        """Take back the final rows of micro-batches still in flight (requests aborted in
-        them): until they are, the last stage's sends of them never finish."""
-        pipeline = getattr(self, "pipeline", None)
-        while pipeline is not None and getattr(self, "_in_flight", None):
-            try:
-                pipeline.complete(self._in_flight.popleft())
-            except RuntimeError:  # a dead stage: nothing more will come back
-                self._in_flight.clear()
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -277,8 +250,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
-        if self.pipeline is not None:
-            return self._pipelined_step(self.pipeline)
+        if self.micro_batches is not None:
+            return self._pipelined_step(self.micro_batches)
         if self.workers is not None:
             self.workers.check()  # a dead rank would make the step wait forever
         self.timer.start()
@@ -307,7 +280,7 @@ class LLMEngine:
             raise RuntimeError(self.workers.explain(exc)) from exc
         return self._complete(sched, sampled_reqs, result, pooled, failures)
 
-    def _pipelined_step(self, pipeline: PipelineModelRunner
+    def _pipelined_step(self, batches: MicroBatches
                         ) -> list[RequestOutput | PoolingRequestOutput]:
         """A step under pipeline parallelism: launch a micro-batch of requests that no batch
         in flight holds; once P are in flight (or nothing more can start), finish the oldest.
@@ -317,45 +290,31 @@ class LLMEngine:
             raise RuntimeError("a pipelined step needs the pipeline's worker ranks")
         workers.check()
         self.timer.start()
-        in_flight = {r.request_id for p in self._in_flight for r in p.sched.scheduled}
-        # Each micro-batch takes its share of the requests, so that P of them keep every
-        # stage busy.
-        stages = self.config.pipeline_parallel_size
         live = min(len(self.scheduler.running) + len(self.scheduler.waiting),
                    self.config.max_num_seqs)
-        sched = self.scheduler.schedule(in_flight, max(1, -(-live // stages)))
+        sched = self.scheduler.schedule(batches.request_ids, batches.share(live))
         self.timer.lap("schedule")
         try:
             if sched.scheduled:
-                self._launch(sched, pipeline)
-                if len(self._in_flight) < stages:
+                self._launch(sched, batches)
+                if not batches.full:
                     return []
-            elif not self._in_flight:
+            elif not batches:
                 return [] if sched.preempted else self._fail_unplaceable()
-            pending = self._in_flight.popleft()
-            sampled_reqs, result, pooled = pipeline.complete(pending, pending.failures)
+            done = batches.complete_oldest()
         except RuntimeError as exc:
-            self._in_flight.clear()
+            batches.clear()
             raise RuntimeError(workers.explain(exc)) from exc
-        # Requests aborted while their micro-batch was in flight have no output left.
-        gone = {r.request_id for r in pending.sched.scheduled if r.status.finished}
-        kept = [i for i, r in enumerate(sampled_reqs) if r.request_id not in gone]
-        result = VerifyOutput([result.token_ids[i] for i in kept],
-                              [result.logprobs[i] for i in kept],
-                              [result.num_drafts[i] for i in kept])
-        pooled = {rid: v for rid, v in pooled.items() if rid not in gone}
-        return self._complete(pending.sched, [sampled_reqs[i] for i in kept], result, pooled,
-                              pending.failures)
+        return self._complete(done.sched, done.sampled, done.result, done.pooled, done.failures)
 
-    def _launch(self, sched: SchedulerOutput, pipeline: PipelineModelRunner) -> None:
+    def _launch(self, sched: SchedulerOutput, batches: MicroBatches) -> None:
         """Start a micro-batch down the pipeline, its drafts proposed first."""
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
         failures: dict[str, Exception] = {}
         if sched.spec_lookahead:
             self._propose(sched, tables, failures)
             self.timer.lap("propose")
-        self._in_flight.append(pipeline.launch(sched, tables, self.kv_cache.pool.high_watermark,
-                                               failures))
+        batches.launch(sched, tables, self.kv_cache.pool.high_watermark, failures)
 
     def _complete(self, sched: SchedulerOutput, sampled_reqs: list[Request],
                   result: VerifyOutput, pooled: dict[str, torch.Tensor],

@@ -130,7 +130,10 @@ class OutputProcessor:
     def _logprob_dict(self, token: int, lp: tuple[list[int], list[float], float, int]
                       ) -> dict[int, Logprob]:
         top_ids, top_vals, chosen, rank = lp
-        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
+
+        def decode(t: int) -> str:
+            return self.tokenizer.decode([t], skip_special_tokens=False)
+
         out = {token: Logprob(chosen, rank, decode(token))}
         for r, (tid, val) in enumerate(zip(top_ids, top_vals), start=1):
             out.setdefault(tid, Logprob(val, r, decode(tid)))

@@ -1,4 +1,5 @@
-"""What the engine returns: RequestOutput with one CompletionOutput per sample (vLLM's shape)."""
+"""What the engine returns: RequestOutput with one CompletionOutput per sample (vLLM's shape),
+PoolingRequestOutput, and EngineStats (a live snapshot of the engine)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from pkv.core.sched.kv_offload import OffloadStats
 
 
 @dataclass(slots=True)
@@ -85,3 +88,23 @@ class PoolingRequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A live snapshot of the engine, for logs, metrics and tests."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_cached_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_usage: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    kv_resident_bytes: int  # KV pool memory touched so far (blocks are zeroed on first use)
+    kv_offload: OffloadStats | None = None  # the disk tier's counters, when it is on

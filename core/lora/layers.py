@@ -26,7 +26,6 @@ import torch
 
 if TYPE_CHECKING:
     from pkv.core.layers.linear import LinearSplit
-    from pkv.core.lora.adapter import LoRAWeight
 
 
 @dataclass
@@ -85,21 +84,22 @@ class LoRASlots:
         self.a[slot].zero_()
         self.b[slot].zero_()
         for w in weights:
-            a, b = self._rank_part(w)
+            a, b = self._rank_part(w.a, w.b, w.shard)
             r, col = a.shape[0], w.shard * self.max_rank
             start = sum(self.out_sizes[:w.shard])
             self.a[slot, :, col:col + r] = a.t()
             self.b[slot, col:col + r, start:start + self.out_sizes[w.shard]] = b.t()
 
-    def _rank_part(self, w: LoRAWeight) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (A, B) of a pair (see the module docstring)."""
+    def _rank_part(self, a: torch.Tensor, b: torch.Tensor,
+                   shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of a pair on fused shard `shard` (see the module docstring)."""
         if self.split is None:
-            return w.a, w.b
+            return a, b
         if self.split.kind == "column":
-            start, count = self.split.slices[w.shard]
-            return w.a, w.b[start:start + count]
+            start, count = self.split.slices[shard]
+            return a, b[start:start + count]
         ((start, count),) = self.split.slices
-        return w.a[:, start:start + count], w.b
+        return a[:, start:start + count], b
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += x[rows] @ a[slot] @ b[slot] for each run of rows."""

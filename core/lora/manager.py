@@ -56,7 +56,11 @@ class LoRAManager:
         adapter = self.adapters.get(request.lora_name)
         if adapter is None:
             return self.load(request.lora_name, request.lora_path)
-        if Path(adapter.path).expanduser().resolve() != Path(request.lora_path).expanduser().resolve():
+        if _resolved(adapter.path) != _resolved(request.lora_path):
             raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from "
                              f"{adapter.path}, not {request.lora_path}")
         return adapter
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(path).expanduser().resolve()

@@ -230,13 +230,13 @@ def test_requests_aborted_in_flight_leave_nothing_behind(tiny_llama_dir: Path) -
         expected = _greedy(llm, PROMPT_IDS[:2])
         for i in range(4):
             engine.add_request(f"gone{i}", [1, 2, 3, 4 + i], GREEDY)
-        while not engine._in_flight:
+        while not engine.micro_batches:
             engine.step()
         engine.abort_request([f"gone{i}" for i in range(4)])
         assert _greedy(llm, PROMPT_IDS[:2]) == expected
         for i in range(4):
             engine.add_request(f"again{i}", [1, 2, 3, 4 + i], GREEDY)
-        while not engine._in_flight:
+        while not engine.micro_batches:
             engine.step()
         engine.abort_request([f"again{i}" for i in range(4)])
         assert engine.get_stats().num_blocks_used == 0
