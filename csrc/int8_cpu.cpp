@@ -9,10 +9,10 @@
 // int8_gemv reads every code once per chunk of up to 8 rows, with the accumulators in
 // registers; the batch-1 LM head of SmolLM2 drops from 113 MB of float32 to 28 MB read per
 // step. int8_gemm is the many-row path: per tile and block of inputs it widens and scales the
-// codes into a float panel once and multiplies every row by it (panel_gemm, csrc/awq_cpu.cpp:
-// one unit builds both files), so its cost grows with M at the rate of a float GEMM, not of
-// re-reading and re-widening the codes every 8 rows. int8_dequantize writes W^T [K, N] in
-// float32.
+// codes into a float panel once and multiplies every row by it (panel_gemm,
+// csrc/panel_gemm_cpu.cpp: one unit builds both files), so its cost grows with M at the rate
+// of a float GEMM, not of re-reading and re-widening the codes every 8 rows. int8_dequantize
+// writes W^T [K, N] in float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
