@@ -200,9 +200,6 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir needs enable_prefix_caching (it extends the prefix "
                              "cache)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload_dir does not run with tensor parallelism yet (each "
-                             "rank holds a slice of every block)")
 
     def token_budget(self, max_model_len: int, encoder: bool = False) -> int:
         """Most tokens one step computes: max_num_batched_tokens, or by default 2048 (at
@@ -227,6 +224,6 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(
-                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
         return cls(**options)

@@ -132,9 +132,11 @@ class LLMEngine:
         }
         # A step's allocations can evict a whole batch of blocks at once; stage two steps'.
         max_pending = max(64, 2 * cdiv(self.max_num_batched_tokens, config.block_size))
+        if runner.kv_parts is not None:  # a file holds every tensor-parallel rank's part
+            layout["kv_parts"] = runner.kv_parts.sizes
         store = KVOffloadStore(config.kv_offload_dir, int(config.kv_offload_size),
                                model_fingerprint(setup.source.path, layout),
-                               lambda: runner.kv_cache, max_pending)
+                               lambda: runner.kv_cache, max_pending, runner.kv_parts)
         logger.info("KV disk tier: %s (%d blocks indexed, %.1f MiB of %.1f MiB)",
                     config.kv_offload_dir, store.stats.files, store.stats.bytes_used / 2**20,
                     int(config.kv_offload_size) / 2**20)
@@ -148,15 +150,19 @@ class LLMEngine:
     def shutdown(self, force: bool = False) -> None:
         """Stop worker ranks (a no-op on one rank); the engine is unusable after. `force`
         kills them without a last word (when a step may still be running)."""
+        batches = getattr(self, "micro_batches", None)
+        if batches is not None and not force:
+            batches.drain()
+        offload = getattr(self, "kv_offload", None)
+        # With `force` a step may be running: the pool is not settled. A dead rank cannot
+        # give its parts of the blocks.
+        if offload is not None and not force and (self.workers is None or not self.workers.error):
+            self.kv_cache.save_cached_blocks()  # for a restart to find them
+            offload.complete()  # (the other ranks' parts, while they still run)
         if self.workers is not None:
-            batches = getattr(self, "micro_batches", None)
-            if batches is not None and not force:
-                batches.drain()
             self.workers.shutdown(force)
-        if getattr(self, "kv_offload", None) is not None:
-            if not force:  # (with `force` a step may be running: the pool is not settled)
-                self.kv_cache.save_cached_blocks()  # for a restart to find them
-            self.kv_offload.close()  # writes still staged reach the disk
+        if offload is not None:
+            offload.close()  # writes still staged reach the disk
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -259,6 +265,8 @@ class LLMEngine:
         if not sched.scheduled:
             return [] if sched.preempted else self._fail_unplaceable()
         self.timer.lap("schedule")
+        if self.kv_offload is not None:
+            self.kv_offload.complete()  # (the other ranks' parts of blocks evicted just now)
         loads = self.kv_cache.take_loads()
         if loads:  # prefix blocks read from the disk tier, before the forward reads them
             self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)

@@ -42,7 +42,9 @@ class CacheSnapshot:
 
     @property
     def hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def fragmentation(self) -> float:

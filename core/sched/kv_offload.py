@@ -9,6 +9,9 @@ Eviction happens while the scheduler allocates, before the next forward overwrit
 so the memcpy at that moment sees the block's final bytes; the step never waits on the disk
 for a write (a full staging area drops the write and counts it). The KV pool is handled as
 raw bytes, whatever its dtype and row layout: `kv.view(torch.uint8)[:, :, block_id]`.
+Under tensor parallelism (`remote`: core/worker/kv_parts.py) a file holds every rank's part
+of the block; the other ranks' parts of the blocks evicted in a step are fetched at once by
+`complete()`, which the engine calls before the step's forward.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -109,18 +112,34 @@ def _write_loop(files: OffloadFiles, jobs: queue.Queue, staging: _Staging) -> No
             jobs.task_done()
 
 
+class RemoteParts(Protocol):
+    """The other tensor-parallel ranks' parts of KV blocks (core/worker/kv_parts.py)."""
+
+    @property
+    def remote_bytes(self) -> int:
+        """A block's bytes on the other ranks."""
+
+    def fetch(self, block_ids: list[int]) -> torch.Tensor:
+        """Their parts of the blocks, [blocks, remote_bytes], in rank order."""
+
+
 class KVOffloadStore:
     """Saves evicted blocks to `directory` and reads them back, keyed by model fingerprint
     and chained block hash, confirmed against the block's full key."""
 
     def __init__(self, directory: str | Path, max_bytes: int, fingerprint: bytes,
-                 kv: Callable[[], torch.Tensor], max_pending: int = 256) -> None:
+                 kv: Callable[[], torch.Tensor], max_pending: int = 256,
+                 remote: RemoteParts | None = None) -> None:
         """`kv` returns the runner's KV pool [layers, 2, num_blocks, block_size, heads, row]
         (asked each time: the pool may be reallocated); `max_pending` staging buffers of
-        one block each bound the host memory waiting for the disk."""
+        one block each bound the host memory waiting for the disk; `remote`: the rest of
+        each block, held by other ranks."""
         self.files = OffloadFiles(directory, max_bytes)
         self.fingerprint = fingerprint
         self._kv = kv
+        self._remote = remote
+        # Blocks whose other parts are still on the other ranks: (file id, key, bytes, block).
+        self._awaiting: list[tuple[str, bytes, torch.Tensor, int]] = []
         self._staging = _Staging(max(1, max_pending))
         self._jobs: queue.Queue = queue.Queue()
         self.hits = self.saved_tokens = self.drops = 0
@@ -136,25 +155,49 @@ class KVOffloadStore:
     def _pool(self) -> torch.Tensor:
         return self._kv().view(torch.uint8)  # [L, 2, N, block_size, heads, row bytes]
 
+    def _block_bytes(self, kv: torch.Tensor) -> int:
+        """A block's bytes in a file: this pool's part and the other ranks'."""
+        return kv[:, :, 0].numel() + (self._remote.remote_bytes if self._remote else 0)
+
     def save(self, block_hash: bytes, key: BlockKey, block_id: int, wait: bool = False) -> None:
         """Stage block `block_id` (holding `key`) for writing. The step's path never waits on
         the disk: with the staging area full the write is dropped, unless `wait` (shutdown)."""
         fid = file_id(self.fingerprint, block_hash)
-        if self._closed or fid in self.files or fid in self._staging.pending:
+        if (self._closed or fid in self.files or fid in self._staging.pending
+                or any(fid == f for f, *_ in self._awaiting)):
             return
         kv = self._pool()
         block = kv[:, :, block_id]
-        buf = self._staging.take(block.numel(), pin=kv.is_cuda)
+        nbytes = self._block_bytes(kv)
+        buf = self._staging.take(nbytes, pin=kv.is_cuda)
         while buf is None and wait and self._thread.is_alive():
+            self.complete()  # (blocks awaiting their other parts hold buffers)
             self.flush()
-            buf = self._staging.take(block.numel(), pin=kv.is_cuda)
+            buf = self._staging.take(nbytes, pin=kv.is_cuda)
         if buf is None:
             self.drops += 1
             return
         # A blocking copy: a lookup may read the staged bytes before the writer does (the
         # step that evicts has not launched its forward yet, so a GPU has nothing to wait on).
-        buf.view(block.shape).copy_(block)
+        buf[:block.numel()].view(block.shape).copy_(block)
         encoded = encode_key(self.fingerprint, block_hash, key)
+        if self._remote is not None:
+            self._awaiting.append((fid, encoded, buf, block_id))
+            return
+        self._stage(fid, encoded, buf)
+
+    def complete(self) -> None:
+        """Fetch the other ranks' parts of the blocks saved since the last call and queue
+        their writes; the engine calls it before a step's forward can overwrite them."""
+        if not self._awaiting or self._remote is None:
+            return
+        awaiting, self._awaiting = self._awaiting, []
+        rest = self._remote.fetch([block_id for *_, block_id in awaiting])
+        for (fid, encoded, buf, _), part in zip(awaiting, rest):
+            buf[buf.numel() - part.numel():].copy_(part)
+            self._stage(fid, encoded, buf)
+
+    def _stage(self, fid: str, encoded: bytes, buf: torch.Tensor) -> None:
         with self._staging.lock:
             self._staging.pending[fid] = (encoded, buf)
         self._jobs.put((fid, encoded, buf))
@@ -167,7 +210,7 @@ class KVOffloadStore:
         if staged is not None or fid not in self.files:
             return staged  # (evicted so recently that its write has not landed yet)
         kv = self._pool()
-        buf = torch.empty(kv[:, :, 0].numel(), dtype=torch.uint8, pin_memory=kv.is_cuda)
+        buf = torch.empty(self._block_bytes(kv), dtype=torch.uint8, pin_memory=kv.is_cuda)
         if not self.files.read_into(fid, encoded, memoryview(buf.numpy())):
             return None
         return buf

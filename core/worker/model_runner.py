@@ -34,6 +34,7 @@ from pkv.core.worker.fused_decoder import build_fused_decoder
 from pkv.core.worker.huge_pages import move_weights_to_huge_pages
 from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
                                          token_types)
+from pkv.core.worker.kv_parts import KVLoadRequest, KVParts
 from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
 from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
@@ -114,6 +115,9 @@ class ModelRunner:
         if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
             num_blocks = self._num_kv_blocks(setup.max_model_len)
         self.allocate_kv(num_blocks)
+        # The disk tier's view of a pool split over tensor-parallel ranks (every rank's).
+        self.kv_parts = (KVParts(lambda: self.kv_cache.view(torch.uint8), self.tp)
+                         if self.tp.enabled and config.kv_offload_dir else None)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator, ops.first_argmax if ops is not None else None)
@@ -237,10 +241,22 @@ class ModelRunner:
         """Copy blocks' bytes (read from the disk tier) into the pool. Blocks are zeroed on
         first use at the step's start, so the zeroing runs first, not over these bytes."""
         self._zero_new_blocks(high_watermark)
+        if self.kv_parts is not None:  # every rank copies in its part of each block
+            self.kv_parts.send([b for b, _ in loads], [data for _, data in loads],
+                               high_watermark)
+            return
         kv = self.kv_cache.view(torch.uint8)  # [slots, 2, N, block_size, heads, row bytes]
         for block_id, data in loads:
             block = kv[:, :, block_id]
             block.copy_(data.view(block.shape), non_blocking=data.is_pinned())
+
+    @torch.inference_mode()
+    def load_kv_parts(self, request: KVLoadRequest) -> None:
+        """A worker rank's side of load_kv_blocks under tensor parallelism."""
+        if self.kv_parts is None:
+            raise RuntimeError("KV parts sent to a rank without a KV disk tier")
+        self._zero_new_blocks(request.high_watermark)
+        self.kv_parts.scatter(request.block_ids)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],

@@ -1,6 +1,6 @@
 """A worker rank's process (tensor-parallel shard or pipeline stage): die with the driver,
 join the process group, load this rank's part, then run the forward passes the driver
-broadcasts until told to stop.
+broadcasts (and give or take its parts of KV blocks for the disk tier) until told to stop.
 
 Started by `WorkerGroup.start` (`python -m pkv.core.worker.tp_worker RANK`, settings in the
 environment) or, for ranks other than 0, by `pkv serve` under torchrun.
@@ -20,11 +20,12 @@ from typing import Any
 import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
+from pkv.core.worker.kv_parts import KVLoadRequest, KVPartsRequest
 from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
 from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
-from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, broadcast, dist_backend,
-                                     share_cores, use_local_gpu, world_size)
+from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, StepInputs, broadcast,
+                                     dist_backend, share_cores, use_local_gpu, world_size)
 
 PR_SET_PDEATHSIG = 1
 
@@ -51,6 +52,20 @@ def build_runner(config: EngineConfig, rank: int) -> ModelRunner:
     return runner_class(stage)(config, setup, show_progress=False, tp=tp, stage=stage)
 
 
+def serve(runner: ModelRunner, message: StepInputs | KVPartsRequest | KVLoadRequest) -> None:
+    """One message from the driver: a step, or (the KV disk tier) this rank's parts of
+    blocks to give or to take."""
+    if isinstance(message, StepInputs):
+        runner.run_step(message)
+        return
+    if runner.kv_parts is None:
+        raise RuntimeError(f"{type(message).__name__} reached a rank without a KV disk tier")
+    if isinstance(message, KVPartsRequest):
+        runner.kv_parts.gather(message.block_ids)
+    else:
+        runner.load_kv_parts(message)
+
+
 def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
                 parent_pid: int | None) -> None:
     """A worker rank: load its shard, then run forward passes until told to stop."""
@@ -66,8 +81,8 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
         if isinstance(runner, PipelineModelRunner):
             runner.serve_stage()
         else:
-            while (step := broadcast()) is not None:
-                runner.run_step(step)
+            while (message := broadcast()) is not None:
+                serve(runner, message)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

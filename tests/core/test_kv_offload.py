@@ -188,8 +188,8 @@ def test_config_checks() -> None:
     assert EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size="1GiB").kv_offload_size == 2**30
     with pytest.raises(ValueError, match="kv_offload_size"):
         EngineConfig(kv_offload_size="lots")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(kv_offload_dir="/tmp/x", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not run with a KV"):
+        EngineConfig(kv_offload_dir="/tmp/x", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="prefix_caching"):
         EngineConfig(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
 

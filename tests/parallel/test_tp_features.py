@@ -1,8 +1,8 @@
 """What runs on top of tensor parallelism: LoRA adapters (each rank holds its slices of every
 pair: B's rows of a column-parallel linear's outputs, A's columns of a row-parallel one's
-inputs, whose partial deltas the layer's all-reduce sums) and speculative decoding (the driver
-drafts and verifies; the ranks run the verify step as any other). Greedy tokens equal one
-rank's."""
+inputs, whose partial deltas the layer's all-reduce sums), speculative decoding (the driver
+drafts and verifies; the ranks run the verify step as any other) and the KV disk tier (a file
+holds every rank's part of a block). Greedy tokens equal one rank's."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from pkv import LLM, SamplingParams
 from pkv.tests.conftest import PROMPTS
+from pkv.tests.core.test_kv_offload import DOC_LEN, _prompts, _run
 from pkv.tests.core.test_lora import _adapters
 from pkv.tests.core.test_spec_decode import COPY, NGRAM
 from pkv.tests.helpers import build_tiny_model, kv_block_bytes
@@ -99,3 +100,51 @@ def test_speculation_under_tp_keeps_the_greedy_tokens(smol_llm: LLM, tmp_path: P
     assert _greedy(tp, PROMPT_IDS) == expected
     assert engine.spec_stats.num_draft_tokens > 0  # (all rejected: a random draft)
     assert engine.scheduler.num_preemptions > 0
+
+
+def _offload_engine(model_dir: Path, offload: Path | None, tp: int):  # noqa: ANN202
+    """An LLMEngine whose pool holds about two documents (16 blocks), so documents evict
+    each other."""
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+
+    heads = 3 if tp == 1 else 2  # of the rank with the most
+    # 2 layers, K and V, 16 slots, the heads, rows of 16 float32
+    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * 2 * 2 * 16 * heads * 64,
+                          max_model_len=200, max_num_seqs=1, tensor_parallel_size=tp,
+                          kv_offload_dir=str(offload) if offload else None)
+    return LLMEngine(config, show_progress=False)
+
+
+def test_the_kv_disk_tier_under_tp_keeps_every_ranks_part(tmp_path: Path,
+                                                         smol_hf_dir: Path) -> None:
+    """Three KV heads over two ranks (parts of 2 and 1): documents evicted from the pool come
+    back from disk with one rank's greedy tokens, and after a restart too; a one-rank engine
+    does not take the two-rank files (another layout)."""
+    model = build_tiny_model(tmp_path / "m", smol_hf_dir, "llama", hidden_size=48,
+                             num_attention_heads=3, num_key_value_heads=3)
+    prompts = _prompts(num_docs=3, rounds=2)
+    plain = _offload_engine(model, None, 1)
+    want = _run(plain, prompts)
+    plain.shutdown()
+    engine = _offload_engine(model, tmp_path / "kv", 2)
+    assert engine.runner.num_blocks == 16 and engine.runner.kv_parts.sizes == [8192, 4096]
+    try:
+        assert _run(engine, prompts) == want
+        stats = engine.get_stats().kv_offload
+        assert stats.writes > 0 and stats.hits > 0 and stats.drops == 0
+    finally:
+        engine.shutdown()  # saves the blocks still in RAM, every rank's part
+    first_id, first_prompt = prompts[0]
+    restarted = _offload_engine(model, tmp_path / "kv", 2)
+    try:
+        assert _run(restarted, [(first_id, first_prompt)]) == {first_id: want[first_id]}
+        assert restarted.get_stats().kv_offload.hits == DOC_LEN // 16
+    finally:
+        restarted.shutdown()
+    one = _offload_engine(model, tmp_path / "kv", 1)
+    try:
+        assert _run(one, [(first_id, first_prompt)]) == {first_id: want[first_id]}
+        assert one.get_stats().kv_offload.hits == 0
+    finally:
+        one.shutdown()
