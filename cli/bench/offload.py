@@ -98,7 +98,7 @@ def _pass(engine: Any, name: str, docs: list[list[int]], requests: list[tuple[in
 
 def run_offload_bench(model: str | None, num_docs: int, doc_tokens: int, num_requests: int,
                       pool_docs: float, question_tokens: int, max_tokens: int, seed: int,
-                      offload_dir: str | None) -> dict[str, Any]:
+                      offload_dir: str | None, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """Both passes and the restart; every figure as a dict (see `offload_table`)."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
@@ -108,11 +108,13 @@ def run_offload_bench(model: str | None, num_docs: int, doc_tokens: int, num_req
     cfg = open_model(model).config
     block_size = 16
     prompt_len = doc_tokens + question_tokens
-    per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+    heads = cdiv(cfg.num_key_value_heads, tensor_parallel_size)  # the driver's, the most
+    per_block = 2 * cfg.num_hidden_layers * block_size * heads * cfg.head_dim * 4
     pool_blocks = int(pool_docs * cdiv(prompt_len + max_tokens, block_size))
     options: dict[str, Any] = {
         "model": model, "block_size": block_size, "kv_cache_memory": pool_blocks * per_block,
-        "max_model_len": prompt_len + max_tokens + block_size, "max_num_seqs": 1, "seed": seed}
+        "max_model_len": prompt_len + max_tokens + block_size, "max_num_seqs": 1, "seed": seed,
+        "tensor_parallel_size": tensor_parallel_size}
     requests, docs = _prompts(num_docs, doc_tokens, question_tokens, num_requests,
                               cfg.vocab_size, seed)
     question = [1000 + (7 * i) % 500 for i in range(question_tokens)]
