@@ -12,7 +12,7 @@ from torch import nn
 from pkv.core.distributed.parallel import ShardPlan
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.linear import Linear, LinearMethod, LinearSplit
-from pkv.core.layers.norm import RMSNorm
+from pkv.core.layers.norm import RMSNorm, SplitRMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
 
 
@@ -59,10 +59,10 @@ class Attention(nn.Module):
         if options.qk_norm == "head":
             self.q_norm = options.qk_norm_cls(d, options.norm_eps)
             self.k_norm = options.qk_norm_cls(d, options.norm_eps)
+        elif options.qk_norm == "full" and plan.tp.enabled:  # each rank holds its heads
+            self.q_norm = SplitRMSNorm(num_heads * d, q_rows, options.norm_eps, plan.tp)
+            self.k_norm = SplitRMSNorm(num_kv_heads * d, kv_rows, options.norm_eps, plan.tp)
         elif options.qk_norm == "full":
-            if plan.tp.enabled:
-                raise ValueError("a q/k norm over the whole projection (OLMo 2) does not run "
-                                 "with tensor parallelism yet: use tensor_parallel_size=1")
             self.q_norm = options.qk_norm_cls(self.q_size, options.norm_eps)
             self.k_norm = options.qk_norm_cls(self.kv_size, options.norm_eps)
         self.rotary_emb = rope

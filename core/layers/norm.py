@@ -1,4 +1,5 @@
-"""RMSNorm, and Gemma's variant that scales by (1 + weight)."""
+"""RMSNorm, Gemma's variant that scales by (1 + weight), and one over a vector split across
+tensor-parallel ranks (OLMo 2's q/k norms over every head)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pkv.core.distributed.parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -64,3 +67,29 @@ class GemmaRMSNorm(RMSNorm):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.scale()).to(x.dtype)
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm over a vector of `size` values of which this rank holds `part` (start, count),
+    and the weight's same slice: the mean square is summed over the ranks (one all-reduce of
+    a value per row). Multiplies by the weight before rounding to the compute dtype, as
+    OLMo 2's norm, its one user."""
+
+    def __init__(self, size: int, part: tuple[int, int], eps: float, tp: TPGroup) -> None:
+        super().__init__()
+        self.size, (self.start, count) = size, part
+        self.weight = nn.Parameter(torch.ones(count))
+        self.eps = eps
+        self.tp = tp
+
+    def load(self, tensor: torch.Tensor, name: str) -> None:
+        """This rank's slice of the checkpoint's whole weight."""
+        if tuple(tensor.shape) != (self.size,):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"model expects ({self.size},)")
+        self.weight.copy_(tensor[self.start:self.start + self.weight.numel()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+        return (self.weight * (x32 * torch.rsqrt(squares / self.size + self.eps))).to(x.dtype)

@@ -29,7 +29,7 @@ from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor,
                                     check_shape, take)
 from pkv.core.layers.moe import SparseMoE
-from pkv.core.layers.norm import RMSNorm
+from pkv.core.layers.norm import RMSNorm, SplitRMSNorm
 from pkv.core.layers.rotary import RotaryEmbedding
 from pkv.core.models.config import ModelConfig
 
@@ -284,6 +284,8 @@ class CausalLM(nn.Module):
                 module.load(leaf, tensor, shard, name)
             elif isinstance(module, VocabEmbedding) and leaf == "weight":
                 module.load(tensor, name)
+            elif isinstance(module, SplitRMSNorm) and leaf == "weight":
+                module.load(as_tensor(tensor), name)
             elif module is not None and isinstance(module._parameters.get(leaf), nn.Parameter):
                 param, tensor = module._parameters[leaf], as_tensor(tensor)
                 check_shape(param, tensor, name)
