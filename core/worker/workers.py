@@ -46,8 +46,8 @@ class StepInputs:
     logits_idx: torch.Tensor
     high_watermark: int
     token_type_ids: torch.Tensor | None = None  # an encoder's segments (cross-encoder pairs)
-    # Pipeline stages with adapters: (slot, LoRAAdapter.weights) to load before the
-    # forward, and the step's runs of rows by slot.
+    # Ranks with adapters (tensor-parallel peers, pipeline stages): (slot,
+    # LoRAAdapter.weights) to load before the forward, and the step's runs of rows by slot.
     lora_loads: list[tuple[int, dict]] = field(default_factory=list)
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
     # Pipeline stages: the pooling requests' rows, which the last stage sends back.
