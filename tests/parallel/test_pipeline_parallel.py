@@ -1,8 +1,8 @@
 """Pipeline parallelism over gloo on CPU: two stages (and two stages of two tensor-parallel
 ranks) give the same greedy tokens as one rank (batched, chunked prefill, preemption,
-prefix-cache hits, speculative decoding, LoRA adapters, hybrid-window models), each stage
-holds its share of the weights, and partitions are checked (a dead stage:
-tests/parallel/test_tensor_parallel.py)."""
+prefix-cache hits, hybrid-window models), each stage holds its share of the weights, and
+partitions are checked (a dead stage: tests/parallel/test_tensor_parallel.py; adapters and
+speculative decoding under either split: tests/parallel/test_tp_features.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import torch
 from pkv import LLM, SamplingParams, StructuredOutputsParams
 from pkv.core.distributed.pipeline import partition_layers
 from pkv.tests.conftest import PROMPTS
-from pkv.tests.core.test_lora import _adapters
-from pkv.tests.core.test_spec_decode import COPY, NGRAM
 from pkv.cli.bench.embed import write_random_bert
 from pkv.tests.helpers import build_tiny_model, kv_block_bytes, save_headless_qwen3
 from pkv.tests.models.test_gemma import GEMMA3
@@ -90,68 +88,6 @@ def test_pp2_equals_pp1_on_tiny_models_chunked_and_preempted(family: str, tmp_pa
         assert pp.llm_engine.runner.stage.end == 1
         assert _greedy(pp, PROMPT_IDS) == expected
         assert pp.llm_engine.scheduler.num_preemptions > 0
-    finally:
-        pp.shutdown()
-
-
-def test_speculation_under_pp_keeps_the_greedy_tokens(smol_llm: LLM, tmp_path: Path,
-                                                     tiny_qwen2_dir: Path,
-                                                     smol_hf_dir: Path) -> None:
-    """The driver proposes a micro-batch's drafts before launching it and verifies them
-    when its rows come back: prompt lookup on the bundled model, and a draft model that
-    mostly disagrees (rollbacks) on a tiny Qwen2 with preemption."""
-    params = SamplingParams(temperature=0, max_tokens=40)
-    prompts = [COPY, *PROMPTS[:3]]
-    expected = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
-    pp = LLM(pipeline_parallel_size=2, kv_cache_memory="64MiB", max_model_len=512,
-             speculative_config=NGRAM, show_progress=False)
-    try:
-        assert [o.outputs[0].token_ids for o in pp.generate(prompts, params)] == expected
-        assert pp.llm_engine.spec_stats.num_accepted_tokens > 20
-        assert pp.llm_engine.get_stats().num_blocks_used == 0
-    finally:
-        pp.shutdown()
-    draft = build_tiny_model(tmp_path / "draft", smol_hf_dir, "llama", hidden_size=32,
-                             num_hidden_layers=1, num_attention_heads=2,
-                             num_key_value_heads=1, intermediate_size=64)
-    options = dict(max_model_len=128, block_size=4, max_num_batched_tokens=16,
-                   show_progress=False)
-    expected = _greedy(LLM(str(tiny_qwen2_dir), kv_cache_memory="1MiB", **options), PROMPT_IDS)
-    spec = {"model": str(draft), "num_speculative_tokens": 3}
-    per_block = kv_block_bytes(tiny_qwen2_dir, 4)[0] + kv_block_bytes(draft, 4, True)[0]
-    pp = LLM(str(tiny_qwen2_dir), pipeline_parallel_size=2, speculative_config=spec,
-             kv_cache_memory=24 * per_block, **options)
-    try:
-        assert _greedy(pp, PROMPT_IDS) == expected
-        stats = pp.llm_engine.spec_stats
-        assert stats.num_draft_tokens > 0  # (all rejected: a random draft)
-        assert pp.llm_engine.scheduler.num_preemptions > 0
-    finally:
-        pp.shutdown()
-
-
-def test_adapters_under_pp_equal_one_rank(tmp_path: Path, smol_hf_dir: Path) -> None:
-    """Adapters on a 1 + 3 split: the driver checks them against every stage's linears and
-    each stage loads its layers' pairs when a micro-batch brings them. One slot for two
-    adapters: the slot is refilled while another micro-batch is in flight."""
-    model = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama", num_hidden_layers=4)
-    adapters = _adapters(model, tmp_path)
-    loras = [[None, adapters[0][0], adapters[1][0]][i % 3] for i in range(6)]
-    prompts = [PROMPT_IDS[i % 4] + [i] for i in range(6)]
-    options = dict(max_model_len=128, block_size=4, kv_cache_memory="4MiB", enable_lora=True,
-                   max_loras=1, max_lora_rank=8, show_progress=False)
-
-    def run(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=loras)]
-
-    expected = run(LLM(str(model), **options))
-    assert expected[1] != _greedy(LLM(str(model), **options), [prompts[1]])[0]
-    pp = LLM(str(model), pipeline_parallel_size=2, pp_layer_partition="1,3", **options)
-    try:
-        assert run(pp) == expected
-        assert "model.layers.3.mlp.down_proj" in pp.llm_engine.lora.targets
-        assert "model.layers.3.mlp.down_proj" not in pp.llm_engine.runner.lora_layers
-        assert pp.llm_engine.get_stats().num_blocks_used == 0
     finally:
         pp.shutdown()
 

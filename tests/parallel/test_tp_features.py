@@ -1,8 +1,9 @@
 """What runs on top of tensor parallelism: LoRA adapters (each rank holds its slices of every
 pair: B's rows of a column-parallel linear's outputs, A's columns of a row-parallel one's
 inputs, whose partial deltas the layer's all-reduce sums), speculative decoding (the driver
-drafts and verifies; the ranks run the verify step as any other) and the KV disk tier (a file
-holds every rank's part of a block). Greedy tokens equal one rank's."""
+drafts and verifies; the ranks run the verify step as any other; under pipeline parallelism
+too) and the KV disk tier (a file holds every rank's part of a block). Greedy tokens equal
+one rank's."""
 
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ def _greedy(llm: LLM, prompts: list, **kwargs) -> list[list[int]]:  # noqa: ANN0
         llm.shutdown()
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
-                                      dict(tensor_parallel_size=2, pipeline_parallel_size=2,
-                                           pp_layer_partition="1,3")])
-def test_adapters_under_tp_equal_one_rank(parallel: dict, tmp_path: Path,
-                                          smol_hf_dir: Path) -> None:
+@pytest.mark.parametrize("parallel", [
+    dict(tensor_parallel_size=2),
+    dict(pipeline_parallel_size=2, pp_layer_partition="1,3"),
+    dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition="1,3")])
+def test_adapters_under_a_split_equal_one_rank(parallel: dict, tmp_path: Path,
+                                               smol_hf_dir: Path) -> None:
     """Two adapters and none in one batch, one slot between them (refilled while others
-    wait): the ranks load their slices of each pair from the step the driver broadcasts."""
+    wait, under PP while another micro-batch is in flight): each rank loads its slices of the
+    pairs of its own layers from the step that brings them."""
     model = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama", num_hidden_layers=4)
     adapters = _adapters(model, tmp_path)
     loras = [[None, adapters[0][0], adapters[1][0]][i % 3] for i in range(6)]
@@ -44,11 +47,15 @@ def test_adapters_under_tp_equal_one_rank(parallel: dict, tmp_path: Path,
     expected = _greedy(LLM(str(model), **options), prompts, lora_request=loras)
     assert expected[1] != _greedy(LLM(str(model), **options), [prompts[1]])[0]
     split = LLM(str(model), **options, **parallel)
-    targets = split.llm_engine.lora.targets
-    # The driver checks adapters against whole linears, not its slices of them.
+    engine = split.llm_engine
+    # The driver checks adapters against whole linears of every stage, not its slices.
+    targets = engine.lora.targets
     assert targets["model.layers.0.self_attn.qkv_proj"].out_sizes == (64, 32, 32)
     assert targets["model.layers.3.mlp.down_proj"].in_features == 128
+    pipelined = "pipeline_parallel_size" in parallel
+    assert ("model.layers.3.mlp.down_proj" in engine.runner.lora_layers) != pipelined
     assert _greedy(split, prompts, lora_request=loras) == expected
+    assert engine.get_stats().num_blocks_used == 0
 
 
 def test_an_adapter_for_another_model_is_refused_under_tp(tmp_path: Path,
@@ -69,22 +76,28 @@ def test_an_adapter_for_another_model_is_refused_under_tp(tmp_path: Path,
         llm.shutdown()
 
 
-def test_speculation_under_tp_keeps_the_greedy_tokens(smol_llm: LLM, tmp_path: Path,
-                                                      tiny_qwen2_dir: Path,
-                                                      smol_hf_dir: Path) -> None:
-    """Prompt lookup on the bundled model, and a draft model that mostly disagrees
-    (rollbacks) on a tiny Qwen2 whose pool forces preemption."""
+# Pool sizes in (target + draft) blocks that force preemption: a TP rank's block holds half
+# the target's KV heads, a stage's its layers (the driver's also the draft's).
+@pytest.mark.parametrize(("split", "pool_blocks"), [("tensor_parallel_size", 20),
+                                                   ("pipeline_parallel_size", 24)])
+def test_speculation_under_a_split_keeps_the_greedy_tokens(split: str, pool_blocks: int,
+                                                           smol_llm: LLM, tmp_path: Path,
+                                                           tiny_qwen2_dir: Path,
+                                                           smol_hf_dir: Path) -> None:
+    """The driver drafts and verifies (under PP a micro-batch's drafts before it is launched,
+    verified when its rows come back): prompt lookup on the bundled model, and a draft model
+    that mostly disagrees (rollbacks) on a tiny Qwen2 whose pool forces preemption."""
     params = SamplingParams(temperature=0, max_tokens=40)
     prompts = [COPY, *PROMPTS[:3]]
     expected = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
-    tp = LLM(tensor_parallel_size=2, kv_cache_memory="64MiB", max_model_len=512,
-             speculative_config=NGRAM, show_progress=False)
+    two = LLM(kv_cache_memory="64MiB", max_model_len=512, speculative_config=NGRAM,
+              show_progress=False, **{split: 2})
     try:
-        assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == expected
-        assert tp.llm_engine.spec_stats.num_accepted_tokens > 20
-        assert tp.llm_engine.get_stats().num_blocks_used == 0
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        assert two.llm_engine.spec_stats.num_accepted_tokens > 20
+        assert two.llm_engine.get_stats().num_blocks_used == 0
     finally:
-        tp.shutdown()
+        two.shutdown()
     draft = build_tiny_model(tmp_path / "draft", smol_hf_dir, "llama", hidden_size=32,
                              num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=1, intermediate_size=64)
@@ -93,11 +106,10 @@ def test_speculation_under_tp_keeps_the_greedy_tokens(smol_llm: LLM, tmp_path: P
     expected = _greedy(LLM(str(tiny_qwen2_dir), kv_cache_memory="1MiB", **options), PROMPT_IDS)
     spec = {"model": str(draft), "num_speculative_tokens": 3}
     per_block = kv_block_bytes(tiny_qwen2_dir, 4)[0] + kv_block_bytes(draft, 4, True)[0]
-    # (A rank's block holds half the target's KV heads and, on the driver, the draft's.)
-    tp = LLM(str(tiny_qwen2_dir), tensor_parallel_size=2, speculative_config=spec,
-             kv_cache_memory=20 * per_block, **options)
-    engine = tp.llm_engine
-    assert _greedy(tp, PROMPT_IDS) == expected
+    two = LLM(str(tiny_qwen2_dir), speculative_config=spec,
+              kv_cache_memory=pool_blocks * per_block, **options, **{split: 2})
+    engine = two.llm_engine
+    assert _greedy(two, PROMPT_IDS) == expected
     assert engine.spec_stats.num_draft_tokens > 0  # (all rejected: a random draft)
     assert engine.scheduler.num_preemptions > 0
 
