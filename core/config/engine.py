@@ -174,9 +174,6 @@ class EngineConfig:
             # Parsed once here (one-line errors before anything loads), kept as a plain dict
             # so the config still travels as one (tensor-parallel workers, YAML).
             self.speculative_config = asdict(SpeculativeConfig.parse(self.speculative_config))
-            if self.kv_offload_dir is not None and self.speculative_config.get("model"):
-                # A draft model's KV lives in its own pool, which the disk tier does not fill.
-                raise ValueError("kv_offload_dir does not run with a draft model yet")
 
     @property
     def world_size(self) -> int:

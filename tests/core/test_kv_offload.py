@@ -199,16 +199,21 @@ def test_config_checks() -> None:
 DOC_LEN = 96  # tokens per document: 6 blocks of 16
 
 
-def _engine(model_dir: Path, offload: Path | None, kv_cache_dtype: str = "auto") -> Any:
-    """An LLMEngine whose pool holds about two documents, so documents evict each other."""
+def _engine(model_dir: Path, offload: Path | None, kv_cache_dtype: str = "auto",
+            draft: Path | None = None) -> Any:
+    """An LLMEngine whose pool holds about two documents, so documents evict each other;
+    `draft`: a draft model of the same shape (its K/V doubles a block's bytes)."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
     # 2 layers, K and V, 16 slots, 2 heads, rows of head_dim 16 (int8: + a 4-byte scale)
     row_bytes = 16 + 4 if kv_cache_dtype == "int8" else 16 * 4
-    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * 2 * 2 * 16 * 2 * row_bytes,
+    block = 2 * 2 * 16 * 2 * row_bytes * (2 if draft else 1)
+    spec = {"model": str(draft), "num_speculative_tokens": 3} if draft else None
+    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * block,
                           max_model_len=200, kv_offload_dir=str(offload) if offload else None,
-                          max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
+                          max_num_seqs=1, kv_cache_dtype=kv_cache_dtype,
+                          speculative_config=spec)
     engine = LLMEngine(config, show_progress=False)
     assert engine.runner.num_blocks == 16
     return engine
@@ -290,6 +295,27 @@ def test_engine_int8_cache_round_trips_as_bytes(tiny_llama_dir: Path, tmp_path: 
     assert _run(engine, prompts) == want
     assert engine.get_stats().kv_offload.hits > 0
     engine.shutdown()
+
+
+def test_engine_with_a_draft_model_keeps_its_tokens_and_drafts(tiny_llama_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """A draft model beside the tier (here the target itself, whose drafts are right when its
+    K/V is): the draft computes its own K/V of every prompt from the first token, so a
+    prefix read from disk, even after a restart, leaves its drafts as good as ever."""
+    prompts = _prompts(num_docs=3, rounds=2)
+    plain = _engine(tiny_llama_dir, None)
+    want = _run(plain, prompts)
+    plain.shutdown()
+    for run in range(2):  # the second after a restart, on the first run's files
+        engine = _engine(tiny_llama_dir, tmp_path / "kv", draft=tiny_llama_dir)
+        try:
+            assert _run(engine, prompts) == want
+            assert engine.get_stats().kv_offload.hits > 0
+            stats = engine.spec_stats
+            assert stats.num_draft_tokens > 0
+            assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+        finally:
+            engine.shutdown()
 
 
 def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path) -> None:
