@@ -116,25 +116,28 @@ def test_hybrid_window_models_under_pp_equal_one_rank(partition: str, tmp_path: 
         pp.shutdown()
 
 
-def test_a_decoder_embedding_model_under_pp_equals_one_rank(tmp_path: Path,
-                                                            smol_hf_dir: Path) -> None:
-    """A headless Qwen3 (an embedding checkpoint) in two stages: the last stage sends the
-    pooling prompts' rows back to the driver, whose pooler makes the same vectors."""
+@pytest.mark.parametrize(("split", "name"), [
+    (dict(pipeline_parallel_size=2, pp_layer_partition="1,3"), "pipeline parallelism"),
+    (dict(tensor_parallel_size=2), "tensor parallelism")])
+def test_a_decoder_embedding_model_under_a_split_equals_one_rank(split: dict, name: str,
+                                                                 tmp_path: Path,
+                                                                 smol_hf_dir: Path) -> None:
+    """A headless Qwen3 (an embedding checkpoint) in two stages (the last stage sends the
+    pooling prompts' rows back to the driver) or over two ranks: the driver's pooler makes
+    the same vectors. An encoder is not split, in one line."""
     model = save_headless_qwen3(tmp_path / "qwen3-embed", smol_hf_dir, num_hidden_layers=4)
     prompts = [PROMPT_IDS[i % 4] + [i] for i in range(6)]
     one = LLM(str(model), kv_cache_memory="16MiB", show_progress=False)
     expected = [o.outputs.data for o in one.embed(prompts)]
-    pp = LLM(str(model), pipeline_parallel_size=2, pp_layer_partition="1,3",
-             kv_cache_memory="16MiB", show_progress=False)
+    two = LLM(str(model), kv_cache_memory="16MiB", show_progress=False, **split)
     try:
-        got = [o.outputs.data for o in pp.embed(prompts)]
+        got = [o.outputs.data for o in two.embed(prompts)]
         assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(got, expected))
-        assert pp.llm_engine.get_stats().num_blocks_used == 0
+        assert two.llm_engine.get_stats().num_blocks_used == 0
     finally:
-        pp.shutdown()
-    with pytest.raises(ValueError, match="does not run with pipeline parallelism"):
-        LLM(str(write_random_bert(tmp_path / "bert")), pipeline_parallel_size=2,
-            show_progress=False)
+        two.shutdown()
+    with pytest.raises(ValueError, match=f"does not run with {name}"):
+        LLM(str(write_random_bert(tmp_path / "bert")), show_progress=False, **split)
 
 
 def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_dir: Path
