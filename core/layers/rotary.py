@@ -65,7 +65,8 @@ def rope_inv_freq(spec: RopeSpec, long: bool = False) -> tuple[torch.Tensor, flo
         factor = s.get("factor") or spec.max_position_embeddings / original
         attention = s.get("attention_factor")
         if attention is None:
-            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            attention = (1.0 if factor <= 1.0
+                         else math.sqrt(1 + math.log(factor) / math.log(original)))
         ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (ext * spec.theta ** exponents), float(attention)
     raise ValueError(f"rope scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
