@@ -161,16 +161,24 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   }
 }
 
+// Runs j and j + 1 of a Q4_K / Q5_K block: each run's scale d * sc and min dmin * mn.
+struct RunPair {
+  float d1, m1, d2, m2;
+};
+inline RunPair run_pair(int j, const uint8_t* scales, float d, float dmin) {
+  uint8_t sc, mn;
+  scale_min_k4(j, scales, &sc, &mn);
+  const float d1 = d * sc, m1 = dmin * mn;
+  scale_min_k4(j + 1, scales, &sc, &mn);
+  return {d1, m1, d * sc, dmin * mn};
+}
+
 void q4_k(const uint8_t* b, float* y) {
   const float d = half(b), dmin = half(b + 2);
   const uint8_t* scales = b + 4;
   const uint8_t* q = b + 16;
   for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
-    uint8_t sc, mn;
-    scale_min_k4(j, scales, &sc, &mn);
-    const float d1 = d * sc, m1 = dmin * mn;
-    scale_min_k4(j + 1, scales, &sc, &mn);
-    const float d2 = d * sc, m2 = dmin * mn;
+    const auto [d1, m1, d2, m2] = run_pair(j, scales, d, dmin);
     for (int l = 0; l < 32; ++l) {
       y[l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
       y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
@@ -185,11 +193,7 @@ void q5_k(const uint8_t* b, float* y) {
   const uint8_t* q = b + 48;
   uint8_t u1 = 1, u2 = 2;
   for (int j = 0; j < 8; j += 2, q += 32, y += 64, u1 <<= 2, u2 <<= 2) {
-    uint8_t sc, mn;
-    scale_min_k4(j, scales, &sc, &mn);
-    const float d1 = d * sc, m1 = dmin * mn;
-    scale_min_k4(j + 1, scales, &sc, &mn);
-    const float d2 = d * sc, m2 = dmin * mn;
+    const auto [d1, m1, d2, m2] = run_pair(j, scales, d, dmin);
     for (int l = 0; l < 32; ++l) {
       y[l] = d1 * static_cast<float>((q[l] & 0xF) + ((qh[l] & u1) ? 16 : 0)) - m1;
       y[l + 32] = d2 * static_cast<float>((q[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - m2;

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pkv.core.distributed.parallel import TPGroup
+from pkv.core.layers.linear import as_tensor
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +83,9 @@ class SplitRMSNorm(nn.Module):
         self.eps = eps
         self.tp = tp
 
-    def load(self, tensor: torch.Tensor, name: str) -> None:
-        """This rank's slice of the checkpoint's whole weight."""
+    def load(self, tensor: Any, name: str) -> None:
+        """This rank's slice of the checkpoint's whole weight (a tensor or a lazy handle)."""
+        tensor = as_tensor(tensor)
         if tuple(tensor.shape) != (self.size,):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
                              f"model expects ({self.size},)")

@@ -282,10 +282,8 @@ class CausalLM(nn.Module):
                                                                  UnquantizedLinearMethod):
                     use_ggml(module, self.head_activation_bits)  # a GGUF's LM head, in its blocks
                 module.load(leaf, tensor, shard, name)
-            elif isinstance(module, VocabEmbedding) and leaf == "weight":
-                module.load(tensor, name)
-            elif isinstance(module, SplitRMSNorm) and leaf == "weight":
-                module.load(as_tensor(tensor), name)
+            elif isinstance(module, (VocabEmbedding, SplitRMSNorm)) and leaf == "weight":
+                module.load(tensor, name)  # (each takes its rank's slice)
             elif module is not None and isinstance(module._parameters.get(leaf), nn.Parameter):
                 param, tensor = module._parameters[leaf], as_tensor(tensor)
                 check_shape(param, tensor, name)

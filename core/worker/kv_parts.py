@@ -55,6 +55,7 @@ class KVParts:
         sizes: list[int] = [0] * tp.size
         dist.all_gather_object(sizes, own, group=tp.group)
         self.sizes = sizes
+        self._offsets = [sum(sizes[:r]) for r in range(len(sizes))]  # in a whole block
         self._width = max(sizes)
         self._driver = 0 if tp.group is None else dist.get_global_rank(tp.group, 0)
 
@@ -100,10 +101,9 @@ class KVParts:
         if self.tp.rank == 0:
             if blocks is None:
                 raise ValueError("the driver scatters the blocks it read")
-            offsets = [sum(self.sizes[:r]) for r in range(len(self.sizes))]
             parts = [torch.zeros_like(mine) for _ in self.sizes]
             for i, data in enumerate(blocks):
-                for part, start, n in zip(parts, offsets, self.sizes):
+                for part, start, n in zip(parts, self._offsets, self.sizes):
                     part[i, :n] = data[start:start + n].to(pool.device)
             dist.scatter(mine, parts, src=self._driver, group=self.tp.group)
         else:
