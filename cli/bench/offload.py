@@ -98,30 +98,37 @@ def _pass(engine: Any, name: str, docs: list[list[int]], requests: list[tuple[in
 
 def run_offload_bench(model: str | None, num_docs: int, doc_tokens: int, num_requests: int,
                       pool_docs: float, question_tokens: int, max_tokens: int, seed: int,
-                      offload_dir: str | None, tensor_parallel_size: int = 1) -> dict[str, Any]:
+                      offload_dir: str | None, tensor_parallel_size: int = 1,
+                      pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Both passes and the restart; every figure as a dict (see `offload_table`)."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.model_loader.loader import open_model
     from pkv.core.sched.kv_cache_manager import cdiv
+    from pkv.core.worker.model_setup import pipeline_stage
 
     cfg = open_model(model).config
     block_size = 16
     prompt_len = doc_tokens + question_tokens
-    heads = cdiv(cfg.num_key_value_heads, tensor_parallel_size)  # the driver's, the most
-    per_block = 2 * cfg.num_hidden_layers * block_size * heads * cfg.head_dim * 4
+    split = {"tensor_parallel_size": tensor_parallel_size,
+             "pipeline_parallel_size": pipeline_parallel_size}
+    # The pool holds what its fullest rank holds: the most KV heads, the most layers.
+    heads = cdiv(cfg.num_key_value_heads, tensor_parallel_size)
+    layers = max(len(pipeline_stage(EngineConfig(model=model, **split), cfg, s)
+                     .layers(cfg.num_hidden_layers)) for s in range(pipeline_parallel_size))
+    per_block = 2 * layers * block_size * heads * cfg.head_dim * 4
     pool_blocks = int(pool_docs * cdiv(prompt_len + max_tokens, block_size))
     options: dict[str, Any] = {
         "model": model, "block_size": block_size, "kv_cache_memory": pool_blocks * per_block,
         "max_model_len": prompt_len + max_tokens + block_size, "max_num_seqs": 1, "seed": seed,
-        "tensor_parallel_size": tensor_parallel_size}
+        **split}
     requests, docs = _prompts(num_docs, doc_tokens, question_tokens, num_requests,
                               cfg.vocab_size, seed)
     question = [1000 + (7 * i) % 500 for i in range(question_tokens)]
     with tempfile.TemporaryDirectory(prefix="pkv-bench-offload-") as tmp:
         folder = offload_dir or tmp
         plain = LLMEngine(EngineConfig(**options), show_progress=False)
-        if plain.runner.kv_bytes_per_block != per_block:
+        if plain.runner.kv_format.name != "float32":
             raise ValueError("pkv bench offload sizes the pool for float32 KV (CPU)")
         num_blocks = plain.runner.num_blocks
         base = _pass(plain, "none", docs, requests, question, max_tokens)

@@ -186,10 +186,6 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
         if self.pp_layer_partition is not None and pp == 1:
             raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
-        if pp == 1:
-            return
-        if self.kv_offload_dir is not None:
-            raise ValueError("pipeline_parallel_size > 1 does not run with a KV disk tier yet")
 
     def _check_kv_offload(self) -> None:
         if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:

@@ -67,12 +67,12 @@ class PipelineStage:
     def layers(self, num_layers: int) -> range:
         return range(self.start, num_layers if self.end is None else self.end)
 
-    def send_next(self, tensors: tuple[torch.Tensor, ...]) -> list[_Sent]:
+    def send_next(self, tensors: tuple[torch.Tensor, ...]) -> list[Sent]:
         """The step's (hidden, residual) to the next stage, without waiting."""
         sent = []
         for t in tensors:
             t = t.contiguous()
-            sent.append(_Sent(dist.isend(t, self.next), t))
+            sent.append(Sent(dist.isend(t, self.next), t))
         return sent
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -83,11 +83,11 @@ class PipelineStage:
             dist.recv(t, self.prev)
         return out
 
-    def send_rows(self, rows: torch.Tensor) -> list[_Sent]:
+    def send_rows(self, rows: torch.Tensor) -> list[Sent]:
         """The last stage's final hidden states of the sampling rows, to the driver (member
         m to the first stage's member m, whose share of the LM head they feed)."""
         rows = rows.contiguous()
-        return [_Sent(dist.isend(rows, self.world(0)), rows)]
+        return [Sent(dist.isend(rows, self.world(0)), rows)]
 
     def recv_rows(self, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
@@ -148,14 +148,14 @@ def stage_of(rank: int, counts: list[int], width: int = 1, member: int = 0) -> P
     return PipelineStage(rank, len(counts), start, start + counts[rank], width, member)
 
 
-def send_object(obj: object, dst: int, group: Any = None) -> list[_Sent]:
+def send_object(obj: object, dst: int, group: Any = None) -> list[Sent]:
     """A step's inputs (or None: stop) to another rank without waiting: its pickled bytes'
     length, then the bytes (CPU tensors: `group` must be a gloo one). The caller keeps the
     returned works until they are done."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
-    return [_Sent(dist.isend(size, dst, group=group), size),
-            _Sent(dist.isend(data, dst, group=group), data)]
+    return [Sent(dist.isend(size, dst, group=group), size),
+            Sent(dist.isend(data, dst, group=group), data)]
 
 
 def recv_object(src: int, group: Any = None) -> object:
@@ -175,7 +175,7 @@ def object_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
-class _Sent:
+class Sent:
     """A send in flight and the tensor it reads (which must live until it is done)."""
 
     def __init__(self, work: dist.Work, tensor: torch.Tensor) -> None:

@@ -27,10 +27,11 @@ from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.kv_cache_manager import cdiv
-from pkv.core.sched.kv_offload import KVOffloadStore, model_fingerprint
+from pkv.core.sched.kv_offload import KVOffloadStore, block_ids, model_fingerprint
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
+from pkv.core.worker.kv_parts import KVTransfer, KVWork
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
 from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
 from pkv.core.worker.step_timer import StepTimer
@@ -132,8 +133,9 @@ class LLMEngine:
         }
         # A step's allocations can evict a whole batch of blocks at once; stage two steps'.
         max_pending = max(64, 2 * cdiv(self.max_num_batched_tokens, config.block_size))
-        if runner.kv_parts is not None:  # a file holds every tensor-parallel rank's part
+        if runner.kv_parts is not None:  # a file holds every rank's part (heads, layers)
             layout["kv_parts"] = runner.kv_parts.sizes
+            layout["parallel"] = [config.tensor_parallel_size, config.pipeline_parallel_size]
         store = KVOffloadStore(config.kv_offload_dir, int(config.kv_offload_size),
                                model_fingerprint(setup.source.path, layout),
                                lambda: runner.kv_cache, max_pending, runner.kv_parts)
@@ -151,9 +153,10 @@ class LLMEngine:
         """Stop worker ranks (a no-op on one rank); the engine is unusable after. `force`
         kills them without a last word (when a step may still be running)."""
         batches = getattr(self, "micro_batches", None)
-        if batches is not None and not force:
-            batches.drain()
         offload = getattr(self, "kv_offload", None)
+        if batches is not None and not force:
+            for kv in batches.drain():
+                self._finish_kv(kv)
         # With `force` a step may be running: the pool is not settled. A dead rank cannot
         # give its parts of the blocks.
         if offload is not None and not force and (self.workers is None or not self.workers.error):
@@ -265,12 +268,7 @@ class LLMEngine:
         if not sched.scheduled:
             return [] if sched.preempted else self._fail_unplaceable()
         self.timer.lap("schedule")
-        if self.kv_offload is not None:
-            self.kv_offload.complete()  # (the other ranks' parts of blocks evicted just now)
-        loads = self.kv_cache.take_loads()
-        if loads:  # prefix blocks read from the disk tier, before the forward reads them
-            self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)
-            self.timer.lap("prepare_inputs")  # (the blocks are the step's inputs)
+        kv = self._kv_work()
         for slot, adapter in sched.lora_loads:
             self.runner.load_lora(slot, adapter.weights)
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
@@ -281,12 +279,36 @@ class LLMEngine:
             self.timer.lap("propose")
         try:
             sampled_reqs, result, pooled = self.runner.execute_model(
-                sched, tables, self.kv_cache.pool.high_watermark, failures)
+                sched, tables, self.kv_cache.pool.high_watermark, failures, kv)
         except RuntimeError as exc:
             if self.workers is None:
                 raise
             raise RuntimeError(self.workers.explain(exc)) from exc
+        self._finish_kv(kv)
         return self._complete(sched, sampled_reqs, result, pooled, failures)
+
+    def _kv_work(self) -> KVWork | None:
+        """The disk tier's share of the step about to run: blocks read from disk copied into
+        the pool (the driver's part, split over ranks), and what the other ranks' parts do
+        with the step (None: nothing)."""
+        if self.kv_offload is None:
+            return None
+        loads = self.kv_cache.take_loads()
+        if loads:  # prefix blocks read from disk, before the forward reads them
+            self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)
+            self.timer.lap("prepare_inputs")  # (the blocks are the step's inputs)
+        if self.runner.kv_parts is None:
+            return None
+        due = self.kv_offload.hand_over()  # evicted while scheduling: their other parts
+        if not (due or loads):
+            return None
+        return KVWork(KVTransfer(block_ids(due), [b for b, _ in loads]),
+                      [data for _, data in loads], due)
+
+    def _finish_kv(self, kv: KVWork | None) -> None:
+        """The evicted blocks' writes, now whole (their other parts came with the step)."""
+        if kv is not None and self.kv_offload is not None and kv.due:
+            self.kv_offload.finish(kv.due, kv.parts)
 
     def _pipelined_step(self, batches: MicroBatches
                         ) -> list[RequestOutput | PoolingRequestOutput]:
@@ -313,6 +335,7 @@ class LLMEngine:
         except RuntimeError as exc:
             batches.clear()
             raise RuntimeError(workers.explain(exc)) from exc
+        self._finish_kv(done.kv)
         return self._complete(done.sched, done.sampled, done.result, done.pooled, done.failures)
 
     def _launch(self, sched: SchedulerOutput, batches: MicroBatches) -> None:
@@ -322,7 +345,8 @@ class LLMEngine:
         if sched.spec_lookahead:
             self._propose(sched, tables, failures)
             self.timer.lap("propose")
-        batches.launch(sched, tables, self.kv_cache.pool.high_watermark, failures)
+        batches.launch(sched, tables, self.kv_cache.pool.high_watermark, failures,
+                       self._kv_work())
 
     def _complete(self, sched: SchedulerOutput, sampled_reqs: list[Request],
                   result: VerifyOutput, pooled: dict[str, torch.Tensor],

@@ -16,6 +16,7 @@ import torch
 from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sched.request import Request
 from pkv.core.sched.scheduler import SchedulerOutput
+from pkv.core.worker.kv_parts import KVWork
 from pkv.core.worker.pipeline_runner import PendingStep, PipelineModelRunner
 
 
@@ -28,6 +29,7 @@ class SampledBatch:
     result: VerifyOutput
     pooled: dict[str, torch.Tensor]
     failures: dict[str, Exception]
+    kv: KVWork | None  # the disk tier's parts that moved with it
 
 
 class MicroBatches:
@@ -57,8 +59,9 @@ class MicroBatches:
         return max(1, -(-live // self.stages))
 
     def launch(self, sched: SchedulerOutput, tables: dict[str, list[list[int]]],
-               high_watermark: int, failures: dict[str, Exception]) -> None:
-        self._pending.append(self.pipeline.launch(sched, tables, high_watermark, failures))
+               high_watermark: int, failures: dict[str, Exception],
+               kv: KVWork | None = None) -> None:
+        self._pending.append(self.pipeline.launch(sched, tables, high_watermark, failures, kv))
 
     def complete_oldest(self) -> SampledBatch:
         """Sample the oldest micro-batch; the requests aborted while it was in flight have
@@ -72,17 +75,23 @@ class MicroBatches:
                               [result.num_drafts[i] for i in kept])
         pooled = {rid: v for rid, v in pooled.items() if rid not in gone}
         return SampledBatch(pending.sched, [sampled[i] for i in kept], result, pooled,
-                            pending.failures)
+                            pending.failures, pending.kv)
 
     def clear(self) -> None:
         """Forget them (a stage died: nothing more comes back)."""
         self._pending.clear()
 
-    def drain(self) -> None:
+    def drain(self) -> list[KVWork]:
         """Take back the final rows of micro-batches still in flight (requests aborted in
-        them): until they are, the last stage's sends of them never finish."""
+        them): until they are, the last stage's sends of them never finish. Returns the
+        disk tier's parts that moved with them."""
+        works = []
         while self._pending:
+            pending = self._pending.popleft()
             try:
-                self.pipeline.complete(self._pending.popleft())
+                self.pipeline.complete(pending)
             except RuntimeError:  # a dead stage: nothing more will come back
                 self._pending.clear()
+            if pending.kv is not None:
+                works.append(pending.kv)
+        return works

@@ -9,9 +9,9 @@ Eviction happens while the scheduler allocates, before the next forward overwrit
 so the memcpy at that moment sees the block's final bytes; the step never waits on the disk
 for a write (a full staging area drops the write and counts it). The KV pool is handled as
 raw bytes, whatever its dtype and row layout: `kv.view(torch.uint8)[:, :, block_id]`.
-Under tensor parallelism (`remote`: core/worker/kv_parts.py) a file holds every rank's part
-of the block; the other ranks' parts of the blocks evicted in a step are fetched at once by
-`complete()`, which the engine calls before the step's forward.
+Split over ranks (`remote`: core/worker/kv_parts.py) a file holds every rank's part of the
+block; the engine takes the blocks evicted while it scheduled a step (`hand_over`), the ranks
+send their parts with that step, and `finish` queues the whole blocks' writes.
 """
 
 from __future__ import annotations
@@ -112,8 +112,13 @@ def _write_loop(files: OffloadFiles, jobs: queue.Queue, staging: _Staging) -> No
             jobs.task_done()
 
 
+def block_ids(due: list[Any]) -> list[int]:
+    """The blocks of `KVOffloadStore.hand_over`'s entries."""
+    return [block_id for *_, block_id in due]
+
+
 class RemoteParts(Protocol):
-    """The other tensor-parallel ranks' parts of KV blocks (core/worker/kv_parts.py)."""
+    """The other ranks' parts of KV blocks (core/worker/kv_parts.py)."""
 
     @property
     def remote_bytes(self) -> int:
@@ -140,6 +145,7 @@ class KVOffloadStore:
         self._remote = remote
         # Blocks whose other parts are still on the other ranks: (file id, key, bytes, block).
         self._awaiting: list[tuple[str, bytes, torch.Tensor, int]] = []
+        self._handed: set[str] = set()  # their files, handed over and not finished yet
         self._staging = _Staging(max(1, max_pending))
         self._jobs: queue.Queue = queue.Queue()
         self.hits = self.saved_tokens = self.drops = 0
@@ -164,7 +170,7 @@ class KVOffloadStore:
         the disk: with the staging area full the write is dropped, unless `wait` (shutdown)."""
         fid = file_id(self.fingerprint, block_hash)
         if (self._closed or fid in self.files or fid in self._staging.pending
-                or any(fid == f for f, *_ in self._awaiting)):
+                or fid in self._handed or any(fid == f for f, *_ in self._awaiting)):
             return
         kv = self._pool()
         block = kv[:, :, block_id]
@@ -186,16 +192,31 @@ class KVOffloadStore:
             return
         self._stage(fid, encoded, buf)
 
+    def hand_over(self) -> list[Any]:
+        """The blocks saved since the last call whose other parts are still on other ranks
+        (entries for `finish`; `block_ids` names their blocks). The engine asks the ranks
+        for those parts with the step that may overwrite them."""
+        due, self._awaiting = self._awaiting, []
+        self._handed.update(fid for fid, *_ in due)
+        return due
+
+    def finish(self, due: list[Any], parts: torch.Tensor | None) -> None:
+        """Queue the writes of `due` (from `hand_over`), completed with the other ranks'
+        parts [blocks, remote_bytes]; None: they never came (the buffers go back)."""
+        for i, (fid, encoded, buf, _) in enumerate(due):
+            self._handed.discard(fid)
+            if parts is None:
+                self._staging.give_back(fid, buf)
+                continue
+            buf[buf.numel() - parts.shape[1]:].copy_(parts[i])
+            self._stage(fid, encoded, buf)
+
     def complete(self) -> None:
         """Fetch the other ranks' parts of the blocks saved since the last call and queue
-        their writes; the engine calls it before a step's forward can overwrite them."""
-        if not self._awaiting or self._remote is None:
-            return
-        awaiting, self._awaiting = self._awaiting, []
-        rest = self._remote.fetch([block_id for *_, block_id in awaiting])
-        for (fid, encoded, buf, _), part in zip(awaiting, rest):
-            buf[buf.numel() - part.numel():].copy_(part)
-            self._stage(fid, encoded, buf)
+        their writes, between steps (at shutdown)."""
+        due = self.hand_over()
+        if due and self._remote is not None:
+            self.finish(due, self._remote.fetch(block_ids(due)))
 
     def _stage(self, fid: str, encoded: bytes, buf: torch.Tensor) -> None:
         with self._staging.lock:

@@ -1,113 +1,131 @@
-"""KVParts: the KV disk tier's view of a pool split over tensor-parallel ranks.
+"""KVParts: the KV disk tier's view of a pool split over ranks.
 
-Each rank holds its KV heads of every block. A block on disk holds every rank's part, in rank
-order (the driver's first), so one file, one key and one checksum stand for the whole block
-and no rank can hit where another misses. The driver saves and loads files
-(core/sched/kv_offload.py); the other ranks' parts travel in collectives it asks for between
-steps, while those ranks wait for the next one:
+Under tensor parallelism each rank holds its KV heads of every block, under pipeline
+parallelism each stage its layers' (with both, each rank its heads of its stage's layers). A
+block on disk holds every rank's part, in world-rank order (the driver's first), so one file,
+one key and one checksum stand for the whole block and no rank can hit where another misses.
+The driver saves and loads files (core/sched/kv_offload.py); the other ranks' parts travel
+point to point with the step that needs them (`KVTransfer`, in StepInputs.kv), so a
+pipeline keeps its micro-batches in flight:
 
-    eviction   driver copies its part, then KVPartsRequest: every rank packs its parts of the
-               blocks, gathered to the driver, which completes the files' bytes
-    disk hit   KVLoadRequest: the driver scatters each rank its parts of the blocks read,
-               every rank copies its own into the pool (before the step that reads them)
+    eviction   the driver copies its part while it schedules; every other rank sends the
+               driver its parts before its layers run the step (which may overwrite them);
+               the driver takes them with the step's results
+    disk hit   the driver copies its part in before the step and sends every other rank its
+               parts, which that rank copies in before its layers run the step
 
-Ranks' parts differ when KV heads split unevenly (3 heads: 2 + 1); collectives carry them
-padded to the widest.
+At shutdown, when the blocks still cached are saved, a KVTransfer travels alone as a step
+would. Ranks' parts differ when KV heads or layers split unevenly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pkv.core.distributed.parallel import TPGroup
-from pkv.core.worker.workers import broadcast
+from pkv.core.distributed.pipeline import Sent
+
+# gloo matches a receive to a send by peer and tag: the disk tier's parts never meet a step's
+# hidden states or rows on the way (which travel, and are received, in another order).
+KV_TAG = 7
 
 
 @dataclass
-class KVPartsRequest:
-    """The driver asks every rank for its parts of `block_ids` (to save them)."""
+class KVTransfer:
+    """What every rank but the driver does with its parts of KV blocks for one step: send
+    the driver those of `save` (evicted), take those of `load` (read from disk)."""
 
-    block_ids: list[int]
+    save: list[int] = field(default_factory=list)
+    load: list[int] = field(default_factory=list)
 
 
 @dataclass
-class KVLoadRequest:
-    """The driver sends every rank its parts of `block_ids` (read from disk) to copy in, after
-    zeroing the blocks below `high_watermark` that are new."""
+class KVWork:
+    """The driver's side of a step's KVTransfer."""
 
-    block_ids: list[int]
-    high_watermark: int
+    transfer: KVTransfer
+    blocks: list[torch.Tensor] = field(default_factory=list)  # whole bytes of `load`'s blocks
+    due: list[Any] = field(default_factory=list)  # the disk tier's entries awaiting `parts`
+    parts: torch.Tensor | None = None  # the other ranks' parts of `save`, once received
 
 
 class KVParts:
     """This rank's parts of KV blocks, and every rank's part size."""
 
-    def __init__(self, pool: Callable[[], torch.Tensor], tp: TPGroup) -> None:
-        """`pool` returns this rank's KV pool as bytes [slots, 2, num_blocks, ...]; every rank
-        of `tp` builds one at once (the sizes are exchanged)."""
+    def __init__(self, pool: Callable[[], torch.Tensor],
+                 send: Callable[[KVTransfer], None] | None = None) -> None:
+        """`pool` returns this rank's KV pool as bytes [slots, 2, num_blocks, ...]; `send`
+        gives a KVTransfer to every other rank between steps (the driver's runner does).
+        Every rank of the world builds one at once (the sizes are exchanged)."""
         self._pool = pool
-        self.tp = tp
-        own = pool()[:, :, 0].numel()
-        sizes: list[int] = [0] * tp.size
-        dist.all_gather_object(sizes, own, group=tp.group)
+        self._send = send
+        self.rank = dist.get_rank()
+        sizes: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(sizes, pool()[:, :, 0].numel())
         self.sizes = sizes
         self._offsets = [sum(sizes[:r]) for r in range(len(sizes))]  # in a whole block
-        self._width = max(sizes)
-        self._driver = 0 if tp.group is None else dist.get_global_rank(tp.group, 0)
 
     @property
     def remote_bytes(self) -> int:
         """A block's bytes on the other ranks."""
-        return sum(self.sizes) - self.sizes[self.tp.rank]
+        return sum(self.sizes) - self.sizes[0]
+
+    # --- the driver ------------------------------------------------------------------------
+
+    def send_loads(self, work: KVWork) -> list[Sent]:
+        """Every other rank its parts of the blocks read from disk (the driver copies its
+        own: ModelRunner.load_kv_blocks), without waiting."""
+        if not work.transfer.load:
+            return []
+        device = self._pool().device
+        sent = []
+        for rank in range(1, len(self.sizes)):
+            start, n = self._offsets[rank], self.sizes[rank]
+            part = torch.stack([data[start:start + n] for data in work.blocks]).to(device)
+            sent.append(Sent(dist.isend(part, rank, tag=KV_TAG), part))
+        return sent
+
+    def receive_saves(self, work: KVWork) -> None:
+        """The other ranks' parts of the evicted blocks into `work.parts`, [blocks,
+        remote_bytes] in rank order, on the CPU."""
+        if not work.transfer.save:
+            return
+        device, count = self._pool().device, len(work.transfer.save)
+        parts = [torch.empty(count, n, dtype=torch.uint8, device=device) for n in self.sizes[1:]]
+        for rank, part in enumerate(parts, start=1):
+            dist.recv(part, rank, tag=KV_TAG)
+        work.parts = torch.cat(parts, dim=1).cpu()
 
     def fetch(self, block_ids: list[int]) -> torch.Tensor:
-        """The driver: the other ranks' parts of the blocks [blocks, remote_bytes]."""
-        broadcast(KVPartsRequest(block_ids), self.tp.group)
-        parts = self.gather(block_ids)
-        if parts is None:
+        """The other ranks' parts of the blocks [blocks, remote_bytes], between steps."""
+        if self._send is None or self.rank != 0:
             raise RuntimeError("only the driver fetches KV parts")
-        return parts
+        work = KVWork(KVTransfer(save=block_ids))
+        self._send(work.transfer)
+        self.receive_saves(work)
+        if work.parts is None:
+            raise RuntimeError("no KV parts came back")
+        return work.parts
 
-    def send(self, block_ids: list[int], blocks: list[torch.Tensor],
-             high_watermark: int) -> None:
-        """The driver: every rank's part of the blocks read from disk into its pool."""
-        broadcast(KVLoadRequest(block_ids, high_watermark), self.tp.group)
-        self.scatter(block_ids, blocks)
+    # --- the other ranks -----------------------------------------------------------------
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor | None:
-        """Every rank calls it: the other ranks' parts of the blocks, on the driver
-        [blocks, remote_bytes] (None on the other ranks)."""
+    def serve(self, transfer: KVTransfer) -> list[Sent]:
+        """This rank's side, before its layers run the step: its parts of the evicted
+        blocks copied out (a block may be evicted and loaded into at once), its parts of
+        the loaded ones in, then the evicted ones' sent to the driver (not waited for; the
+        order the driver sends and receives in, as NCCL needs)."""
         pool = self._pool()
-        own = self.sizes[self.tp.rank]
-        mine = torch.zeros(len(block_ids), self._width, dtype=torch.uint8, device=pool.device)
-        for i, block in enumerate(block_ids):
-            mine[i, :own] = pool[:, :, block].reshape(-1)
-        if self.tp.rank != 0:
-            dist.gather(mine, dst=self._driver, group=self.tp.group)
-            return None
-        parts = [torch.empty_like(mine) for _ in self.sizes]
-        dist.gather(mine, parts, dst=self._driver, group=self.tp.group)
-        return torch.cat([p[:, :n] for p, n in zip(parts[1:], self.sizes[1:])], dim=1).cpu()
-
-    def scatter(self, block_ids: list[int], blocks: list[torch.Tensor] | None = None) -> None:
-        """Copy this rank's part of each block into the pool: the driver gives the whole
-        blocks' bytes (`blocks`), the other ranks receive theirs."""
-        pool, own = self._pool(), self.sizes[self.tp.rank]
-        mine = torch.empty(len(block_ids), self._width, dtype=torch.uint8, device=pool.device)
-        if self.tp.rank == 0:
-            if blocks is None:
-                raise ValueError("the driver scatters the blocks it read")
-            parts = [torch.zeros_like(mine) for _ in self.sizes]
-            for i, data in enumerate(blocks):
-                for part, start, n in zip(parts, self._offsets, self.sizes):
-                    part[i, :n] = data[start:start + n].to(pool.device)
-            dist.scatter(mine, parts, src=self._driver, group=self.tp.group)
-        else:
-            dist.scatter(mine, src=self._driver, group=self.tp.group)
-        for i, block in enumerate(block_ids):
-            target = pool[:, :, block]
-            target.copy_(mine[i, :own].view(target.shape))
+        mine = (torch.stack([pool[:, :, block].reshape(-1) for block in transfer.save])
+                if transfer.save else None)
+        if transfer.load:
+            part = torch.empty(len(transfer.load), self.sizes[self.rank], dtype=torch.uint8,
+                               device=pool.device)
+            dist.recv(part, 0, tag=KV_TAG)
+            for i, block in enumerate(transfer.load):
+                target = pool[:, :, block]
+                target.copy_(part[i].view(target.shape))
+        return [] if mine is None else [Sent(dist.isend(mine, 0, tag=KV_TAG), mine)]

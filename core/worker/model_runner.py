@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.distributed.parallel import ShardPlan, TPGroup
-from pkv.core.distributed.pipeline import PipelineStage
+from pkv.core.distributed.pipeline import PipelineStage, Sent
 from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage
 from pkv.core.layers.kv_format import kv_format
 from pkv.core.layers.kv_groups import plan_kv_groups
@@ -34,7 +34,7 @@ from pkv.core.worker.fused_decoder import build_fused_decoder
 from pkv.core.worker.huge_pages import move_weights_to_huge_pages
 from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
                                          token_types)
-from pkv.core.worker.kv_parts import KVLoadRequest, KVParts
+from pkv.core.worker.kv_parts import KVParts, KVTransfer, KVWork
 from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
 from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
@@ -115,9 +115,9 @@ class ModelRunner:
         if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
             num_blocks = self._num_kv_blocks(setup.max_model_len)
         self.allocate_kv(num_blocks)
-        # The disk tier's view of a pool split over tensor-parallel ranks (every rank's).
-        self.kv_parts = (KVParts(lambda: self.kv_cache.view(torch.uint8), self.tp)
-                         if self.tp.enabled and config.kv_offload_dir else None)
+        # The disk tier's view of a pool split over ranks (every rank's).
+        self.kv_parts = (KVParts(lambda: self.kv_cache.view(torch.uint8), self._send_to_ranks)
+                         if self.distributed and config.kv_offload_dir else None)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator, ops.first_argmax if ops is not None else None)
@@ -238,52 +238,64 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_kv_blocks(self, loads: list[tuple[int, torch.Tensor]], high_watermark: int) -> None:
-        """Copy blocks' bytes (read from the disk tier) into the pool. Blocks are zeroed on
-        first use at the step's start, so the zeroing runs first, not over these bytes."""
+        """Copy blocks' bytes (read from the disk tier) into the pool: split over ranks, the
+        driver's part (the other ranks take theirs with the step: KVParts). Blocks are zeroed
+        on first use at the step's start, so the zeroing runs first, not over these bytes."""
         self._zero_new_blocks(high_watermark)
-        if self.kv_parts is not None:  # every rank copies in its part of each block
-            self.kv_parts.send([b for b, _ in loads], [data for _, data in loads],
-                               high_watermark)
-            return
         kv = self.kv_cache.view(torch.uint8)  # [slots, 2, N, block_size, heads, row bytes]
         for block_id, data in loads:
             block = kv[:, :, block_id]
-            block.copy_(data.view(block.shape), non_blocking=data.is_pinned())
+            block.copy_(data[:block.numel()].view(block.shape), non_blocking=data.is_pinned())
 
-    @torch.inference_mode()
-    def load_kv_parts(self, request: KVLoadRequest) -> None:
-        """A worker rank's side of load_kv_blocks under tensor parallelism."""
+    def _send_to_ranks(self, message: KVTransfer) -> None:
+        """A KVTransfer to every other rank between steps, as a step's inputs go."""
+        broadcast(message)
+
+    def _serve_kv(self, step: StepInputs) -> list[Sent]:
+        """A worker rank's side of the step's KVTransfer, before its layers run the step
+        (after the zeroing of new blocks, which loaded ones may be); the sends in flight."""
+        self._zero_new_blocks(step.high_watermark)
+        if step.kv is None:
+            return []
         if self.kv_parts is None:
-            raise RuntimeError("KV parts sent to a rank without a KV disk tier")
-        self._zero_new_blocks(request.high_watermark)
-        self.kv_parts.scatter(request.block_ids)
+            raise RuntimeError("KV parts reached a rank without a KV disk tier")
+        return self.kv_parts.serve(step.kv)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
-                      high_watermark: int, failures: dict[str, Exception] | None = None
+                      high_watermark: int, failures: dict[str, Exception] | None = None,
+                      kv: KVWork | None = None
                       ) -> tuple[list[Request], VerifyOutput, dict[str, torch.Tensor]]:
         """Run one step; return the requests that sampled and, per request, the tokens it
         gains (one, or with drafts the accepted ones and one more). A request whose sampling
         setup fails (e.g. its grammar) is recorded in `failures` and sampled greedily, for
         the engine to end. Pooling requests (whole prompts) get their pooled vector instead,
-        by request id."""
+        by request id. `kv`: the disk tier's parts to move with the step (the other ranks'
+        parts of evicted blocks arrive in `kv.parts`)."""
         chunks, sampling = step_chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
         pooling = self._pooling(sched)
         step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
-                          token_types(sched.scheduled, self.device) if pooling else None)
+                          token_types(sched.scheduled, self.device) if pooling else None,
+                          kv=kv.transfer if kv is not None else None)
         if self.lora_layers:
             step.lora_segments = self._lora_segments(sched, chunks)
             self._use_lora_segments(step.lora_segments)
             if self.tp.enabled:  # the engine loaded this rank's slots; the others load theirs
                 step.lora_loads = [(slot, adapter.weights) for slot, adapter in sched.lora_loads]
         self.timer.lap("prepare_inputs")
+        sent = []
         if self.tp.enabled:
             broadcast(step)
+            if kv is not None and self.kv_parts is not None:  # (before the all-reduces)
+                sent = self.kv_parts.send_loads(kv)
+                self.kv_parts.receive_saves(kv)
         hidden = self.forward(step)
         logits = self.logits(hidden, step.logits_idx)
         pooled = self._pool(hidden, pool_spans(meta, pooling), pooling) if pooling else {}
+        for done in sent:
+            done.wait()
         self.timer.lap("forward")
         return sampling, self._sample(logits, sched, sampling, failures), pooled
 
@@ -341,7 +353,11 @@ class ModelRunner:
         and runs of rows first); logits of the sampling rows."""
         if self.lora_layers:
             self._use_lora(step)
-        return self.logits(self.forward(step), step.logits_idx)
+        sent = self._serve_kv(step)
+        logits = self.logits(self.forward(step), step.logits_idx)
+        for done in sent:
+            done.wait()
+        return logits
 
     def _use_lora(self, step: StepInputs) -> None:
         """A step's adapter loads and runs of rows, on this rank's linears (the loads before

@@ -21,6 +21,7 @@ from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sched.request import Request
 from pkv.core.sched.scheduler import SchedulerOutput
 from pkv.core.worker.input_batch import flatten_batch, pool_spans, step_chunks
+from pkv.core.worker.kv_parts import KVTransfer, KVWork
 from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.workers import StepInputs, broadcast
 
@@ -32,10 +33,11 @@ class PendingStep:
     sched: SchedulerOutput
     sampling: list[Request]
     num_logits: int
-    sent: list  # the sends in flight (pkv.core.distributed.pipeline._Sent)
+    sent: list  # the sends in flight (pkv.core.distributed.pipeline.Sent)
     failures: dict[str, Exception]  # its requests' failures so far, by request id
     pooling: list[tuple[Request, int]]  # its pooling requests and their places in it
     pool_lens: list[int]  # their rows, which come back after the sampling rows
+    kv: KVWork | None = None  # the disk tier's parts moving with it
 
 
 class PipelineModelRunner(ModelRunner):
@@ -45,16 +47,18 @@ class PipelineModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
-               high_watermark: int, failures: dict[str, Exception] | None = None
-               ) -> PendingStep:
+               high_watermark: int, failures: dict[str, Exception] | None = None,
+               kv: KVWork | None = None) -> PendingStep:
         """Start a micro-batch down the pipeline: its inputs to the next stage, this stage's
         layers over it, its hidden states after them; return without waiting for the rest
         of the pipeline (`complete` does). `failures`: what already failed for its requests
-        (a draft model's step), for `complete` to add to."""
+        (a draft model's step), for `complete` to add to; `kv`: the disk tier's parts to
+        move with it (as execute_model)."""
         chunks, sampling = step_chunks(sched, block_tables)
         input_ids, positions, meta, logits_idx = flatten_batch(
             chunks, self.block_size, self.device, self.kv_groups.group_of)
-        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark)
+        step = StepInputs(input_ids, positions, meta, logits_idx, high_watermark,
+                          kv=kv.transfer if kv is not None else None)
         pooling = self._pooling(sched)
         spans = pool_spans(meta, pooling)
         if pooling:  # the last stage sends their rows back too, after the sampling rows
@@ -71,13 +75,15 @@ class PipelineModelRunner(ModelRunner):
                                        if path not in self.lora_layers})
                                for slot, weights in step.lora_loads]
         sent = send_object(step, self.stage.next, self.stage.objects)
+        if kv is not None and self.kv_parts is not None:
+            sent += self.kv_parts.send_loads(kv)
         self._zero_new_blocks(high_watermark)
         out = self.model(input_ids, positions, self.kv_caches, meta)
         sent += self.stage.send_next(out)
         self.timer.lap("forward")
         return PendingStep(sched, sampling, logits_idx.numel(), sent,
                            {} if failures is None else failures, pooling,
-                           [n for _, n in spans])
+                           [n for _, n in spans], kv)
 
     @torch.inference_mode()
     def complete(self, pending: PendingStep, failures: dict[str, Exception] | None = None
@@ -86,6 +92,8 @@ class PipelineModelRunner(ModelRunner):
         their logits and sample them; pool the pooling requests' rows (as execute_model)."""
         for sent in pending.sent:
             sent.wait()
+        if pending.kv is not None and self.kv_parts is not None:  # (sent before the rows)
+            self.kv_parts.receive_saves(pending.kv)
         logits, pooled = None, {}
         if pending.num_logits:
             if self.tp.enabled:  # their shares of the LM head, gathered
@@ -107,6 +115,13 @@ class PipelineModelRunner(ModelRunner):
         rows = self.stage.recv_rows((num_rows, self.model_config.hidden_size), self.dtype,
                                     self.device)
         return self.model.compute_logits(rows)
+
+    def _send_to_ranks(self, message: KVTransfer) -> None:
+        """A KVTransfer to every other rank between steps, down the pipeline as a step."""
+        if self.tp.enabled:
+            broadcast(("step", message), self.tp.group)
+        for sent in send_object(message, self.stage.next, self.stage.objects):
+            sent.wait()
 
     def stop_stages(self) -> None:
         """The driver's last word to the other ranks: a None step down the pipeline (and
@@ -135,9 +150,12 @@ class PipelineModelRunner(ModelRunner):
             for done in sent:  # the previous step's sends, before their tensors go
                 done.wait()
             sent = [] if stage.is_last else send_object(step, stage.next, stage.objects)
+            if isinstance(step, KVTransfer) and self.kv_parts is not None:  # between steps
+                sent += self.kv_parts.serve(step)
+                continue
             if not isinstance(step, StepInputs):
                 break  # None: the driver stops
-            self._zero_new_blocks(step.high_watermark)
+            sent += self._serve_kv(step)
             if self.lora_layers:
                 self._use_lora(step)
             meta = step.meta

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pkv.core.config.engine import EngineConfig
-from pkv.core.worker.kv_parts import KVLoadRequest, KVPartsRequest
+from pkv.core.worker.kv_parts import KVTransfer
 from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
 from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
@@ -52,18 +52,16 @@ def build_runner(config: EngineConfig, rank: int) -> ModelRunner:
     return runner_class(stage)(config, setup, show_progress=False, tp=tp, stage=stage)
 
 
-def serve(runner: ModelRunner, message: StepInputs | KVPartsRequest | KVLoadRequest) -> None:
-    """One message from the driver: a step, or (the KV disk tier) this rank's parts of
-    blocks to give or to take."""
+def serve(runner: ModelRunner, message: StepInputs | KVTransfer) -> None:
+    """One message from the driver: a step, or (the KV disk tier, between steps) this
+    rank's parts of blocks to give."""
     if isinstance(message, StepInputs):
         runner.run_step(message)
         return
     if runner.kv_parts is None:
         raise RuntimeError(f"{type(message).__name__} reached a rank without a KV disk tier")
-    if isinstance(message, KVPartsRequest):
-        runner.kv_parts.gather(message.block_ids)
-    else:
-        runner.load_kv_parts(message)
+    for sent in runner.kv_parts.serve(message):
+        sent.wait()
 
 
 def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],

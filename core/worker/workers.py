@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pkv.core.layers.attention_backend import AttentionMetadata
+from pkv.core.worker.kv_parts import KVTransfer
 
 logger = logging.getLogger("pkv.workers")
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -52,6 +53,8 @@ class StepInputs:
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
     # Pipeline stages: the pooling requests' rows, which the last stage sends back.
     pool_idx: torch.Tensor | None = None
+    # The KV disk tier split over ranks: parts of blocks to give or take before the forward.
+    kv: KVTransfer | None = None
 
 
 def broadcast(obj: Any = None, group: Any = None) -> Any:

@@ -188,8 +188,7 @@ def test_config_checks() -> None:
     assert EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size="1GiB").kv_offload_size == 2**30
     with pytest.raises(ValueError, match="kv_offload_size"):
         EngineConfig(kv_offload_size="lots")
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not run with a KV"):
-        EngineConfig(kv_offload_dir="/tmp/x", pipeline_parallel_size=2)
+    assert EngineConfig(kv_offload_dir="/tmp/x", pipeline_parallel_size=2).world_size == 2
     with pytest.raises(ValueError, match="prefix_caching"):
         EngineConfig(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
 
@@ -347,12 +346,15 @@ def test_a_hybrid_model_is_refused_in_one_line(smol_hf_dir: Path, tmp_path: Path
     assert not _files(tmp_path / "kv")
 
 
-def test_bench_offload_runs(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 2])
+def test_bench_offload_runs(pp: int, tiny_llama_dir: Path) -> None:
+    """The bench sizes the pool to two documents (of 6 blocks) on every stage."""
     from pkv.cli.bench.offload import offload_table, run_offload_bench
 
     result = run_offload_bench(str(tiny_llama_dir), num_docs=3, doc_tokens=64, num_requests=6,
                                pool_docs=2, question_tokens=16, max_tokens=2, seed=0,
-                               offload_dir=None)
+                               offload_dir=None, pipeline_parallel_size=pp)
+    assert result["num_blocks"] == 12
     s = result["summary"]
     assert s["restart_hit"] and s["restart_disk_hit_tokens"] == 64
     assert s["prefill_tokens_disk"] < s["prefill_tokens_none"]

@@ -152,9 +152,6 @@ def test_partitions_balance_bytes_and_bad_ones_are_one_line_errors(tiny_llama_di
                 show_progress=False)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM(str(tiny_llama_dir), pipeline_parallel_size=3, show_progress=False)
-    with pytest.raises(ValueError, match="does not run with a KV disk tier yet"):
-        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, kv_offload_dir=str(tiny_llama_dir),
-            show_progress=False)
     with pytest.raises(ValueError, match="pp_layer_partition needs pipeline_parallel_size"):
         LLM(str(tiny_llama_dir), pp_layer_partition="1,1", show_progress=False)
 

@@ -114,33 +114,39 @@ def test_speculation_under_a_split_keeps_the_greedy_tokens(split: str, pool_bloc
     assert engine.scheduler.num_preemptions > 0
 
 
-def _offload_engine(model_dir: Path, offload: Path | None, tp: int):  # noqa: ANN202
+def _offload_engine(model_dir: Path, offload: Path | None, tp: int = 1, pp: int = 1):  # noqa: ANN202
     """An LLMEngine whose pool holds about two documents (16 blocks), so documents evict
     each other."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
     heads = 3 if tp == 1 else 2  # of the rank with the most
-    # 2 layers, K and V, 16 slots, the heads, rows of 16 float32
-    config = EngineConfig(model=str(model_dir), kv_cache_memory=16 * 2 * 2 * 16 * heads * 64,
+    layers = 2 // pp
+    # the rank's layers, K and V, 16 slots, the heads, rows of 16 float32
+    config = EngineConfig(model=str(model_dir),
+                          kv_cache_memory=16 * layers * 2 * 16 * heads * 64,
                           max_model_len=200, max_num_seqs=1, tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp,
                           kv_offload_dir=str(offload) if offload else None)
     return LLMEngine(config, show_progress=False)
 
 
-def test_the_kv_disk_tier_under_tp_keeps_every_ranks_part(tmp_path: Path,
-                                                         smol_hf_dir: Path) -> None:
-    """Three KV heads over two ranks (parts of 2 and 1): documents evicted from the pool come
-    back from disk with one rank's greedy tokens, and after a restart too; a one-rank engine
-    does not take the two-rank files (another layout)."""
+@pytest.mark.parametrize("tp,pp,sizes", [(2, 1, [8192, 4096]), (1, 2, [6144, 6144]),
+                                         (2, 2, [4096, 2048, 4096, 2048])])
+def test_the_kv_disk_tier_under_a_split_keeps_every_ranks_part(
+        tp: int, pp: int, sizes: list[int], tmp_path: Path, smol_hf_dir: Path) -> None:
+    """Three KV heads over two ranks (parts of 2 and 1), two layers over two stages, or both:
+    documents evicted from the pool come back from disk with one rank's greedy tokens, and
+    after a restart too; a one-rank engine does not take the split's files (another
+    layout)."""
     model = build_tiny_model(tmp_path / "m", smol_hf_dir, "llama", hidden_size=48,
                              num_attention_heads=3, num_key_value_heads=3)
     prompts = _prompts(num_docs=3, rounds=2)
-    plain = _offload_engine(model, None, 1)
+    plain = _offload_engine(model, None)
     want = _run(plain, prompts)
     plain.shutdown()
-    engine = _offload_engine(model, tmp_path / "kv", 2)
-    assert engine.runner.num_blocks == 16 and engine.runner.kv_parts.sizes == [8192, 4096]
+    engine = _offload_engine(model, tmp_path / "kv", tp, pp)
+    assert engine.runner.num_blocks == 16 and engine.runner.kv_parts.sizes == sizes
     try:
         assert _run(engine, prompts) == want
         stats = engine.get_stats().kv_offload
@@ -148,15 +154,39 @@ def test_the_kv_disk_tier_under_tp_keeps_every_ranks_part(tmp_path: Path,
     finally:
         engine.shutdown()  # saves the blocks still in RAM, every rank's part
     first_id, first_prompt = prompts[0]
-    restarted = _offload_engine(model, tmp_path / "kv", 2)
+    restarted = _offload_engine(model, tmp_path / "kv", tp, pp)
     try:
         assert _run(restarted, [(first_id, first_prompt)]) == {first_id: want[first_id]}
         assert restarted.get_stats().kv_offload.hits == DOC_LEN // 16
     finally:
         restarted.shutdown()
-    one = _offload_engine(model, tmp_path / "kv", 1)
+    one = _offload_engine(model, tmp_path / "kv")
     try:
         assert _run(one, [(first_id, first_prompt)]) == {first_id: want[first_id]}
         assert one.get_stats().kv_offload.hits == 0
     finally:
         one.shutdown()
+
+
+def test_the_kv_disk_tier_with_micro_batches_in_flight(tmp_path: Path,
+                                                       smol_hf_dir: Path) -> None:
+    """Two stages, requests side by side: blocks evicted and read back while other
+    micro-batches are in the pipeline keep one rank's greedy tokens."""
+    model = build_tiny_model(tmp_path / "m", smol_hf_dir, "llama", hidden_size=48,
+                             num_attention_heads=3, num_key_value_heads=3)
+    prompts = [p for _, p in _prompts(num_docs=4, rounds=3)]
+    options = dict(max_model_len=200, max_num_seqs=4, show_progress=False)
+    want = _greedy(LLM(str(model), **options), prompts)
+    # 24 blocks of one layer (K and V, 16 slots, 3 heads, rows of 16 float32): three
+    # documents' worth, so four of them evict each other with two micro-batches in flight
+    two = LLM(str(model), pipeline_parallel_size=2, kv_cache_memory=24 * 2 * 16 * 3 * 64,
+              kv_offload_dir=str(tmp_path / "kv"), **options)
+    engine = two.llm_engine
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
+        stats = engine.get_stats().kv_offload
+    finally:
+        two.shutdown()
+    assert engine.runner.num_blocks == 24
+    assert got == want
+    assert stats.writes > 0 and stats.hits > 0 and stats.drops == 0

@@ -23,6 +23,7 @@ def offload(
     seed: Annotated[int, typer.Option(help="Seed of the documents and their order.")] = 0,
     kv_offload_dir: Annotated[Optional[str], typer.Option(help="Folder of the disk tier (default: a temporary one).")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model (and each block's KV heads) over.")] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="Pipeline stages to split the layers (and each block's KV) over.")] = 1,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
 ) -> None:
     """Prefill tokens and time to first token with the prefix cache's disk tier and without,
@@ -40,7 +41,7 @@ def offload(
         print_cpu_line(console)
         result = run_offload_bench(model, num_docs, doc_tokens, num_requests, pool_docs,
                                    question_tokens, max_tokens, seed, kv_offload_dir,
-                                   tensor_parallel_size)
+                                   tensor_parallel_size, pipeline_parallel_size)
     console.print(offload_table(result))
     if json_path:
         report.write_json(json_path, result, console)
