@@ -118,9 +118,6 @@ class LLMEngine:
     def _offload_store(self, setup: ModelSetup) -> KVOffloadStore:
         """The disk tier, keyed by everything that decides the bytes of a KV block."""
         runner, config = self.runner, self.config
-        if len(runner.kv_groups.groups) > 1:
-            raise ValueError("kv_offload_dir serves models whose layers share one block table; "
-                             "this one mixes sliding-window and global layers")
         kv = runner.kv_cache
         layout = {
             "hf_config": setup.source.hf_config, "dtype": str(runner.dtype),

@@ -10,14 +10,17 @@ the first token after the prefix can still see.
       global group    blocks 0 .. k-1
       window W        blocks (p - W + 1) // block_size .. k-1   (null blocks before those)
 
-With a disk tier (`offload`, models of one group only), evicted hashed blocks are saved to
-disk, and a prefix that runs out of RAM hits goes on through the files: those blocks are read
-(and verified) when found, get fresh blocks when the request is allocated, and wait in
-`pending_loads` for the engine to copy them into the pool before the step's forward.
+With a disk tier (`offload`), evicted hashed blocks are saved to disk (each group's under its
+own hashes), and a prefix longer than RAM holds is looked for block by block in RAM or on disk:
+the longest prefix every group can serve (its global groups' blocks, its windowed groups'
+visible ones) wins; the blocks found only on disk are read (and verified), get fresh blocks
+when the request is allocated, and wait in `pending_loads` for the engine to copy them into
+the pool before the step's forward.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pkv.core.sched.block_pool import BlockPool, KVBlock
@@ -28,6 +31,18 @@ if TYPE_CHECKING:
     import torch
 
     from pkv.core.sched.kv_offload import KVOffloadStore
+
+
+@dataclass
+class DiskHit:
+    """A request's prefix of `end` blocks, `start` of them hits in RAM: per group, its blocks
+    (None where read from disk) and the bytes of those read, in order."""
+
+    request_id: str
+    start: int
+    end: int
+    blocks: list[list[KVBlock | None]]
+    data: list[list[torch.Tensor]]
 
 
 class KVCacheCoordinator:
@@ -44,13 +59,10 @@ class KVCacheCoordinator:
                        for g, window in enumerate(windows)]
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
-        if offload is not None and len(windows) > 1:
-            raise ValueError(f"a KV disk tier serves one KV group, not {len(windows)}")
         self.offload = offload
         # Blocks read from disk for the request at the head of the queue, kept until it is
-        # allocated (a request that must wait for blocks is not read again every step):
-        # (request id, index of its first disk block, their bytes).
-        self._disk_found: tuple[str, int, list[torch.Tensor]] | None = None
+        # allocated (a request that must wait for blocks is not read again every step).
+        self._disk_found: DiskHit | None = None
         self.pending_loads: list[tuple[int, torch.Tensor]] = []  # (block id, bytes)
         if offload is not None:
             self.pool.on_evict = lambda b: offload.save(b.block_hash, b.key, b.block_id)
@@ -72,30 +84,83 @@ class KVCacheCoordinator:
         hits = [self._hits(g, c, k) for g, c in zip(self.groups, found)]
         self.prefix_queries += request.num_tokens
         self.prefix_hits += k * self.block_size
-        num_disk = len(self._find_on_disk(request, k, max_blocks))
-        return hits, (k + num_disk) * self.block_size
+        disk = self._find_on_disk(request, found, k, max_blocks)
+        if disk is None:
+            return hits, k * self.block_size
+        return disk.blocks, disk.end * self.block_size
 
-    def _find_on_disk(self, request: Request, start: int, end: int) -> list[torch.Tensor]:
-        """Bytes of the request's blocks start.. found in the disk tier, up to a miss."""
-        if self.offload is None or start >= end:
-            self._disk_found = None
-            return []
-        found = self._disk_found
-        if found is None or found[:2] != (request.request_id, start):
-            loaded = self.offload.load_chain((request.block_hashes[i], request.block_key(i))
-                                             for i in range(start, end))
-            found = (request.request_id, start, loaded)
-        self._disk_found = found if found[2] else None
-        return found[2]
+    def _find_on_disk(self, request: Request, found: list[list[KVBlock | None]], k: int,
+                      max_blocks: int) -> DiskHit | None:
+        """A longer prefix than RAM's `k` blocks, its missing blocks read from disk."""
+        failed: set[tuple[int, int]] = set()  # (group, block) whose file did not read
+        while self.offload is not None and k < max_blocks:
+            plan = self._disk_plan(request, found, k, max_blocks, failed)
+            if plan is None:
+                break
+            memo = self._disk_found
+            if (memo is not None and (memo.request_id, memo.start, memo.end)
+                    == (request.request_id, k, plan.end)
+                    and self._disk_places(memo) == self._disk_places(plan)):
+                plan.data = memo.data  # (read while it waited for blocks)
+                self._disk_found = plan
+                return plan
+            for g, (group, blocks) in enumerate(zip(self.groups, plan.blocks)):
+                for i in (i for i, b in enumerate(blocks) if b is None):
+                    data = self.offload.load(*group.cache_key(request, i))
+                    if data is None:
+                        failed.add((g, i))
+                        break
+                    plan.data[g].append(data)
+            if not failed.intersection(self._disk_places(plan)):
+                self._disk_found = plan
+                return plan
+        self._disk_found = None
+        return None
 
-    def _take_disk_found(self, request: Request, num_hits: int) -> list[torch.Tensor]:
-        """The disk blocks get_computed_blocks found for this new request, if any."""
+    def _disk_plan(self, request: Request, found: list[list[KVBlock | None]], k: int,
+                   max_blocks: int, failed: set[tuple[int, int]]) -> DiskHit | None:
+        """The longest prefix every group holds in RAM (`found`) or on disk (unread yet)."""
+        offload = self.offload
+        if offload is None:
+            return None
+        on_disk: dict[tuple[int, int], bool] = {}
+
+        def held(g: int, i: int) -> bool:
+            if found[g][i] is not None:
+                return True
+            if (g, i) not in on_disk:  # (asked lazily: a windowed group needs few blocks)
+                on_disk[g, i] = ((g, i) not in failed
+                                 and offload.has(self.groups[g].cache_key(request, i)[0]))
+            return on_disk[g, i]
+
+        end = max_blocks
+        for g, group in enumerate(self.groups):
+            if group.sliding_window is None:
+                end = next((i for i in range(end) if not held(g, i)), end)
+        while end > k and not all(held(g, i) for g, group in enumerate(self.groups)
+                                  for i in range(self._first_visible(group, end), end)):
+            end -= 1
+        if end <= k:
+            return None
+        firsts = [self._first_visible(g, end) for g in self.groups]
+        blocks = [[g.null_block] * first + cached[first:end]
+                  for g, first, cached in zip(self.groups, firsts, found)]
+        return DiskHit(request.request_id, k, end, blocks, [[] for _ in self.groups])
+
+    @staticmethod
+    def _disk_places(hit: DiskHit) -> set[tuple[int, int]]:
+        return {(g, i) for g, blocks in enumerate(hit.blocks)
+                for i, b in enumerate(blocks) if b is None}
+
+    def _take_disk_found(self, request: Request,
+                         hits: list[list[KVBlock | None]]) -> DiskHit | None:
+        """What get_computed_blocks found on disk for this new request, if `hits` is it."""
         found = self._disk_found
         if (found is None or request.num_computed_tokens
                 or self.groups[0].req_blocks.get(request.request_id)
-                or found[:2] != (request.request_id, num_hits)):
-            return []
-        return found[2]
+                or found.request_id != request.request_id or found.blocks is not hits):
+            return None
+        return found
 
     def _first_visible(self, group: KVCacheManager, k: int) -> int:
         """The first block the token after a k-block prefix sees in this group."""
@@ -113,13 +178,12 @@ class KVCacheCoordinator:
         return [group.null_block] * first + [b for b in cached[first:k] if b is not None]
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[list[KVBlock]] | None = None) -> bool:
+                       computed_blocks: list[list[KVBlock | None]] | None = None) -> bool:
         """Room for `num_new_tokens` more tokens in every group; False (and no change) if
-        the pool runs out."""
+        the pool runs out. `computed_blocks`: get_computed_blocks' hits (a None: a block
+        read from disk, which takes a fresh block)."""
         hits = computed_blocks or [[] for _ in self.groups]
-        from_disk = self._take_disk_found(request, len(hits[0]))
-        # Disk blocks are computed tokens that need fresh blocks: they count as new ones.
-        num_new_tokens += len(from_disk) * self.block_size
+        disk = self._take_disk_found(request, hits)
         need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
         if need > self.pool.num_free_blocks:
             for group in self.groups:
@@ -130,17 +194,25 @@ class KVCacheCoordinator:
         # takes from that queue and would evict a hit another group is about to use.
         for group, h in zip(self.groups, hits):
             group.add_hits(request, h)
+        if disk is not None:
+            self._place_loads(request, disk)
         for group, h in zip(self.groups, hits):
             group.add_new_blocks(request, num_new_tokens, len(h))
-        if from_disk and self.offload is not None:  # (from_disk comes from the tier)
-            fresh = self.groups[0].req_blocks[request.request_id][len(hits[0]):]
-            self.pending_loads += [(b.block_id, data) for b, data in zip(fresh, from_disk)]
-            self._disk_found = None
-            self.offload.record_hits(len(from_disk), len(from_disk) * self.block_size)
         return True
 
+    def _place_loads(self, request: Request, disk: DiskHit) -> None:
+        """Fresh blocks for the blocks read from disk, their bytes queued for the pool."""
+        for group, data in zip(self.groups, disk.data):
+            fresh = self.pool.allocate(len(data))
+            group.fill_loaded(request, fresh)
+            self.pending_loads += [(b.block_id, d) for b, d in zip(fresh, data)]
+        self._disk_found = None
+        if self.offload is not None:
+            self.offload.record_hits(sum(len(d) for d in disk.data),
+                                     (disk.end - disk.start) * self.block_size)
+
     def free(self, request: Request) -> None:
-        if self._disk_found is not None and self._disk_found[0] == request.request_id:
+        if self._disk_found is not None and self._disk_found.request_id == request.request_id:
             self._disk_found = None
         for group in self.groups:
             group.free(request)

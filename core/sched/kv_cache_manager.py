@@ -11,7 +11,7 @@ long generation holds about `window` tokens of KV instead of its whole length.
 
 from __future__ import annotations
 
-from pkv.core.sched.block_pool import BlockPool, KVBlock
+from pkv.core.sched.block_pool import BlockKey, BlockPool, KVBlock
 from pkv.core.sched.request import Request
 
 
@@ -58,12 +58,14 @@ class KVCacheManager:
 
     def cached_blocks(self, request: Request, num_blocks: int) -> list[KVBlock | None]:
         """The cached block (or None) of each of the request's first `num_blocks` blocks."""
-        return [self.pool.lookup(h + self.tag, self._key(request, i))
-                for i, h in enumerate(request.block_hashes[:num_blocks])]
+        return [self.pool.lookup(*self.cache_key(request, i))
+                for i in range(min(num_blocks, len(request.block_hashes)))]
 
-    def _key(self, request: Request, i: int) -> tuple[bytes | None, tuple[int, ...], bytes]:
+    def cache_key(self, request: Request, i: int) -> tuple[bytes, BlockKey]:
+        """The hash and key block `i` of the request is cached under in this group (and
+        saved under in the disk tier)."""
         parent, tokens, salt = request.block_key(i)
-        return parent, tokens, salt + self.tag
+        return request.block_hashes[i] + self.tag, (parent, tokens, salt + self.tag)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
@@ -79,14 +81,16 @@ class KVCacheManager:
     def blocks_needed(self, request: Request, num_new_tokens: int,
                       computed_blocks: list[KVBlock] | None = None) -> int:
         """Free blocks `take_slots` would use (cache hits that sit in the free queue count:
-        they stop being free). Gives back the blocks behind the window first."""
+        they stop being free; so does a None in `computed_blocks`, a block read from disk).
+        Gives back the blocks behind the window first."""
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         self._release_behind_window(request.request_id, blocks, num_computed)
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks)
         need -= len(computed_blocks)
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not self.null_block)
+        reclaimed = sum(1 for b in computed_blocks
+                        if b is None or (b.ref_cnt == 0 and b is not self.null_block))
         return max(0, need) + reclaimed
 
     def take_slots(self, request: Request, num_new_tokens: int,
@@ -97,17 +101,27 @@ class KVCacheManager:
         self.add_hits(request, computed_blocks)
         self.add_new_blocks(request, num_new_tokens, len(computed_blocks))
 
-    def add_hits(self, request: Request, computed_blocks: list[KVBlock]) -> None:
+    def add_hits(self, request: Request, computed_blocks: list[KVBlock | None]) -> None:
         """Take the prefix hits: out of the free queue before any allocation can evict them
-        (with several groups, all groups' hits go first)."""
+        (with several groups, all groups' hits go first). A None is a block read from disk:
+        its place waits for `fill_loaded`."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
         if not blocks:  # a hit behind a window starts with null blocks: already given back
             leading = next((i for i, b in enumerate(computed_blocks) if b is not self.null_block),
                            len(computed_blocks))
             if leading:
                 self._num_released[request.request_id] = leading
-        self.pool.touch([b for b in computed_blocks if b is not self.null_block])
-        blocks.extend(computed_blocks)
+        self.pool.touch([b for b in computed_blocks if b is not None and b is not self.null_block])
+        blocks.extend(computed_blocks)  # (its Nones until fill_loaded)
+
+    def fill_loaded(self, request: Request, fresh: list[KVBlock]) -> None:
+        """Fresh blocks, in order, in the places `add_hits` kept for blocks read from disk."""
+        blocks = self.req_blocks[request.request_id]
+        places = [i for i, b in enumerate(blocks) if b is None]
+        if len(places) != len(fresh):
+            raise RuntimeError(f"{len(fresh)} blocks for {len(places)} places read from disk")
+        for i, block in zip(places, fresh):
+            blocks[i] = block
 
     def add_new_blocks(self, request: Request, num_new_tokens: int, num_hits: int) -> None:
         """Blocks for `num_new_tokens` after the computed tokens and `num_hits` hit blocks."""
@@ -141,7 +155,7 @@ class KVCacheManager:
         for i in range(start, end):
             if blocks[i] is self.null_block:
                 continue
-            self.pool.cache(blocks[i], request.block_hashes[i] + self.tag, self._key(request, i))
+            self.pool.cache(blocks[i], *self.cache_key(request, i))
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:

@@ -223,6 +223,15 @@ class KVOffloadStore:
             self._staging.pending[fid] = (encoded, buf)
         self._jobs.put((fid, encoded, buf))
 
+    def has(self, block_hash: bytes) -> bool:
+        """Whether a file (or a write still staged) holds this block's hash; `load`
+        confirms its key."""
+        fid = file_id(self.fingerprint, block_hash)
+        with self._staging.lock:
+            if fid in self._staging.pending:
+                return True
+        return fid in self.files
+
     def load(self, block_hash: bytes, key: BlockKey) -> torch.Tensor | None:
         """The block's bytes (pinned on a GPU machine) if a whole file holds exactly `key`."""
         fid = file_id(self.fingerprint, block_hash)

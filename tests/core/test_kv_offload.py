@@ -333,17 +333,58 @@ def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path)
     restarted.shutdown()
 
 
-def test_a_hybrid_model_is_refused_in_one_line(smol_hf_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family,window", [("qwen2", 8), ("qwen2", 40), ("gemma3", 40)])
+def test_engine_hybrid_model_reads_each_groups_blocks_back(family: str, window: int,
+                                                          smol_hf_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """Models of global and sliding-window layers (Qwen2's two layers: two KV groups of one;
+    Gemma 3's five: a global group and two windowed ones of two slots): every group's
+    blocks are saved, and a prefix comes back with the global groups' blocks and the
+    windowed groups' visible ones only, with the same tokens, after a restart too."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
-    from pkv.tests.helpers import build_tiny_model
+    from pkv.tests.helpers import build_tiny_model, kv_block_bytes
+    from pkv.tests.models.test_gemma import GEMMA3
 
-    hybrid = build_tiny_model(tmp_path / "qwen2", smol_hf_dir, "qwen2", use_sliding_window=True,
-                              sliding_window=8, max_window_layers=1)
-    with pytest.raises(ValueError, match="mixes sliding-window and global layers"):
-        LLMEngine(EngineConfig(model=str(hybrid), kv_cache_memory="4MiB", max_model_len=64,
-                               kv_offload_dir=str(tmp_path / "kv")), show_progress=False)
-    assert not _files(tmp_path / "kv")
+    shape = (dict(use_sliding_window=True, max_window_layers=1) if family == "qwen2"
+             else dict(GEMMA3, num_hidden_layers=5))
+    hybrid = build_tiny_model(tmp_path / family, smol_hf_dir, family,
+                              **{**shape, "sliding_window": window})
+    per_block, _ = kv_block_bytes(hybrid, 16)
+    pool = 20 if family == "qwen2" else 28  # blocks: about two documents (in every group)
+
+    def engine(offload: Path | None) -> Any:
+        return LLMEngine(EngineConfig(model=str(hybrid), kv_cache_memory=pool * per_block,
+                                      max_model_len=112, max_num_seqs=1,
+                                      kv_offload_dir=str(offload) if offload else None),
+                         show_progress=False)
+
+    prompts = _prompts(num_docs=3, rounds=2)
+    plain = engine(None)
+    windows = plain.runner.kv_groups.windows
+    assert None in windows and window in windows and plain.runner.num_blocks == pool
+    want = _run(plain, prompts)
+    plain_prefill = plain.scheduler.num_prefill_tokens
+    plain.shutdown()
+    tiered = engine(tmp_path / "kv")
+    try:
+        assert _run(tiered, prompts) == want
+        stats = tiered.get_stats().kv_offload
+        assert stats.writes > 0 and stats.hits > 0 and stats.drops == 0
+        assert tiered.scheduler.num_prefill_tokens == plain_prefill - stats.saved_tokens
+    finally:
+        tiered.shutdown()
+    restarted = engine(tmp_path / "kv")
+    first_id, first_prompt = prompts[0]
+    try:
+        assert _run(restarted, [(first_id, first_prompt)]) == {first_id: want[first_id]}
+        after = restarted.get_stats().kv_offload
+    finally:
+        restarted.shutdown()
+    prefix = DOC_LEN // 16  # blocks: every one in the global group, the visible ones windowed
+    visible = prefix - (DOC_LEN - window + 1) // 16
+    assert after.saved_tokens == DOC_LEN
+    assert after.hits == sum(prefix if w is None else visible for w in windows)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
