@@ -15,6 +15,13 @@ Per step, before the target verifies, for every request with a lookahead:
 Drafts are the draft's argmax (a point-mass proposal, which rejection sampling verifies
 exactly, greedy or not). Draft K/V written for drafts the target rejects sit past the
 request's verified tokens and are overwritten by the next catch-up before anything reads them.
+
+A prompt whose prefix hits the prefix cache starts its catch-up after the blocks that still
+hold the draft's K/V of that prefix: the proposer remembers, per block, the hash of the full
+block of verified tokens the draft last wrote there. A block the draft writes anything else
+into forgets it; a block the target reuses for other tokens is only ever handed to a request
+under the hash of what it holds now, which matches the one remembered only if the tokens
+(and so the draft's K/V of them) are the same.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self._held: dict[int, bytes] = {}  # block id -> hash of the full block its draft K/V is
+        self.num_catch_up_tokens = 0  # verified tokens the draft has run (prompts included)
 
     @classmethod
     def load(cls, config: EngineConfig, spec: SpeculativeConfig, max_model_len: int,
@@ -74,6 +83,7 @@ class DraftModelProposer:
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
+        self._held.clear()
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], lookahead: dict[str, int],
@@ -81,11 +91,15 @@ class DraftModelProposer:
         """Up to lookahead[id] drafts per request."""
         chunks = []
         for r in requests:
-            start = r.num_draft_computed_tokens
-            chunks.append(SeqChunk(r.all_token_ids[start:], start, [tables[r.request_id][0]],
-                                   r.num_tokens, 1))
+            table = tables[r.request_id][0]
+            start = r.num_draft_computed_tokens or self._reusable(r, table)
+            self._forget(r, table, start, lookahead[r.request_id])
+            chunks.append(SeqChunk(r.all_token_ids[start:], start, [table], r.num_tokens, 1))
             r.num_draft_computed_tokens = r.num_tokens
+            self.num_catch_up_tokens += r.num_tokens - start
         drafts = {r.request_id: [t] for r, t in zip(requests, self._argmax(chunks, high_watermark))}
+        for r, chunk in zip(requests, chunks):
+            self._remember(r, chunk.block_tables[0], chunk.start)
         active = list(requests)
         while True:
             active = [r for r in active if len(drafts[r.request_id]) < lookahead[r.request_id]]
@@ -96,6 +110,30 @@ class DraftModelProposer:
                                [tables[r.request_id][0]], r.num_tokens, 1) for r in active]
             for r, token in zip(active, self._argmax(chunks, high_watermark)):
                 drafts[r.request_id].append(token)
+
+    def _reusable(self, r: Request, table: list[int]) -> int:
+        """Tokens at the start of `r` whose draft K/V its blocks already hold (at least its
+        last token is run: its logits give the first draft)."""
+        bs = self.runner.block_size
+        limit = min(len(r.block_hashes), len(table), (r.num_tokens - 1) // bs)
+        n = 0
+        while n < limit and self._held.get(table[n]) == r.block_hashes[n]:
+            n += 1
+        return n * bs
+
+    def _forget(self, r: Request, table: list[int], start: int, lookahead: int) -> None:
+        """The blocks this step's draft passes write into (catch-up from `start`, then the
+        drafts after the last token) no longer hold what they held."""
+        bs = self.runner.block_size
+        last = r.num_tokens - 1 + max(lookahead - 1, 0)
+        for block in table[start // bs:last // bs + 1]:
+            self._held.pop(block, None)
+
+    def _remember(self, r: Request, table: list[int], start: int) -> None:
+        """The full blocks of verified tokens the catch-up from `start` wrote."""
+        bs = self.runner.block_size
+        for j in range(start // bs, min(r.num_tokens // bs, len(r.block_hashes), len(table))):
+            self._held[table[j]] = r.block_hashes[j]
 
     def _argmax(self, chunks: list[SeqChunk], high_watermark: int) -> list[int]:
         logits = self.runner.forward_chunks(chunks, high_watermark)

@@ -332,3 +332,28 @@ def test_a_failing_draft_fails_the_speculating_requests_only(tiny_llama_dir: Pat
     assert engine.generate_until_done()[-1].outputs[0].token_ids == solo
     assert engine.spec_stats.num_draft_tokens > drafted
     assert engine.get_stats().num_blocks_used == 0
+
+
+def test_a_draft_reuses_its_kv_of_a_cached_prefix(tiny_llama_dir: Path):
+    """Requests sharing a long prefix (the model as its own draft, so every draft of right
+    K/V is accepted): the later ones' catch-up starts after the cached blocks that still
+    hold the draft's K/V of that prefix, with the same tokens and every draft accepted."""
+    doc = [100 + (31 * i) % 4000 for i in range(96)]  # 6 blocks of 16
+    prompts = [doc + [7000 + r] for r in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(max_model_len=256, block_size=16, show_progress=False)
+    plain = LLM(str(tiny_llama_dir), **options)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    plain.shutdown()
+    llm = LLM(str(tiny_llama_dir), **options,
+              speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    got = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert got == expected
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    # The first request's draft runs its whole prompt; each later one only its last token
+    # and what it generates (the document's 6 blocks are cached with the draft's K/V).
+    generated = sum(len(g) for g in got)
+    assert engine.proposer.num_catch_up_tokens <= len(prompts[0]) + 3 * 1 + generated
+    llm.shutdown()
