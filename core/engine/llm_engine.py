@@ -14,6 +14,7 @@ from dataclasses import asdict
 import torch
 
 from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.disk_tier import finish_kv_work, open_offload_store, step_kv_work
 from pkv.core.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from pkv.core.engine.micro_batches import MicroBatches
 from pkv.core.engine.output_processor import OutputProcessor
@@ -26,27 +27,15 @@ from pkv.core.registry import select_guided_backend
 from pkv.core.sample.rejection_sampler import VerifyOutput
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
-from pkv.core.sched.kv_cache_manager import cdiv
-from pkv.core.sched.kv_offload import KVOffloadStore, block_ids, model_fingerprint
 from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
 from pkv.core.spec_decode.proposer import Proposer, SpecDecodeStats, build_proposer
-from pkv.core.worker.kv_parts import KVTransfer, KVWork
 from pkv.core.worker.model_setup import ModelSetup, parallel_groups
 from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import WorkerGroup
 
 logger = logging.getLogger("pkv.engine")
-
-
-def _pkv_version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("pkv")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class LLMEngine:
@@ -96,7 +85,9 @@ class LLMEngine:
             self.proposer.allocate_kv(self.runner.num_blocks)
         self.guided = guided_cls(self.tokenizer, source.config.vocab_size,
                                  config.structured_outputs_timeout)
-        self.kv_offload = self._offload_store(setup) if config.kv_offload_dir else None
+        self.kv_offload = (open_offload_store(config, setup, self.runner,
+                                              self.max_num_batched_tokens)
+                           if config.kv_offload_dir else None)
         self.kv_cache = KVCacheCoordinator(self.runner.num_blocks, config.block_size,
                                            config.enable_prefix_caching,
                                            self.runner.kv_groups.windows, self.kv_offload)
@@ -115,32 +106,6 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, limits, self.task, self.runner.pooler,
                                         self.guided, self.lora, self.runner.device)
 
-    def _offload_store(self, setup: ModelSetup) -> KVOffloadStore:
-        """The disk tier, keyed by everything that decides the bytes of a KV block."""
-        runner, config = self.runner, self.config
-        kv = runner.kv_cache
-        layout = {
-            "hf_config": setup.source.hf_config, "dtype": str(runner.dtype),
-            "kv_dtype": str(kv.dtype), "kv_format": runner.kv_format.name,
-            "kv_block_shape": [*kv.shape[:2], *kv.shape[3:]],
-            "quantization": setup.loader.name if setup.loader else None,
-            "awq_activations": config.awq_activations, "gguf_file": config.gguf_file,
-            "revision": config.revision, "device": runner.device.type,
-            "pkv": _pkv_version(),
-        }
-        # A step's allocations can evict a whole batch of blocks at once; stage two steps'.
-        max_pending = max(64, 2 * cdiv(self.max_num_batched_tokens, config.block_size))
-        if runner.kv_parts is not None:  # a file holds every rank's part (heads, layers)
-            layout["kv_parts"] = runner.kv_parts.sizes
-            layout["parallel"] = [config.tensor_parallel_size, config.pipeline_parallel_size]
-        store = KVOffloadStore(config.kv_offload_dir, int(config.kv_offload_size),
-                               model_fingerprint(setup.source.path, layout),
-                               lambda: runner.kv_cache, max_pending, runner.kv_parts)
-        logger.info("KV disk tier: %s (%d blocks indexed, %.1f MiB of %.1f MiB)",
-                    config.kv_offload_dir, store.stats.files, store.stats.bytes_used / 2**20,
-                    int(config.kv_offload_size) / 2**20)
-        return store
-
     @property
     def timer(self) -> StepTimer:
         """The runner's step timer; enable it to profile steps (`pkv bench --profile`)."""
@@ -153,7 +118,7 @@ class LLMEngine:
         offload = getattr(self, "kv_offload", None)
         if batches is not None and not force:
             for kv in batches.drain():
-                self._finish_kv(kv)
+                finish_kv_work(offload, kv)
         # With `force` a step may be running: the pool is not settled. A dead rank cannot
         # give its parts of the blocks.
         if offload is not None and not force and (self.workers is None or not self.workers.error):
@@ -265,7 +230,7 @@ class LLMEngine:
         if not sched.scheduled:
             return [] if sched.preempted else self._fail_unplaceable()
         self.timer.lap("schedule")
-        kv = self._kv_work()
+        kv = step_kv_work(self.kv_offload, self.kv_cache, self.runner)
         for slot, adapter in sched.lora_loads:
             self.runner.load_lora(slot, adapter.weights)
         tables = {r.request_id: self.kv_cache.block_ids(r.request_id) for r in sched.scheduled}
@@ -281,31 +246,8 @@ class LLMEngine:
             if self.workers is None:
                 raise
             raise RuntimeError(self.workers.explain(exc)) from exc
-        self._finish_kv(kv)
+        finish_kv_work(self.kv_offload, kv)
         return self._complete(sched, sampled_reqs, result, pooled, failures)
-
-    def _kv_work(self) -> KVWork | None:
-        """The disk tier's share of the step about to run: blocks read from disk copied into
-        the pool (the driver's part, split over ranks), and what the other ranks' parts do
-        with the step (None: nothing)."""
-        if self.kv_offload is None:
-            return None
-        loads = self.kv_cache.take_loads()
-        if loads:  # prefix blocks read from disk, before the forward reads them
-            self.runner.load_kv_blocks(loads, self.kv_cache.pool.high_watermark)
-            self.timer.lap("prepare_inputs")  # (the blocks are the step's inputs)
-        if self.runner.kv_parts is None:
-            return None
-        due = self.kv_offload.hand_over()  # evicted while scheduling: their other parts
-        if not (due or loads):
-            return None
-        return KVWork(KVTransfer(block_ids(due), [b for b, _ in loads]),
-                      [data for _, data in loads], due)
-
-    def _finish_kv(self, kv: KVWork | None) -> None:
-        """The evicted blocks' writes, now whole (their other parts came with the step)."""
-        if kv is not None and self.kv_offload is not None and kv.due:
-            self.kv_offload.finish(kv.due, kv.parts)
 
     def _pipelined_step(self, batches: MicroBatches
                         ) -> list[RequestOutput | PoolingRequestOutput]:
@@ -332,7 +274,7 @@ class LLMEngine:
         except RuntimeError as exc:
             batches.clear()
             raise RuntimeError(workers.explain(exc)) from exc
-        self._finish_kv(done.kv)
+        finish_kv_work(self.kv_offload, done.kv)
         return self._complete(done.sched, done.sampled, done.result, done.pooled, done.failures)
 
     def _launch(self, sched: SchedulerOutput, batches: MicroBatches) -> None:
@@ -343,7 +285,7 @@ class LLMEngine:
             self._propose(sched, tables, failures)
             self.timer.lap("propose")
         batches.launch(sched, tables, self.kv_cache.pool.high_watermark, failures,
-                       self._kv_work())
+                       step_kv_work(self.kv_offload, self.kv_cache, self.runner))
 
     def _complete(self, sched: SchedulerOutput, sampled_reqs: list[Request],
                   result: VerifyOutput, pooled: dict[str, torch.Tensor],

@@ -7,7 +7,6 @@ parallelism each rank's runner is a PipelineModelRunner (pipeline_runner.py).
 
 from __future__ import annotations
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -27,7 +26,6 @@ from pkv.core.pooling.tasks import build_pooler
 from pkv.core.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from pkv.core.sample.sampler import Sampler, SamplingRow
 from pkv.core.sample.sampling_params import SamplingParams
-from pkv.core.sched.kv_cache_manager import cdiv
 from pkv.core.sched.request import Request, record_failure
 from pkv.core.sched.scheduler import SchedulerOutput
 from pkv.core.worker.fused_decoder import build_fused_decoder
@@ -35,6 +33,7 @@ from pkv.core.worker.huge_pages import move_weights_to_huge_pages
 from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
                                          token_types)
 from pkv.core.worker.kv_parts import KVParts, KVTransfer, KVWork
+from pkv.core.worker.kv_pool_size import num_kv_blocks
 from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
 from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
@@ -112,8 +111,10 @@ class ModelRunner:
         hold_freed_memory_until_idle()  # a step's activations reuse the last step's pages
         release_free_memory()  # what loading and repacking the weights left behind
         self.extra_block_bytes = extra_block_bytes
-        if num_blocks is None:  # (every rank the same: see _num_kv_blocks)
-            num_blocks = self._num_kv_blocks(setup.max_model_len)
+        if num_blocks is None:  # (every rank the same)
+            num_blocks = num_kv_blocks(config, self.kv_groups,
+                                       self.kv_bytes_per_block + extra_block_bytes,
+                                       self.device, setup.max_model_len, self.distributed)
         self.allocate_kv(num_blocks)
         # The disk tier's view of a pool split over ranks (every rank's).
         self.kv_parts = (KVParts(lambda: self.kv_cache.view(torch.uint8), self._send_to_ranks)
@@ -167,49 +168,6 @@ class ModelRunner:
     def kv_resident_bytes(self) -> int:
         """KV pool memory in use by the process: blocks are zeroed, so touched, on first use."""
         return self._num_zeroed_blocks * self.kv_bytes_per_block
-
-    def _num_kv_blocks(self, max_model_len: int) -> int:
-        per_block = self.kv_bytes_per_block + self.extra_block_bytes
-        blocks_per_seq = self._blocks_per_seq(max_model_len)
-        if per_block == 0:  # blocks that cost nothing: enough for every sequence at once
-            return self.config.max_num_seqs * blocks_per_seq
-        if self.config.kv_cache_memory is not None:
-            budget = int(self.config.kv_cache_memory)
-            num_blocks = budget // per_block
-            source = f"kv_cache_memory={budget} bytes"
-        else:
-            num_blocks = self._blocks_from_utilization(per_block)
-            # More than every running sequence at full length could use is never needed.
-            num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
-            source = f"memory_utilization={self.config.memory_utilization}"
-        if self.distributed:  # one pool size for all ranks: what the tightest one holds
-            counts = torch.tensor([num_blocks], dtype=torch.long)
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
-            num_blocks = int(counts.item())
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"{source} gives {num_blocks} KV blocks of {self.block_size} tokens, fewer than "
-                f"one sequence of max_model_len={max_model_len} needs ({blocks_per_seq}): raise "
-                "kv_cache_memory or lower max_model_len")
-        return num_blocks
-
-    def _blocks_per_seq(self, max_model_len: int) -> int:
-        """The most blocks one sequence of max_model_len holds at once: all of them in a
-        global group; in a windowed one, its window's and one step's chunk of tokens."""
-        budget = self.config.token_budget(max_model_len)
-        full = cdiv(max_model_len, self.block_size)
-        return sum(full if g.window is None
-                   else min(full, cdiv(g.window + budget, self.block_size) + 1)
-                   for g in self.kv_groups.groups)
-
-    def _blocks_from_utilization(self, per_block: int) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-        else:
-            total = psutil.virtual_memory().total
-            used = psutil.Process().memory_info().rss
-        return max(0, int(total * self.config.memory_utilization) - used) // per_block
 
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the KV pool with `num_blocks` blocks."""

@@ -96,6 +96,7 @@ def test_batching_preemption_and_prefix_caching_on_an_int8_cache(int8_llm: LLM) 
 
 def test_a_hybrid_model_keeps_its_groups_on_an_int8_cache(tmp_path: Path,
                                                           smol_hf_dir: Path) -> None:
+    from pkv.core.worker.kv_pool_size import blocks_per_seq
     from pkv.tests.helpers import build_tiny_model, parity_prompts
 
     # Gemma 2's alternation, window 8: a global group and a windowed one share the pool.
@@ -107,7 +108,8 @@ def test_a_hybrid_model_keeps_its_groups_on_an_int8_cache(tmp_path: Path,
     assert len(roomy.llm_engine.runner.kv_groups.groups) == 2
     want = _greedy(roomy, prompts)
     runner = roomy.llm_engine.runner
-    least = runner._blocks_per_seq(96)  # what one sequence may hold at once, in steps of 16
+    # what one sequence may hold at once, in steps of 16
+    least = blocks_per_seq(runner.config, runner.kv_groups, 96)
     tight = LLM(str(model), kv_cache_dtype="int8", max_model_len=96, block_size=16,
                 max_num_batched_tokens=16, kv_cache_memory=least * runner.kv_bytes_per_block,
                 show_progress=False)
