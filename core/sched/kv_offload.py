@@ -2,8 +2,8 @@
 
     BlockPool.allocate evicts a hashed block ─► save(): memcpy its bytes into a staging buffer
         ─► queue ─► writer thread: file (kv_offload_files.py), LRU by size
-    KVCacheManager.get_computed_blocks misses RAM ─► load(): read + verify the file
-        ─► ModelRunner.load_kv_blocks copies it into a fresh block before the forward
+    KVCacheCoordinator.get_computed_blocks misses RAM ─► has(), then load(): read + verify
+        the file ─► ModelRunner.load_kv_blocks copies it into a fresh block before the forward
 
 Eviction happens while the scheduler allocates, before the next forward overwrites the block,
 so the memcpy at that moment sees the block's final bytes; the step never waits on the disk

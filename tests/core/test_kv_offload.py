@@ -1,6 +1,7 @@
 """The disk tier of the prefix cache: the store alone (round trip, LRU bound, torn and
-corrupt files, tenants, restart) and an engine on a tiny random Llama (same greedy tokens as
-without the tier, hits after a restart)."""
+corrupt files, tenants, restart), a hybrid model's prefix found block by block in RAM and on
+disk, and engines on tiny random models (same greedy tokens as without the tier, hits after a
+restart; one KV group and several)."""
 
 from __future__ import annotations
 
@@ -191,6 +192,55 @@ def test_config_checks() -> None:
     assert EngineConfig(kv_offload_dir="/tmp/x", pipeline_parallel_size=2).world_size == 2
     with pytest.raises(ValueError, match="prefix_caching"):
         EngineConfig(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
+
+
+def test_a_hybrid_prefix_comes_from_ram_and_disk_block_by_block(tmp_path: Path) -> None:
+    """A global group and a windowed one (window 20: the token after 6 blocks sees blocks 4
+    and 5): the global group's blocks 4 and 5 evicted to disk, the rest in RAM. The prefix
+    is all 6 blocks: the global group's 0-3 and the windowed group's 4-5 from RAM, the
+    windowed group's 0-3 behind its window (never read), the global 4-5 read from disk into
+    fresh blocks with the bytes they were evicted with."""
+    from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
+    from pkv.core.sched.request import Request
+
+    bs = 16
+    kv = torch.zeros(1, 2, 16, bs, 1, 4)  # one slot, K and V, 16 blocks
+    store = _store(tmp_path, kv)
+    cache = KVCacheCoordinator(16, bs, True, [None, 20], store)
+    doc = list(range(100, 100 + 6 * bs))
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1), frozenset(), bs)
+
+    first = request("a", doc + [7])
+    assert cache.allocate_slots(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    for block in range(16):  # every block's bytes say which block it was
+        kv[:, :, block] = block
+    evicted = cache.block_ids("a")[0][4:6]
+    cache.free(first)
+    # Six blocks for an unrelated request: the two never used, the two unhashed tails,
+    # then the least recently freed: the global group's blocks 5 and 4 (saved on eviction).
+    other = request("c", list(range(3000, 3000 + 3 * bs)))
+    assert cache.allocate_slots(other, other.num_tokens)
+    store.flush()
+    assert store.stats.writes == 2
+
+    second = request("b", doc + [8])
+    hits, tokens = cache.get_computed_blocks(second)
+    null = cache.groups[1].null_block
+    assert tokens == 6 * bs
+    assert [b is None for b in hits[0]] == [False] * 4 + [True] * 2
+    assert hits[1][:4] == [null] * 4 and None not in hits[1][4:]
+    assert cache.allocate_slots(second, second.num_tokens - tokens, hits)
+    loads = cache.take_loads()
+    table = cache.block_ids("b")[0]
+    assert [block for block, _ in loads] == table[4:6]
+    for (_, data), old in zip(loads, evicted):
+        assert torch.equal(data.view(torch.float32), torch.full((2 * bs * 4,), float(old)))
+    assert store.stats.hits == 2 and store.saved_tokens == 2 * bs
+    store.close()
 
 
 # ---- the engine ------------------------------------------------------------------------------
