@@ -103,6 +103,7 @@ def run_offload_bench(model: str | None, num_docs: int, doc_tokens: int, num_req
     """Both passes and the restart; every figure as a dict (see `offload_table`)."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.core.layers.kv_groups import plan_kv_groups
     from pkv.core.model_loader.loader import open_model
     from pkv.core.sched.kv_cache_manager import cdiv
     from pkv.core.worker.model_setup import pipeline_stage
@@ -112,12 +113,17 @@ def run_offload_bench(model: str | None, num_docs: int, doc_tokens: int, num_req
     prompt_len = doc_tokens + question_tokens
     split = {"tensor_parallel_size": tensor_parallel_size,
              "pipeline_parallel_size": pipeline_parallel_size}
-    # The pool holds what its fullest rank holds: the most KV heads, the most layers.
+    # The pool holds what its fullest rank holds: the most KV heads, the most layers of a
+    # KV group (a block id holds that many layers' K/V; a hybrid model's document takes its
+    # blocks in every group).
     heads = cdiv(cfg.num_key_value_heads, tensor_parallel_size)
-    layers = max(len(pipeline_stage(EngineConfig(model=model, **split), cfg, s)
-                     .layers(cfg.num_hidden_layers)) for s in range(pipeline_parallel_size))
-    per_block = 2 * layers * block_size * heads * cfg.head_dim * 4
-    pool_blocks = int(pool_docs * cdiv(prompt_len + max_tokens, block_size))
+    groups = plan_kv_groups(cfg.layer_windows)
+    slots = max(groups.for_layers(pipeline_stage(EngineConfig(model=model, **split), cfg, s)
+                                  .layers(cfg.num_hidden_layers)).slots
+                for s in range(pipeline_parallel_size))
+    per_block = 2 * slots * block_size * heads * cfg.head_dim * 4
+    pool_blocks = int(pool_docs * cdiv(prompt_len + max_tokens, block_size)
+                      * len(groups.groups))
     options: dict[str, Any] = {
         "model": model, "block_size": block_size, "kv_cache_memory": pool_blocks * per_block,
         "max_model_len": prompt_len + max_tokens + block_size, "max_num_seqs": 1, "seed": seed,

@@ -74,7 +74,8 @@ class InputProcessor:
         scoring request (a pair of texts: a cross-encoder's query and document)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if isinstance(params, PoolingParams):
-            return self._prepare_pooling(request_id, prompt, params)
+            return self._prepare_pooling(request_id, prompt, params,
+                                         self._adapter(lora_request))
         if self.pooler is not None:
             raise ValueError(f"this model serves task={self.task} (embeddings or scores), "
                              "not text generation")
@@ -99,7 +100,8 @@ class InputProcessor:
         return PreparedRequest(request_id, prompt_text, children)
 
     def _prepare_pooling(self, request_id: str, prompt: str | list[int] | tuple[str, str],
-                         params: PoolingParams) -> PreparedRequest:
+                         params: PoolingParams,
+                         adapter: LoRAAdapter | None = None) -> PreparedRequest:
         pooler = self.pooler
         if pooler is None:
             raise ValueError("this model generates text; embeddings and scores need a pooling "
@@ -121,7 +123,8 @@ class InputProcessor:
             raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
                                      f"{limit}")
         request = Request(request_id, ids, SamplingParams(max_tokens=None), frozenset(),
-                          self.limits.block_size, pooling=params, token_type_ids=types)
+                          self.limits.block_size, pooling=params, token_type_ids=types,
+                          lora=adapter)
         return PreparedRequest(request_id, text, [request])
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:

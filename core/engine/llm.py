@@ -127,11 +127,15 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None,
-              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+              use_tqdm: bool | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[PoolingRequestOutput]:
         """One embedding per prompt (`outputs.embedding`), in prompt order; an embedding
-        model's (task=embed)."""
+        model's (task=embed). `lora_request`: one adapter for every prompt, or one (or None)
+        per prompt (a decoder embedding model's)."""
         bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
-        return self._pool(bodies, pooling_params or PoolingParams(), use_tqdm)
+        loras = self._per_prompt(lora_request, len(bodies), "LoRA requests")
+        return self._pool(bodies, pooling_params or PoolingParams(), use_tqdm, loras)
 
     def classify(self, prompts: Prompt | Sequence[Prompt],
                  use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
@@ -158,12 +162,13 @@ class LLM:
         return outputs
 
     def _pool(self, bodies: list[str | list[int] | tuple[str, str]], params: PoolingParams,
-              use_tqdm: bool | None) -> list[PoolingRequestOutput]:
+              use_tqdm: bool | None, loras: list[LoRARequest | None] | None = None
+              ) -> list[PoolingRequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for body in bodies:
-                ids.append(engine.add_request(None, body, params))
+            for body, lora in zip(bodies, loras or [None] * len(bodies)):
+                ids.append(engine.add_request(None, body, params, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

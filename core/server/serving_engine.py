@@ -61,7 +61,7 @@ class OpenAIServing:
 
     def _check_common(self, body: _SamplingFields, logprobs: int | None,
                       logprobs_param: str = "logprobs") -> None:
-        self._lora_request(body)  # an unknown model name is a 404 before anything else
+        self._lora_request(body.model)  # an unknown model name is a 404 before anything else
         if not 1 <= body.n <= self.limits.max_n:
             raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
         if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
@@ -107,7 +107,7 @@ class OpenAIServing:
         salt = body.cache_salt if tenant is None else f"{tenant}:{body.cache_salt or ''}"
         try:
             return await self.llm.prepare(request_id, prompt, params, salt,
-                                          self._lora_request(body))
+                                          self._lora_request(body.model))
         except ContextLengthError as exc:
             raise OpenAIError(400, str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
@@ -118,15 +118,15 @@ class OpenAIServing:
                 param = first
             raise OpenAIError(400, str(exc), param) from None
 
-    def _lora_request(self, body: _SamplingFields) -> LoRARequest | None:
+    def _lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names (None: the base model); 404 for a name nobody serves."""
-        if body.model is None or body.model == self.model_name:
+        if model is None or model == self.model_name:
             return None
         lora = self.llm.engine.lora
-        adapter = lora.adapters.get(body.model) if lora is not None else None
+        adapter = lora.adapters.get(model) if lora is not None else None
         if adapter is None:
             names = [self.model_name, *(lora.adapters if lora is not None else ())]
-            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
+            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
                               f"{', '.join(map(repr, names))}", "model", "model_not_found")
         return LoRARequest(adapter.name, adapter.uid, adapter.path)
 

@@ -21,6 +21,7 @@ from fastapi import Request
 
 from pkv.core.engine.input_processor import ContextLengthError, PreparedRequest
 from pkv.core.engine.outputs import PoolingRequestOutput
+from pkv.core.lora.adapter import LoRARequest
 from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.server.errors import OpenAIError
@@ -35,13 +36,13 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
         """The OpenAI body; float vectors as float32 arrays, for `json_body` to write."""
-        self._check_model(body.model, "embed")
+        lora = self._check_model(body.model, "embed")
         try:
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "dimensions") from None
         inputs = _embedding_inputs(body.input)
-        finals = await self._run(inputs, params, "input", raw)
+        finals = await self._run(inputs, params, "input", raw, lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(f.outputs.data, body.encoding_format)}
                 for i, f in enumerate(finals)]
@@ -49,14 +50,14 @@ class OpenAIServingPooling(OpenAIServing):
                 "model": self.model_name, "data": data, "usage": _usage(finals)}
 
     async def rerank(self, body: RerankRequest, raw: Request) -> dict[str, Any]:
-        self._check_model(body.model, None)
+        lora = self._check_model(body.model, None)
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
         if not documents:
             raise OpenAIError(400, "documents must not be empty", "documents")
         if body.top_n is not None and body.top_n < 1:
             raise OpenAIError(400, "top_n must be >= 1", "top_n")
         scores, finals = await self._scores([(body.query, d) for d in documents], raw,
-                                            ("query", "documents"))
+                                            ("query", "documents"), lora)
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": documents[i]}} if body.return_documents else {})}
@@ -65,60 +66,63 @@ class OpenAIServingPooling(OpenAIServing):
                 "usage": {"total_tokens": _usage(finals)["total_tokens"]}, "results": results}
 
     async def score(self, body: ScoreRequest, raw: Request) -> dict[str, Any]:
-        self._check_model(body.model, None)
+        lora = self._check_model(body.model, None)
         try:
             pairs = score_pairs(body.text_1, body.text_2)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "text_2" if "text_2" in str(exc) else "text_1"
                               ) from None
-        scores, finals = await self._scores(pairs, raw, ("text_1", "text_2"))
+        scores, finals = await self._scores(pairs, raw, ("text_1", "text_2"), lora)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.model_name, "data": data, "usage": _usage(finals)}
 
     # --- shared ---------------------------------------------------------------------------
 
-    def _check_model(self, model: str | None, task: str | None) -> None:
-        """404 for another model's name; 400 where this model cannot serve the endpoint
-        (`task`: the one it needs; None: embed or classify)."""
-        if model is not None and model != self.model_name:
-            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
-                              f"{self.model_name!r}", "model", "model_not_found")
+    def _check_model(self, model: str | None, task: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a name nobody serves,
+        400 where this model cannot serve the endpoint (`task`: the one it needs; None:
+        embed or classify)."""
+        lora = self._lora_request(model)
         served = self.llm.engine.task
         if served == "generate" or (task is not None and served != task):
             needs = "an embedding model (--task embed)" if task else "a pooling model"
             raise OpenAIError(400, f"this endpoint needs {needs}; {self.model_name!r} serves "
                               f"task={served}", "model")
+        return lora
 
     async def _scores(self, pairs: list[tuple[str, str]], raw: Request,
-                      params: tuple[str, str]) -> tuple[list[float], list[PoolingRequestOutput]]:
+                      params: tuple[str, str], lora: LoRARequest | None
+                      ) -> tuple[list[float], list[PoolingRequestOutput]]:
         """Each pair's score: a cross-encoder's, or the cosine of the texts' embeddings."""
         if self.llm.engine.task == "classify":
-            finals = await self._run(list(pairs), PoolingParams(), params[1], raw)
+            finals = await self._run(list(pairs), PoolingParams(), params[1], raw, lora)
             return [_one_score(f) for f in finals], finals
         texts = sorted({t for pair in pairs for t in pair})
-        finals = await self._run(list(texts), PoolingParams(), params[1], raw)
+        finals = await self._run(list(texts), PoolingParams(), params[1], raw, lora)
         vectors = {t: f.outputs.data for t, f in zip(texts, finals)}
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], finals
 
     async def _run(self, inputs: list[PoolingInput], params: PoolingParams, param: str,
-                   raw: Request) -> list[PoolingRequestOutput]:
+                   raw: Request, lora: LoRARequest | None) -> list[PoolingRequestOutput]:
         if not inputs:
             raise OpenAIError(400, f"{param} must not be empty", param)
         if len(inputs) > self.limits.max_pooling_inputs:
             raise OpenAIError(400, f"at most {self.limits.max_pooling_inputs} inputs per "
                               "request", param)
         base_id = f"pool-{uuid.uuid4().hex}"
-        prepared = await asyncio.to_thread(self._prepare_all, base_id, inputs, params, param)
+        prepared = await asyncio.to_thread(self._prepare_all, base_id, inputs, params, param,
+                                           lora)
         return await self.collect_all(self.llm.submit(prepared), raw)
 
     def _prepare_all(self, base_id: str, inputs: list[PoolingInput], params: PoolingParams,
-                     param: str) -> list[PreparedRequest]:
+                     param: str, lora: LoRARequest | None) -> list[PreparedRequest]:
         engine = self.llm.engine
         prepared = []
         for i, item in enumerate(inputs):
             try:
-                prepared.append(engine.prepare_request(f"{base_id}-{i}", item, params))
+                prepared.append(engine.prepare_request(f"{base_id}-{i}", item, params,
+                                                       lora_request=lora))
             except ContextLengthError as exc:
                 raise OpenAIError(400, f"{param}[{i}]: {exc}", param,
                                   "context_length_exceeded") from None

@@ -108,10 +108,11 @@ def check_model(config: EngineConfig, source: ModelSource) -> str:
 
 def check_pooling_config(config: EngineConfig, task: str, model: ModelConfig) -> None:
     """What an embedding or scoring model does not run with, each in one line (a decoder
-    saved for embeddings runs split over ranks and stages; an encoder is not split)."""
+    saved for embeddings runs split over ranks and stages and with adapters; an encoder
+    does neither)."""
     encoder = not getattr(family_of(model.architecture), "keeps_kv", True)
     off = [(config.tensor_parallel_size > 1 and encoder, "tensor parallelism"),
-           (config.enable_lora, "LoRA adapters"),
+           (config.enable_lora and encoder, "LoRA adapters"),
            (config.speculative_config is not None, "speculative decoding"),
            (config.kv_offload_dir is not None, "a KV disk tier"),
            (config.pipeline_parallel_size > 1 and encoder, "pipeline parallelism")]

@@ -78,7 +78,8 @@ def test_check_rejects_unknown_parsers_and_backends(flag: str, value: str, says:
 
 @pytest.mark.parametrize("args, says", [
     (["--task", "classify"], "not a sequence classifier"),
-    (["--task", "embed", "--enable-lora"], "does not run with LoRA adapters"),
+    (["--task", "embed", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "does not run with speculative decoding"),
     (["--pipeline-parallel-size", "2", "--pp-layer-partition", "10,10"], "summing to the model's 30"),
 ])
 def test_check_rejects_tasks_and_partitions_the_model_cannot_take(args: list[str],

@@ -197,3 +197,28 @@ def test_unknown_sentence_transformers_module_is_named(tmp_path: Path):
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="models.Dense"):
         LLM(str(folder), show_progress=False)
+
+
+def test_a_decoder_embeds_under_adapters(tiny_llama_dir: Path, tmp_path: Path):
+    """A causal LM embedding (task=embed) with two LoRA adapters and none in one batch: each
+    vector equals transformers' on the adapter merged into the weights."""
+    from pkv.core.lora.adapter import LoRARequest
+    from pkv.tests.helpers import make_lora_adapter
+
+    merged = {name: make_lora_adapter(tiny_llama_dir, tmp_path / name, rank, targets, seed)
+              for name, rank, targets, seed in [("a", 8, ["q_proj", "v_proj", "down_proj"], 1),
+                                                ("b", 4, ["o_proj", "gate_proj"], 2)]}
+    requests = {"a": LoRARequest("a", 1, str(tmp_path / "a")),
+                "b": LoRARequest("b", 2, str(tmp_path / "b")), None: None}
+    llm = LLM(str(tiny_llama_dir), task="embed", enable_lora=True, max_loras=2,
+              kv_cache_memory="64MiB", show_progress=False)
+    prompts = [[1, 2, 3, 4, 5], list(range(200, 260)), [7] * 20]
+    names = ["a", None, "b", "b", "a", None]
+    outs = llm.embed(prompts * 2, lora_request=[requests[n] for n in names])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    refs = {n: _last_token_reference((merged[n] if n else base).model, prompts) for n in merged}
+    refs[None] = _last_token_reference(base.model, prompts)
+    want = [refs[n][i % 3] for i, n in enumerate(names)]
+    assert min(_cosines([o.outputs.data for o in outs], want)) >= 0.9999
+    assert max(_cosines(refs["a"], refs[None])) < 0.999  # the adapters matter
+    assert llm.llm_engine.get_stats().num_blocks_used == 0

@@ -192,3 +192,35 @@ def test_rerank_on_an_embedding_model_is_cosine(embed_server: RunningServer,
     body = _post(embed_server, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()
     assert {r["index"]: r["relevance_score"] for r in body["results"]} == pytest.approx(
         dict(enumerate(expected)), abs=1e-4)
+
+
+def test_a_decoder_embeds_under_an_adapter_named_as_the_model(tiny_llama_dir: Path,
+                                                              tmp_path: Path):
+    """`pkv serve --task embed --enable-lora --lora-modules a=...` on a causal LM: `model`
+    names the adapter or the base model; the vectors equal transformers' on the adapter
+    merged, and on the base; an unknown name is a 404 naming `model`."""
+    from pkv.tests.helpers import make_lora_adapter
+    from pkv.tests.models.test_pooling_models import _last_token_reference
+
+    merged = make_lora_adapter(tiny_llama_dir, tmp_path / "a", 8, ["q_proj", "down_proj"], 5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    ids = [[1, 2, 3, 4, 5], list(range(200, 240))]
+    server = start_server(str(tmp_path), str(tiny_llama_dir), "--task", "embed",
+                          "--served-model-name", "base", "--max-model-len", "256",
+                          "--enable-lora", "--lora-modules",
+                          f"a={tmp_path / 'a'}")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
+                               max_retries=0)
+        refs = {name: _last_token_reference(model.model, ids)
+                for name, model in (("a", merged), ("base", base))}
+        assert max(_cos(a, b) for a, b in zip(refs["a"], refs["base"])) < 0.999
+        for name, want in refs.items():
+            got = client.embeddings.create(model=name, input=ids).data
+            assert min(_cos(g.embedding, w) for g, w in zip(got, want)) >= 0.9999
+        score = _post(server, "/score", {"model": "a", "text_1": "w1 w2", "text_2": "w3"})
+        assert score.status_code == 200
+        missing = _post(server, "/v1/embeddings", {"model": "b", "input": "w1"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    finally:
+        stop_server(server)
