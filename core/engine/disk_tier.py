@@ -35,8 +35,10 @@ def open_offload_store(config: EngineConfig, setup: ModelSetup, runner: ModelRun
     if runner.kv_parts is not None:  # a file holds every rank's part (heads, layers)
         layout["kv_parts"] = runner.kv_parts.sizes
         layout["parallel"] = [config.tensor_parallel_size, config.pipeline_parallel_size]
-    # A step's allocations can evict a whole batch of blocks at once; stage two steps'.
-    max_pending = max(64, 2 * cdiv(max_num_batched_tokens, config.block_size))
+    # A step's allocations can evict a whole batch of blocks at once, in every KV group;
+    # stage two steps' (in bytes about two steps of tokens over all layers, whatever the groups).
+    per_step = cdiv(max_num_batched_tokens, config.block_size) * len(runner.kv_groups.groups)
+    max_pending = max(64, 2 * per_step)
     store = KVOffloadStore(str(config.kv_offload_dir), int(config.kv_offload_size),
                            model_fingerprint(setup.source.path, layout),
                            lambda: runner.kv_cache, max_pending, runner.kv_parts)
