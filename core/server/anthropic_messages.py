@@ -211,7 +211,7 @@ class AnthropicServingMessages:
         prepared, stream, [shaper] = await self.chat.start(to_chat_request(body), raw)
         message_id = "msg_" + prepared.request_id.removeprefix("chatcmpl-")
         base = {"id": message_id, "type": "message", "role": "assistant",
-                "model": self.chat.model_name}
+                "model": self.chat.served_name(body.model)}
         if body.stream:
             prompt_tokens = prepared.children[0].num_prompt_tokens
             return EngineStreamingResponse(self._stream(base, prompt_tokens, stream, shaper),

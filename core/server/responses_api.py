@@ -163,7 +163,7 @@ class OpenAIServingResponses:
 
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()),
-                "status": "in_progress", "model": self.chat.model_name, "output": [],
+                "status": "in_progress", "model": self.chat.served_name(body.model), "output": [],
                 "instructions": body.instructions, "tools": body.tools or [],
                 "tool_choice": body.tool_choice or "auto",
                 "parallel_tool_calls": body.parallel_tool_calls,

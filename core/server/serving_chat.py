@@ -65,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
                             "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
                             if body.logprobs else None, "finish_reason": finish})
         return JSONResponse({"id": prepared.request_id, "object": "chat.completion",
-                             "created": int(time.time()), "model": self.model_name,
+                             "created": int(time.time()), "model": self.served_name(body.model),
                              "choices": choices, "usage": usage([final])})
 
     async def start(self, body: ChatCompletionRequest, raw: Request
@@ -137,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                            stream: RequestStream, shapers: list[ChoiceShaper]
                            ) -> AsyncIterator[bytes]:
         base = {"id": prepared.request_id, "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self.model_name}
+                "created": int(time.time()), "model": self.served_name(body.model)}
         for i in range(len(shapers)):
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},

@@ -51,13 +51,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                 if body.logprobs is not None else None,
                                 "finish_reason": c.finish_reason})
         return JSONResponse({"id": base_id, "object": "text_completion",
-                             "created": int(time.time()), "model": self.model_name,
+                             "created": int(time.time()), "model": self.served_name(body.model),
                              "choices": choices, "usage": usage(finals)})
 
     async def _completion_stream(self, body: CompletionRequest, base_id: str,
                                  streams: list[RequestStream]) -> AsyncIterator[bytes]:
         base = {"id": base_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.served_name(body.model)}
         tracker = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         try:

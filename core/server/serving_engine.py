@@ -118,6 +118,13 @@ class OpenAIServing:
                 param = first
             raise OpenAIError(400, str(exc), param) from None
 
+    def served_name(self, model: str | None) -> str:
+        """The name a response reports: the adapter `model` names, else the base model's
+        (as vLLM does; `model` was checked when the request was prepared)."""
+        lora = self.llm.engine.lora
+        return model if model is not None and lora is not None and model in lora.adapters \
+            else self.model_name
+
     def _lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names (None: the base model); 404 for a name nobody serves."""
         if model is None or model == self.model_name:

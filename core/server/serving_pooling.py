@@ -47,7 +47,7 @@ class OpenAIServingPooling(OpenAIServing):
                  "embedding": _encode(f.outputs.data, body.encoding_format)}
                 for i, f in enumerate(finals)]
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": self.model_name, "data": data, "usage": _usage(finals)}
+                "model": self.served_name(body.model), "data": data, "usage": _usage(finals)}
 
     async def rerank(self, body: RerankRequest, raw: Request) -> dict[str, Any]:
         lora = self._check_model(body.model, None)
@@ -62,7 +62,7 @@ class OpenAIServingPooling(OpenAIServing):
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": documents[i]}} if body.return_documents else {})}
                    for i in order]
-        return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.model_name,
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.served_name(body.model),
                 "usage": {"total_tokens": _usage(finals)["total_tokens"]}, "results": results}
 
     async def score(self, body: ScoreRequest, raw: Request) -> dict[str, Any]:
@@ -75,7 +75,7 @@ class OpenAIServingPooling(OpenAIServing):
         scores, finals = await self._scores(pairs, raw, ("text_1", "text_2"), lora)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": self.model_name, "data": data, "usage": _usage(finals)}
+                "model": self.served_name(body.model), "data": data, "usage": _usage(finals)}
 
     # --- shared ---------------------------------------------------------------------------
 

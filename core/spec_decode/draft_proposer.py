@@ -51,7 +51,7 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._held: dict[int, bytes] = {}  # block id -> hash of the full block its draft K/V is
+        self._held: dict[int, bytes] = {}  # block id -> hash of the block whose draft K/V it holds
         self.num_catch_up_tokens = 0  # verified tokens the draft has run (prompts included)
 
     @classmethod

@@ -216,8 +216,9 @@ def test_a_decoder_embeds_under_an_adapter_named_as_the_model(tiny_llama_dir: Pa
                 for name, model in (("a", merged), ("base", base))}
         assert max(_cos(a, b) for a, b in zip(refs["a"], refs["base"])) < 0.999
         for name, want in refs.items():
-            got = client.embeddings.create(model=name, input=ids).data
-            assert min(_cos(g.embedding, w) for g, w in zip(got, want)) >= 0.9999
+            response = client.embeddings.create(model=name, input=ids)
+            assert response.model == name
+            assert min(_cos(g.embedding, w) for g, w in zip(response.data, want)) >= 0.9999
         score = _post(server, "/score", {"model": "a", "text_1": "w1 w2", "text_2": "w3"})
         assert score.status_code == 200
         missing = _post(server, "/v1/embeddings", {"model": "b", "input": "w1"})

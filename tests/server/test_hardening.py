@@ -28,7 +28,8 @@ def _blocks_idle(server: RunningServer) -> None:
     deadline = time.monotonic() + 10
     while True:
         m = server.metrics()
-        if m["pkv:num_requests_running"] == 0 and m["pkv:kv_blocks_free"] == m["pkv:kv_blocks_total"]:
+        idle = m["pkv:num_requests_running"] == 0
+        if idle and m["pkv:kv_blocks_free"] == m["pkv:kv_blocks_total"]:
             return
         assert time.monotonic() < deadline, m
         time.sleep(0.2)

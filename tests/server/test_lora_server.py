@@ -63,9 +63,15 @@ def test_adapters_by_model_name_streamed_and_not_under_concurrency(lora_server: 
     names = [base, "a", "b", "c"]
     alone = {n: _complete(lora_server, n) for n in names}
     assert len(set(alone.values())) == len(names)  # every adapter changes the answer
-    stream = client.completions.create(model="a", prompt=PROMPT, max_tokens=10, temperature=0,
-                                       stream=True)
+    stream = list(client.completions.create(model="a", prompt=PROMPT, max_tokens=10,
+                                            temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in stream if c.choices) == alone["a"]
+    # Responses name the model asked for, as vLLM's do: the adapter, or the base.
+    assert {c.model for c in stream} == {"a"}
+    chat = client.chat.completions.create(model="b", max_tokens=2,
+                                          messages=[{"role": "user", "content": PROMPT}])
+    assert chat.model == "b"
+    assert client.completions.create(model=base, prompt=PROMPT, max_tokens=1).model == base
     # Three adapters, two slots, everything at once: each answer as when alone.
     work = names * 2
     with ThreadPoolExecutor(8) as pool:
