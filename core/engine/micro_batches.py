@@ -85,13 +85,10 @@ class MicroBatches:
         """Take back the final rows of micro-batches still in flight (requests aborted in
         them): until they are, the last stage's sends of them never finish. Returns the
         disk tier's parts that moved with them."""
-        works = []
+        works = [p.kv for p in self._pending if p.kv is not None]
         while self._pending:
-            pending = self._pending.popleft()
             try:
-                self.pipeline.complete(pending)
+                self.pipeline.complete(self._pending.popleft())
             except RuntimeError:  # a dead stage: nothing more will come back
                 self._pending.clear()
-            if pending.kv is not None:
-                works.append(pending.kv)
         return works
