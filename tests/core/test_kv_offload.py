@@ -383,14 +383,16 @@ def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path)
     restarted.shutdown()
 
 
-@pytest.mark.parametrize("family,window", [("qwen2", 8), ("qwen2", 40), ("gemma3", 40)])
-def test_engine_hybrid_model_reads_each_groups_blocks_back(family: str, window: int,
+@pytest.mark.parametrize("family,window,pp", [("qwen2", 8, 1), ("qwen2", 40, 1),
+                                               ("gemma3", 40, 1), ("gemma3", 40, 2)])
+def test_engine_hybrid_model_reads_each_groups_blocks_back(family: str, window: int, pp: int,
                                                           smol_hf_dir: Path,
                                                           tmp_path: Path) -> None:
     """Models of global and sliding-window layers (Qwen2's two layers: two KV groups of one;
-    Gemma 3's five: a global group and two windowed ones of two slots): every group's
-    blocks are saved, and a prefix comes back with the global groups' blocks and the
-    windowed groups' visible ones only, with the same tokens, after a restart too."""
+    Gemma 3's five: a global group and two windowed ones of two slots, also over two
+    pipeline stages): every group's blocks are saved, and a prefix comes back with the
+    global groups' blocks and the windowed groups' visible ones only, with the same tokens,
+    after a restart too."""
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.tests.helpers import build_tiny_model, kv_block_bytes
@@ -406,6 +408,7 @@ def test_engine_hybrid_model_reads_each_groups_blocks_back(family: str, window: 
     def engine(offload: Path | None) -> Any:
         return LLMEngine(EngineConfig(model=str(hybrid), kv_cache_memory=pool * per_block,
                                       max_model_len=112, max_num_seqs=1,
+                                      pipeline_parallel_size=pp if offload else 1,
                                       kv_offload_dir=str(offload) if offload else None),
                          show_progress=False)
 
