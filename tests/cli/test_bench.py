@@ -294,6 +294,23 @@ def test_bench_spec_compares_with_and_without_speculation(tmp_path: Path, tiny_l
     bad = _bench("spec", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
     assert bad.exit_code != 0 and "method must be one of" in bad.output
     assert "Traceback" not in bad.output
+    bad = _bench("spec", "--shared-prefix-len", "-1")
+    assert bad.exit_code != 0 and "--shared-prefix-len must be >= 0" in bad.output
+
+
+def test_bench_spec_prompts_share_a_prefix(tmp_path: Path, tiny_llama_dir: Path):
+    """A draft model on prompts that share a cached prefix: the same texts with and without
+    speculation."""
+    out = tmp_path / "spec.json"
+    result = _bench("spec", str(tiny_llama_dir), "--speculative-config",
+                    f'{{"model": "{tiny_llama_dir}", "num_speculative_tokens": 2}}',
+                    "--workload", "synthetic", "--shared-prefix-len", "64", "--input-len", "4",
+                    "--batch", "1", "--num-prompts", "3", "--output-len", "8",
+                    "--kv-cache-memory", "16MiB", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["identical_outputs"] == run["num_requests"] == 3
+    assert run["plain"]["prefill_tokens"] < 3 * (64 + 4)  # the later ones hit the prefix
 
 
 def test_bench_lora_measures_adapters_against_the_base(tmp_path: Path, tiny_llama_dir: Path):

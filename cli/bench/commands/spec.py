@@ -20,6 +20,7 @@ def spec(
     batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
     num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: 2 x batch, at least 4).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens of synthetic prompts.")] = 32,
+    shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first (a cached document: the draft's K/V of it is reused).")] = 0,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
@@ -37,6 +38,8 @@ def spec(
 
     with user_errors(console):
         batches = int_list(batch, "--batch")
+        if shared_prefix_len < 0:
+            raise ValueError("--shared-prefix-len must be >= 0")
         workloads = [w.strip() for w in workload.split(",") if w.strip()]
         unknown = [w for w in workloads if w not in WORKLOADS]
         if unknown or not workloads:
@@ -49,7 +52,8 @@ def spec(
         for engine in engines:
             warm_up(engine)
         print_cpu_line(console)
-        opts = dict(input_len=input_len, seed=seed, dataset=None, shared_prefix_len=0)
+        opts = dict(input_len=input_len, seed=seed, dataset=None,
+                    shared_prefix_len=shared_prefix_len)
         runs = []
         for w in workloads:
             for b in batches:
