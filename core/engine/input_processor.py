@@ -44,8 +44,9 @@ class InputLimits:
 
     vocab_size: int
     max_model_len: int
-    max_num_batched_tokens: int  # a pooling request runs whole, in one step
+    max_num_batched_tokens: int  # a pooling request runs whole, in one step, unless
     block_size: int
+    pool_in_chunks: bool = False  # (a decoder pooling its last token: chunked as a prefill)
 
 
 class InputProcessor:
@@ -118,13 +119,15 @@ class InputProcessor:
             ids, types = self.tokenizer.encode_pair(*prompt)
         else:
             text, ids = self._tokenize(prompt)
-        limit = min(self.limits.max_model_len, self.limits.max_num_batched_tokens)
+        chunks = self.limits.pool_in_chunks
+        limit = (self.limits.max_model_len if chunks
+                 else min(self.limits.max_model_len, self.limits.max_num_batched_tokens))
         if len(ids) > limit:
             raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
                                      f"{limit}")
         request = Request(request_id, ids, SamplingParams(max_tokens=None), frozenset(),
                           self.limits.block_size, pooling=params, token_type_ids=types,
-                          lora=adapter)
+                          lora=adapter, pool_in_chunks=chunks)
         return PreparedRequest(request_id, text, [request])
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:

@@ -101,8 +101,12 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        pooler = self.runner.pooler
         limits = InputLimits(source.config.vocab_size, self.max_model_len,
-                             self.max_num_batched_tokens, config.block_size)
+                             self.max_num_batched_tokens, config.block_size,
+                             pool_in_chunks=(self.runner.keeps_kv and pooler is not None
+                                             and pooler.config.mode == "last"
+                                             and not pooler.classifies))
         self.processor = InputProcessor(self.tokenizer, limits, self.task, self.runner.pooler,
                                         self.guided, self.lora, self.runner.device)
 

@@ -163,7 +163,7 @@ class Scheduler:
             if not self._acquire_lora(request, out):
                 break  # every LoRA slot is pinned by running requests of other adapters
             if request.pooling is not None:
-                if request.num_tokens > budget:
+                if request.num_tokens > budget and not request.pool_in_chunks:
                     break  # whole, in a later step (it fits a step: the engine checked)
                 computed, num_cached = None, 0
             else:

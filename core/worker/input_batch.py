@@ -109,14 +109,15 @@ def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device,
 
 def pool_spans(meta: AttentionMetadata,
                pooling: list[tuple[Request, int]]) -> list[tuple[int, int]]:
-    """The step's rows (first, count) of each pooling request: its whole prompt."""
+    """The step's rows (first, count) of each pooling request: its whole prompt, or the
+    last chunk of one pooled in chunks (a decoder pooling its last token)."""
     starts = meta.query_start_loc_cpu
     return [(starts[i], starts[i + 1] - starts[i]) for _, i in pooling]
 
 
 def token_types(requests: list[Request], device: torch.device) -> torch.Tensor | None:
     """The step's token type ids (a cross-encoder's pair segments; 0 elsewhere), or None
-    when every one is 0. Pooling requests run whole, so their types line up with rows."""
+    when every one is 0. An encoder's requests run whole, so their types line up with rows."""
     if all(r.token_type_ids is None for r in requests):
         return None
     types: list[int] = []

@@ -274,10 +274,13 @@ class ModelRunner:
         return result
 
     def _pooling(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
-        """The step's pooling requests and their places in it."""
+        """The step's pooling requests whose prompt it ends (a chunked one pools at its last
+        chunk), and their places in it."""
         if self.pooler is None:
             return []
-        return [(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None]
+        return [(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None
+                and r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id]
+                == r.num_tokens]
 
     def _pool(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
               pooling: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:

@@ -222,3 +222,26 @@ def test_a_decoder_embeds_under_adapters(tiny_llama_dir: Path, tmp_path: Path):
     assert min(_cosines([o.outputs.data for o in outs], want)) >= 0.9999
     assert max(_cosines(refs["a"], refs[None])) < 0.999  # the adapters matter
     assert llm.llm_engine.get_stats().num_blocks_used == 0
+
+
+def test_a_decoder_pools_a_prompt_longer_than_a_step_in_chunks(tiny_llama_dir: Path):
+    """Last-token pooling on a decoder: a prompt past the token budget runs in chunks as a
+    prefill does (its K/V kept), pooled at its last chunk, beside prompts that fit a step;
+    vectors equal transformers'. An encoder still takes at most one step's tokens."""
+    llm = LLM(str(tiny_llama_dir), task="embed", kv_cache_memory="64MiB",
+              max_num_batched_tokens=16, max_model_len=128, show_progress=False)
+    prompts = [list(range(200, 300)), [1, 2, 3, 4, 5], list(range(300, 340))]
+    outs = llm.embed(prompts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    ref = _last_token_reference(model.model, prompts)
+    assert min(_cosines([o.outputs.data for o in outs], ref)) >= 0.9999
+    engine = llm.llm_engine
+    assert engine.num_steps >= 100 // 16 and engine.get_stats().num_blocks_used == 0
+    with pytest.raises(ValueError, match="takes at most 128"):
+        llm.embed([list(range(200, 330))])
+
+
+def test_an_encoder_takes_one_step_of_tokens(bert_dirs: dict[str, Path]):
+    llm = LLM(str(bert_dirs["mean"]), max_num_batched_tokens=16, show_progress=False)
+    with pytest.raises(ValueError, match="takes at most 16"):
+        llm.embed([list(range(100, 120))])
