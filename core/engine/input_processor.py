@@ -75,8 +75,9 @@ class InputProcessor:
         scoring request (a pair of texts: a cross-encoder's query and document)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if isinstance(params, PoolingParams):
-            return self._prepare_pooling(request_id, prompt, params,
-                                         self._adapter(lora_request))
+            adapter = self._adapter(lora_request)
+            return self._prepare_pooling(request_id, prompt, params, adapter,
+                                         self._salt(cache_salt, adapter))
         if self.pooler is not None:
             raise ValueError(f"this model serves task={self.task} (embeddings or scores), "
                              "not text generation")
@@ -89,9 +90,7 @@ class InputProcessor:
         grammar = (self.guided.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         eos = frozenset(self.tokenizer.eos_token_ids)
-        salt = cache_salt.encode() if cache_salt else b""
-        if adapter is not None:  # blocks computed under an adapter are its own
-            salt += b"\0lora:" + str(adapter.uid).encode() + b"@" + self._lora_salt_nonce
+        salt = self._salt(cache_salt, adapter)
         children = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", prompt_ids, params,
                     eos, self.limits.block_size, salt, self._generator(params.seed, i),
@@ -100,9 +99,17 @@ class InputProcessor:
         ]
         return PreparedRequest(request_id, prompt_text, children)
 
+    def _salt(self, cache_salt: str | None, adapter: LoRAAdapter | None) -> bytes:
+        """What sets a request's prefix-cache blocks apart: its salt (the tenant's), and the
+        adapter they are computed under."""
+        salt = cache_salt.encode() if cache_salt else b""
+        if adapter is not None:  # blocks computed under an adapter are its own
+            salt += b"\0lora:" + str(adapter.uid).encode() + b"@" + self._lora_salt_nonce
+        return salt
+
     def _prepare_pooling(self, request_id: str, prompt: str | list[int] | tuple[str, str],
-                         params: PoolingParams,
-                         adapter: LoRAAdapter | None = None) -> PreparedRequest:
+                         params: PoolingParams, adapter: LoRAAdapter | None = None,
+                         salt: bytes = b"") -> PreparedRequest:
         pooler = self.pooler
         if pooler is None:
             raise ValueError("this model generates text; embeddings and scores need a pooling "
@@ -126,7 +133,7 @@ class InputProcessor:
             raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
                                      f"{limit}")
         request = Request(request_id, ids, SamplingParams(max_tokens=None), frozenset(),
-                          self.limits.block_size, pooling=params, token_type_ids=types,
+                          self.limits.block_size, salt, pooling=params, token_type_ids=types,
                           lora=adapter, pool_in_chunks=chunks)
         return PreparedRequest(request_id, text, [request])
 

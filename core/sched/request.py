@@ -70,10 +70,10 @@ class Request:
     guided: Any = None  # the grammar state of a structured-output request
     lora: Any = None  # the LoRAAdapter it runs with (None: the base model)
     lora_slot: int = -1  # the adapter's slot while running
-    # A pooling request (an embedding or a score): its prompt runs from its first token (no
-    # prefix-cache hit: the pooler reads its rows), whole in one step unless `pool_in_chunks`
-    # (a decoder pooling its last token: chunked as any prefill, pooled at the last chunk),
-    # and it finishes with its pooled vector instead of sampling.
+    # A pooling request (an embedding or a score): its prompt runs whole in one step, from
+    # its first token (the pooler reads its rows), unless `pool_in_chunks` (a decoder pooling
+    # its last token: a prefix-cache hit and chunks as any prompt, pooled at the last chunk);
+    # it finishes with its pooled vector instead of sampling.
     pooling: PoolingParams | None = None
     pool_in_chunks: bool = False
     token_type_ids: list[int] | None = None  # a cross-encoder pair's segments

@@ -162,11 +162,11 @@ class Scheduler:
             request = self.waiting[0]
             if not self._acquire_lora(request, out):
                 break  # every LoRA slot is pinned by running requests of other adapters
-            if request.pooling is not None:
-                if request.num_tokens > budget and not request.pool_in_chunks:
+            if request.pooling is not None and not request.pool_in_chunks:
+                if request.num_tokens > budget:
                     break  # whole, in a later step (it fits a step: the engine checked)
-                computed, num_cached = None, 0
-            else:
+                computed, num_cached = None, 0  # (the pooler reads every row)
+            else:  # (a decoder pooling its last token reads only that row)
                 computed, num_cached = self.kv_cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, n, computed):

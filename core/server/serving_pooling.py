@@ -25,6 +25,7 @@ from pkv.core.lora.adapter import LoRARequest
 from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.server.errors import OpenAIError
+from pkv.core.server.middleware import request_tenant
 from pkv.core.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from pkv.core.server.serving_engine import OpenAIServing
 
@@ -111,17 +112,22 @@ class OpenAIServingPooling(OpenAIServing):
             raise OpenAIError(400, f"at most {self.limits.max_pooling_inputs} inputs per "
                               "request", param)
         base_id = f"pool-{uuid.uuid4().hex}"
+        # Tenants (API keys) never share prefix-cache blocks (a decoder pooling its last
+        # token takes hits): their name salts every hash, as for generation.
+        tenant = request_tenant(raw.scope)
+        salt = None if tenant is None else f"{tenant}:"
         prepared = await asyncio.to_thread(self._prepare_all, base_id, inputs, params, param,
-                                           lora)
+                                           lora, salt)
         return await self.collect_all(self.llm.submit(prepared), raw)
 
     def _prepare_all(self, base_id: str, inputs: list[PoolingInput], params: PoolingParams,
-                     param: str, lora: LoRARequest | None) -> list[PreparedRequest]:
+                     param: str, lora: LoRARequest | None,
+                     salt: str | None) -> list[PreparedRequest]:
         engine = self.llm.engine
         prepared = []
         for i, item in enumerate(inputs):
             try:
-                prepared.append(engine.prepare_request(f"{base_id}-{i}", item, params,
+                prepared.append(engine.prepare_request(f"{base_id}-{i}", item, params, salt,
                                                        lora_request=lora))
             except ContextLengthError as exc:
                 raise OpenAIError(400, f"{param}[{i}]: {exc}", param,

@@ -245,3 +245,26 @@ def test_an_encoder_takes_one_step_of_tokens(bert_dirs: dict[str, Path]):
     llm = LLM(str(bert_dirs["mean"]), max_num_batched_tokens=16, show_progress=False)
     with pytest.raises(ValueError, match="takes at most 16"):
         llm.embed([list(range(100, 120))])
+
+
+def test_a_decoder_pooling_its_last_token_hits_the_prefix_cache(tiny_llama_dir: Path):
+    """Inputs sharing an instruction (as Qwen3-Embedding's queries do): the later ones take
+    its blocks from the prefix cache, a different salt (tenant) does not, and every vector
+    equals transformers'."""
+    llm = LLM(str(tiny_llama_dir), task="embed", kv_cache_memory="64MiB", show_progress=False)
+    engine = llm.llm_engine
+    instruction = list(range(500, 564))  # 4 blocks of 16
+    prompts = [instruction + [7, 8, 9], instruction + list(range(600, 620))]
+    first = llm.embed(prompts[:1])
+    hits = engine.kv_cache.prefix_hits
+    second = llm.embed(prompts[1:])
+    assert engine.kv_cache.prefix_hits - hits == len(instruction)
+    hits = engine.kv_cache.prefix_hits
+    engine.add_request("other-tenant", prompts[1], PoolingParams(), cache_salt="tenant-b")
+    salted = [o for o in engine.generate_until_done() if o.request_id == "other-tenant"]
+    assert engine.kv_cache.prefix_hits == hits
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    ref = _last_token_reference(model.model, prompts)
+    got = [first[0].outputs.data, second[0].outputs.data]
+    assert min(_cosines(got, ref)) >= 0.9999
+    assert _cosines([salted[0].outputs.data], ref[1:])[0] >= 0.9999
