@@ -44,9 +44,9 @@ class InputLimits:
 
     vocab_size: int
     max_model_len: int
-    max_num_batched_tokens: int  # a pooling request runs whole, in one step, unless
+    max_num_batched_tokens: int  # a pooling request runs whole, in one step (but see below)
     block_size: int
-    pool_in_chunks: bool = False  # (a decoder pooling its last token: chunked as a prefill)
+    pool_in_chunks: bool = False  # a decoder pooling its last token: chunked as a prefill
 
 
 class InputProcessor:
