@@ -105,8 +105,7 @@ class LLMEngine:
         limits = InputLimits(source.config.vocab_size, self.max_model_len,
                              self.max_num_batched_tokens, config.block_size,
                              pool_in_chunks=(self.runner.keeps_kv and pooler is not None
-                                             and pooler.config.mode == "last"
-                                             and not pooler.classifies))
+                                             and pooler.reads_last_row_only))
         self.processor = InputProcessor(self.tokenizer, limits, self.task, self.runner.pooler,
                                         self.guided, self.lora, self.runner.device)
 

@@ -103,6 +103,12 @@ class Pooler:
     def classifies(self) -> bool:
         return self.head is not None
 
+    @property
+    def reads_last_row_only(self) -> bool:
+        """Whether a prompt's vector comes from its last row alone (an embedding pooled on
+        its last token): then its other rows may be cached or computed in earlier steps."""
+        return self.config.mode == "last" and not self.classifies
+
     def check(self, params: PoolingParams) -> None:
         """Raise ValueError (starting with the field's name) for what this model cannot do."""
         dims = params.dimensions

@@ -21,7 +21,7 @@ import json
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -244,16 +244,6 @@ class KVOffloadStore:
         if not self.files.read_into(fid, encoded, memoryview(buf.numpy())):
             return None
         return buf
-
-    def load_chain(self, blocks: Iterable[tuple[bytes, BlockKey]]) -> list[torch.Tensor]:
-        """Bytes of the leading blocks found on disk, up to the first miss."""
-        found = []
-        for block_hash, key in blocks:
-            buf = self.load(block_hash, key)
-            if buf is None:
-                break
-            found.append(buf)
-        return found
 
     def record_hits(self, num_blocks: int, num_tokens: int) -> None:
         """Count blocks that went into the pool from disk and the prefill they spared."""

@@ -57,7 +57,7 @@ class KVParts:
     """This rank's parts of KV blocks, and every rank's part size."""
 
     def __init__(self, pool: Callable[[], torch.Tensor],
-                 send: Callable[[KVTransfer], None] | None = None) -> None:
+                 send: Callable[[KVTransfer], None]) -> None:
         """`pool` returns this rank's KV pool as bytes [slots, 2, num_blocks, ...]; `send`
         gives a KVTransfer to every other rank between steps (the driver's runner does).
         Every rank of the world builds one at once (the sizes are exchanged)."""
@@ -102,7 +102,7 @@ class KVParts:
 
     def fetch(self, block_ids: list[int]) -> torch.Tensor:
         """The other ranks' parts of the blocks [blocks, remote_bytes], between steps."""
-        if self._send is None or self.rank != 0:
+        if self.rank != 0:
             raise RuntimeError("only the driver fetches KV parts")
         work = KVWork(KVTransfer(save=block_ids))
         self._send(work.transfer)

@@ -278,9 +278,8 @@ class ModelRunner:
         chunk), and their places in it."""
         if self.pooler is None:
             return []
-        return [(r, i) for i, r in enumerate(sched.scheduled) if r.pooling is not None
-                and r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id]
-                == r.num_tokens]
+        return [(r, i) for i, r in enumerate(sched.scheduled)
+                if r.pooling is not None and sched.samples(r)]
 
     def _pool(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
               pooling: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:
