@@ -58,6 +58,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_readers.h"
 #include "kv_rows.h"
 #include "team.h"
 #include "vec_math.h"
@@ -99,11 +100,11 @@ static inline void sum8(const vfn* a, float* sums) {
 }
 #endif
 
-// s[j] = q . K[j] for the keys j in [j0, n) of a block, K rows `row` floats apart: eight keys
-// at a time where the ISA has sum8, one at a time otherwise and for the rest.
-template <int64_t DC>
-static inline void key_scores(const vf16* q, const float* kb, int64_t row, int64_t j0,
-                              int64_t n, float* s) {
+// s[j] = q . K[j] for the keys j in [j0, n) of a block (K: a reader, csrc/kv_readers.h):
+// eight keys at a time where the ISA has sum8, one at a time otherwise and for the rest.
+template <int64_t DC, typename Reader>
+static inline void key_scores(const vf16* q, const Reader& K, int64_t j0, int64_t n,
+                              float* s) {
   int64_t j = j0;
 #if defined(__AVX__)
   const float* qf = reinterpret_cast<const float*>(q);  // read by memcpy (loadv)
@@ -111,29 +112,32 @@ static inline void key_scores(const vf16* q, const float* kb, int64_t row, int64
     vfn acc[8] = {};
     for (int64_t c = 0; c < 16 * DC; c += kLanes) {
       const vfn qv = loadv(qf + c);
-      for (int i = 0; i < 8; ++i) acc[i] += qv * loadv(kb + (j + i) * row + c);
+      for (int i = 0; i < 8; ++i) acc[i] += qv * K.load(j + i, c);
     }
     sum8(acc, s + j);
+    for (int i = 0; i < 8; ++i) s[j + i] *= K.scale(j + i);  // (x 1.f folds away)
   }
 #endif
   for (; j < n; ++j) {
-    vf16 d = q[0] * load16(kb + j * row);
-    for (int64_t c = 1; c < DC; ++c) d += q[c] * load16(kb + j * row + 16 * c);
-    s[j] = hsum(d);
+    vf16 d = q[0] * kv_readers::load16(K, j, 0);
+    for (int64_t c = 1; c < DC; ++c) d += q[c] * kv_readers::load16(K, j, 16 * c);
+    s[j] = hsum(d) * K.scale(j);
   }
 }
 
-// acc += sum_j p[j] V[j] over the keys j in [j0, n) of a block, V rows `row` floats apart;
-// up to 64 floats of acc at a time stay in registers across the keys.
-template <int64_t DC>
-static inline void add_values(const float* p, const float* vb, int64_t row, int64_t j0,
-                              int64_t n, vf16* acc) {
+// acc += sum_j p[j] V[j] over the keys j in [j0, n) of a block (V: a reader); up to 64
+// floats of acc at a time stay in registers across the keys.
+template <int64_t DC, typename Reader>
+static inline void add_values(const float* p, const Reader& V, int64_t j0, int64_t n,
+                              vf16* acc) {
   constexpr int64_t kChunk = DC < 4 ? DC : 4;
   for (int64_t c0 = 0; c0 < DC; c0 += kChunk) {
     vf16 a[kChunk];
     for (int64_t c = 0; c < kChunk; ++c) a[c] = acc[c0 + c];
-    for (int64_t j = j0; j < n; ++j)
-      for (int64_t c = 0; c < kChunk; ++c) a[c] += p[j] * load16(vb + j * row + 16 * (c0 + c));
+    for (int64_t j = j0; j < n; ++j) {
+      const float w = p[j] * V.scale(j);
+      for (int64_t c = 0; c < kChunk; ++c) a[c] += w * kv_readers::load16(V, j, 16 * (c0 + c));
+    }
     for (int64_t c = 0; c < kChunk; ++c) acc[c0 + c] = a[c];
   }
 }
@@ -173,7 +177,7 @@ struct VecState {
 // [b0, b1) of its keys [lo, len): st holds each head's running max m, sum l and unnormalized
 // accumulators (finish() divides them out). Keys are walked row by row across the KV heads,
 // so a block's K (then V) is read front to back.
-template <int64_t DC>
+template <int64_t DC, typename Reader>
 static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::Rows& V,
                        const int32_t* table, int64_t len, int64_t lo, int64_t b0, int64_t b1,
                        int64_t BS, int64_t KVH, int64_t kh0, int64_t kh1, int64_t G,
@@ -202,12 +206,11 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
     // ~400 lines: the decode attention of a batch of 256 took 1.3-1.45x as long.
     const int64_t next_n = b + 1 < b1 ? std::min(BS, len - (b + 1) * BS) : 0;
     const int64_t next = next_n ? static_cast<int64_t>(table[b + 1]) * BS : 0;
-    int64_t row;
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const float* kb = block_rows(K, slot0, kh, KVH, j0, n, st.rows.data(), row);
+      const Reader kb = Reader::at(K, slot0 * KVH + kh, KVH, j0, n, st.rows.data());
       for (int64_t i = 0, h = (kh - kh0) * G; i < G; ++i, ++h) {
         prefetch_rows(K, next, kh, KVH, i * next_n / G, (i + 1) * next_n / G);
-        key_scores<DC>(q + h * DC, kb, row, j0, n, scores + h * padded);
+        key_scores<DC>(q + h * DC, kb, j0, n, scores + h * padded);
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -228,10 +231,10 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
       st.m[h] = m_new;
     }
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const float* vb = block_rows(V, slot0, kh, KVH, j0, n, st.rows.data(), row);
+      const Reader vb = Reader::at(V, slot0 * KVH + kh, KVH, j0, n, st.rows.data());
       for (int64_t i = 0, h = (kh - kh0) * G; i < G; ++i, ++h) {
         prefetch_rows(V, next, kh, KVH, i * next_n / G, (i + 1) * next_n / G);
-        add_values<DC>(scores + h * padded, vb, row, j0, n, acc + h * DC);
+        add_values<DC>(scores + h * padded, vb, j0, n, acc + h * DC);
       }
     }
   }
@@ -349,6 +352,28 @@ static std::vector<VecItem> vec_items(const std::vector<int64_t>& tokens, const 
   return items;
 }
 
+// The decode kernel for D = 16 * DC over rows of `kind`: read in registers where the flavour
+// can (csrc/kv_readers.h), else through a buffer of the block's widened rows.
+template <typename Reader>
+static auto vec_kernel_of(int64_t DC) {
+  return DC == 1 ? attend_vec<1, Reader> : DC == 2 ? attend_vec<2, Reader>
+         : DC == 4 ? attend_vec<4, Reader> : attend_vec<8, Reader>;
+}
+
+static auto vec_kernel(kv_rows::Kind kind, int64_t DC) {
+  switch (kind) {
+    case kv_rows::Kind::F32: return vec_kernel_of<kv_readers::F32>(DC);
+#if defined(PKV_KV_READS_F16)
+    case kv_rows::Kind::F16: return vec_kernel_of<kv_readers::F16>(DC);
+#endif
+#if defined(PKV_KV_READS_AVX2)
+    case kv_rows::Kind::BF16: return vec_kernel_of<kv_readers::BF16>(DC);
+    case kv_rows::Kind::I8: return vec_kernel_of<kv_readers::I8>(DC);
+#endif
+    default: return vec_kernel_of<kv_readers::Widened>(DC);
+  }
+}
+
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -430,8 +455,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
   const int64_t DC = D % 16 == 0 ? D / 16 : 0;
   if (DC == 1 || DC == 2 || DC == 4 || DC == 8) {
-    const auto run = DC == 1 ? attend_vec<1> : DC == 2 ? attend_vec<2>
-                     : DC == 4 ? attend_vec<4> : attend_vec<8>;
+    const auto run = vec_kernel(K.kind, DC);
     const std::vector<VecItem> items = vec_items(tokens, lens, first_key, BS, KVH);
     // Parts of a token's keys wait in `partial` for the merge; the caller's buffer, reused,
     // named by a reference so that the team's threads fill this thread's.

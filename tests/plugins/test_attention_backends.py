@@ -77,7 +77,7 @@ def test_expected_backends_are_usable_here():
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
-@pytest.mark.parametrize("head_dim", [16, 40, 128])  # vector paths (16, 128) and scalar (40)
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128])  # vector paths (16, 128) and scalar (40)
 @pytest.mark.parametrize("seqs", [[(70, 1)], [(3, 1), (50, 1)], [(20, 1)] * 9],
                          ids=["one-token", "two-tokens", "nine-tokens"])
 def test_cpu_kernel_head_sizes_and_work_splits(head_dim: int, seqs: list[tuple[int, int]],
@@ -179,7 +179,7 @@ def test_backend_reads_and_writes_a_smaller_kv_cache(backend_name: str, layout: 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
 @pytest.mark.parametrize("cache_dtype",
                          [torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 40, 128])
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128])
 def test_cpu_kernel_smaller_kv_cache_every_flavour(cache_dtype: torch.dtype, head_dim: int,
                                                    isa: str):
     # Decodes, a short chunk (per-token path) and a long one (tiled path), with a window.
