@@ -152,20 +152,6 @@ static inline void prefetch_rows(const kv_rows::Rows& R, int64_t slot0, int64_t 
   }
 }
 
-// Keys (or values) [j0, n) of KV head kh in the block starting at slot0, as float rows
-// `row` floats apart: in place for a float32 cache, else widened into buf (rows D apart).
-static inline const float* block_rows(const kv_rows::Rows& R, int64_t slot0, int64_t kh,
-                                      int64_t KVH, int64_t j0, int64_t n, float* buf,
-                                      int64_t& row) {
-  if (R.kind == kv_rows::Kind::F32) {
-    row = KVH * R.D;
-    return reinterpret_cast<const float*>(R.row(slot0 * KVH + kh));
-  }
-  row = R.D;
-  for (int64_t j = j0; j < n; ++j) kv_rows::load(R.row((slot0 + j) * KVH + kh), R.kind, R.D, buf + j * R.D);
-  return buf;
-}
-
 // State of one token's attention over KV heads [kh0, kh1): G query heads each.
 struct VecState {
   std::vector<vf16> q, acc;  // [heads][DC]
@@ -491,14 +477,15 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
         const int64_t n = std::min(BS, len - b * BS);
         const int64_t j0 = std::max<int64_t>(0, lo - b * BS);
         const int64_t slot0 = static_cast<int64_t>(table[b]) * BS;
-        int64_t row;
-        const float* kb = block_rows(K, slot0, kh, KVH, j0, n, kbuf.data(), row);
-        const float* vb = block_rows(V, slot0, kh, KVH, j0, n, vbuf.data(), row);
+        const kv_readers::F32 kr = kv_readers::float_rows(K, slot0 * KVH + kh, KVH, j0, n,
+                                                          kbuf.data());
+        const kv_readers::F32 vr = kv_readers::float_rows(V, slot0 * KVH + kh, KVH, j0, n,
+                                                          vbuf.data());
         for (int64_t g = 0; g < G; ++g) {
           float* s = scores.data() + g * BS;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t j = j0; j < n; ++j) {
-            s[j] = dot(qg + g * D, kb + j * row, D) * fscale;
+            s[j] = dot(qg + g * D, kr.p + j * kr.row, D) * fscale;
             if (cap > 0.f) s[j] = cap * std::tanh(s[j] / cap);
             block_max = std::max(block_max, s[j]);
           }
@@ -511,7 +498,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
           for (int64_t j = j0; j < n; ++j) {
             const float p = std::exp(s[j] - m_new);
             l[g] += p;
-            const float* vj = vb + j * row;
+            const float* vj = vr.p + j * vr.row;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += p * vj[d];
           }
