@@ -52,11 +52,21 @@ inline F32 float_rows(const kv_rows::Rows& R, int64_t first_row, int64_t KVH, in
                                       : Widened::at(R, first_row, KVH, j0, n, buf);
 }
 
-#if defined(__F16C__)
-// Rows of float16, `row` values apart: vcvtph2ps.
-struct F16 {
+// Rows of 16-bit values, `row` values apart (Self: the reader, which widens them).
+template <typename Self>
+struct HalfRows {
   const uint16_t* p;
   int64_t row;
+  float scale(int64_t) const { return 1.f; }
+  static Self at(const kv_rows::Rows& R, int64_t first_row, int64_t KVH, int64_t, int64_t,
+                 float*) {
+    return {{reinterpret_cast<const uint16_t*>(R.row(first_row)), KVH * R.D}};
+  }
+};
+
+#if defined(__F16C__)
+// float16: vcvtph2ps.
+struct F16 : HalfRows<F16> {
   vfn load(int64_t j, int64_t c) const {
     const uint16_t* at = p + j * row + c;
 #if defined(__AVX512F__)
@@ -67,20 +77,13 @@ struct F16 {
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
 #endif
   }
-  float scale(int64_t) const { return 1.f; }
-  static F16 at(const kv_rows::Rows& R, int64_t first_row, int64_t KVH, int64_t, int64_t,
-                float*) {
-    return {reinterpret_cast<const uint16_t*>(R.row(first_row)), KVH * R.D};
-  }
 };
 #define PKV_KV_READS_F16 1
 #endif
 
 #if defined(__AVX2__)
-// Rows of bfloat16, `row` values apart: widened to 32 bits and shifted into a float's top half.
-struct BF16 {
-  const uint16_t* p;
-  int64_t row;
+// bfloat16: widened to 32 bits and shifted into a float's top half.
+struct BF16 : HalfRows<BF16> {
   vfn load(int64_t j, int64_t c) const {
     const uint16_t* at = p + j * row + c;
 #if defined(__AVX512F__)
@@ -92,11 +95,6 @@ struct BF16 {
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
     return reinterpret_cast<vfn>(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
 #endif
-  }
-  float scale(int64_t) const { return 1.f; }
-  static BF16 at(const kv_rows::Rows& R, int64_t first_row, int64_t KVH, int64_t, int64_t,
-                 float*) {
-    return {reinterpret_cast<const uint16_t*>(R.row(first_row)), KVH * R.D};
   }
 };
 
