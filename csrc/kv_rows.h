@@ -8,8 +8,8 @@
 //   kFloat8_e4m3fn  D e4m3 codes + f32 scale   x = scale * code, scale = max |x| / 448
 //
 // The tensor's dtype says which. Writes quantize as the torch reference does (the same
-// division and rounding, so both write the same bytes); reads widen a block's rows into a
-// float32 buffer that stays in L1 while the query heads go over it.
+// division and rounding, so both write the same bytes); reads widen rows to float32, in
+// registers as decode attention reads them or into a buffer (csrc/kv_readers.h).
 #pragma once
 
 #include <ATen/ATen.h>

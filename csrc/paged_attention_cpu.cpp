@@ -40,10 +40,12 @@
 // (the causal diagonal, a window's edge) are masked inside the softmax. Items are handed out
 // dearest first from a shared counter (causal items differ in cost).
 //
-// A float32 cache is read in place. Other formats are widened as they are read: a block's rows
-// of one KV head (decode: the G query heads then go over them in L1), a key tile's rows
-// (prefill); an 8-bit cache reads a quarter of the bytes, and decode attention over long
-// contexts is bound by those bytes.
+// A float32 cache is read in place. Other formats are widened as they are read: decode widens
+// float16, bfloat16 and int8 rows in registers as its dot products take them, fp8 rows (and
+// every format on the generic flavour) a block's rows of one KV head into a buffer that the G
+// query heads then go over in L1 (csrc/kv_readers.h); prefill widens a key tile's rows. An
+// 8-bit cache reads a quarter of the bytes, and decode attention over long contexts is bound
+// by those bytes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -156,7 +158,7 @@ static inline void prefetch_rows(const kv_rows::Rows& R, int64_t slot0, int64_t 
 struct VecState {
   std::vector<vf16> q, acc;  // [heads][DC]
   std::vector<float> m, l, scores;  // scores: [heads][BS rounded up to 16]
-  std::vector<float> rows;  // a block's widened rows of one KV head (non-float32 caches)
+  std::vector<float> rows;  // a block's widened rows of one KV head (kv_readers::Widened)
 };
 
 // One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC, and the blocks
