@@ -110,7 +110,6 @@ class ModelRunner:
                 self.model.use_kernels(ops)
         hold_freed_memory_until_idle()  # a step's activations reuse the last step's pages
         release_free_memory()  # what loading and repacking the weights left behind
-        self.extra_block_bytes = extra_block_bytes
         if num_blocks is None:  # (every rank the same)
             num_blocks = num_kv_blocks(config, self.kv_groups,
                                        self.kv_bytes_per_block + extra_block_bytes,
