@@ -104,18 +104,25 @@ class KVCacheCoordinator:
                 plan.data = memo.data  # (read while it waited for blocks)
                 self._disk_found = plan
                 return plan
-            for g, (group, blocks) in enumerate(zip(self.groups, plan.blocks)):
-                for i in (i for i, b in enumerate(blocks) if b is None):
-                    data = self.offload.load(*group.cache_key(request, i))
-                    if data is None:
-                        failed.add((g, i))
-                        break
-                    plan.data[g].append(data)
-            if not failed.intersection(self._disk_places(plan)):
+            if self._read(self.offload, request, plan, failed):
                 self._disk_found = plan
                 return plan
         self._disk_found = None
         return None
+
+    def _read(self, offload: KVOffloadStore, request: Request, plan: DiskHit,
+              failed: set[tuple[int, int]]) -> bool:
+        """Read the plan's disk blocks into `plan.data`; False at the first file that does not
+        read (added to `failed`: the plan is made again without it, so nothing after it is
+        read for this one)."""
+        for g, (group, blocks) in enumerate(zip(self.groups, plan.blocks)):
+            for i in (i for i, b in enumerate(blocks) if b is None):
+                data = offload.load(*group.cache_key(request, i))
+                if data is None:
+                    failed.add((g, i))
+                    return False
+                plan.data[g].append(data)
+        return True
 
     def _disk_plan(self, request: Request, found: list[list[KVBlock | None]], k: int,
                    max_blocks: int, failed: set[tuple[int, int]]) -> DiskHit | None:

@@ -243,6 +243,47 @@ def test_a_hybrid_prefix_comes_from_ram_and_disk_block_by_block(tmp_path: Path) 
     store.close()
 
 
+def test_a_file_that_does_not_read_stops_the_reads_of_its_plan(tmp_path: Path) -> None:
+    """Every block of a document on disk in both groups (global, window 20), the global
+    group's block 2 torn: the first plan (all 6 blocks) reads the global blocks 0-2 and stops
+    there, not going on to the windowed group's; the prefix made again without it is 2
+    blocks, each of its disk blocks read once more."""
+    from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
+    from pkv.core.sched.request import Request
+
+    bs = 16
+    kv = torch.zeros(1, 2, 16, bs, 1, 4)
+    store = _store(tmp_path, kv)
+    cache = KVCacheCoordinator(16, bs, True, [None, 20], store)
+    doc = list(range(100, 100 + 6 * bs))
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=1), frozenset(), bs)
+
+    first = request("a", doc + [7])
+    assert cache.allocate_slots(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    cache.free(first)
+    other = request("c", list(range(3000, 3000 + 8 * bs)))  # the whole pool: all evicted
+    assert cache.allocate_slots(other, other.num_tokens)
+    store.flush()
+    second = request("b", doc + [8])
+    torn = tmp_path / (file_id(store.fingerprint, cache.groups[0].cache_key(second, 2)[0])
+                       + SUFFIX)
+    torn.write_bytes(torn.read_bytes()[:10])
+    reads: list[bytes] = []
+    load = store.load
+    store.load = lambda block_hash, key: reads.append(block_hash) or load(block_hash, key)
+    hits, tokens = cache.get_computed_blocks(second)
+    assert tokens == 2 * bs and store.stats.corrupt == 1
+    first_plan = [cache.groups[0].cache_key(second, i)[0] for i in range(3)]
+    assert reads[:3] == first_plan
+    assert len(reads) == 3 + sum(b is None for group in hits for b in group)
+    assert any(b is None for b in hits[1])  # (so the first plan had windowed blocks to read)
+    store.close()
+
+
 # ---- the engine ------------------------------------------------------------------------------
 
 DOC_LEN = 96  # tokens per document: 6 blocks of 16
