@@ -194,26 +194,35 @@ def test_config_checks() -> None:
         EngineConfig(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
 
 
+BS = 16
+HYBRID_DOC = list(range(100, 100 + 6 * BS))  # 6 blocks
+
+
+def _hybrid_cache(path: Path) -> tuple[torch.Tensor, KVOffloadStore, Any]:
+    """A pool of 16 blocks (one slot, K and V) for a global group and a windowed one (window
+    20: the token after 6 blocks sees blocks 4 and 5), with a disk tier."""
+    from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
+
+    kv = torch.zeros(1, 2, 16, BS, 1, 4)
+    store = _store(path, kv)
+    return kv, store, KVCacheCoordinator(16, BS, True, [None, 20], store)
+
+
+def _request(rid: str, tokens: list[int]) -> Any:
+    from pkv.core.sample.sampling_params import SamplingParams
+    from pkv.core.sched.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=1), frozenset(), BS)
+
+
 def test_a_hybrid_prefix_comes_from_ram_and_disk_block_by_block(tmp_path: Path) -> None:
     """A global group and a windowed one (window 20: the token after 6 blocks sees blocks 4
     and 5): the global group's blocks 4 and 5 evicted to disk, the rest in RAM. The prefix
     is all 6 blocks: the global group's 0-3 and the windowed group's 4-5 from RAM, the
     windowed group's 0-3 behind its window (never read), the global 4-5 read from disk into
     fresh blocks with the bytes they were evicted with."""
-    from pkv.core.sample.sampling_params import SamplingParams
-    from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
-    from pkv.core.sched.request import Request
-
-    bs = 16
-    kv = torch.zeros(1, 2, 16, bs, 1, 4)  # one slot, K and V, 16 blocks
-    store = _store(tmp_path, kv)
-    cache = KVCacheCoordinator(16, bs, True, [None, 20], store)
-    doc = list(range(100, 100 + 6 * bs))
-
-    def request(rid: str, tokens: list[int]) -> Request:
-        return Request(rid, tokens, SamplingParams(max_tokens=1), frozenset(), bs)
-
-    first = request("a", doc + [7])
+    kv, store, cache = _hybrid_cache(tmp_path)
+    first = _request("a", HYBRID_DOC + [7])
     assert cache.allocate_slots(first, first.num_tokens)
     first.num_computed_tokens = first.num_tokens
     for block in range(16):  # every block's bytes say which block it was
@@ -222,15 +231,15 @@ def test_a_hybrid_prefix_comes_from_ram_and_disk_block_by_block(tmp_path: Path) 
     cache.free(first)
     # Six blocks for an unrelated request: the two never used, the two unhashed tails,
     # then the least recently freed: the global group's blocks 5 and 4 (saved on eviction).
-    other = request("c", list(range(3000, 3000 + 3 * bs)))
+    other = _request("c", list(range(3000, 3000 + 3 * BS)))
     assert cache.allocate_slots(other, other.num_tokens)
     store.flush()
     assert store.stats.writes == 2
 
-    second = request("b", doc + [8])
+    second = _request("b", HYBRID_DOC + [8])
     hits, tokens = cache.get_computed_blocks(second)
     null = cache.groups[1].null_block
-    assert tokens == 6 * bs
+    assert tokens == 6 * BS
     assert [b is None for b in hits[0]] == [False] * 4 + [True] * 2
     assert hits[1][:4] == [null] * 4 and None not in hits[1][4:]
     assert cache.allocate_slots(second, second.num_tokens - tokens, hits)
@@ -238,8 +247,8 @@ def test_a_hybrid_prefix_comes_from_ram_and_disk_block_by_block(tmp_path: Path) 
     table = cache.block_ids("b")[0]
     assert [block for block, _ in loads] == table[4:6]
     for (_, data), old in zip(loads, evicted):
-        assert torch.equal(data.view(torch.float32), torch.full((2 * bs * 4,), float(old)))
-    assert store.stats.hits == 2 and store.saved_tokens == 2 * bs
+        assert torch.equal(data.view(torch.float32), torch.full((2 * BS * 4,), float(old)))
+    assert store.stats.hits == 2 and store.saved_tokens == 2 * BS
     store.close()
 
 
@@ -248,27 +257,15 @@ def test_a_file_that_does_not_read_stops_the_reads_of_its_plan(tmp_path: Path) -
     group's block 2 torn: the first plan (all 6 blocks) reads the global blocks 0-2 and stops
     there, not going on to the windowed group's; the prefix made again without it is 2
     blocks, each of its disk blocks read once more."""
-    from pkv.core.sample.sampling_params import SamplingParams
-    from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
-    from pkv.core.sched.request import Request
-
-    bs = 16
-    kv = torch.zeros(1, 2, 16, bs, 1, 4)
-    store = _store(tmp_path, kv)
-    cache = KVCacheCoordinator(16, bs, True, [None, 20], store)
-    doc = list(range(100, 100 + 6 * bs))
-
-    def request(rid: str, tokens: list[int]) -> Request:
-        return Request(rid, tokens, SamplingParams(max_tokens=1), frozenset(), bs)
-
-    first = request("a", doc + [7])
+    _, store, cache = _hybrid_cache(tmp_path)
+    first = _request("a", HYBRID_DOC + [7])
     assert cache.allocate_slots(first, first.num_tokens)
     first.num_computed_tokens = first.num_tokens
     cache.free(first)
-    other = request("c", list(range(3000, 3000 + 8 * bs)))  # the whole pool: all evicted
+    other = _request("c", list(range(3000, 3000 + 8 * BS)))  # the whole pool: all evicted
     assert cache.allocate_slots(other, other.num_tokens)
     store.flush()
-    second = request("b", doc + [8])
+    second = _request("b", HYBRID_DOC + [8])
     torn = tmp_path / (file_id(store.fingerprint, cache.groups[0].cache_key(second, 2)[0])
                        + SUFFIX)
     torn.write_bytes(torn.read_bytes()[:10])
@@ -276,7 +273,7 @@ def test_a_file_that_does_not_read_stops_the_reads_of_its_plan(tmp_path: Path) -
     load = store.load
     store.load = lambda block_hash, key: reads.append(block_hash) or load(block_hash, key)
     hits, tokens = cache.get_computed_blocks(second)
-    assert tokens == 2 * bs and store.stats.corrupt == 1
+    assert tokens == 2 * BS and store.stats.corrupt == 1
     first_plan = [cache.groups[0].cache_key(second, i)[0] for i in range(3)]
     assert reads[:3] == first_plan
     assert len(reads) == 3 + sum(b is None for group in hits for b in group)
