@@ -43,12 +43,17 @@ namespace {
 
 constexpr int64_t kQ5Bytes = 22;  // d (f16), qh (32 fifth bits), qs (16 bytes of nibbles)
 
-// Each group prefetches its share of the panel of W rows that starts at least this many bytes
-// past the panel being read (RowsAhead). A 4-row panel of a 576-wide Q4_0 layer is 1.3 KB,
-// too near: 4096 on AVX2 read its layers from memory 1.0-1.9x faster than the next panel, and
-// than each row's own stream 2 KB ahead (which, in rows of 0.5-2 KB, mostly fetched rows the
-// panel was reading already); on AVX-512 the distance measured level with the next panel.
-constexpr int64_t kGroupsAhead = 4096;
+// Weight rows are read side by side, W rows a group at a time, panel after panel (rows are
+// contiguous). A panel of 2-4 rows up to kStreamPanel bytes prefetches, a share each group,
+// the panel that starts at least kStreamAhead bytes past it (RowsAhead: one short panel ahead
+// is too near); longer panels and rows read one at a time, each row its own bytes kRowAhead
+// ahead and, near its end, those of its row in the next panel (a whole panel of 18-32 KB
+// prefetched ahead crowds L1). From memory, one row of x, old against new, Q4_0: AVX2, whose
+// rows all took their own lookahead before (in rows under 2 KB it mostly fetched rows being
+// read already), 576 x 1536 1.5-1.7x, 6144 x 3072 1.6-2.1x, 16384 x 2048 2.0x, 3072 x 576
+// level, the stream on 18-32 KB panels 0.70-0.74x; AVX-512, whose panels all took the stream,
+// 2048 x 8192 1.29-1.35x and 4096 x 14336 1.30-1.42x by rows, rows on 9 KB panels 0.81x.
+constexpr int64_t kRowAhead = 2048, kStreamAhead = 4096, kStreamPanel = 12 << 10;
 
 // Rows of x in groups of four blocks of 32 (see the header); row m's group g at
 // m * groups + g.
@@ -81,6 +86,39 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
     }
   }
 }
+
+// A panel of W weight rows from row n: group g's prefetches (see kStreamPanel). kLocality
+// is the stream's hint (__builtin_prefetch's: 3 is T0, 0 non-temporal; AVX2's T0 stream ran
+// 0.90-0.94x its non-temporal one at 3-6 rows of x).
+template <int W, int kLocality>
+class Lookahead {
+ public:
+  Lookahead(const Part& p, int64_t n, int64_t groups, int64_t group_bytes)
+      : first_(p.data + n * p.stride), stride_(p.stride), group_bytes_(group_bytes),
+        stream_(W > 1 && W * p.stride <= kStreamPanel),
+        panel_(p.data + (n + W) * p.stride, W * p.stride, groups, kStreamAhead) {}
+
+  // (Inlined: a call a group, as long as a group's bytes take to arrive, ran 0.57-0.70x.)
+  [[gnu::always_inline]] void at(int64_t g) const {
+    if (stream_) {
+      panel_.share<kLocality>(g);
+      return;
+    }
+    const bool past_row = group_bytes_ * g + kRowAhead >= stride_;
+    const char* b = reinterpret_cast<const char*>(first_ + group_bytes_ * g) + kRowAhead +
+                    (past_row ? (W - 1) * stride_ : 0);
+    for (int w = 0; w < W; ++w, b += stride_) {
+      _mm_prefetch(b, _MM_HINT_NTA);
+      _mm_prefetch(b + 64, _MM_HINT_NTA);
+    }
+  }
+
+ private:
+  const uint8_t* first_;
+  int64_t stride_, group_bytes_;
+  bool stream_;
+  RowsAhead panel_;
+};
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 // Masks for loading a group's `bytes` bytes in registers of 64: none past them.
@@ -211,11 +249,11 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
   __m512 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm512_setzero_ps();
-  const RowsAhead ahead(p.data + (n + W) * p.stride, W * p.stride, G, kGroupsAhead);
+  const Lookahead<W, 3> ahead(p, n, G, kBytes);
   for (int64_t g = 0; g < G; ++g) {
     const auto masks =
         load_masks<Codes::kLoads>(Codes::kBytes * std::min<int64_t>(4, x.blocks - 4 * g));
-    ahead.share(g);
+    ahead.at(g);
     for (int w = 0; w < W; ++w) {
       const uint8_t* b = p.data + (n + w) * p.stride + kBytes * g;
       __m512i r[Codes::kLoads];
@@ -347,9 +385,9 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const float*
   __m256 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int m = 0; m < R; ++m) acc[w][m] = _mm256_setzero_ps();
-  const RowsAhead ahead(p.data + (n + W) * p.stride, W * p.stride, G, kGroupsAhead);
+  const Lookahead<W, 0> ahead(p, n, G, 4 * Codes::kBytes);
   for (int64_t g = 0; g < G; ++g) {
-    ahead.share<0>(g);  // (T0 here: 0.90-0.94x at 3-6 rows of x, where W is 1)
+    ahead.at(g);
     const int64_t blocks = std::min<int64_t>(4, x.blocks - 4 * g);
     if (blocks == 4) {
       pair_rows<Codes, W, R, true>(p, n, x, g, 0, acc);
