@@ -132,20 +132,18 @@ inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t
 // Weight rows read side by side (W rows, a block of each in turn) are a pattern the hardware
 // prefetcher does not follow: the next W rows' `bytes` are prefetched, share i of `shares`
 // (a block's worth) at a time. (Without it a Q8_0 LM head of 49152 x 576 ran at 0.45x the
-// one-row-at-a-time GEMV.) Rows are contiguous, so the panels ahead are one stream: with
-// `min_ahead`, the panel prefetched is the first that starts at least that many bytes past
-// the rows being read (one short panel ahead is too near to hide memory's latency).
+// one-row-at-a-time GEMV.)
 struct RowsAhead {
   const uint8_t* next;
   int64_t lines, per;
-  RowsAhead(const uint8_t* next_, int64_t bytes, int64_t shares, int64_t min_ahead = 0)
-      : next(next_ + std::max<int64_t>(0, (min_ahead - 1) / bytes) * bytes),
-        lines((bytes + 63) / 64),
-        per((lines + shares - 1) / shares) {}
-  template <int kLocality = 3>  // (__builtin_prefetch's: 3 is T0, 0 non-temporal)
-  void share(int64_t i) const {
+  RowsAhead(const uint8_t* next_, int64_t bytes, int64_t shares)
+      : next(next_), lines((bytes + 63) / 64), per((lines + shares - 1) / shares) {}
+  // `offset`: bytes past `next` (the same panel shape further on); kLocality is
+  // __builtin_prefetch's (3: T0, 0: non-temporal).
+  template <int kLocality = 3>
+  void share(int64_t i, int64_t offset = 0) const {
     for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l)
-      __builtin_prefetch(next + 64 * l, 0, kLocality);
+      __builtin_prefetch(next + offset + 64 * l, 0, kLocality);
   }
 };
 
