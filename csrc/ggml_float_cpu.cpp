@@ -147,6 +147,53 @@ struct RowsAhead {
   }
 };
 
+// Bytes ahead of a step that its weight row is prefetched from where rows are read one at a
+// time, non-temporally: the hardware's prefetch alone left a row of 14336 inputs (the 8B down
+// projection) at 12-14 GB/s, where x's 14 KB and the weights share a 32 KB L1; with it 20-30
+// GB/s, as at every K (NTA over T0: 1.05-1.1x, in runs alternated on a noisy machine).
+constexpr int64_t kRowAhead = 2048;
+
+// Weight rows are read side by side, W rows a step (kStep bytes of each: a block or a group of
+// blocks) at a time, panel after panel (rows are contiguous). A panel of 2-4 rows up to
+// kStreamPanel bytes prefetches, a share each step, the panel that starts at least
+// kStreamAhead bytes past it (one short panel ahead is too near); longer panels and rows read
+// one at a time, each row its own bytes kRowAhead ahead and, near its end, those of its row in
+// the next panel (a whole panel of 18-32 KB prefetched ahead crowds L1).
+constexpr int64_t kStreamAhead = 4096, kStreamPanel = 12 << 10;
+
+// The prefetches of a part's panels of W weight rows, set up once a pass: a panel's are a few
+// instructions a step, whose bytes take ~10 ns to arrive. kLocality is the stream's hint
+// (__builtin_prefetch's: 3 is T0, 0 non-temporal); rows take theirs non-temporally.
+template <int W, int kLocality, int64_t kStep>
+class Lookahead {
+ public:
+  Lookahead(const Part& p, int64_t steps)
+      : data_(p.data), stride_(p.stride), stream_(W > 1 && W * p.stride <= kStreamPanel),
+        panel_(p.data + W * p.stride + (kStreamAhead - 1) / (W * p.stride) * W * p.stride,
+               W * p.stride, steps) {}
+
+  // Step s's, while the panel from row n is read: a row's kStep bytes from kStep / 64 + 1
+  // lines (the next step's first line covers what the last one leaves). (Inlined: a call a
+  // step ran 0.57-0.70x.)
+  [[gnu::always_inline]] void at(int64_t n, int64_t s) const {
+    if (stream_) {
+      panel_.share<kLocality>(s, n * stride_);
+      return;
+    }
+    const bool past_row = kStep * s + kRowAhead >= stride_;
+    const uint8_t* b = data_ + n * stride_ + kStep * s + kRowAhead +
+                       (past_row ? (W - 1) * stride_ : 0);
+    for (int w = 0; w < W; ++w, b += stride_)
+      for (int64_t l = 0; l <= kStep / 64; ++l) __builtin_prefetch(b + 64 * l, 0, 0);
+  }
+
+ private:
+  const uint8_t* data_;
+  int64_t stride_;
+  bool stream_;
+  RowsAhead panel_;  // the first panel's stream (row 0's); panel n's lies n * stride_ on
+};
+
 // 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
 inline vu16 widen_u8(const uint8_t* p) {
   vu16 v;
@@ -309,18 +356,18 @@ inline void kquant_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t
   sums.store(acc);
 }
 
-// W weight rows through one row of x (a decode step): each vector of x is loaded once for
-// the W rows, and the W accumulators are independent chains. One weight row at a time read
-// x again per row, from L2 where it outgrows L1 (the 8B down projection's 14336 inputs:
-// 57 KB of x per 11 KB of Q6_K).
-template <int W, typename Codes>
-inline void kquant_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                            vf16* acc) {
+// W weight rows from row n of p through one row of x (a decode step): each vector of x is
+// loaded once for the W rows, and the W accumulators are independent chains. One weight row
+// at a time read x again per row, from L2 where it outgrows L1 (the 8B down projection's
+// 14336 inputs: 57 KB of x per 11 KB of Q6_K).
+template <int W, typename Codes, typename Ahead>
+inline void kquant_rows_dot(const Part& p, int64_t n, int64_t blocks, const float* x,
+                            const Ahead& ahead, vf16* acc) {
   KQuantBuffers k[W];
-  const RowsAhead ahead(row + W * stride, W * stride, blocks);
+  const uint8_t* row = p.data + n * p.stride;
   for (int64_t i = 0; i < blocks; ++i, row += Codes::kBytes) {
-    ahead.share(i);
-    for (int w = 0; w < W; ++w) Codes::decode(row + w * stride, k[w]);
+    ahead.at(n, i);
+    for (int w = 0; w < W; ++w) Codes::decode(row + w * p.stride, k[w]);
     reload_buffers();
     for (int j = 0; j < 16; ++j) {
       const vf16 xv = load16(x + 256 * i + 16 * j);
@@ -426,21 +473,21 @@ struct Q5Block {
 };
 
 // A type of 32-value blocks (Block: Q8Block, Q5Block) at one row of x (a decode step): W
-// weight rows at a time, each vector of x loaded once for all of them, W independent chains,
-// the next W rows prefetched (the Q8_0 head of 49152 x 576 at two threads: 1.2-1.5x one row
-// at a time; Q5_0 layers 1.1-1.45x).
-template <int W, typename Block>
-inline void block32_rows_dot(const uint8_t* row, int64_t stride, int64_t blocks, const float* x,
-                             vf16* acc) {
+// weight rows from row n of p at a time, each vector of x loaded once for all of them, W
+// independent chains (the Q8_0 head of 49152 x 576 at two threads: 1.2-1.5x one row at a
+// time; Q5_0 layers 1.1-1.45x).
+template <int W, typename Block, typename Ahead>
+inline void block32_rows_dot(const Part& p, int64_t n, int64_t blocks, const float* x,
+                             const Ahead& ahead, vf16* acc) {
   vf16 a[W];  // in registers: stores through acc might alias x
   for (int w = 0; w < W; ++w) a[w] = acc[w];
-  const RowsAhead ahead(row + W * stride, W * stride, blocks);
+  const uint8_t* row = p.data + n * p.stride;
   for (int64_t i = 0; i < blocks; ++i, row += Block::kBytes) {
-    ahead.share(i);
+    ahead.at(n, i);
     const vf16 x0 = load16(x + 32 * i), x1 = load16(x + 32 * i + 16);
     for (int w = 0; w < W; ++w) {
       vf16 w0, w1;
-      Block::weights(row + w * stride, w0, w1);
+      Block::weights(row + w * p.stride, w0, w1);
       a[w] += w0 * x0;
       a[w] += w1 * x1;
     }
@@ -527,7 +574,7 @@ void register_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, i
 // At one row of x, RowsDot::kRows weight rows at a time (RowsDot::run<W>: kquant_rows_dot,
 // block32_rows_dot); at more, register_gemv_rows.
 #if defined(__AVX512F__)
-constexpr int kWeightRows = 8;
+constexpr int kWeightRows = 4;
 constexpr int kQ8WeightRows = 8;
 #else
 constexpr int kWeightRows = 2;  // (a vf16 is two AVX2 registers: 16 hold 2 rows' work)
@@ -538,23 +585,18 @@ template <int64_t kBlock, typename Dot, typename RowsDot>
 void weight_rows_gemv(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t M,
                       int64_t K, const float* bias, float* y, int64_t ldy) {
   if (M > 1) return register_gemv_rows<kBlock, Dot>(p, n0, n1, x, M, K, bias, y, ldy);
-  auto finish = [&](int64_t n, const vf16& acc) {
-    y[n] = hsum(acc) + (bias != nullptr ? bias[n] : 0.0f);
-  };
-  constexpr int W = RowsDot::kRows;
   int64_t n = n0;
-  for (; n + W <= n1; n += W) {
-    vf16 acc[W];
-    zero(acc);
-    RowsDot::template run<W>(p.data + n * p.stride, p.stride, K / kBlock, x, acc);
-    for (int w = 0; w < W; ++w) finish(n + w, acc[w]);
-  }
-  for (; n < n1; ++n) {
-    vf16 acc[1];
-    zero(acc);
-    RowsDot::template run<1>(p.data + n * p.stride, p.stride, K / kBlock, x, acc);
-    finish(n, acc[0]);
-  }
+  const auto rows = [&]<int W>() {  // W rows at a time while they last
+    const Lookahead<W, 3, RowsDot::kStep> ahead(p, K / kBlock);
+    for (; n + W <= n1; n += W) {
+      vf16 acc[W];
+      zero(acc);
+      RowsDot::template run<W>(p, n, K / kBlock, x, ahead, acc);
+      for (int w = 0; w < W; ++w) y[n + w] = hsum(acc[w]) + (bias != nullptr ? bias[n + w] : 0.0f);
+    }
+  };
+  rows.template operator()<RowsDot::kRows>();
+  rows.template operator()<1>();
 }
 
 // The register-level decoders as types, for register_gemv_rows.
@@ -576,22 +618,24 @@ PKV_GGML_DOT(Bf16Dot, half_dot<R, true>)
 PKV_GGML_DOT(F16Dot, half_dot<R, false>)
 #undef PKV_GGML_DOT
 
-// The side-by-side decoders as types, for weight_rows_gemv: kRows weight rows at a time.
-#define PKV_GGML_ROWS_DOT(NAME, ROWS, ...)                                       \
+// The side-by-side decoders as types, for weight_rows_gemv: kRows weight rows at a time, a
+// block of kStep bytes each.
+#define PKV_GGML_ROWS_DOT(NAME, ROWS, CODES, ...)                                 \
   struct NAME {                                                                 \
     static constexpr int kRows = ROWS;                                          \
-    template <int W>                                                            \
-    static void run(const uint8_t* row, int64_t stride, int64_t blocks, const float* x, \
-                    vf16* acc) {                                                \
-      __VA_ARGS__(row, stride, blocks, x, acc);                                 \
+    static constexpr int64_t kStep = CODES::kBytes;                             \
+    template <int W, typename Ahead>                                            \
+    static void run(const Part& p, int64_t n, int64_t blocks, const float* x,   \
+                    const Ahead& ahead, vf16* acc) {                            \
+      __VA_ARGS__(p, n, blocks, x, ahead, acc);                                 \
     }                                                                           \
   };
-PKV_GGML_ROWS_DOT(Q8RowsDot, kQ8WeightRows, (block32_rows_dot<W, Q8Block>))
-PKV_GGML_ROWS_DOT(Q6KRowsDot, kWeightRows, (kquant_rows_dot<W, Q6KCodes>))
-PKV_GGML_ROWS_DOT(Q4KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<false>>))
-PKV_GGML_ROWS_DOT(Q5KRowsDot, kWeightRows, (kquant_rows_dot<W, K4Codes<true>>))
-PKV_GGML_ROWS_DOT(Q50RowsDot, kWeightRows, (block32_rows_dot<W, Q5Block<false>>))
-PKV_GGML_ROWS_DOT(Q51RowsDot, kWeightRows, (block32_rows_dot<W, Q5Block<true>>))
+PKV_GGML_ROWS_DOT(Q8RowsDot, kQ8WeightRows, Q8Block, (block32_rows_dot<W, Q8Block>))
+PKV_GGML_ROWS_DOT(Q6KRowsDot, kWeightRows, Q6KCodes, (kquant_rows_dot<W, Q6KCodes>))
+PKV_GGML_ROWS_DOT(Q4KRowsDot, kWeightRows, K4Codes<false>, (kquant_rows_dot<W, K4Codes<false>>))
+PKV_GGML_ROWS_DOT(Q5KRowsDot, kWeightRows, K4Codes<true>, (kquant_rows_dot<W, K4Codes<true>>))
+PKV_GGML_ROWS_DOT(Q50RowsDot, kWeightRows, Q5Block<false>, (block32_rows_dot<W, Q5Block<false>>))
+PKV_GGML_ROWS_DOT(Q51RowsDot, kWeightRows, Q5Block<true>, (block32_rows_dot<W, Q5Block<true>>))
 #undef PKV_GGML_ROWS_DOT
 
 // gemv_rows with the part's dequantizer as a compile-time function.

@@ -43,18 +43,6 @@ namespace {
 
 constexpr int64_t kQ5Bytes = 22;  // d (f16), qh (32 fifth bits), qs (16 bytes of nibbles)
 
-// Weight rows are read side by side, W rows a group at a time, panel after panel (rows are
-// contiguous). A panel of 2-4 rows up to kStreamPanel bytes prefetches, a share each group,
-// the panel that starts at least kStreamAhead bytes past it (RowsAhead: one short panel ahead
-// is too near); longer panels and rows read one at a time, each row its own bytes kQ8Prefetch
-// ahead and, near its end, those of its row in the next panel (a whole panel of 18-32 KB
-// prefetched ahead crowds L1). From memory, one row of x, old against new, Q4_0: AVX2, whose
-// rows all took their own lookahead before (in rows under 2 KB it mostly fetched rows being
-// read already), 576 x 1536 1.5-1.7x, 6144 x 3072 1.6-2.1x, 16384 x 2048 2.0x, 3072 x 576
-// level, the stream on 18-32 KB panels 0.70-0.74x; AVX-512, whose panels all took the stream,
-// 2048 x 8192 1.29-1.35x and 4096 x 14336 1.30-1.42x by rows, rows on 9 KB panels 0.81x.
-constexpr int64_t kStreamAhead = 4096, kStreamPanel = 12 << 10;
-
 // Rows of x in groups of four blocks of 32 (see the header); row m's group g at
 // m * groups + g.
 struct Q8Groups {
@@ -87,49 +75,18 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   }
 }
 
-// The prefetches of a part's panels of W weight rows (see kStreamPanel), set up once a pass:
-// a panel's are a few instructions a group, whose bytes take ~10 ns to arrive. kLocality is
-// the stream's hint (__builtin_prefetch's: 3 is T0, 0 non-temporal; AVX2's T0 stream ran
-// 0.90-0.94x its non-temporal one at 3-6 rows of x).
-template <int W, int kLocality>
-class Lookahead {
- public:
-  Lookahead(const Part& p, int64_t groups, int64_t group_bytes)
-      : data_(p.data), stride_(p.stride), group_bytes_(group_bytes),
-        stream_(W > 1 && W * p.stride <= kStreamPanel),
-        panel_(p.data + W * p.stride + (kStreamAhead - 1) / (W * p.stride) * W * p.stride,
-               W * p.stride, groups) {}
-
-  // Group g's, while the panel from row n is read. (Inlined: a call a group ran 0.57-0.70x.)
-  [[gnu::always_inline]] void at(int64_t n, int64_t g) const {
-    if (stream_) {
-      panel_.share<kLocality>(g, n * stride_);
-      return;
-    }
-    const bool past_row = group_bytes_ * g + kQ8Prefetch >= stride_;
-    const char* b = reinterpret_cast<const char*>(data_ + n * stride_ + group_bytes_ * g) +
-                    kQ8Prefetch + (past_row ? (W - 1) * stride_ : 0);
-    for (int w = 0; w < W; ++w, b += stride_) {
-      _mm_prefetch(b, _MM_HINT_NTA);
-      _mm_prefetch(b + 64, _MM_HINT_NTA);
-    }
-  }
-
- private:
-  const uint8_t* data_;
-  int64_t stride_, group_bytes_;
-  bool stream_;
-  RowsAhead panel_;  // the first panel's stream (row 0's); panel n's lies n * stride_ on
-};
-
-// The stream's hint by flavour: T0 with AVX-512's VBMI and VNNI (as before), non-temporal on
-// AVX2.
+// A group's prefetches (see Lookahead), the stream's hint by flavour: T0 with AVX-512's VBMI
+// and VNNI (as before), non-temporal on AVX2 (its T0 stream ran 0.90-0.94x at 3-6 rows of x).
+// From memory, one row of x, against each row's own lookahead at every row length, Q4_0:
+// AVX2 576 x 1536 1.5-1.7x, 6144 x 3072 1.6-2.1x, 16384 x 2048 2.0x, 3072 x 576 level, the
+// stream on 18-32 KB panels 0.70-0.74x; AVX-512, whose panels all took the stream, 2048 x 8192
+// 1.29-1.35x and 4096 x 14336 1.30-1.42x by rows, rows on 9 KB panels 0.81x.
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-template <int W>
-using Ahead = Lookahead<W, 3>;
+template <int W, typename Codes>
+using Ahead = Lookahead<W, 3, 4 * Codes::kBytes>;
 #else
-template <int W>
-using Ahead = Lookahead<W, 0>;
+template <int W, typename Codes>
+using Ahead = Lookahead<W, 0, 4 * Codes::kBytes>;
 #endif
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
@@ -253,8 +210,8 @@ struct Q4Group {
 
 // W weight rows from row n through the R rows of x in `x` into y[m * ldy + n..].
 template <typename Codes, int W, int R>
-inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const Ahead<W>& ahead,
-                       const float* bias, float* y, int64_t ldy) {
+inline void group_rows(const Part& p, int64_t n, const Q8Groups& x,
+                       const Ahead<W, Codes>& ahead, const float* bias, float* y, int64_t ldy) {
   static const typename Codes::Index ix;
   constexpr int64_t kBytes = 4 * Codes::kBytes;
   const int64_t G = x.groups;
@@ -390,8 +347,8 @@ inline void pair_rows(const Part& p, int64_t n, const Q8Groups& x, int64_t g, in
 // group's pairs are taken with no test for a short one (testing each pair of each row held a
 // thread to 15 GB/s from cache on a Q4_0 layer, 17 without).
 template <typename Codes, int W, int R>
-inline void group_rows(const Part& p, int64_t n, const Q8Groups& x, const Ahead<W>& ahead,
-                       const float* bias, float* y, int64_t ldy) {
+inline void group_rows(const Part& p, int64_t n, const Q8Groups& x,
+                       const Ahead<W, Codes>& ahead, const float* bias, float* y, int64_t ldy) {
   const int64_t G = x.groups;
   __m256 acc[W][R];
   for (int w = 0; w < W; ++w)
@@ -425,9 +382,9 @@ void groups_rows(const Part& p, int64_t n0, int64_t n1, const Q8Groups& x, const
                  float* y, int64_t ldy) {
   constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // (wider spilled the accumulators: measured)
   const auto rows_of_type = [&]<typename Codes>() {
-    const Ahead<W> panels(p, x.groups, 4 * Codes::kBytes);
+    const Ahead<W, Codes> panels(p, x.groups);
     for (; n0 + W <= n1; n0 += W) group_rows<Codes, W, R>(p, n0, x, panels, bias, y, ldy);
-    const Ahead<1> rows(p, x.groups, 4 * Codes::kBytes);
+    const Ahead<1, Codes> rows(p, x.groups);
     for (; n0 < n1; ++n0) group_rows<Codes, 1, R>(p, n0, x, rows, bias, y, ldy);
   };
   switch (p.type) {

@@ -23,11 +23,6 @@ namespace ggml {
 namespace {
 
 constexpr int64_t kQ8Block = 256;
-// Bytes ahead of a block that its weight row is prefetched from, non-temporally: the
-// hardware's prefetch alone left a row of 14336 inputs (the 8B down projection) at 12-14
-// GB/s, where x's 14 KB and the weights share a 32 KB L1; with it 20-30 GB/s, as at every K
-// (NTA over T0: 1.05-1.1x, in runs alternated on a noisy machine).
-constexpr int64_t kQ8Prefetch = 2048;
 
 // Rows of x in int8: q [M, K], one scale per block of inputs [M, K / block] and the sums of q
 // over each 16 [M, K / 16]. Blocks of 256 for the K-quants (llama.cpp's Q8_K), of 32 for the
@@ -275,7 +270,7 @@ inline void q8_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc) {
   const int64_t NB = x.K / kQ8Block;
   for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
     for (int64_t l = 0; l < Codes::kBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch + l), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(b + kRowAhead + l), _MM_HINT_NTA);
     const IntScales sc = Codes::scales(b);
     const int8_t* xq[M];
     __m256i isum[M];
@@ -372,7 +367,7 @@ inline void q8_0_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc)
   const int64_t NB = x.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < NB; ++i, b += kQ8_0Bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + kQ8Prefetch), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kRowAhead), _MM_HINT_NTA);
     const __m256i c = load256(b + 2), magnitude = _mm256_sign_epi8(c, c);
     const float d = half(b);
     for (int m = 0; m < M; ++m) {
