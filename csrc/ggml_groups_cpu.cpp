@@ -44,12 +44,14 @@ namespace {
 constexpr int64_t kQ5Bytes = 22;  // d (f16), qh (32 fifth bits), qs (16 bytes of nibbles)
 
 // Rows of x in groups of four blocks of 32 (see the header); row m's group g at
-// m * groups + g.
+// g * rows + m: a group's rows side by side. (Row-major, rows of 8192 inputs lay each row's
+// group g 4 KB from the next row's, five arrays of them in one set of L1: at 4-6 rows a
+// layer of 2048 x 8192 fell from 8-11 GB/s to 2-3 by where the arrays happened to lie.)
 struct Q8Groups {
-  std::vector<int8_t> lo, hi;                // [rows, groups, 64]
-  std::vector<int32_t> offset16;             // [rows, groups, 16]: -16 sum q
-  std::vector<float> dx;                     // [rows, groups, 16]
-  std::vector<float> dsum;                   // [rows, groups, 16]: dx sum q (Q4_1's m term)
+  std::vector<int8_t> lo, hi;                // [groups, rows, 64]
+  std::vector<int32_t> offset16;             // [groups, rows, 16]: -16 sum q
+  std::vector<float> dx;                     // [groups, rows, 16]
+  std::vector<float> dsum;                   // [groups, rows, 16]: dx sum q (Q4_1's m term)
   int64_t blocks = 0, groups = 0;
 };
 
@@ -65,7 +67,7 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
   g.dsum.assign(M * G * 16, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < NB; ++b) {
-      const int64_t at = m * NB + b, lane = 16 * (m * G + b / 4) + 4 * (b % 4);
+      const int64_t at = m * NB + b, lane = 16 * (b / 4 * M + m) + 4 * (b % 4);
       std::memcpy(g.lo.data() + 4 * lane, x.q.data() + 32 * at, 16);
       std::memcpy(g.hi.data() + 4 * lane, x.q.data() + 32 * at + 16, 16);
       g.offset16[lane] = -16 * (x.bsums[2 * at] + x.bsums[2 * at + 1]);
@@ -230,7 +232,7 @@ inline void group_rows(const Part& p, int64_t n, const Q8Groups& x,
       __m512 d, mins;
       Codes::decode(r, ix, lo, hi, d, mins);
       for (int m = 0; m < R; ++m) {
-        const int64_t at = m * G + g;
+        const int64_t at = g * R + m;
         const __m512i sums = _mm512_dpbusd_epi32(
             _mm512_dpbusd_epi32(Codes::offset(x.offset16.data() + 16 * at), lo,
                                 _mm512_loadu_si512(x.lo.data() + 64 * at)),
@@ -316,7 +318,6 @@ struct Q4Group {
 template <typename Codes, int W, int R, bool kTwo>
 inline void pair_rows(const Part& p, int64_t n, const Q8Groups& x, int64_t g, int64_t pair,
                       __m256 (&acc)[W][R]) {
-  const int64_t G = x.groups;
   for (int w = 0; w < W; ++w) {
     const uint8_t* b = p.data + (n + w) * p.stride + 4 * Codes::kBytes * g +
                        2 * Codes::kBytes * pair;
@@ -328,7 +329,7 @@ inline void pair_rows(const Part& p, int64_t n, const Q8Groups& x, int64_t g, in
     __m256 mins;
     if constexpr (Codes::kMin) mins = pair_halves<2>(meta);
     for (int m = 0; m < R; ++m) {
-      const int64_t at = 64 * (m * G + g) + 32 * pair;
+      const int64_t at = 64 * (g * R + m) + 32 * pair;
       const __m256i pairs = _mm256_add_epi16(
           _mm256_maddubs_epi16(lo, load256(x.lo.data() + at)),
           _mm256_maddubs_epi16(hi, load256(x.hi.data() + at)));  // (< 2 x 2 x 31 x 127)
