@@ -129,24 +129,6 @@ inline void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t
   sums.store(acc);
 }
 
-// Weight rows read side by side (W rows, a block of each in turn) are a pattern the hardware
-// prefetcher does not follow: the next W rows' `bytes` are prefetched, share i of `shares`
-// (a block's worth) at a time. (Without it a Q8_0 LM head of 49152 x 576 ran at 0.45x the
-// one-row-at-a-time GEMV.)
-struct RowsAhead {
-  const uint8_t* next;
-  int64_t lines, per;
-  RowsAhead(const uint8_t* next_, int64_t bytes, int64_t shares)
-      : next(next_), lines((bytes + 63) / 64), per((lines + shares - 1) / shares) {}
-  // `offset`: bytes past `next` (the same panel shape further on); kLocality is
-  // __builtin_prefetch's (3: T0, 0: non-temporal).
-  template <int kLocality = 3>
-  void share(int64_t i, int64_t offset = 0) const {
-    for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l)
-      __builtin_prefetch(next + offset + 64 * l, 0, kLocality);
-  }
-};
-
 // Bytes ahead of a step that its weight row is prefetched from where rows are read one at a
 // time, non-temporally: the hardware's prefetch alone left a row of 14336 inputs (the 8B down
 // projection) at 12-14 GB/s, where x's 14 KB and the weights share a 32 KB L1; with it 20-30
@@ -154,11 +136,13 @@ struct RowsAhead {
 constexpr int64_t kRowAhead = 2048;
 
 // Weight rows are read side by side, W rows a step (kStep bytes of each: a block or a group of
-// blocks) at a time, panel after panel (rows are contiguous). A panel of 2-8 rows up to
-// kStreamPanel bytes prefetches, a share each step, the panel that starts at least
-// kStreamAhead bytes past it (one short panel ahead is too near); longer panels and rows read
-// one at a time, each row its own bytes kRowAhead ahead and, near its end, those of its row in
-// the next panel (a whole panel of 18-32 KB prefetched ahead crowds L1).
+// blocks) at a time, panel after panel (rows are contiguous): a pattern the hardware
+// prefetcher does not follow (without software prefetches a Q8_0 LM head of 49152 x 576 ran
+// at 0.45x the one-row-at-a-time GEMV). A panel of 2-8 rows up to kStreamPanel bytes
+// prefetches, a share each step, the panel that starts at least kStreamAhead bytes past it
+// (one short panel ahead is too near); longer panels and rows read one at a time, each row
+// its own bytes kRowAhead ahead and, near its end, those of its row in the next panel (a
+// whole panel of 18-32 KB prefetched ahead crowds L1).
 constexpr int64_t kStreamAhead = 4096, kStreamPanel = 12 << 10;
 
 // The prefetches of a part's panels of W weight rows, set up once a pass: a panel's are a few
@@ -169,15 +153,17 @@ class Lookahead {
  public:
   Lookahead(const Part& p, int64_t steps)
       : data_(p.data), stride_(p.stride), stream_(W > 1 && W * p.stride <= kStreamPanel),
-        panel_(p.data + W * p.stride + (kStreamAhead - 1) / (W * p.stride) * W * p.stride,
-               W * p.stride, steps) {}
+        panel_ahead_(W * p.stride + (kStreamAhead - 1) / (W * p.stride) * W * p.stride),
+        lines_((W * p.stride + 63) / 64), per_step_((lines_ + steps - 1) / steps) {}
 
-  // Step s's, while the panel from row n is read: a row's kStep bytes from kStep / 64 + 1
-  // lines (the next step's first line covers what the last one leaves). (Inlined: a call a
-  // step ran 0.57-0.70x.)
+  // Step s's, while the panel from row n is read: a share of the streamed panel, or a row's
+  // kStep bytes from kStep / 64 + 1 lines (the next step's first line covers what the last
+  // one leaves). (Inlined: a call a step ran 0.57-0.70x.)
   [[gnu::always_inline]] void at(int64_t n, int64_t s) const {
     if (stream_) {
-      panel_.share<kLocality>(s, n * stride_);
+      const uint8_t* panel = data_ + n * stride_ + panel_ahead_;
+      for (int64_t l = s * per_step_; l < std::min(lines_, (s + 1) * per_step_); ++l)
+        __builtin_prefetch(panel + 64 * l, 0, kLocality);
       return;
     }
     const bool past_row = kStep * s + kRowAhead >= stride_;
@@ -191,7 +177,8 @@ class Lookahead {
   const uint8_t* data_;
   int64_t stride_;
   bool stream_;
-  RowsAhead panel_;  // the first panel's stream (row 0's); panel n's lies n * stride_ on
+  int64_t panel_ahead_;  // bytes from a panel's first row to the panel it streams
+  int64_t lines_, per_step_;  // a panel's cache lines, and those a step prefetches
 };
 
 // 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
