@@ -9,6 +9,14 @@
 //                                (each tile reads its codes and scales front to back); zs
 //                                empty: zs = 8 s (a GGUF's Q4_0, w = d (q - 8), kept at 5 bits
 //                                a weight instead of 6)
+// or, a GGUF's Q4_K kept near its own size (4.75 bits a weight against the form above's 6 and
+// the file's 4.5), s = d sc and zs = dmin m:
+//   s       [N' / 32, K / G, 2, 32] uint8: per group its 32 columns' 6-bit scale codes sc, then
+//                                their min codes m (one cache line)
+//   zs      [N' / 32, K / 8G, 2, 32] float32: per 8 groups (a super-block of 256 inputs) the
+//                                columns' d, then their dmin
+// d and dmin are float16 values and sc, m below 64, so d sc and dmin m are exact in float32:
+// both forms give the same products, bit for bit.
 //
 // A code becomes a float without a conversion instruction. One rotation brings two fields to
 // bits 15..22 of a float's mantissa (four rotations a word): input L (odd) at 15..18, input H
@@ -89,21 +97,95 @@ struct Shape {
   int64_t K, N, NT, G;  // N real columns, NT tiles of 32
 };
 
-// The zero terms' array, or nullptr where zs is empty: zs = kSymmetricZero s.
-constexpr float kSymmetricZero = 8.f;
-inline const float* zero_terms(const at::Tensor& zs) {
-  return zs.numel() ? zs.data_ptr<float>() : nullptr;
-}
-// Sixteen columns' zero terms at `at`, from zs or from their scales sv.
-inline vf16 zeros16(const float* zp, int64_t at, vf16 sv) {
-  return zp ? load16(zp + at) : kSymmetricZero * sv;
-}
+constexpr float kSymmetricZero = 8.f;  // zs = 8 s where zs is empty
+constexpr int64_t kSuperGroups = 8;    // groups per Q4_K super-block
+
+// A layer's scales and zero terms in either form (see the top), read a group at a time.
+struct GroupScales {
+  const float* s;        // float form: s; Q4_K form: d and dmin
+  const float* zs;       // float form: zs, or nullptr for 8 s
+  const uint8_t* codes;  // Q4_K form: sc and m; nullptr in the float form
+
+  // Sixteen columns' scales and zero terms: group `tile_group` (t NG + g), columns from `col`.
+  void group16(int64_t tile_group, int64_t col, vf16& sv, vf16& zv) const {
+    if (codes == nullptr) {
+      const int64_t at = tile_group * kTile + col;
+      sv = load16(s + at);
+      zv = zs ? load16(zs + at) : kSymmetricZero * sv;
+      return;
+    }
+    const uint8_t* c = codes + 2 * tile_group * kTile + col;
+    const float* d = s + 2 * (tile_group / kSuperGroups) * kTile + col;
+    sv = load16(d) * bytes16(c);
+    zv = load16(d + kTile) * bytes16(c + kTile);
+  }
+
 #if defined(__AVX2__)
-// Eight columns' zero terms, for the integer GEMVs (csrc/awq_int16_cpu.cpp, awq_int8_cpu.cpp).
-inline __m256 zeros8(const float* zp, int64_t at, __m256 sv) {
-  return zp ? _mm256_loadu_ps(zp + at) : _mm256_mul_ps(sv, _mm256_set1_ps(kSymmetricZero));
-}
+  // Eight columns' of the same, for the integer GEMVs (csrc/awq_int16_cpu.cpp, awq_int8_cpu.cpp).
+  void group8(int64_t tile_group, int64_t col, __m256& sv, __m256& zv) const {
+    if (codes == nullptr) {
+      const int64_t at = tile_group * kTile + col;
+      sv = _mm256_loadu_ps(s + at);
+      zv = zs ? _mm256_loadu_ps(zs + at) : _mm256_mul_ps(sv, _mm256_set1_ps(kSymmetricZero));
+      return;
+    }
+    const uint8_t* c = codes + 2 * tile_group * kTile + col;
+    const float* d = s + 2 * (tile_group / kSuperGroups) * kTile + col;
+    const auto widen = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(p))));
+    };
+    sv = _mm256_mul_ps(_mm256_loadu_ps(d), widen(c));
+    zv = _mm256_mul_ps(_mm256_loadu_ps(d + kTile), widen(c + kTile));
+  }
 #endif
+
+  // The GEMVs stream codes, scales and zero terms once, from memory at batch 1: the hardware
+  // prefetchers alone left the cores waiting (30 layers' AWQ GEMVs of SmolLM2 on two AVX2
+  // threads: 8.5 ms without software prefetches, 6.1 ms with), so the kernels ask ahead, two
+  // groups on.
+  void prefetch(int64_t tile_group) const {
+    const int64_t ahead = tile_group + 2;
+    if (codes != nullptr) {
+      __builtin_prefetch(codes + 2 * ahead * kTile);
+      if (ahead % kSuperGroups == 0)  // the next super-block's d and dmin: four lines
+        for (int64_t i = 0; i < 4; ++i)
+          __builtin_prefetch(s + 2 * (ahead / kSuperGroups) * kTile + 16 * i);
+      return;
+    }
+    for (const float* p : {s, zs}) {
+      if (p == nullptr) continue;
+      __builtin_prefetch(p + ahead * kTile);
+      __builtin_prefetch(p + ahead * kTile + 16);
+    }
+  }
+};
+
+// The two forms' scales and zero terms (see the top), checked against the tiles' shape.
+void check_scales(const at::Tensor& scales, const at::Tensor& zs, int64_t NT, int64_t NG) {
+  if (scales.scalar_type() == at::kByte) {
+    TORCH_CHECK(NG % kSuperGroups == 0 && scales.is_contiguous() && zs.is_contiguous() &&
+                    zs.scalar_type() == at::kFloat &&
+                    scales.sizes() == at::IntArrayRef({NT, NG, 2, kTile}) &&
+                    zs.sizes() == at::IntArrayRef({NT, NG / kSuperGroups, 2, kTile}),
+                "Q4_K scales must be contiguous uint8 [N' / 32, K / group, 2, 32] and zs "
+                "float32 [N' / 32, K / (8 group), 2, 32]");
+    return;
+  }
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  (zs.numel() == 0 || zs.sizes() == scales.sizes()) && zs.is_contiguous() &&
+                  zs.scalar_type() == at::kFloat && scales.dim() == 3 &&
+                  scales.size(0) == NT && scales.size(1) == NG && scales.size(2) == kTile,
+              "scales and zs must be contiguous float32 [N' / 32, K / group, 32] (zs may be "
+              "empty: 8 x the scales)");
+}
+
+// The scales and zero terms as the kernels read them (after `check`).
+GroupScales group_scales(const at::Tensor& scales, const at::Tensor& zs) {
+  if (scales.scalar_type() == at::kByte)
+    return {zs.data_ptr<float>(), nullptr, scales.data_ptr<uint8_t>()};
+  return {scales.data_ptr<float>(), zs.numel() ? zs.data_ptr<float>() : nullptr, nullptr};
+}
 
 Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zs,
             int64_t n, int64_t group) {
@@ -114,30 +196,13 @@ Shape check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor&
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0 && n > (NT - 1) * kTile &&
                   n <= NT * kTile,
               "group size must be a multiple of 8 dividing K, and N fit the tiles");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  (zs.numel() == 0 || zs.sizes() == scales.sizes()) && zs.is_contiguous() &&
-                  zs.scalar_type() == at::kFloat && scales.dim() == 3 &&
-                  scales.size(0) == NT && scales.size(1) == K / group && scales.size(2) == kTile,
-              "scales and zs must be contiguous float32 [N' / 32, K / group, 32] (zs may be "
-              "empty: 8 x the scales)");
+  check_scales(scales, zs, NT, K / group);
   return {K, n, NT, group};
 }
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   x.size(1) == K, "x must be contiguous float32 [M, K]");
-}
-
-// The GEMVs stream codes, scales and zero terms once, from memory at batch 1: the hardware
-// prefetchers alone left the cores waiting (30 layers' AWQ GEMVs of SmolLM2 on two AVX2
-// threads: 8.5 ms without software prefetches, 6.1 ms with), so the kernels ask ahead.
-inline void prefetch_group_scales(const float* sp, const float* zp, int64_t tile_group) {
-  constexpr int64_t kAhead = 2 * kTile;  // two groups on
-  for (const float* p : {sp, zp}) {
-    if (p == nullptr) continue;
-    __builtin_prefetch(p + tile_group * kTile + kAhead);
-    __builtin_prefetch(p + tile_group * kTile + kAhead + 16);
-  }
 }
 
 // Bits 15..22 of the word rotated left by R (the rest is garbage the caller masks off). Only
@@ -195,15 +260,15 @@ template <int R, int L, int H, int64_t S, int64_t M>
 
 // Rows [0, M) of y over the 32 columns of tile t: one sequential stream of codes.
 template <int64_t M>
-void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float* zp,
-                const float* xsum, float* yp, int64_t t, const Shape& s) {
+void tile_rows(const float* xp, const int32_t* cp, const GroupScales& gs, const float* xsum,
+               float* yp, int64_t t, const Shape& s) {
   constexpr int64_t S = M <= 2 ? 2 : 1;
   const int64_t NG = s.K / s.G;
   const int32_t* stream = cp + t * (s.K / 8) * kTile;
   vf16 out[M][2];
   zero(out);
   for (int64_t g = 0; g < NG; ++g) {
-    prefetch_group_scales(sp, zp, t * NG + g);
+    gs.prefetch(t * NG + g);
     vf16 acc[S][M][2];
     zero(acc);
     for (int64_t blk = g * s.G / 8; blk < (g + 1) * s.G / 8; ++blk) {
@@ -218,8 +283,8 @@ void tile_rows(const float* xp, const int32_t* cp, const float* sp, const float*
       step<16, 7, 0>(w, x, s.K, acc);
     }
     for (int64_t p = 0; p < 2; ++p) {
-      const int64_t at = (t * NG + g) * kTile + p * 16;
-      const vf16 sv = load16(sp + at), zv = zeros16(zp, at, sv);
+      vf16 sv, zv;
+      gs.group16(t * NG + g, p * 16, sv, zv);
       for (int64_t m = 0; m < M; ++m) {
         const float* sums = xsum + 2 * (m * NG + g);  // sum x, 16 sum x_H
         const vf16 a = S == 2 ? acc[0][m][p] + acc[S - 1][m][p] : acc[0][m][p];
@@ -301,10 +366,10 @@ Prepared prepare_x(const float* x, int64_t M, int64_t K, int64_t G) {
 
 // All tiles for M rows, split over threads.
 template <int64_t M>
-void gemv_rows(const float* xp, const int32_t* cp, const float* sp, const float* zp,
-               const float* xsum, float* yp, const Shape& s) {
+void gemv_rows(const float* xp, const int32_t* cp, const GroupScales& gs, const float* xsum,
+               float* yp, const Shape& s) {
   team::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) tile_rows<M>(xp, cp, sp, zp, xsum, yp, t, s);
+    for (int64_t t = begin; t < end; ++t) tile_rows<M>(xp, cp, gs, xsum, yp, t, s);
   });
 }
 
@@ -315,8 +380,7 @@ void gemv_rows(const float* xp, const int32_t* cp, const float* sp, const float*
 // has streamed through the caches), ~3% of a batch-1 step of 4-bit SmolLM2.
 struct AwqOperands {
   const int32_t* codes;
-  const float* scales;
-  const float* zs;
+  GroupScales scales;
   const float* bias;  // none: no bias
   Shape shape;
 };
@@ -328,7 +392,7 @@ AwqOperands awq_operands(const at::Tensor& codes, const at::Tensor& scales,
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->numel() == n),
               "the bias must be contiguous float32 [n]");
-  return {codes.data_ptr<int32_t>(), scales.data_ptr<float>(), zero_terms(zs),
+  return {codes.data_ptr<int32_t>(), group_scales(scales, zs),
           bias ? bias->data_ptr<float>() : nullptr, s};
 }
 
@@ -339,7 +403,7 @@ void awq_gemv_rows(const float* x, int64_t M, const AwqOperands& w, float* y) {
   const Prepared prep = prepare_x(x, M, s.K, s.G);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     with_rows(std::min(kMaxRows, M - m0), [&]<int64_t R>() {
-      gemv_rows<R>(prep.xt + m0 * s.K, w.codes, w.scales, w.zs, prep.sums + 2 * m0 * NG,
+      gemv_rows<R>(prep.xt + m0 * s.K, w.codes, w.scales, prep.sums + 2 * m0 * NG,
                    y + m0 * s.N, s);
     });
   }
@@ -367,8 +431,7 @@ at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   auto y = at::empty({M, s.N}, x.options());
   if (M == 0) return y;
   const int32_t* cp = codes.data_ptr<int32_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zero_terms(zs);
+  const GroupScales gs = group_scales(scales, zs);
   // W[k] = s q - zs = s (256 + q) - (256 s + zs) for the fields read as 256 + q (odd k),
   // and with 16 for the others: one FMA a value.
   auto fill = [&](float* panel, int64_t t, int64_t k0, int64_t kc) {
@@ -377,8 +440,8 @@ at::Tensor awq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
       float* rows = panel + (blk * 8 - k0) * kTile;
       for (int64_t h = 0; h < 2; ++h) {
         const vu16 word = load16u(cp + (t * (s.K / 8) + blk) * kTile + h * 16);
-        const int64_t at = (t * NG + g) * kTile + h * 16;
-        const vf16 sv = load16(sp + at), zv = zeros16(zp, at, sv);
+        vf16 sv, zv;
+        gs.group16(t * NG + g, h * 16, sv, zv);
         const vf16 zlow = sv * kLowBase + zv, zhigh = sv * kHighBase + zv;
         const vu16 r[4] = {fields<16>(word), fields<8>(word), word, fields<24>(word)};
         for (int64_t i = 0; i < 8; ++i) {  // input i: rotation (i + 1) / 2 % 4
@@ -398,18 +461,17 @@ at::Tensor awq_dequantize(at::Tensor codes, at::Tensor scales, at::Tensor zs,
                              int64_t n, int64_t group) {
   const Shape s = check(codes, scales, zs, n, group);
   const int64_t Np = s.NT * kTile;
-  auto w = at::empty({s.K, Np}, scales.options());  // W^T, as x @ w wants
+  auto w = at::empty({s.K, Np}, codes.options().dtype(at::kFloat));  // W^T, as x @ w wants
   const int32_t* cp = codes.data_ptr<int32_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zero_terms(zs);
+  const GroupScales gs = group_scales(scales, zs);
   float* wp = w.data_ptr<float>();
   team::parallel_for(0, s.K / 8, 2, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t g = blk * 8 / s.G;
       for (int64_t t = 0; t < s.NT * 2; ++t) {  // t: 16 columns, half a tile
         const vu16 word = load16u(cp + ((t / 2) * (s.K / 8) + blk) * kTile + t % 2 * 16);
-        const int64_t at = ((t / 2) * (s.K / s.G) + g) * kTile + t % 2 * 16;
-        const vf16 sv = load16(sp + at), zv = zeros16(zp, at, sv);
+        vf16 sv, zv;
+        gs.group16((t / 2) * (s.K / s.G) + g, t % 2 * 16, sv, zv);
         float* row = wp + blk * 8 * Np + t * 16;
         // Input i sits in rotation (i + 1) / 2 % 4 below, at bits 15..18 (odd i) or 19..22.
         const vu16 r[4] = {fields<16>(word), fields<8>(word), word, fields<24>(word)};

@@ -101,7 +101,7 @@ struct RowsView {
 
 // Rows [0, M) over the 8 columns [8c, 8c + 8) of tile t.
 template <int64_t M>
-void int16_columns(const RowsView& xr, const int32_t* cp, const float* sp, const float* zp,
+void int16_columns(const RowsView& xr, const int32_t* cp, const GroupScales& gs,
                    float* yp, int64_t t, int64_t c, const Shape& s) {
   const int64_t NG = s.K / s.G, blocks = s.G / 8;
   const __m256i mask = _mm256_set1_epi32(0x000F000F);
@@ -109,7 +109,7 @@ void int16_columns(const RowsView& xr, const int32_t* cp, const float* sp, const
   __m256 out[M];
   for (int64_t m = 0; m < M; ++m) out[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < NG; ++g) {
-    prefetch_group_scales(sp, zp, t * NG + g);
+    gs.prefetch(t * NG + g);
     __m256i acc[M];
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
     for (int64_t blk = g * blocks; blk < (g + 1) * blocks; ++blk) {
@@ -130,8 +130,8 @@ void int16_columns(const RowsView& xr, const int32_t* cp, const float* sp, const
         acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(d01, d23));
       }
     }
-    const int64_t at = (t * NG + g) * kTile + c * 8;
-    const __m256 sv = _mm256_loadu_ps(sp + at), zv = zeros8(zp, at, sv);
+    __m256 sv, zv;
+    gs.group8(t * NG + g, c * 8, sv, zv);
     for (int64_t m = 0; m < M; ++m) {
       const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(xr.xs[m * NG + g]));
       out[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), scale, out[m]);
@@ -151,13 +151,13 @@ void int16_columns(const RowsView& xr, const int32_t* cp, const float* sp, const
 }
 
 template <int64_t M>
-void int16_rows(const RowsView& xr, const int32_t* cp, const float* sp, const float* zp,
+void int16_rows(const RowsView& xr, const int32_t* cp, const GroupScales& gs,
                 float* yp, const Shape& s) {
   // Work items of 8 columns; the padding-only ones at the end of the last tile are skipped.
   const int64_t items = (s.N + 7) / 8;
   team::parallel_for(0, items, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      int16_columns<M>(xr, cp, sp, zp, yp, i / 4, i % 4, s);
+      int16_columns<M>(xr, cp, gs, yp, i / 4, i % 4, s);
   });
 }
 #endif
@@ -189,12 +189,12 @@ at::Tensor awq_gemv_int16(at::Tensor x, at::Tensor codes, at::Tensor scales, at:
   constexpr int64_t kRowsPerPass = 8;
   const Int16Rows xr = quantize_rows(x.data_ptr<float>(), M, s.K, s.G);
   const int64_t NG = s.K / s.G;
+  const GroupScales gs = group_scales(scales, zs);
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const RowsView rows{xr.pairs.data() + m0 * s.K / 2, xr.xs.data() + m0 * NG,
                         xr.xsum.data() + m0 * NG};
     with_rows(std::min(kRowsPerPass, M - m0), [&]<int64_t R>() {
-      int16_rows<R>(rows, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                    zero_terms(zs), y.data_ptr<float>() + m0 * s.N, s);
+      int16_rows<R>(rows, codes.data_ptr<int32_t>(), gs, y.data_ptr<float>() + m0 * s.N, s);
     });
   }
 #endif

@@ -102,7 +102,7 @@ struct Int8View {
 // Group g of rows [0, M) over the 8 columns [8c, 8c + 8) of tile t: out (a row of 32 floats
 // per row of x, from column 8c) += s sum_blocks xb (codes . q8) - zs sum x.
 template <int64_t M>
-void int8_group(const Int8View& xr, const int32_t* stream, const float* sp, const float* zp,
+void int8_group(const Int8View& xr, const int32_t* stream, const GroupScales& gs,
                 int64_t tile_group, int64_t g, int64_t c, const Shape& s, float* out) {
   const int64_t NG = s.K / s.G, NB = s.K / kInt8Block, words = kInt8Block / 8;
   const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -129,8 +129,8 @@ void int8_group(const Int8View& xr, const int32_t* stream, const float* sp, cons
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)),
                                _mm256_set1_ps(xr.xb[m * NB + blk]), acc[m]);
   }
-  const int64_t at = tile_group * kTile + c * 8;
-  const __m256 sv = _mm256_loadu_ps(sp + at), zv = zeros8(zp, at, sv);
+  __m256 sv, zv;
+  gs.group8(tile_group, c * 8, sv, zv);
   for (int64_t m = 0; m < M; ++m) {
     float* o = out + m * kTile + c * 8;
     __m256 y = _mm256_fmadd_ps(acc[m], sv, _mm256_loadu_ps(o));
@@ -143,8 +143,8 @@ void int8_group(const Int8View& xr, const int32_t* stream, const float* sp, cons
 // slices, and from L1 by the others, and by every pass of up to kPassRows rows.
 constexpr int64_t kPassRows = 4;  // two vectors a row: 4 rows and the decoded codes fit 16 ymm
 
-void int8_tile(const Int8View& xr, int64_t M, const int32_t* cp, const float* sp,
-               const float* zp, float* yp, int64_t t, const Shape& s) {
+void int8_tile(const Int8View& xr, int64_t M, const int32_t* cp, const GroupScales& gs,
+               float* yp, int64_t t, const Shape& s) {
   const int64_t NG = s.K / s.G, NB = s.K / kInt8Block;
   const int32_t* stream = cp + t * (s.K / 8) * kTile;
   const int64_t n0 = t * kTile, n = std::min(kTile, s.N - n0);
@@ -154,10 +154,10 @@ void int8_tile(const Int8View& xr, int64_t M, const int32_t* cp, const float* sp
     const Int8View pass{xr.bytes + m0 * s.K / 4, xr.xb + m0 * NB, xr.xsum + m0 * NG};
     std::fill(out, out + rows * kTile, 0.f);
     for (int64_t g = 0; g < NG; ++g) {
-      prefetch_group_scales(sp, zp, t * NG + g);
+      gs.prefetch(t * NG + g);
       for (int64_t c = 0; c < kTile / 8; ++c)
         with_rows(rows, [&]<int64_t R>() {
-          int8_group<R>(pass, stream, sp, zp, t * NG + g, g, c, s, out);
+          int8_group<R>(pass, stream, gs, t * NG + g, g, c, s, out);
         });
     }
     for (int64_t m = 0; m < rows; ++m)
@@ -181,10 +181,10 @@ at::Tensor awq_gemv_int8(at::Tensor x, at::Tensor codes, at::Tensor scales, at::
 #if defined(__AVX2__)
   const Int8Rows xr = quantize_rows_int8(x.data_ptr<float>(), M, s.K, s.G);
   const Int8View rows{xr.bytes.data(), xr.xb.data(), xr.xsum.data()};
+  const GroupScales gs = group_scales(scales, zs);
   team::parallel_for(0, s.NT, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      int8_tile(rows, M, codes.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                zero_terms(zs), y.data_ptr<float>(), t, s);
+      int8_tile(rows, M, codes.data_ptr<int32_t>(), gs, y.data_ptr<float>(), t, s);
   });
 #endif
   return y;

@@ -12,6 +12,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #elif defined(__AVX__)
@@ -166,6 +170,24 @@ inline vu16 load16u(const void* p) {
   for (int i = 0; i < kParts; ++i)
     std::memcpy(&v.p[i], static_cast<const char*>(p) + i * sizeof(vun), sizeof(vun));
   return v;
+}
+
+// 16 bytes read as unsigned integers, as floats (small integer codes: exact). Intrinsics on
+// x86: GCC 12 widened a byte vector through general registers, one byte at a time.
+inline vf16 bytes16(const uint8_t* p) {
+  vf16 f;
+#if defined(__AVX512F__)
+  f.p[0] = reinterpret_cast<vfn>(_mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  for (int i = 0; i < kParts; ++i)
+    f.p[i] = reinterpret_cast<vfn>(_mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)))));
+#else
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) f.p[i][j] = p[i * kLanes + j];
+#endif
+  return f;
 }
 
 inline float hsum(vfn v) {

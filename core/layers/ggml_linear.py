@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pkv.core.layers.ggml_tensor import GGMLTensor, drop_pages
-from pkv.core.layers.int4_tiles import gemv_rows, tiled
+from pkv.core.layers.int4_tiles import gemv_rows, k4_tiled, tiled
 from pkv.core.layers.linear import FusedOperands, Linear, LinearMethod, ParamLayout, as_tensor
 from pkv.csrc import cpp_build
 
@@ -94,7 +94,7 @@ class GGMLLinearMethod(LinearMethod):
             return F.linear(x.float(), layer.weight_f32, layer.bias).to(x.dtype)
         flat = x.reshape(-1, x.shape[-1]).float().contiguous()
         if layer.parts is None:  # 4-bit tiles
-            y = layer.kernel.awq_linear(flat, layer.codes, layer.scales_f32, layer.zs,
+            y = layer.kernel.awq_linear(flat, layer.codes, layer.scales, layer.zs,
                                         layer.bias, layer.out_features, INT4_GROUP,
                                         gemv_rows(layer.kernel, self.activation_bits),
                                         self.activation_bits)
@@ -107,7 +107,7 @@ class GGMLLinearMethod(LinearMethod):
         if layer.kernel is None:
             return None
         if layer.parts is None:
-            return FusedOperands([layer.codes, layer.scales_f32, layer.zs], INT4_GROUP,
+            return FusedOperands([layer.codes, layer.scales, layer.zs], INT4_GROUP,
                                  self.activation_bits)
         return FusedOperands([*layer.blocks, layer.qtypes], GGML_GROUP, self.activation_bits)
 
@@ -126,14 +126,20 @@ class GGMLLinearMethod(LinearMethod):
 
 def _to_int4_tiles(layer: Linear) -> None:
     """4-bit parts repacked for the 4-bit kernel (csrc/awq_cpu.cpp): a batch-1 GEMV there runs
-    several times as fast as the generic block GEMV, for codes plus float32 scales and zs per
-    32 values (6 bits a weight against Q4_0's 4.5, Q4_1's 5, Q4_K's 4.5; Q4_0 alone, whose zs
-    is 8 scales, 5). The blocks' pages are handed back once converted."""
-    forms = [int4_form(p) for p in layer.parts]
-    codes, scales, zs = (torch.cat([f[i] for f in forms]).t().contiguous() for i in range(3))
-    if all(p.format.name == "Q4_0" for p in layer.parts):
-        zs = None  # 8 scales: the kernels take it so
-    for name, tensor in zip(("codes", "scales_f32", "zs"), tiled(codes, scales, zs)):
+    several times as fast as the generic block GEMV (a Q4_K layer ~1.5x the blocks' float
+    GEMV), for codes plus float32 scales and zs per 32 values (6 bits a weight against Q4_0's
+    4.5, Q4_1's 5; Q4_0 alone, whose zs is 8 scales, 5), or Q4_K's own scale codes under
+    float32 d and dmin per 256 (4.75 against its 4.5). The blocks' pages are handed back once
+    converted."""
+    names = {p.format.name for p in layer.parts}
+    if names == {"Q4_K"}:
+        forms = [k4_form(p) for p in layer.parts]
+        tiles = k4_tiled(*(torch.cat([f[i] for f in forms]).t().contiguous() for i in range(5)))
+    else:
+        forms = [int4_form(p) for p in layer.parts]
+        codes, scales, zs = (torch.cat([f[i] for f in forms]).t().contiguous() for i in range(3))
+        tiles = tiled(codes, scales, None if names == {"Q4_0"} else zs)  # Q4_0: zs = 8 scales
+    for name, tensor in zip(("codes", "scales", "zs"), tiles):
         layer.register_buffer(name, tensor, persistent=False)
     layer.int4_types = sorted({p.format.name for p in layer.parts})
     for part in layer.parts:
@@ -154,12 +160,23 @@ def int4_form(t: GGMLTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # values j and j + 16 of each block
         zs = 8 * d if fmt.name == "Q4_0" else -_halves(blocks[..., 2:4])
         return codes.reshape(rows, -1), d, zs
-    dmin = _halves(blocks[..., 2:4])
+    codes, sc, mn, d, dmin = k4_form(t)
+    per_group = (rows, -1, 8)  # a super-block's d over its 8 groups
+    return (codes, (d.unsqueeze(-1) * sc.float().reshape(per_group)).reshape(rows, -1),
+            (dmin.unsqueeze(-1) * mn.float().reshape(per_group)).reshape(rows, -1))
+
+
+def k4_form(t: GGMLTensor) -> tuple[torch.Tensor, ...]:
+    """A Q4_K tensor as codes [rows, cols] in 0..15, its 6-bit scale and min codes
+    [rows, cols / 32] (uint8) and float32 d and dmin [rows, cols / 256]: value =
+    code * (d sc) - dmin m per 32-value sub-block."""
+    rows = t.shape[0]
+    blocks = t.data.contiguous().reshape(rows, -1, t.format.bytes)
     sc, mn = _k4_scales(blocks[..., 4:16])  # [rows, blocks, 8] sub-block scale / min codes
     qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 64 values per 32 bytes: low, then high
     codes = torch.stack([qs & 0xF, qs >> 4], dim=3).reshape(rows, -1)
-    return (codes, (d.unsqueeze(-1) * sc).reshape(rows, -1),
-            (dmin.unsqueeze(-1) * mn).reshape(rows, -1))
+    return (codes, sc.reshape(rows, -1), mn.reshape(rows, -1), _halves(blocks[..., 0:2]),
+            _halves(blocks[..., 2:4]))
 
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
@@ -168,11 +185,11 @@ def _halves(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's eight 6-bit scales and mins, packed in 12 bytes, as float32 [..., 8] each."""
+    """Q4_K's eight 6-bit scales and mins, packed in 12 bytes, as uint8 [..., 8] each."""
     q = packed.to(torch.int32)
     low = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
     mins = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
-    return low.float(), mins.float()
+    return low.to(torch.uint8), mins.to(torch.uint8)
 
 
 def use_ggml(layer: Linear, activation_bits: int = 32) -> None:
@@ -198,7 +215,7 @@ def ggml_storage(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 found += [(p.format.name, p.data) for p in module.parts]
             elif hasattr(module, "codes"):
                 label = f"{'+'.join(module.int4_types)} as 4-bit tiles"
-                found += [(label, getattr(module, n)) for n in ("codes", "scales_f32", "zs")]
+                found += [(label, getattr(module, n)) for n in ("codes", "scales", "zs")]
         table = getattr(module, "table", None)
         if isinstance(table, GGMLTensor):
             found.append((table.format.name, table.data))

@@ -1,6 +1,8 @@
 """4-bit weights in the layout of the CPU's 4-bit kernel (csrc/awq_cpu.cpp): W[k, n] =
 codes[k, n] * scales[g, n] - zs[g, n] for input k in group g, 32 output columns per tile; an
-empty zs stands for 8 * scales (a GGUF's Q4_0: 5 bits a weight held instead of 6).
+empty zs stands for 8 * scales (a GGUF's Q4_0: 5 bits a weight held instead of 6). A GGUF's
+Q4_K keeps its own form instead (`k4_tiled`): 6-bit scale and min codes per group under a
+float scale per 256 inputs, 4.75 bits a weight.
 
 AWQ checkpoints repack into it (plugins/weights/awq.py), and so do a GGUF's 4-bit types
 (Q4_0, Q4_1, Q4_K: core/layers/ggml_linear.py), whose blocks are groups of 32 inputs.
@@ -47,6 +49,19 @@ def tiled(codes: torch.Tensor, scales: torch.Tensor,
     n = codes.shape[1]
     return (repack_words(codes), by_tile(pad_columns(scales.float(), n)),
             by_tile(pad_columns(zs.float(), n)) if zs is not None else torch.empty(0))
+
+
+def k4_tiled(codes: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: torch.Tensor,
+             dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's Q4_K form of codes [K, N]: W = codes (d sc) - dmin mins, with the 6-bit
+    sc and mins [K/32, N] per group and d, dmin [K/256, N] per super-block; as (codes,
+    uint8 [N'/32, K/32, 2, 32] sc then mins, float32 [N'/32, K/256, 2, 32] d then dmin)."""
+    n = codes.shape[1]
+
+    def pairs(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.stack([by_tile(pad_columns(t.to(dtype), n)) for t in (a, b)], dim=2)
+
+    return repack_words(codes), pairs(sc, mins, torch.uint8), pairs(d, dmin, torch.float32)
 
 
 def gemv_rows(kernel: Any, activation_bits: int) -> int:

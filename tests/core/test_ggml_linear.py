@@ -13,8 +13,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage, use_ggml
+from pkv.core.layers.ggml_linear import GGMLLinearMethod, ggml_storage, int4_form, use_ggml
 from pkv.core.layers.ggml_tensor import FORMATS, GGMLTensor
+from pkv.core.layers.int4_tiles import tiled as float_tiles
 from pkv.core.layers.linear import Linear
 
 # Byte offsets of each quantized type's float16 scales (d, and dmin/m where it has one) in
@@ -360,6 +361,47 @@ def test_kernels_refuse_bad_operands(cpu_kernels):
         cpu_kernels.ggml_linear(x, [blocks[:, :100]], torch.tensor([q4k]), None)
     with pytest.raises(RuntimeError, match="outside the table"):
         cpu_kernels.ggml_rows(blocks, q4k, torch.tensor([4]), 512)
+    codes = torch.zeros(1, 64, 32, dtype=torch.int32)  # Q4_K's tiles: d and dmin per 8 groups
+    scale_codes, supers = torch.zeros(1, 16, 2, 32, dtype=torch.uint8), torch.zeros(1, 2, 2, 32)
+    assert cpu_kernels.awq_gemv(x, codes, scale_codes, supers, 32, 32).shape == (2, 32)
+    with pytest.raises(RuntimeError, match="Q4_K scales must be"):
+        cpu_kernels.awq_gemv(x, codes, scale_codes, supers[:, :1], 32, 32)
+    with pytest.raises(RuntimeError, match="Q4_K scales must be"):
+        cpu_kernels.awq_gemv(x, codes, scale_codes[:, :, 0], supers, 32, 32)
+
+
+# Q4_K's tiles keep its own scales: 6-bit scale and min codes per 32 inputs under float32 d and
+# dmin per 256 (4.75 bits a weight, where float scales and zero terms per 32 hold 6). The
+# products equal those of the float form, bit for bit, in every 4-bit kernel: the float GEMV
+# (1 to 9 rows: one and several passes), the GEMM (40), the int16 and int8 GEMVs.
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 40])
+def test_q4_k_tiles_hold_its_scale_codes_and_compute_as_float_scales(cpu_kernels, two_threads,
+                                                                     rows: int):
+    q4k, cols, sizes = FORMATS_BY_NAME["Q4_K"], 512, (40, 24)
+    parts = [GGMLTensor(torch.from_numpy(random_blocks(q4k, n, cols, seed=n)), q4k, cols)
+             for n in sizes]
+    forms = [int4_form(p) for p in parts]
+    float_form = float_tiles(*(torch.cat([f[i] for f in forms]).t().contiguous() for i in range(3)))
+    assert float_form[1].dtype == torch.float32
+    n, weight = sum(sizes), torch.cat([p.dequantize() for p in parts])
+    layer = Linear(cols, list(sizes), False)
+    use_ggml(layer)
+    for shard, part in enumerate(parts):  # (their pages handed back once repacked)
+        layer.load("weight", part, shard, "w")
+    layer.method.process_weights_after_loading(layer)
+    assert layer.parts is None and layer.scales.dtype == torch.uint8
+    held = sum(t.numel() * t.element_size() for _, t in ggml_storage(layer))
+    assert held == 2 * 32 * cols * 4.75 / 8  # two tiles of 32 columns (64 for 40 + 24)
+    torch.testing.assert_close(cpu_kernels.awq_dequantize(layer.codes, layer.scales, layer.zs,
+                                                          n, 32), weight.t(), rtol=0, atol=0)
+    x = torch.randn(rows, cols)
+    for bits in (32, 16, 8) if cpu_kernels.awq_gemv_has_integer() else (32,):
+        gemv = cpu_kernels.awq_gemv_max_rows if bits == 32 else rows
+        got = cpu_kernels.awq_linear(x, layer.codes, layer.scales, layer.zs, None, n, 32, gemv,
+                                     bits)
+        want = cpu_kernels.awq_linear(x, *float_form, None, n, 32, gemv, bits)
+        assert torch.equal(got, want), (bits, (got - want).abs().max())
+    torch.testing.assert_close(layer(x), x @ weight.t(), rtol=1e-4, atol=1e-3)
 
 
 def test_a_tensor_narrows_by_rows_and_by_whole_blocks():
@@ -382,7 +424,7 @@ FORMATS_BY_NAME = {fmt.name: qtype for qtype, fmt in FORMATS.items()}
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
 def test_int8_activations_keep_4_bit_layers_in_their_blocks(isa: str, name: str):
-    # The 4-bit types go to the 4-bit tiles for float activations (6 bits a weight) and stay
+    # The 4-bit types go to the 4-bit tiles for float activations (5-6 bits a weight) and stay
     # in their blocks (4.5 or 5 bits) for int8 ones, which the blocks' int8 kernels read; an LM
     # head made a ggml layer (use_ggml) takes the bits it is given. The generic flavour keeps
     # the tiles.
