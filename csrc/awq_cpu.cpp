@@ -244,11 +244,17 @@ template <int L, int H, int64_t S, int64_t M>
 // accumulators in registers (decoding both halves first spilled them: ~15% slower); more
 // rows decode both halves, then sweep the rows once (half by half, 8 rows took ~1.3x as long).
 // Forced inline: as an ordinary inline function GCC stopped inlining it once the unit grew (a
-// scratch copy with one more caller ran the batch-1 GEMV 1.6x slower).
+// scratch copy with one more caller ran the batch-1 GEMV 1.6x slower). The halves' loop is
+// unrolled by pragma: GCC otherwise unrolled it only after its scalar replacement of the
+// accumulator arrays had given up on the variable half, and at one or two rows (S = 2) the
+// accumulators lived on the stack, each FMA chain through a store and a load (AVX-512: the
+// GEMV 0.88-0.92x; AVX2 level, as is unrolling `multiply`'s loops too, which at 3-6 rows
+// crowded AVX2's 16 registers: 0.88-0.95x).
 template <int R, int L, int H, int64_t S, int64_t M>
 [[gnu::always_inline]] inline void step(const vu16 (&w)[2], const float* xt, int64_t K,
                                         vf16 (&acc)[S][M][2]) {
   vf16 v[2], f[2];
+#pragma GCC unroll 2
   for (int64_t p = 0; p < 2; ++p) {
     const vu16 both = opaque((fields<R>(w[p]) & (kLowField | kHighField)) | kHighExp);
     v[p] = as_floats(both);
