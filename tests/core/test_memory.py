@@ -58,10 +58,10 @@ def test_resident_memory_splits_into_anonymous_and_file_backed():
 # glibc's defaults each block is mapped afresh and the heap's top trimmed at a step's end
 # (6,144 pages faulted in again a step until its thresholds adapt, here 4-5 steps).
 _STEPS = """
-import json, resource
+import json, resource, sys
 import torch
-from pkv.core.worker.memory import (hold_freed_memory_until_idle, release_free_memory,
-                                   resident_by_kind)
+from pkv.core.worker.memory import (hold_freed_memory_until_idle, native_heap,
+                                   release_free_memory, resident_by_kind)
 
 def step_faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -69,27 +69,32 @@ def step_faults():
     del held
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-hold_freed_memory_until_idle()
-faults = [step_faults() for _ in range(10)]
+if sys.argv[1] == "held":
+    hold_freed_memory_until_idle()
+faults = [step_faults()]
+kept = native_heap().free_bytes  # the first step's blocks, freed
+faults += [step_faults() for _ in range(9)]
 held = resident_by_kind()["anon_bytes"]
 release_free_memory()
-print(json.dumps({"faults": faults, "released": held - resident_by_kind()["anon_bytes"]}))
+print(json.dumps({"faults": faults, "kept": kept,
+                  "released": held - resident_by_kind()["anon_bytes"]}))
 """
 
 
-def _held_steps() -> dict:
+def _steps(mode: str) -> dict:
     import json
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _STEPS], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True,
                           timeout=120, check=True)
     return json.loads(done.stdout)
 
 
 def test_freed_blocks_are_reused_until_the_heap_is_released(heap_or_skip):
-    # Held, the steps settle on the same pages (after two or three that grow the heap), and
-    # release_free_memory hands them back.
-    held = _held_steps()
+    # Held, a step's freed blocks stay in the heap (glibc's defaults unmap them), the steps
+    # settle on the same pages, and release_free_memory hands them back.
+    default, held = _steps("default"), _steps("held")
+    assert default["kept"] < 8 << 20 <= 16 << 20 <= held["kept"], (default, held)
     assert max(held["faults"][-3:]) < 400, held
     assert held["released"] >= 16 << 20, held
