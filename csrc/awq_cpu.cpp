@@ -116,12 +116,12 @@ struct GroupScales {
     }
     const uint8_t* c = codes + 2 * tile_group * kTile + col;
     const float* d = s + 2 * (tile_group / kSuperGroups) * kTile + col;
-    sv = load16(d) * bytes16(c);
-    zv = load16(d + kTile) * bytes16(c + kTile);
+    sv = load16(d) * to_floats(widen_u8(c));
+    zv = load16(d + kTile) * to_floats(widen_u8(c + kTile));
   }
 
 #if defined(__AVX2__)
-  // Eight columns' of the same, for the integer GEMVs (csrc/awq_int16_cpu.cpp, awq_int8_cpu.cpp).
+  // Eight columns of the same, for the integer GEMVs (csrc/awq_int16_cpu.cpp, awq_int8_cpu.cpp).
   void group8(int64_t tile_group, int64_t col, __m256& sv, __m256& zv) const {
     if (codes == nullptr) {
       const int64_t at = tile_group * kTile + col;

@@ -181,27 +181,6 @@ class Lookahead {
   int64_t lines_, per_step_;  // a panel's cache lines, and those a step prefetches
 };
 
-// 16 bytes widened to unsigned 32-bit lanes, and lanes to floats.
-inline vu16 widen_u8(const uint8_t* p) {
-  vu16 v;
-#if defined(__AVX512F__)
-  v.p[0] = (vun)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-#elif defined(__AVX2__)
-  for (int h = 0; h < 2; ++h)
-    v.p[h] = (vun)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)));
-#else
-  for (int i = 0; i < kParts; ++i)
-    for (int j = 0; j < kLanes; ++j) v.p[i][j] = p[i * kLanes + j];
-#endif
-  return v;
-}
-
-inline vf16 to_floats(vu16 a) {
-  vf16 f;
-  for (int i = 0; i < kParts; ++i) f.p[i] = __builtin_convertvector((vin)a.p[i], vfn);
-  return f;
-}
-
 // Bytes as GCC vectors: 32 at a time, what one AVX2 register holds (two SSE2 / NEON ones).
 typedef uint8_t vb32 __attribute__((vector_size(32)));
 

@@ -172,21 +172,25 @@ inline vu16 load16u(const void* p) {
   return v;
 }
 
-// 16 bytes read as unsigned integers, as floats (small integer codes: exact). Intrinsics on
-// x86: GCC 12 widened a byte vector through general registers, one byte at a time.
-inline vf16 bytes16(const uint8_t* p) {
-  vf16 f;
+// 16 bytes widened to unsigned 32-bit lanes, and lanes to floats. Intrinsics on x86: GCC 12
+// widened a vector of bytes through general registers, one byte at a time.
+inline vu16 widen_u8(const uint8_t* p) {
+  vu16 v;
 #if defined(__AVX512F__)
-  f.p[0] = reinterpret_cast<vfn>(_mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  v.p[0] = (vun)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
 #elif defined(__AVX2__)
-  for (int i = 0; i < kParts; ++i)
-    f.p[i] = reinterpret_cast<vfn>(_mm256_cvtepi32_ps(
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)))));
+  for (int h = 0; h < 2; ++h)
+    v.p[h] = (vun)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)));
 #else
   for (int i = 0; i < kParts; ++i)
-    for (int j = 0; j < kLanes; ++j) f.p[i][j] = p[i * kLanes + j];
+    for (int j = 0; j < kLanes; ++j) v.p[i][j] = p[i * kLanes + j];
 #endif
+  return v;
+}
+
+inline vf16 to_floats(vu16 a) {
+  vf16 f;
+  for (int i = 0; i < kParts; ++i) f.p[i] = __builtin_convertvector((vin)a.p[i], vfn);
   return f;
 }
 

@@ -141,7 +141,7 @@ def _to_int4_tiles(layer: Linear) -> None:
         tiles = tiled(codes, scales, None if names == {"Q4_0"} else zs)  # Q4_0: zs = 8 scales
     for name, tensor in zip(("codes", "scales", "zs"), tiles):
         layer.register_buffer(name, tensor, persistent=False)
-    layer.int4_types = sorted({p.format.name for p in layer.parts})
+    layer.int4_types = sorted(names)
     for part in layer.parts:
         drop_pages(part.data)
     layer.parts = None
