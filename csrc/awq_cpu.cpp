@@ -223,13 +223,23 @@ inline vu16 fields(vu16 w) {
   }
 }
 
+// Where x's input k of row m of a pass of M rows lies (see `prepare_x`): AVX-512 puts a
+// pass's rows side by side, an input's M values together, so that a block's broadcasts for
+// every row come at fixed offsets from one pointer (row after row, each row's address took
+// scalar instructions, spilled from 3 rows: 7-16 rows 1.06-1.10x so); AVX2 keeps rows after
+// one another (side by side cost it 5% at batch 6, its 16 registers spilling either way).
+constexpr bool kRowsSideBySide = kLanes == 16;
+constexpr int64_t x_at(int64_t k, int64_t m, int64_t M, int64_t K) {
+  return kRowsSideBySide ? k * M + m : m * K + k;
+}
+
 // Every row's v and f terms for halves [p0, p1) of a tile (see `step`), row by row.
 template <int L, int H, int64_t S, int64_t M>
 [[gnu::always_inline]] inline void multiply(const float* xt, int64_t K, const vf16 (&v)[2],
                                             const vf16 (&f)[2], vf16 (&acc)[S][M][2],
                                             int64_t p0, int64_t p1) {
   for (int64_t m = 0; m < M; ++m) {
-    const float xl = xt[m * K + L], xh = xt[m * K + H];
+    const float xl = xt[x_at(L, m, M, K)], xh = xt[x_at(H, m, M, K)];
     for (int64_t p = p0; p < p1; ++p) {  // two statements: two FMAs (no reassociation)
       acc[0][m][p] += xl * v[p];
       acc[S - 1][m][p] += xh * f[p];
@@ -282,7 +292,7 @@ void tile_rows(const float* xp, const int32_t* cp, const GroupScales& gs, const 
       __builtin_prefetch(words + kPrefetchWords);
       __builtin_prefetch(words + kPrefetchWords + 16);
       const vu16 w[2] = {load16u(words), load16u(words + 16)};
-      const float* x = xp + blk * 8;
+      const float* x = xp + x_at(blk * 8, 0, M, s.K);
       step<0, 3, 4>(w, x, s.K, acc);
       step<8, 1, 2>(w, x, s.K, acc);
       step<24, 5, 6>(w, x, s.K, acc);
@@ -313,9 +323,10 @@ void tile_rows(const float* xp, const int32_t* cp, const GroupScales& gs, const 
 }
 
 // x as the GEMV multiplies it, and per row and group the sums the GEMV subtracts (see the
-// top), in scratch kept by the calling thread: xt [M, K] (16 x_L at each odd input L, x_H - 16
-// x_L at the even input H that shares L's word rotation: H = L + 1, and 0 with 7; see `step`'s
-// calls), then sums [M, K / G, 2] (sum x, 16 sum x_H). At batch 1 the two passes and their
+// top), in scratch kept by the calling thread: xt, M x K values in passes of up to kMaxRows
+// rows laid out as `x_at` says (16 x_L at each odd input L, x_H - 16 x_L at the even input H
+// that shares L's word rotation: H = L + 1, and 0 with 7; see `step`'s calls), then sums
+// [M, K / G, 2] (sum x, 16 sum x_H). At batch 1 the two passes and their
 // allocations took ~0.6 us of each ~20 us GEMV; one pass into memory that stays allocated,
 // 8 inputs at a time where AVX is (a lane rotation and a blend), takes ~0.06 us at K = 576.
 struct Prepared {
@@ -327,8 +338,9 @@ struct Prepared {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-// One group of one row: its rewritten inputs into tg, its two sums into sums[0, 2).
-inline void prepare_group(const float* xg, int64_t G, float* tg, float* sums) {
+// One group of one row: its rewritten inputs into tg, `stride` floats apart, its two sums
+// into sums[0, 2).
+inline void prepare_group(const float* xg, int64_t G, float* tg, int64_t stride, float* sums) {
   const v8i prev_lane = {7, 0, 1, 2, 3, 4, 5, 6}, even_lane = {-1, 0, -1, 0, -1, 0, -1, 0};
   v8f lanes = {};
   for (int64_t b = 0; b < G; b += 8) {
@@ -337,21 +349,24 @@ inline void prepare_group(const float* xg, int64_t G, float* tg, float* sums) {
     lanes += v;
     const v8f prev = __builtin_shuffle(v, prev_lane);  // lane i: input i - 1 (0: input 7)
     const v8f t = even_lane ? v - 16.f * prev : 16.f * v;
-    std::memcpy(tg + b, &t, sizeof t);
+    if (stride == 1)
+      std::memcpy(tg + b, &t, sizeof t);
+    else
+      for (int64_t i = 0; i < 8; ++i) tg[(b + i) * stride] = t[i];
   }
   const float even = (lanes[0] + lanes[2]) + (lanes[4] + lanes[6]);
   sums[0] = even + ((lanes[1] + lanes[3]) + (lanes[5] + lanes[7]));
   sums[1] = 16.f * even;
 }
 #else  // SSE2, NEON: GCC splits the 8-lane vectors above badly (3x slower than this loop)
-inline void prepare_group(const float* xg, int64_t G, float* tg, float* sums) {
+inline void prepare_group(const float* xg, int64_t G, float* tg, int64_t stride, float* sums) {
   float lanes[8] = {};
   for (int64_t b = 0; b < G; b += 8) {
     for (int64_t i = 0; i < 8; ++i) lanes[i] += xg[b + i];
     for (int64_t h = 0; h < 8; h += 2) {
       const int64_t l = (h + 7) % 8;
-      tg[b + l] = 16.f * xg[b + l];
-      tg[b + h] = xg[b + h] - 16.f * xg[b + l];
+      tg[(b + l) * stride] = 16.f * xg[b + l];
+      tg[(b + h) * stride] = xg[b + h] - 16.f * xg[b + l];
     }
   }
   const float even = (lanes[0] + lanes[2]) + (lanes[4] + lanes[6]);
@@ -366,7 +381,13 @@ Prepared prepare_x(const float* x, int64_t M, int64_t K, int64_t G) {
   scratch.resize(std::max<size_t>(scratch.size(), M * K + 2 * M * NG));
   float* xt = scratch.data();
   float* sums = xt + M * K;
-  for (int64_t r = 0; r < M * NG; ++r) prepare_group(x + r * G, G, xt + r * G, sums + 2 * r);
+  for (int64_t m = 0; m < M; ++m) {  // passes of kMaxRows rows from m0, each [K, R] or [R, K]
+    const int64_t m0 = m / kMaxRows * kMaxRows, R = std::min(kMaxRows, M - m0);
+    float* pass = xt + m0 * K;
+    for (int64_t g = 0; g < NG; ++g)
+      prepare_group(x + m * K + g * G, G, pass + x_at(g * G, m - m0, R, K),
+                    kRowsSideBySide ? R : 1, sums + 2 * (m * NG + g));
+  }
   return {xt, sums};
 }
 
