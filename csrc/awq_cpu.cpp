@@ -226,7 +226,7 @@ inline vu16 fields(vu16 w) {
 // Where x's input k of row m of a pass of M rows lies (see `prepare_x`): AVX-512 puts a
 // pass's rows side by side, an input's M values together, so that a block's broadcasts for
 // every row come at fixed offsets from one pointer (row after row, each row's address took
-// scalar instructions, spilled from 3 rows: 7-16 rows 1.06-1.10x so); AVX2 keeps rows after
+// scalar instructions and spilled from 3 rows: 7-16 rows 1.06-1.09x); AVX2 keeps rows after
 // one another (side by side cost it 5% at batch 6, its 16 registers spilling either way).
 constexpr bool kRowsSideBySide = kLanes == 16;
 constexpr int64_t x_at(int64_t k, int64_t m, int64_t M, int64_t K) {
