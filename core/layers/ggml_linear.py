@@ -114,8 +114,9 @@ class GGMLLinearMethod(LinearMethod):
     def _int8_blocks(self, kernel: Any, parts: list[GGMLTensor]) -> bool:
         """Whether int8 activations take these 4-bit parts as they are: the blocks' int8
         kernels read Q4_0 and Q4_K at 4.5 bits a weight, Q4_1 at 5, where the 4-bit tiles hold
-        6 (at 8B: the whole model at the file's size, and decode 1.2x the tiles'), and their
-        int8 tiles at 16 and 64 sequences run ~1.5x the 4-bit kernel's int8 GEMV."""
+        5-6 (Q4_K 4.75; at 8B: the whole model at the file's size, and decode 1.2x the tiles'
+        when they held 6), and their int8 tiles at 16 and 64 sequences run ~1.5x the 4-bit
+        kernel's int8 GEMV."""
         return self.block_bits == 8 and bool(kernel.ggml_int8_kquants)
 
     @property
