@@ -15,6 +15,8 @@ import pytest
 
 from pkv import LLM, SamplingParams
 from pkv.tests.conftest import PROMPTS
+from pkv.tests.gguf_writer import write_gguf
+from pkv.tests.helpers import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -60,6 +62,28 @@ def test_tp2_equals_tp1_on_tiny_qwen2(tiny_qwen2_dir: Path) -> None:
         assert _greedy(two, prompts) == expected
     finally:
         two.shutdown()
+
+
+def test_tp2_equals_tp1_on_a_q4_k_m_gguf(tmp_path: Path, smol_hf_dir: Path,
+                                         smol_gguf: Path) -> None:
+    # A Q4_K_M-style file: its Q4_K layers in the 4-bit tiles with Q4_K's own scale codes (d
+    # and dmin per 256 inputs), split by output rows (gate / up) and by 256-input super-blocks
+    # (o_proj: 512 inputs, 256 a rank); its Q6_K parts in their blocks.
+    model_dir = build_tiny_model(tmp_path / "hf", smol_hf_dir, "llama", hidden_size=512,
+                                 intermediate_size=1024, head_dim=64, num_attention_heads=8,
+                                 num_key_value_heads=4, tie_word_embeddings=False)
+    gguf = str(write_gguf(model_dir, tmp_path / "q4km.gguf", "Q4_K_M", smol_gguf))
+    prompts = [[1, 2, 3, 4], list(range(200, 260)), [7] * 9]
+    runs = {}
+    for size in (1, 2):
+        llm = LLM(gguf, tensor_parallel_size=size, kv_cache_memory="16MiB", max_model_len=256,
+                  show_progress=False)
+        try:
+            assert "Q4_K as 4-bit tiles" in llm.llm_engine.runner.weight_bytes_by_type
+            runs[size] = _greedy(llm, prompts)
+        finally:
+            llm.shutdown()
+    assert runs[2] == runs[1]
 
 
 def test_splits_that_cannot_work_are_clear_errors(tiny_llama_dir: Path) -> None:
