@@ -84,12 +84,12 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
 // stream on 18-32 KB panels 0.70-0.74x; AVX-512, whose panels all took the stream, 2048 x 8192
 // 1.29-1.35x and 4096 x 14336 1.30-1.42x by rows, rows on 9 KB panels 0.81x.
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-template <int W, typename Codes>
-using Ahead = Lookahead<W, 3, 4 * Codes::kBytes>;
+constexpr int kGroupStreamHint = 3;
 #else
-template <int W, typename Codes>
-using Ahead = Lookahead<W, 0, 4 * Codes::kBytes>;
+constexpr int kGroupStreamHint = 0;
 #endif
+template <int W, typename Codes>
+using Ahead = Lookahead<W, kGroupStreamHint, 4 * Codes::kBytes>;
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 // Masks for loading a group's `bytes` bytes in registers of 64: none past them.

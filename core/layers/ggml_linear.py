@@ -134,11 +134,9 @@ def _to_int4_tiles(layer: Linear) -> None:
     converted."""
     names = {p.format.name for p in layer.parts}
     if names == {"Q4_K"}:
-        forms = [k4_form(p) for p in layer.parts]
-        tiles = k4_tiled(*(torch.cat([f[i] for f in forms]).t().contiguous() for i in range(5)))
+        tiles = k4_tiled(*_by_input([k4_form(p) for p in layer.parts]))
     else:
-        forms = [int4_form(p) for p in layer.parts]
-        codes, scales, zs = (torch.cat([f[i] for f in forms]).t().contiguous() for i in range(3))
+        codes, scales, zs = _by_input([int4_form(p) for p in layer.parts])
         tiles = tiled(codes, scales, None if names == {"Q4_0"} else zs)  # Q4_0: zs = 8 scales
     for name, tensor in zip(("codes", "scales", "zs"), tiles):
         layer.register_buffer(name, tensor, persistent=False)
@@ -146,6 +144,12 @@ def _to_int4_tiles(layer: Linear) -> None:
     for part in layer.parts:
         drop_pages(part.data)
     layer.parts = None
+
+
+def _by_input(forms: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """The parts' forms ([rows, ...] tensors each), joined along the rows and transposed to
+    [..., rows] as the tiles take them."""
+    return [torch.cat(pieces).t().contiguous() for pieces in zip(*forms)]
 
 
 def int4_form(t: GGMLTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
