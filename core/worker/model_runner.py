@@ -29,7 +29,7 @@ from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.request import Request, record_failure
 from pkv.core.sched.scheduler import SchedulerOutput
 from pkv.core.worker.fused_decoder import build_fused_decoder
-from pkv.core.worker.huge_pages import move_weights_to_huge_pages
+from pkv.core.worker.huge_pages import empty_on_huge_pages, move_weights_to_huge_pages
 from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
                                          token_types)
 from pkv.core.worker.kv_parts import KVParts, KVTransfer, KVWork
@@ -181,7 +181,9 @@ class ModelRunner:
         # A block id holds `slots` layers: each layer uses its slot of its group's blocks.
         shape = (self.kv_groups.slots, 2, num_blocks, self.block_size,
                  self.plan.kv_heads[1], self.kv_format.row)
-        self.kv_cache = torch.empty(shape, dtype=self.kv_format.dtype, device=self.device)
+        self.kv_cache = (empty_on_huge_pages(shape, self.kv_format.dtype)
+                         if self.device.type == "cpu"
+                         else torch.empty(shape, dtype=self.kv_format.dtype, device=self.device))
         self.kv_caches = [(self.kv_cache[s, 0], self.kv_cache[s, 1])
                           for s in self.kv_groups.slot_of[:cfg.num_hidden_layers]]
 

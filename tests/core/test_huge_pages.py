@@ -1,5 +1,6 @@
 """core/worker/huge_pages.py: which weights move onto 2 MB pages, that they keep their values,
-identity and ties, and that an engine's C++ decoder runs on the moved weights."""
+identity and ties, that an engine's C++ decoder runs on the moved weights, and that the KV
+pool is allocated on 2 MB pages where the kernel grants them."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pkv.core.config.engine import EngineConfig
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.worker import huge_pages
-from pkv.core.worker.huge_pages import (HUGE_PAGE, move_weights_to_huge_pages, movable_weights,
-                                        thp_mode)
+from pkv.core.worker.huge_pages import (HUGE_PAGE, empty_on_huge_pages, huge_page_block,
+                                        move_weights_to_huge_pages, movable_weights, thp_mode)
 
 THP_IN_KERNEL = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
 
@@ -78,6 +79,20 @@ def test_nothing_moves_where_thp_is_never():
     assert model.a.weight.data_ptr() == ptr
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_kv_pool_tensors_start_on_a_huge_page_where_the_kernel_grants_them(dtype: torch.dtype):
+    shape = (2, 2, 37, 16, 3, 68)
+    t = empty_on_huge_pages(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    granted = huge_page_block(4096) is not None
+    assert granted == (thp_mode() in ("always", "madvise") and THP_IN_KERNEL)
+    assert (t.data_ptr() % HUGE_PAGE == 0) or not granted
+    t.view(torch.uint8).fill_(7)  # every byte is the tensor's own to write
+    assert int(t.view(torch.uint8).sum()) == 7 * t.numel() * t.element_size()
+    assert huge_page_block(4096, mode="never") is None
+    assert huge_page_block(0, mode="madvise") is None
+
+
 def test_engine_decodes_on_the_moved_weights(tiny_llama_dir: Path):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4MiB"),
                        show_progress=False)
@@ -86,6 +101,7 @@ def test_engine_decodes_on_the_moved_weights(tiny_llama_dir: Path):
     block = {w.untyped_storage().data_ptr() for w in weights}
     moved = thp_mode() in ("always", "madvise") and THP_IN_KERNEL
     assert (len(block) == 1) == moved
+    assert (engine.runner.kv_cache.data_ptr() % HUGE_PAGE == 0) or not moved
     # The token table (a VocabEmbedding) joins the block only as a tied LM head's weight.
     embed = model.model.embed_tokens.weight
     tied = getattr(model.lm_head, "weight", None) is embed
