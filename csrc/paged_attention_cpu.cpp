@@ -146,11 +146,12 @@ static inline void add_values(const float* p, const Reader& V, int64_t j0, int64
 
 // Rows [j0, j1) of KV head kh in the block starting at slot0: one prefetch per line, into
 // L2 (prefetcht1). Asked into L1 (t0), each line held one of L1's few miss buffers until it
-// came, and the decode attention read memory at ~14 GB/s where the machine streams ~37; into
-// L2 it read at ~21 (Zen 5, two threads, 64 x 1,024 keys: 1.4-1.65x on every flavour for
-// float32 and 16-bit rows; int8 and fp8 rows, bound by their widening, 1.05x). The rows are
-// a block's pass away, and L2 answers L1's misses in ~14 cycles. (Called from a lambda
-// instead, GCC 12 emitted no prefetch at all: check the assembly.)
+// came: in an hour when the machine streamed ~37 GB/s the decode attention read ~14 GB/s that
+// way and ~21 into L2 (Zen 5, two threads, 64 x 128-4,096 keys: 1.4-1.65x on every flavour
+// for float32 and 16-bit rows; int8 and fp8 rows, bound by their widening, 1.05-1.09x); in a
+// faster hour the two ran level. The rows are a block's pass away, and L2 answers L1's misses
+// in ~14 cycles. (Called from a lambda instead, GCC 12 emitted no prefetch at all: check the
+// assembly.)
 static inline void prefetch_rows(const kv_rows::Rows& R, int64_t slot0, int64_t kh,
                                  int64_t KVH, int64_t j0, int64_t j1) {
   for (int64_t j = j0; j < j1; ++j) {
