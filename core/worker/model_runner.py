@@ -181,9 +181,7 @@ class ModelRunner:
         # A block id holds `slots` layers: each layer uses its slot of its group's blocks.
         shape = (self.kv_groups.slots, 2, num_blocks, self.block_size,
                  self.plan.kv_heads[1], self.kv_format.row)
-        self.kv_cache = (empty_on_huge_pages(shape, self.kv_format.dtype)
-                         if self.device.type == "cpu"
-                         else torch.empty(shape, dtype=self.kv_format.dtype, device=self.device))
+        self.kv_cache = empty_on_huge_pages(shape, self.kv_format.dtype, self.device)
         self.kv_caches = [(self.kv_cache[s, 0], self.kv_cache[s, 1])
                           for s in self.kv_groups.slot_of[:cfg.num_hidden_layers]]
 

@@ -89,6 +89,8 @@ def test_kv_pool_tensors_start_on_a_huge_page_where_the_kernel_grants_them(dtype
     assert (t.data_ptr() % HUGE_PAGE == 0) or not granted
     t.view(torch.uint8).fill_(7)  # every byte is the tensor's own to write
     assert int(t.view(torch.uint8).sum()) == 7 * t.numel() * t.element_size()
+    elsewhere = empty_on_huge_pages(shape, dtype, "meta")  # not a CPU: torch.empty's
+    assert elsewhere.device.type == "meta" and elsewhere.shape == shape
     assert huge_page_block(4096, mode="never") is None
     assert huge_page_block(0, mode="madvise") is None
 

@@ -71,13 +71,16 @@ def _time_backends(registry: Any, device: str, q: Any, k: Any, v: Any, k_cache: 
     import time
 
     from pkv.core.registry import select_attention_backend
+    from pkv.core.worker.huge_pages import empty_on_huge_pages
 
     # One cache per layer, as in a model: at large batches a step's K/V then streams from
     # memory, as it does in the engine, instead of sitting in the CPU's cache. Past 4 GiB
     # of copies the layers take the distinct caches in turn (still far beyond any cache).
     per_layer = 2 * k_cache.numel() * k_cache.element_size()
     distinct = max(1, min(layers, (4 << 30) // per_layer))
-    copies = [(_as_pool(k_cache), _as_pool(v_cache)) for _ in range(distinct)]
+    # Each copy in memory as the engine's KV pool is (core/worker/huge_pages.py).
+    copies = [tuple(empty_on_huge_pages(tuple(c.shape), c.dtype, c.device).copy_(c)
+                    for c in (k_cache, v_cache)) for _ in range(distinct)]
     caches = [copies[i % distinct] for i in range(layers)]
     times = {}
     for name in registry.usable_attention_backends(device):
@@ -92,12 +95,3 @@ def _time_backends(registry: Any, device: str, q: Any, k: Any, v: Any, k_cache: 
         times[name] = best
     return times
 
-
-def _as_pool(cache: Any) -> Any:
-    """A copy of `cache` in memory like the engine's KV pool (on CPU, 2 MB pages where the
-    kernel grants them: core/worker/huge_pages.py)."""
-    from pkv.core.worker.huge_pages import empty_on_huge_pages
-
-    if cache.device.type != "cpu":
-        return cache.clone()
-    return empty_on_huge_pages(tuple(cache.shape), cache.dtype).copy_(cache)
