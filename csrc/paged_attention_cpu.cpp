@@ -41,9 +41,9 @@
 // dearest first from a shared counter (causal items differ in cost).
 //
 // A float32 cache is read in place. Other formats are widened as they are read: decode widens
-// float16, bfloat16 and int8 rows in registers as its dot products take them, fp8 rows (and
-// every format on the generic flavour) a block's rows of one KV head into a buffer that the G
-// query heads then go over in L1 (csrc/kv_readers.h); prefill widens a key tile's rows. An
+// float16, bfloat16, int8 and fp8 rows in registers as its dot products take them (every
+// format on the generic flavour: a block's rows of one KV head into a buffer that the G
+// query heads then go over in L1; csrc/kv_readers.h); prefill widens a key tile's rows. An
 // 8-bit cache reads a quarter of the bytes, and decode attention over long contexts is bound
 // by those bytes.
 #include <ATen/ATen.h>
@@ -364,6 +364,9 @@ static auto vec_kernel(kv_rows::Kind kind, int64_t DC) {
 #if defined(PKV_KV_READS_AVX2)
     case kv_rows::Kind::BF16: return vec_kernel_of<kv_readers::BF16>(DC);
     case kv_rows::Kind::I8: return vec_kernel_of<kv_readers::I8>(DC);
+#endif
+#if defined(PKV_KV_READS_FP8)
+    case kv_rows::Kind::FP8: return vec_kernel_of<kv_readers::FP8>(DC);
 #endif
     default: return vec_kernel_of<kv_readers::Widened>(DC);
   }
