@@ -106,5 +106,5 @@ class EngineStats:
     kv_cache_usage: float
     num_prompt_tokens: int
     num_generation_tokens: int
-    kv_resident_bytes: int  # KV pool memory touched so far (blocks are zeroed on first use)
+    kv_resident_bytes: int  # KV pool memory in RAM (the pages its blocks touched so far)
     kv_offload: OffloadStats | None = None  # the disk tier's counters, when it is on

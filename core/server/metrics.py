@@ -33,7 +33,7 @@ class _EngineCollector(Collector):
             "pkv:kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).", s.kv_cache_usage),
             "pkv:kv_blocks_total": ("KV blocks in the pool.", s.num_blocks_total),
             "pkv:kv_blocks_free": ("KV blocks not held by any request.", s.num_blocks_free),
-            "pkv:kv_cache_resident_bytes": ("KV pool bytes touched so far (zeroed on first use).",
+            "pkv:kv_cache_resident_bytes": ("KV pool bytes in RAM (the pages its blocks touched).",
                                             s.kv_resident_bytes),
         }
         for name, (doc, value) in gauges.items():

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 
 class _MallInfo2(ctypes.Structure):
@@ -91,3 +94,19 @@ def native_heap() -> NativeHeap | None:
     fn.restype = _MallInfo2
     info = fn()
     return NativeHeap(info.arena, info.hblkhd, info.uordblks, info.fordblks)
+
+
+def resident_bytes(tensor: torch.Tensor) -> int | None:
+    """Bytes of a CPU tensor's memory that are in RAM, page by page (`mincore`): a page comes
+    in whole when its first byte is written, a 2 MB one too. None off glibc or off the CPU."""
+    libc = glibc()
+    if libc is None or tensor.device.type != "cpu" or tensor.nbytes == 0:
+        return None
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.nbytes - start
+    pages = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        return None
+    in_ram = torch.frombuffer(pages, dtype=torch.uint8).bitwise_and(1)  # bit 0: resident
+    return int(in_ram.sum()) * page

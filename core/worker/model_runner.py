@@ -34,7 +34,8 @@ from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, st
                                          token_types)
 from pkv.core.worker.kv_parts import KVParts, KVTransfer, KVWork
 from pkv.core.worker.kv_pool_size import num_kv_blocks
-from pkv.core.worker.memory import hold_freed_memory_until_idle, release_free_memory
+from pkv.core.worker.memory import (hold_freed_memory_until_idle, release_free_memory,
+                                    resident_bytes)
 from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
 from pkv.core.worker.workers import StepInputs, broadcast
@@ -165,8 +166,11 @@ class ModelRunner:
 
     @property
     def kv_resident_bytes(self) -> int:
-        """KV pool memory in use by the process: blocks are zeroed, so touched, on first use."""
-        return self._num_zeroed_blocks * self.kv_bytes_per_block
+        """KV pool memory the process holds. Blocks are zeroed, so touched, on first use; on a
+        CPU the pages they touched are counted (a 2 MB page holds many blocks of a layer, and
+        the first block of each layer's K and V brings in a page), elsewhere the blocks."""
+        in_ram = resident_bytes(self.kv_cache) if self.keeps_kv else None
+        return in_ram if in_ram is not None else self._num_zeroed_blocks * self.kv_bytes_per_block
 
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the KV pool with `num_blocks` blocks."""

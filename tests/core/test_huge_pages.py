@@ -4,6 +4,7 @@ pool is allocated on 2 MB pages where the kernel grants them."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -114,4 +115,11 @@ def test_engine_decodes_on_the_moved_weights(tiny_llama_dir: Path):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_cache.pool.num_used_blocks == 0
+    # The pool's resident bytes are the pages its first blocks brought in: at least the
+    # blocks' bytes, whole pages, never more than the pool.
+    runner = engine.runner
+    touched = runner._num_zeroed_blocks * runner.kv_bytes_per_block
+    resident = engine.get_stats().kv_resident_bytes
+    assert 0 < touched <= resident <= runner.kv_cache.nbytes
+    assert resident % mmap.PAGESIZE == 0
     engine.shutdown()

@@ -1,13 +1,17 @@
 """The native heap's report: glibc's totals move with what C code allocates and frees."""
 
 import ctypes
+import mmap
 
 import pytest
+import torch
 
 from pkv.core.worker.memory import (
+    glibc,
     native_heap,
     release_free_memory,
     resident_by_kind,
+    resident_bytes,
 )
 
 
@@ -98,3 +102,21 @@ def test_freed_blocks_are_reused_until_the_heap_is_released(heap_or_skip):
     assert default["kept"] < 8 << 20 <= 16 << 20 <= held["kept"], (default, held)
     assert max(held["faults"][-3:]) < 400, held
     assert held["released"] >= 16 << 20, held
+
+
+def test_resident_bytes_counts_the_pages_written():
+    if glibc() is None:
+        pytest.skip("not glibc: no mincore through ctypes")
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, 64 * page)  # anonymous: no page is in RAM until written
+    t = torch.frombuffer(area, dtype=torch.uint8)
+    assert resident_bytes(t) == 0
+    t[0] = 1
+    t[10 * page + 5] = 1
+    t[10 * page + 9] = 1  # the same page again
+    assert resident_bytes(t) == 2 * page
+    assert resident_bytes(t[10 * page:11 * page]) == page  # a view: its own pages only
+    assert resident_bytes(t[page:10 * page]) == 0
+    assert resident_bytes(torch.empty(4, device="meta")) is None
+    del t
+    area.close()
