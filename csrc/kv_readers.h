@@ -5,11 +5,10 @@
 // float32 rows are read in place; float16, bfloat16, int8 and fp8 rows are widened in
 // registers where the flavour has the instructions (F16C, AVX2), so that the bytes a smaller
 // cache saves are not spent again writing and reading a float32 copy (a block's widened rows
-// cost float16 ~30% of the attention's time when its rows sit in cache). On the generic
-// flavour every format but float32 is widened into a buffer first (`Widened`), once per KV
-// head for its G query heads. (fp8 went through that buffer while its decode took ~9
-// instructions a vector, which a reader repeated for each query head: 0.66-0.71x; as a
-// float16's bits it takes four, and its reader ran level to 1.13x the buffer.)
+// cost float16 ~30% of the attention's time when its rows sit in cache). fp8 rows on AVX2,
+// and every format but float32 on the generic flavour, are widened into a buffer first
+// (`Widened`), once per KV head for its G query heads, where a reader repeats its widening
+// for each of them (fp8 on AVX-512: the reader, level to 1.13x the buffer).
 #pragma once
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -122,25 +121,20 @@ struct I8 {
 #define PKV_KV_READS_AVX2 1
 #endif
 
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX512F__)
 // Rows of fp8 e4m3 codes and their float scale. A code's seven magnitude bits, moved up by
 // seven into a float16 (exponent bias 15 against e4m3's 7), are the same number times 2^-8,
 // subnormals included, so four instructions widen 16 codes (sign-extending the byte puts
 // its sign in float16's top bit; the AND clears the copy that lands on the exponent's top).
-// scale() folds the 2^8 back into the row's scale.
+// scale() folds the 2^8 back into the row's scale. On AVX2, with half the codes an
+// instruction, the buffer of widened rows ran 1.17-1.21x this reader (64 x 128 and 1,024
+// keys), so fp8 rows take the buffer there.
 struct FP8 : I8 {
   vfn load(int64_t j, int64_t c) const {
-    const uint8_t* at = p + j * row + c;
-#if defined(__AVX512F__)
-    const __m256i w =
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    const __m256i w = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * row + c)));
     const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-0x4001));
     return reinterpret_cast<vfn>(_mm512_cvtph_ps(h));
-#else
-    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
-    const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(-0x4001));
-    return reinterpret_cast<vfn>(_mm256_cvtph_ps(h));
-#endif
   }
   float scale(int64_t j) const { return kv_rows::scale_of(p + j * row, D) * 0x1p8f; }
   static FP8 at(const kv_rows::Rows& R, int64_t first_row, int64_t KVH, int64_t, int64_t,

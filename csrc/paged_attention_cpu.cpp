@@ -41,11 +41,11 @@
 // dearest first from a shared counter (causal items differ in cost).
 //
 // A float32 cache is read in place. Other formats are widened as they are read: decode widens
-// float16, bfloat16, int8 and fp8 rows in registers as its dot products take them (every
-// format on the generic flavour: a block's rows of one KV head into a buffer that the G
-// query heads then go over in L1; csrc/kv_readers.h); prefill widens a key tile's rows. An
-// 8-bit cache reads a quarter of the bytes, and decode attention over long contexts is bound
-// by those bytes.
+// float16, bfloat16 and int8 rows (fp8 too on AVX-512) in registers as its dot products take
+// them, fp8 rows on AVX2 and every format on the generic flavour a block's rows of one KV
+// head into a buffer that the G query heads then go over in L1 (csrc/kv_readers.h); prefill
+// widens a key tile's rows. An 8-bit cache reads a quarter of the bytes, and decode attention
+// over long contexts is bound by those bytes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
