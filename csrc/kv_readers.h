@@ -23,6 +23,11 @@
 
 namespace kv_readers {
 
+// Whether a reader's rows are int8 codes, whose keys decode attention takes in integer dot
+// products (csrc/paged_attention_cpu.cpp, int8_key_scores).
+template <typename Reader>
+constexpr bool kInt8Rows = false;
+
 // Rows of float32, `row` floats apart.
 struct F32 {
   const float* p;
@@ -118,6 +123,8 @@ struct I8 {
     return {R.row(first_row), KVH * R.bytes, R.D};
   }
 };
+template <>
+constexpr bool kInt8Rows<I8> = true;
 #define PKV_KV_READS_AVX2 1
 #endif
 

@@ -127,6 +127,51 @@ static inline void key_scores(const vf16* q, const Reader& K, int64_t j0, int64_
   }
 }
 
+#if defined(PKV_KV_READS_AVX2)
+// acc += the products of 2 * kLanes int8 codes k (sign-extended to int16) and int16s q, in
+// pairs summed into acc's int32 lanes: vpdpwssd with AVX512-VNNI, vpmaddwd and an add elsewhere.
+static inline vin madd_codes(vin acc, const uint8_t* k, const int16_t* q) {
+#if defined(__AVX512F__)
+  const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  const __m512i qv = _mm512_loadu_si512(q);
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<vin>(_mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), kv, qv));
+#else
+  return acc + reinterpret_cast<vin>(_mm512_madd_epi16(kv, qv));
+#endif
+#else
+  const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+  return acc + reinterpret_cast<vin>(
+                   _mm256_madd_epi16(kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+#endif
+}
+
+// s[j] = q . K[j] for int8 keys j in [j0, n) of a block, q as int16s times qs (int16_queries):
+// integer dot products, exact up to the sums' conversion to float, at two instructions per
+// 2 * kLanes values of a key where widening them to floats takes six. Sums stay far inside
+// int32: 2 * 32767 * 127 per pair, D / 2 of them at most per lane.
+template <int64_t DC>
+static inline void int8_key_scores(const int16_t* q, float qs, const kv_readers::I8& K,
+                                   int64_t j0, int64_t n, float* s) {
+  constexpr int64_t D = 16 * DC, W = 2 * kLanes;
+  int64_t j = j0;
+  for (; j + 8 <= n; j += 8) {
+    vin acc[8] = {};
+    for (int64_t c = 0; c < D; c += W)
+      for (int i = 0; i < 8; ++i) acc[i] = madd_codes(acc[i], K.p + (j + i) * K.row + c, q + c);
+    vfn sums[8];
+    for (int i = 0; i < 8; ++i) sums[i] = __builtin_convertvector(acc[i], vfn);
+    sum8(sums, s + j);
+    for (int i = 0; i < 8; ++i) s[j + i] *= qs * K.scale(j + i);
+  }
+  for (; j < n; ++j) {
+    vin acc = {};
+    for (int64_t c = 0; c < D; c += W) acc = madd_codes(acc, K.p + j * K.row + c, q + c);
+    s[j] = hsum(__builtin_convertvector(acc, vfn)) * qs * K.scale(j);
+  }
+}
+#endif
+
 // acc += sum_j p[j] V[j] over the keys j in [j0, n) of a block (V: a reader); up to 64
 // floats of acc at a time stay in registers across the keys.
 template <int64_t DC, typename Reader>
@@ -160,12 +205,73 @@ static inline void prefetch_rows(const kv_rows::Rows& R, int64_t slot0, int64_t 
   }
 }
 
+// The sum of s[0, n), s padded to a multiple of 16 (the padding is zeroed here): in vectors,
+// then a tree across the lanes. One add after another, 16 keys' terms took one head's softmax
+// ~64 cycles of latency a block.
+static inline float block_sum(float* s, int64_t n) {
+  const int64_t end = (n + 15) / 16 * 16;
+  std::fill(s + n, s + end, 0.f);
+  vf16 total = load16(s);
+  for (int64_t c = 16; c < end; c += 16) total += load16(s + c);
+  vfn lanes = total.p[0];
+  for (int i = 1; i < kParts; ++i) lanes += total.p[i];
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(lanes));
+#elif defined(__AVX__)
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(lanes)),
+                        _mm256_extractf128_ps(reinterpret_cast<__m256>(lanes), 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#else
+  return hsum(lanes);
+#endif
+}
+
 // State of one token's attention over KV heads [kh0, kh1): G query heads each.
 struct VecState {
   std::vector<vf16> q, acc;  // [heads][DC]
   std::vector<float> m, l, scores;  // scores: [heads][BS rounded up to 16]
   std::vector<float> rows;  // a block's widened rows of one KV head (kv_readers::Widened)
+  std::vector<int16_t> q16;  // [heads][D]: q for int8 keys (int16_queries)
+  std::vector<float> q16_scale;  // [heads]
 };
+
+// Each head's (scaled) q as int16s for integer dot products with int8 keys: its values over
+// its largest magnitude times 32767, and that factor back. The rounding, at most 2^-16 of the
+// largest value, is far below the keys' own 8 bits.
+static void int16_queries(VecState& st, int64_t heads, int64_t D) {
+  const float* q = reinterpret_cast<const float*>(st.q.data());
+  st.q16.resize(heads * D);
+  st.q16_scale.resize(heads);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* qh = q + h * D;
+    float largest = 0.f;
+    for (int64_t d = 0; d < D; ++d) largest = std::max(largest, std::fabs(qh[d]));
+    const float to_int = largest > 0.f ? 32767.f / largest : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      st.q16[h * D + d] = static_cast<int16_t>(std::nearbyint(qh[d] * to_int));
+    st.q16_scale[h] = largest / 32767.f;
+  }
+}
+
+// A block's scores s[j] = q . K[j] for query head h: integer dot products for int8 keys where
+// D fills whole int16 vectors, float ones otherwise.
+template <int64_t DC, typename Reader>
+static inline void block_scores(const VecState& st, int64_t h, const Reader& K, int64_t j0,
+                                int64_t n, float* s) {
+  key_scores<DC>(st.q.data() + h * DC, K, j0, n, s);
+}
+
+#if defined(PKV_KV_READS_AVX2)
+template <int64_t DC>
+static inline void block_scores(const VecState& st, int64_t h, const kv_readers::I8& K,
+                                int64_t j0, int64_t n, float* s) {
+  if constexpr (16 * DC % (2 * kLanes) == 0)
+    int8_key_scores<DC>(st.q16.data() + h * 16 * DC, st.q16_scale[h], K, j0, n, s);
+  else
+    key_scores<DC>(st.q.data() + h * DC, K, j0, n, s);
+}
+#endif
 
 // One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC, and the blocks
 // [b0, b1) of its keys [lo, len): st holds each head's running max m, sum l and unnormalized
@@ -190,6 +296,7 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
   float* scores = st.scores.data();
   std::memcpy(q, qt + h0 * D, heads * D * sizeof(float));
   for (int64_t i = 0; i < heads * DC; ++i) q[i] *= scale;
+  if constexpr (kv_readers::kInt8Rows<Reader>) int16_queries(st, heads, D);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = std::min(BS, len - b * BS);
     const int64_t j0 = std::max<int64_t>(0, lo - b * BS);  // first key inside the window
@@ -205,7 +312,7 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
       const Reader kb = Reader::at(K, slot0 * KVH + kh, KVH, j0, n, st.rows.data());
       for (int64_t i = 0, h = (kh - kh0) * G; i < G; ++i, ++h) {
         prefetch_rows(K, next, kh, KVH, i * next_n / G, (i + 1) * next_n / G);
-        key_scores<DC>(q + h * DC, kb, j0, n, scores + h * padded);
+        block_scores<DC>(st, h, kb, j0, n, scores + h * padded);
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -219,9 +326,7 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
         store16(sc + c, vexp(load16(sc + c) - m_new));
       }
       for (int64_t j = 0; j < j0; ++j) sc[j] = 0.f;  // keys before the window
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += sc[j];
-      st.l[h] = st.l[h] * correction + sum;
+      st.l[h] = st.l[h] * correction + block_sum(sc, n);
       for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= correction;
       st.m[h] = m_new;
     }

@@ -146,6 +146,15 @@ def _dequantized_reference(q, k, v, k_cache, v_cache, meta, scale):
                             meta, scale)
 
 
+def _tolerance(backend_name: str, cache_dtype: torch.dtype) -> dict[str, float]:
+    """How close a backend's output over a quantized cache is to the dense reference over the
+    same cache widened: float32 rounding, except that the cpu backend's decode takes int8 keys
+    in integer dot products with q rounded to int16 (2^-16 of a head's largest value)."""
+    if backend_name == "cpu" and cache_dtype == torch.int8:
+        return {"rtol": 1e-3, "atol": 2e-4}
+    return {"rtol": 1e-4, "atol": 1e-5}
+
+
 def _kv_dtype_cases() -> list[tuple[str, str, torch.dtype]]:
     """(backend, layout, cache dtype); interpreted Triton takes the mixed layout only."""
     dtypes = (torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
@@ -159,12 +168,15 @@ def test_backend_reads_and_writes_a_smaller_kv_cache(backend_name: str, layout: 
     backend = select_attention_backend(backend_name, DEVICE)
     q, k, v, k_cache, v_cache, meta = random_paged_layout(
         LAYOUTS[layout], 16, 9, 3, 64, seed=11, device=DEVICE)
+    unquantized = _dense_reference(q, k, v, k_cache, v_cache, meta, 0.125)
     k_cache, v_cache = quantize_rows(k_cache, cache_dtype), quantize_rows(v_cache, cache_dtype)
     expected = _dequantized_reference(q, k, v, k_cache, v_cache, meta, 0.125)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     AttentionBackend.write_kv(k, v, k_ref, v_ref, meta.slot_mapping)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, expected, **_tolerance(backend_name, cache_dtype))
+    # What the cache's own rounding moves, the kernel's arithmetic moves far less.
+    assert (out - expected).abs().max() < (expected - unquantized).abs().max() / 50
     # Every backend stores the very bytes the reference quantizer does.
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
@@ -191,4 +203,4 @@ def test_cpu_kernel_smaller_kv_cache_every_flavour(cache_dtype: torch.dtype, hea
     expected = reference.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta,
                                  head_dim**-0.5, sliding_window=24)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5, sliding_window=24)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, expected, **_tolerance("cpu", cache_dtype))
