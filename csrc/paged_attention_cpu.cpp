@@ -129,10 +129,12 @@ static inline void key_scores(const vf16* q, const Reader& K, int64_t j0, int64_
 
 #if defined(PKV_KV_READS_AVX2)
 // acc += the products of 2 * kLanes int8 codes k (sign-extended to int16) and int16s q, in
-// pairs summed into acc's int32 lanes: vpdpwssd with AVX512-VNNI, vpmaddwd and an add elsewhere.
+// pairs summed into acc's int32 lanes: vpdpwssd with AVX512-VNNI, elsewhere vpmaddwd and an
+// add.
 static inline vin madd_codes(vin acc, const uint8_t* k, const int16_t* q) {
 #if defined(__AVX512F__)
-  const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  const __m512i kv =
+      _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
   const __m512i qv = _mm512_loadu_si512(q);
 #if defined(__AVX512VNNI__)
   return reinterpret_cast<vin>(_mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), kv, qv));
@@ -140,7 +142,8 @@ static inline vin madd_codes(vin acc, const uint8_t* k, const int16_t* q) {
   return acc + reinterpret_cast<vin>(_mm512_madd_epi16(kv, qv));
 #endif
 #else
-  const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+  const __m256i kv =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
   return acc + reinterpret_cast<vin>(
                    _mm256_madd_epi16(kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
 #endif
@@ -254,24 +257,23 @@ static void int16_queries(VecState& st, int64_t heads, int64_t D) {
   }
 }
 
-// A block's scores s[j] = q . K[j] for query head h: integer dot products for int8 keys where
-// D fills whole int16 vectors, float ones otherwise.
+// Whether keys of D values read by Reader take integer dot products: int8 rows, and D whole
+// int16 vectors.
+template <typename Reader, int64_t D>
+constexpr bool kIntegerKeys = kv_readers::kInt8Rows<Reader> && D % (2 * kLanes) == 0;
+
+// A block's scores s[j] = q . K[j] for query head h.
 template <int64_t DC, typename Reader>
 static inline void block_scores(const VecState& st, int64_t h, const Reader& K, int64_t j0,
                                 int64_t n, float* s) {
+#if defined(PKV_KV_READS_AVX2)
+  if constexpr (kIntegerKeys<Reader, 16 * DC>) {
+    int8_key_scores<DC>(st.q16.data() + h * 16 * DC, st.q16_scale[h], K, j0, n, s);
+    return;
+  }
+#endif
   key_scores<DC>(st.q.data() + h * DC, K, j0, n, s);
 }
-
-#if defined(PKV_KV_READS_AVX2)
-template <int64_t DC>
-static inline void block_scores(const VecState& st, int64_t h, const kv_readers::I8& K,
-                                int64_t j0, int64_t n, float* s) {
-  if constexpr (16 * DC % (2 * kLanes) == 0)
-    int8_key_scores<DC>(st.q16.data() + h * 16 * DC, st.q16_scale[h], K, j0, n, s);
-  else
-    key_scores<DC>(st.q.data() + h * DC, K, j0, n, s);
-}
-#endif
 
 // One token over its KV heads [kh0, kh1), G query heads each, D = 16 * DC, and the blocks
 // [b0, b1) of its keys [lo, len): st holds each head's running max m, sum l and unnormalized
@@ -296,7 +298,7 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
   float* scores = st.scores.data();
   std::memcpy(q, qt + h0 * D, heads * D * sizeof(float));
   for (int64_t i = 0; i < heads * DC; ++i) q[i] *= scale;
-  if constexpr (kv_readers::kInt8Rows<Reader>) int16_queries(st, heads, D);
+  if constexpr (kIntegerKeys<Reader, D>) int16_queries(st, heads, D);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = std::min(BS, len - b * BS);
     const int64_t j0 = std::max<int64_t>(0, lo - b * BS);  // first key inside the window
