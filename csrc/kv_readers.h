@@ -129,19 +129,15 @@ constexpr bool kInt8Rows<I8> = true;
 #endif
 
 #if defined(__AVX512F__)
-// Rows of fp8 e4m3 codes and their float scale. A code's seven magnitude bits, moved up by
-// seven into a float16 (exponent bias 15 against e4m3's 7), are the same number times 2^-8,
-// subnormals included, so four instructions widen 16 codes (sign-extending the byte puts
-// its sign in float16's top bit; the AND clears the copy that lands on the exponent's top).
-// scale() folds the 2^8 back into the row's scale. On AVX2, with half the codes an
-// instruction, the buffer of widened rows ran 1.17-1.21x this reader (64 x 128 and 1,024
-// keys), so fp8 rows take the buffer there.
+// Rows of fp8 e4m3 codes and their float scale: four instructions widen 16 codes, as
+// float16s worth 2^-8 of their values (kv_rows::e4m3_as_halves); scale() folds the 2^8 back
+// into the row's scale. On AVX2, with half the codes an instruction, the buffer of widened
+// rows ran 1.17-1.21x this reader (64 x 128 and 1,024 keys), so fp8 rows take the buffer there.
 struct FP8 : I8 {
   vfn load(int64_t j, int64_t c) const {
-    const __m256i w = _mm256_cvtepi8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * row + c)));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-0x4001));
-    return reinterpret_cast<vfn>(_mm512_cvtph_ps(h));
+    const __m256i halves = kv_rows::e4m3_as_halves(_mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * row + c))));
+    return reinterpret_cast<vfn>(_mm512_cvtph_ps(halves));
   }
   float scale(int64_t j) const { return kv_rows::scale_of(p + j * row, D) * 0x1p8f; }
   static FP8 at(const kv_rows::Rows& R, int64_t first_row, int64_t KVH, int64_t, int64_t,

@@ -129,6 +129,19 @@ inline void store(const float* x, Kind kind, int64_t D, uint8_t* row) {
   std::memcpy(row + D, &scale, sizeof scale);
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// e4m3 codes, sign-extended to int16, as float16 bits worth 2^-8 of their values: a code's
+// seven magnitude bits moved up seven places land on float16's exponent and mantissa (bias 15
+// against e4m3's 7; subnormals on float16's subnormals), its sign already in the top bit, and
+// the AND clears the sign's copy on the exponent's top bit. vcvtph2ps then widens them.
+inline __m128i e4m3_as_halves(__m128i codes) {
+  return _mm_and_si128(_mm_slli_epi16(codes, 7), _mm_set1_epi16(-0x4001));
+}
+inline __m256i e4m3_as_halves(__m256i codes) {
+  return _mm256_and_si256(_mm256_slli_epi16(codes, 7), _mm256_set1_epi16(-0x4001));
+}
+#endif
+
 // One row of the cache as D floats. Written as plain loops the compiler vectorizes (byte
 // widening, an integer-to-float conversion, a multiply; e4m3 by moving its exponent and
 // mantissa into a float's and rebiasing, subnormals from their integer mantissa).
@@ -170,13 +183,11 @@ inline void load(const uint8_t* row, Kind kind, int64_t D, float* out) {
       const float s = scale_of(row, D), sub = s * 0x1p-9f;  // subnormals: mantissa x 2^-9
       int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-      // As float16s worth 2^-8 of the codes (csrc/kv_readers.h, FP8), then the scale.
-      const __m256 s8 = _mm256_set1_ps(s * 0x1p8f);
+      const __m256 s8 = _mm256_set1_ps(s * 0x1p8f);  // float16s worth 2^-8 of the codes
       for (; d + 8 <= D; d += 8) {
-        const __m128i w =
-            _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
-        const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(-0x4001));
-        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), s8));
+        const __m128i halves = e4m3_as_halves(
+            _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d))));
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(halves), s8));
       }
 #endif
       for (; d < D; ++d) {

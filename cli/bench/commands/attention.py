@@ -94,4 +94,3 @@ def _time_backends(registry: Any, device: str, q: Any, k: Any, v: Any, k_cache: 
             best = min(best, time.perf_counter() - start)
         times[name] = best
     return times
-
