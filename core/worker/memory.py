@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +55,43 @@ def hold_freed_memory_until_idle() -> None:
     if libc is not None:
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
         libc.mallopt(_M_MMAP_THRESHOLD, _HELD_BLOCK_LIMIT)
+
+
+@dataclass
+class HeldHeap:
+    """Bounds what the held heap keeps while the engine is busy: once the heap has grown
+    `slack` bytes past its size at the last look that handed memory back, free pages go back
+    to the OS (`malloc_trim`). Steps of one shape reuse the same freed blocks and never grow
+    it; mixed prefill and decode steps do: a request's small long-lived allocations (token
+    lists) land in the hole a prefill's 24 MiB block left, the next one no longer fits and
+    extends the heap. At 64 x 1,024-token prompts this held ~760 MiB of free pages by the
+    last prefill. Looks at most every `interval_s` (glibc's totals cost ~0.5 ms to gather
+    from a fragmented heap)."""
+
+    slack: int = 64 << 20
+    interval_s: float = 0.5
+    clock: Callable[[], float] = time.monotonic
+    _mark: int | None = field(default=None, init=False)
+    _next_look: float = field(default=0.0, init=False)
+
+    def after_step(self) -> bool:
+        """Hand free pages back if the heap outgrew its mark; True when it did."""
+        now = self.clock()
+        if now < self._next_look:
+            return False
+        self._next_look = now + self.interval_s
+        heap = native_heap()
+        if heap is None:
+            return False
+        if self._mark is None:
+            self._mark = heap.heap_bytes
+        if heap.heap_bytes <= self._mark + self.slack:
+            return False
+        # The mark is the heap's size before trimming: a step's working set regrows the
+        # trimmed top without crossing it, so steady steps are never trimmed twice.
+        self._mark = heap.heap_bytes
+        release_free_memory()
+        return True
 
 
 @dataclass(frozen=True)

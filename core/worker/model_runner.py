@@ -34,7 +34,7 @@ from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, st
                                          token_types)
 from pkv.core.worker.kv_parts import KVParts, KVTransfer, KVWork
 from pkv.core.worker.kv_pool_size import num_kv_blocks
-from pkv.core.worker.memory import (hold_freed_memory_until_idle, release_free_memory,
+from pkv.core.worker.memory import (HeldHeap, hold_freed_memory_until_idle, release_free_memory,
                                     resident_bytes)
 from pkv.core.worker.model_setup import ModelSetup, keeps_16_bit, resolve_dtype
 from pkv.core.worker.step_timer import StepTimer
@@ -110,6 +110,7 @@ class ModelRunner:
             else:  # an encoder: its linears only
                 self.model.use_kernels(ops)
         hold_freed_memory_until_idle()  # a step's activations reuse the last step's pages
+        self.held_heap = HeldHeap()  # ...within bounds while busy
         release_free_memory()  # what loading and repacking the weights left behind
         if num_blocks is None:  # (every rank the same)
             num_blocks = num_kv_blocks(config, self.kv_groups,
@@ -335,7 +336,9 @@ class ModelRunner:
         """The model's last hidden states of every row of the step."""
         self._zero_new_blocks(step.high_watermark)
         extra = {} if step.token_type_ids is None else {"token_type_ids": step.token_type_ids}
-        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
+        self.held_heap.after_step()
+        return hidden
 
     def logits(self, hidden: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor | None:
         """Logits of the rows `logits_idx` (None when no row samples)."""

@@ -79,6 +79,7 @@ class PipelineModelRunner(ModelRunner):
             sent += self.kv_parts.send_loads(kv)
         self._zero_new_blocks(high_watermark)
         out = self.model(input_ids, positions, self.kv_caches, meta)
+        self.held_heap.after_step()
         sent += self.stage.send_next(out)
         self.timer.lap("forward")
         return PendingStep(sched, sampling, logits_idx.numel(), sent,
@@ -167,6 +168,7 @@ class PipelineModelRunner(ModelRunner):
                 intermediate = stage.recv_prev(shape, self.dtype, self.device)
             out = self.model(step.input_ids, step.positions, self.kv_caches, meta,
                              intermediate)
+            self.held_heap.after_step()
             if not stage.is_last:
                 sent += stage.send_next(out)
             else:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pkv.core.worker.memory import (
+    HeldHeap,
     glibc,
     native_heap,
     release_free_memory,
@@ -102,6 +103,57 @@ def test_freed_blocks_are_reused_until_the_heap_is_released(heap_or_skip):
     assert default["kept"] < 8 << 20 <= 16 << 20 <= held["kept"], (default, held)
     assert max(held["faults"][-3:]) < 400, held
     assert held["released"] >= 16 << 20, held
+
+
+# Steps whose freed blocks sit below a small allocation that outlives them (as a request's
+# token list does), in a fresh interpreter: the heap grows, and HeldHeap hands it back.
+_GROWING = """
+import ctypes, json
+import torch
+from pkv.core.worker.memory import HeldHeap, hold_freed_memory_until_idle, resident_by_kind
+
+hold_freed_memory_until_idle()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+now = [0.0]
+held = HeldHeap(slack=16 << 20, interval_s=1.0, clock=lambda: now[0])
+kept = []
+
+def step(blocks):
+    live = [torch.empty(8 << 20, dtype=torch.uint8).fill_(1) for _ in range(blocks)]
+    kept.append(libc.malloc(4096))
+    del live
+
+def look(seconds):
+    now[0] += seconds
+    before = resident_by_kind()["anon_bytes"]
+    trimmed = held.after_step()
+    return [trimmed, before - resident_by_kind()["anon_bytes"]]
+
+looks = {"first": look(0)}
+step(3)
+looks["too soon"] = look(0.5)
+looks["grown"] = look(0.6)
+step(2)  # fits in what the first step freed (less what the looks carved from it)
+looks["fits"] = look(1.0)
+step(6)
+looks["grown again"] = look(1.0)
+print(json.dumps(looks))
+"""
+
+
+def test_held_heap_hands_back_what_growing_steps_left(heap_or_skip):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GROWING], capture_output=True, text=True,
+                          timeout=120, check=True)
+    looks = json.loads(done.stdout)
+    assert [looks[k][0] for k in looks] == [False, False, True, False, True], looks
+    assert looks["grown"][1] >= 16 << 20, looks  # the freed 24 MiB, less what glibc keeps
+    assert looks["grown again"][1] >= 32 << 20, looks
+    assert HeldHeap().after_step() is False  # a first look only sets the mark
 
 
 def test_resident_bytes_counts_the_pages_written():
