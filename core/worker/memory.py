@@ -60,13 +60,13 @@ def hold_freed_memory_until_idle() -> None:
 @dataclass
 class HeldHeap:
     """Bounds what the held heap keeps while the engine is busy: once the heap has grown
-    `slack` bytes past its size at the last look that handed memory back, free pages go back
-    to the OS (`malloc_trim`). Steps of one shape reuse the same freed blocks and never grow
-    it; mixed prefill and decode steps do: a request's small long-lived allocations (token
-    lists) land in the hole a prefill's 24 MiB block left, the next one no longer fits and
-    extends the heap. At 64 x 1,024-token prompts this held ~760 MiB of free pages by the
-    last prefill. Looks at most every `interval_s` (glibc's totals cost ~0.5 ms to gather
-    from a fragmented heap)."""
+    `slack` bytes past its mark (its size at the first look, then at each hand-back), free
+    pages go back to the OS (`malloc_trim`). Steps of one shape reuse the same freed blocks
+    and never grow it; mixed prefill and decode steps do: a request's small long-lived
+    allocations (token lists) land in the hole a prefill's 24 MiB block left, the next one
+    no longer fits and extends the heap. At 64 x 1,024-token prompts this held ~760 MiB of
+    free pages by the last prefill. Looks at most every `interval_s` (glibc's totals cost
+    ~0.5 ms to gather from a fragmented heap)."""
 
     slack: int = 64 << 20
     interval_s: float = 0.5

@@ -79,8 +79,8 @@ class PipelineModelRunner(ModelRunner):
             sent += self.kv_parts.send_loads(kv)
         self._zero_new_blocks(high_watermark)
         out = self.model(input_ids, positions, self.kv_caches, meta)
-        self.held_heap.after_step()
         sent += self.stage.send_next(out)
+        self.held_heap.after_step()  # (while the next stage takes the step)
         self.timer.lap("forward")
         return PendingStep(sched, sampling, logits_idx.numel(), sent,
                            {} if failures is None else failures, pooling,
@@ -168,7 +168,6 @@ class PipelineModelRunner(ModelRunner):
                 intermediate = stage.recv_prev(shape, self.dtype, self.device)
             out = self.model(step.input_ids, step.positions, self.kv_caches, meta,
                              intermediate)
-            self.held_heap.after_step()
             if not stage.is_last:
                 sent += stage.send_next(out)
             else:
@@ -176,6 +175,7 @@ class PipelineModelRunner(ModelRunner):
                     sent += stage.send_rows(out[step.logits_idx])
                 if step.pool_idx is not None:
                     sent += stage.send_rows(out[step.pool_idx])
+            self.held_heap.after_step()
         for done in sent:
             done.wait()
 
