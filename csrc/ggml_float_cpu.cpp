@@ -107,6 +107,11 @@ struct Q8Block {
     w0 = widen_i8(q) * d;
     w1 = widen_i8(q + 16) * d;
   }
+  // acc += the block's products with 32 values of x: d (q . x), the scale once a block.
+  static void dot(const uint8_t* b, const vf16& x0, const vf16& x1, vf16& acc) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    acc += (widen_i8(q) * x0 + widen_i8(q + 16) * x1) * half(b);
+  }
 };
 
 // Q8_0 without the buffer: each block's 32 codes widened and scaled in registers, then taken
@@ -360,8 +365,7 @@ struct Q5Bits {
 };
 
 template <bool kOffset>
-inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) {
-  const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
+inline void q5_values(const uint8_t* b, const Q5Bits& bit, vf16& f0, vf16& f1) {
   const uint32_t qh = word(b + (kOffset ? 4 : 2));
   const uint8_t* qs = b + (kOffset ? 8 : 6);
 #if defined(__AVX512F__)
@@ -372,7 +376,6 @@ inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) 
   const __m512i add = _mm512_set1_epi32(kAdd);
   const __m512i v0 = _mm512_mask_or_epi32(lo, (__mmask16)(where & 0xFFFF), lo, add);
   const __m512i v1 = _mm512_mask_or_epi32(hi, (__mmask16)(where >> 16), hi, add);
-  vf16 f0, f1;
   f0.p[0] = (vfn)_mm512_cvtepi32_ps(v0);
   f1.p[0] = (vfn)_mm512_cvtepi32_ps(v1);
   (void)bit;
@@ -392,7 +395,6 @@ inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) 
       ? _mm256_or_si256(codes, _mm256_and_si256(taken, _mm256_set1_epi8(16)))
       : _mm256_or_si256(codes, _mm256_andnot_si256(taken, _mm256_set1_epi8(-16)));
   const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
-  vf16 f0, f1;
   f0.p[0] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
   f0.p[1] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0)));
   f1.p[0] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
@@ -403,7 +405,6 @@ inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) 
   const uint32_t where = kOffset ? qh : ~qh;  // lanes taking 16 (Q5_1) or -16 (Q5_0)
   constexpr int32_t kAdd = kOffset ? 16 : -16;
   const vun words = vun{} + where;
-  vf16 f0, f1;
   for (int k = 0; k < kParts; ++k) {
     const vin take_lo = (vin)((words & bit.lo.p[k]) == bit.lo.p[k]);  // -1 where taken
     const vin take_hi = (vin)((words & bit.hi.p[k]) == bit.hi.p[k]);
@@ -411,6 +412,13 @@ inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) 
     f1.p[k] = __builtin_convertvector((vin)(q.p[k] >> 4) | (take_hi & kAdd), vfn);
   }
 #endif
+}
+
+template <bool kOffset>
+inline void q5_weights(const uint8_t* b, const Q5Bits& bit, vf16& w0, vf16& w1) {
+  const float d = half(b), m = kOffset ? half(b + 2) : 0.0f;
+  vf16 f0, f1;
+  q5_values<kOffset>(b, bit, f0, f1);
   w0 = kOffset ? f0 * d + m : f0 * d;
   w1 = kOffset ? f1 * d + m : f1 * d;
 }
@@ -436,6 +444,19 @@ struct Q5Block {
     const Q5Bits bit;  // (constants)
     q5_weights<kOffset>(b, bit, w0, w1);
   }
+  // acc += the block's products with 32 values of x; Q5_0's d once a block (d (q . x)).
+  static void dot(const uint8_t* b, const vf16& x0, const vf16& x1, vf16& acc) {
+    const Q5Bits bit;
+    vf16 f0, f1;
+    if constexpr (kOffset) {
+      q5_weights<kOffset>(b, bit, f0, f1);
+      acc += f0 * x0;
+      acc += f1 * x1;
+    } else {
+      q5_values<kOffset>(b, bit, f0, f1);
+      acc += (f0 * x0 + f1 * x1) * half(b);
+    }
+  }
 };
 
 // A type of 32-value blocks (Block: Q8Block, Q5Block) at one row of x (a decode step): W
@@ -451,12 +472,7 @@ inline void block32_rows_dot(const Part& p, int64_t n, int64_t blocks, const flo
   for (int64_t i = 0; i < blocks; ++i, row += Block::kBytes) {
     ahead.at(n, i);
     const vf16 x0 = load16(x + 32 * i), x1 = load16(x + 32 * i + 16);
-    for (int w = 0; w < W; ++w) {
-      vf16 w0, w1;
-      Block::weights(row + w * p.stride, w0, w1);
-      a[w] += w0 * x0;
-      a[w] += w1 * x1;
-    }
+    for (int w = 0; w < W; ++w) Block::dot(row + w * p.stride, x0, x1, a[w]);
   }
   for (int w = 0; w < W; ++w) acc[w] = a[w];
 }
