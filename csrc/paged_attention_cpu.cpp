@@ -218,16 +218,7 @@ static inline float block_sum(float* s, int64_t n) {
   for (int64_t c = 16; c < end; c += 16) total += load16(s + c);
   vfn lanes = total.p[0];
   for (int i = 1; i < kParts; ++i) lanes += total.p[i];
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(lanes));
-#elif defined(__AVX__)
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(lanes)),
-                        _mm256_extractf128_ps(reinterpret_cast<__m256>(lanes), 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#else
-  return hsum(lanes);
-#endif
+  return hsum_tree(lanes);
 }
 
 // State of one token's attention over KV heads [kh0, kh1): G query heads each.

@@ -206,6 +206,26 @@ inline float hsum(vf16 v) {
   return hsum(a);
 }
 
+#if defined(__AVX2__)
+// 8 floats summed as a tree: the two halves, then pairs (3 dependent adds, not 7).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// v's lanes summed as a tree where the ISA has one; hsum's loop elsewhere.
+inline float hsum_tree(vfn v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX2__)
+  return hsum8(reinterpret_cast<__m256>(v));
+#else
+  return hsum(v);
+#endif
+}
+
 // exp(x) as in Cephes' expf (~1 ulp): x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n
 // built in the exponent bits. x is clamped to [-87.3, 88.3]: ~0 below, finite above.
 inline vfn vexp(vfn x) {
