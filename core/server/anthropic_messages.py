@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from pkv.core.engine.async_engine import RequestStream
 from pkv.core.engine.outputs import CompletionOutput, RequestOutput
 from pkv.core.server.chat_choice import ChoiceShaper
-from pkv.core.server.errors import OpenAIError
+from pkv.core.server.errors import OpenAIError, anthropic_error
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
 from pkv.core.server.serving_chat import OpenAIServingChat, chat_request_from
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
@@ -235,7 +235,7 @@ class AnthropicServingMessages:
                 for chunk in blocks.feed(delta):
                     yield chunk
         except Exception as exc:
-            yield _event("error", {"error": stream_error(exc)["error"]})
+            yield _event("error", {"error": anthropic_error(stream_error(exc))["error"]})
             return
         for chunk in blocks.close():
             yield chunk

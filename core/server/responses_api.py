@@ -228,8 +228,10 @@ class OpenAIServingResponses:
             async for final, delta in single_choice_deltas(stream, shaper):
                 for chunk in events.feed(delta):
                     yield chunk
-        except Exception as exc:
-            yield events.emit("error", stream_error(exc)["error"])
+        except Exception as exc:  # Responses' error event: type "error", code, message, param
+            error = stream_error(exc)["error"]
+            yield events.emit("error", {"code": error["code"] or error["type"],
+                                        "message": error["message"], "param": error["param"]})
             return
         for chunk in events.close():
             yield chunk

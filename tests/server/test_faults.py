@@ -81,3 +81,45 @@ def test_wedged_step_fails_streams_then_health_is_503(wedging_server: tuple[str,
     refused = httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=5)
     assert refused.status_code == 503
     assert refused.json()["error"]["message"].startswith("the engine is not available")
+
+
+def test_a_wedged_step_ends_a_responses_stream_with_its_error_event(
+        wedging_server: tuple[str, LLMEngine]):
+    # The official client parses the event as Responses' own `error` (type, code, message),
+    # not as an unknown event typed by the error's kind.
+    import openai
+
+    base, engine = wedging_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    events = []
+    for event in client.responses.create(model="tiny", input="hello", max_output_tokens=100,
+                                         stream=True):
+        events.append(event)
+        if len(events) == 1:
+            _wedge(engine)
+    last = events[-1]
+    assert isinstance(last, openai.types.responses.ResponseErrorEvent)
+    assert last.type == "error" and last.code == "engine_unavailable"
+    assert "wedged" in last.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_wedged_step_ends_a_messages_stream_with_anthropics_error(
+        wedging_server: tuple[str, LLMEngine]):
+    # Anthropic's error vocabulary in the stream too (an engine that cannot serve: overloaded),
+    # as a request refused before its stream began would say.
+    import anthropic
+
+    base, engine = wedging_server
+    client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    events = []
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        for event in client.messages.create(model="tiny", max_tokens=100, stream=True,
+                                            messages=[{"role": "user", "content": "hello"}]):
+            events.append(event)
+            if len(events) == 1:
+                _wedge(engine)
+    assert events[0].type == "message_start"
+    error = failed.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+    assert "wedged" in error["error"]["message"]
