@@ -1,11 +1,14 @@
 """`pkv bench soak`: a real `pkv serve` held at capacity for minutes with hostile traffic.
 
-Clients keep the server saturated (twice its running batch) with a mix: completions and
-chat, streamed and not, n=2, logprobs, stop strings, three JSON schemas; 10% of streams are
-abandoned part way, 5% of requests are invalid on purpose. After every interval (a minute)
-the clients pause until the server idles, and its memory is sampled: the curve's plateau,
-slope and peak decide (cli/bench/soak_memory.py). The run fails on any error that was not asked
-for, a KV block still held, memory that keeps climbing, or open files that grew.
+Clients keep the server saturated (twice its running batch) with a mix of its four
+generating APIs, streamed and not: completions and chat (n=2, logprobs, stop strings, three
+JSON schemas), Responses (a function tool, a JSON schema, turns continuing stored
+responses, responses not stored) and Anthropic Messages (a system prompt, a tool, stop
+sequences); 10% of streams are abandoned part way, 5% of requests are invalid on purpose.
+After every interval (a minute) the clients pause until the server idles, and its memory is
+sampled: the curve's plateau, slope and peak decide (cli/bench/soak_memory.py). The run fails
+on any error that was not asked for, a KV block still held, memory that keeps climbing, or
+open files that grew.
 """
 
 from __future__ import annotations
@@ -26,10 +29,32 @@ from pkv.cli.bench.serve import WORDS
 from pkv.cli.bench.soak_memory import MemoryCurve
 from pkv.cli.http import get_metrics
 
-INVALID_BODIES: list[dict[str, Any]] = [
-    {"max_tokens": -1}, {"temperature": "hot"}, {"prompt": []}, {"top_p": 7},
-    {"logit_bias": {"999999999": 1}}, {"n": 10**6}, {"stop": [""]},
-]
+# Bad requests by path, each answered 400 (404: an unknown stored response) naming the field.
+INVALID_BODIES: dict[str, list[dict[str, Any]]] = {
+    "/v1/completions": [
+        {"prompt": "x", "max_tokens": -1}, {"prompt": "x", "temperature": "hot"},
+        {"prompt": []}, {"prompt": "x", "top_p": 7},
+        {"prompt": "x", "logit_bias": {"999999999": 1}}, {"prompt": "x", "n": 10**6},
+        {"prompt": "x", "stop": [""]}],
+    "/v1/responses": [
+        {"input": []}, {"input": "x", "max_output_tokens": -1},
+        {"input": "x", "tool_choice": "required"},
+        {"input": "x", "previous_response_id": "resp_none_such"}],
+    "/v1/messages": [
+        {"max_tokens": 4, "messages": []},
+        {"max_tokens": 4, "messages": [{"role": "robot", "content": "x"}]},
+        {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "top_p": 7}],
+}
+
+# One function tool, in the Responses and the Messages shapes.
+_WEATHER = {"name": "get_weather", "description": "The weather in a city now.",
+            "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}
+RESPONSES_TOOL = {"type": "function", "name": _WEATHER["name"],
+                  "description": _WEATHER["description"], "parameters": _WEATHER["schema"]}
+MESSAGES_TOOL = {"name": _WEATHER["name"], "description": _WEATHER["description"],
+                 "input_schema": _WEATHER["schema"]}
+CONTINUABLE_TOKENS = 48  # stored responses up to this long are continued (a turn's context)
 
 
 @dataclass
@@ -98,12 +123,19 @@ SCHEMAS: list[dict[str, Any]] = [
 ]
 
 
-def request_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
-    """One request of the mix: chat or completions, streamed (70%) or not; 10% each with
-    n=2, logprobs, a stop string or (chat) one of three JSON schemas."""
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 48)))
-    body: dict[str, Any] = {"max_tokens": rng.randint(16, 96),
-                            "temperature": rng.choice([0, 0.7]), "stream": rng.random() < 0.7}
+def request_body(rng: random.Random, stored: list[str] | None = None
+                 ) -> tuple[str, dict[str, Any]]:
+    """One request of the mix: completions or chat (30% each), Responses or Messages (20%
+    each), streamed (70%) or not. `stored`: ids of stored responses a turn may continue."""
+    words = rng.randint(8, 48)
+    body: dict[str, Any] = {"temperature": rng.choice([0, 0.7]), "stream": rng.random() < 0.7}
+    api = rng.random()
+    if api < 0.2:
+        return "/v1/responses", responses_body(rng, body, words, stored or [])
+    if api < 0.4:
+        return "/v1/messages", messages_body(rng, body, words)
+    body["max_tokens"] = rng.randint(16, 96)
+    prompt = _prompt(rng, words)
     extra = rng.random()
     chat = rng.random() < 0.5 or extra >= 0.9
     if extra < 0.1:
@@ -121,24 +153,77 @@ def request_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", {**body, "prompt": prompt}
 
 
-async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute: Minute) -> None:
-    path, body = request_body(rng)
+def _prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def responses_body(rng: random.Random, body: dict[str, Any], words: int,
+                   stored: list[str]) -> dict[str, Any]:
+    """A Responses request: 15% with the function tool (a sixth of them forcing a call), 15%
+    a JSON schema, 15% continuing a recent stored response (a short turn), 10% not stored,
+    20% with instructions."""
+    extra = rng.random()
+    body["max_output_tokens"] = rng.randint(16, 96)
+    if extra < 0.15:
+        body.update(tools=[RESPONSES_TOOL], tool_choice="required" if extra < 0.025 else "auto")
+    elif extra < 0.3:
+        body["text"] = {"format": {"type": "json_schema", "name": "answer",
+                                   "schema": rng.choice(SCHEMAS)}}
+    elif extra < 0.45 and stored:
+        body["previous_response_id"] = rng.choice(stored[-8:])
+        body["max_output_tokens"], words = rng.randint(8, 32), min(words, 16)
+    elif extra < 0.55:
+        body["store"] = False
+    if rng.random() < 0.2:
+        body["instructions"] = "Answer in one short paragraph."
+    return {**body, "input": _prompt(rng, words)}
+
+
+def messages_body(rng: random.Random, body: dict[str, Any], words: int) -> dict[str, Any]:
+    """An Anthropic Messages request: 15% with the tool, 15% stop sequences, 20% a system
+    prompt."""
+    extra = rng.random()
+    body["max_tokens"] = rng.randint(16, 96)
+    if extra < 0.15:
+        body["tools"] = [MESSAGES_TOOL]
+    elif extra < 0.3:
+        body["stop_sequences"] = [rng.choice(WORDS)]
+    if rng.random() < 0.2:
+        body["system"] = "You are terse."
+    return {**body, "messages": [{"role": "user", "content": _prompt(rng, words)}]}
+
+
+def continuable(path: str, body: dict[str, Any]) -> bool:
+    """Whether a Responses turn, once answered, may be continued: stored, not itself a
+    continuation (chains stay one turn deep), short."""
+    return (path == "/v1/responses" and body.get("store", True)
+            and "previous_response_id" not in body
+            and body["max_output_tokens"] <= CONTINUABLE_TOKENS)
+
+
+async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute: Minute,
+               stored: list[str]) -> None:
+    path, body = request_body(rng, stored)
     kind = rng.random()
     if kind < 0.05:
-        body = {"prompt": "x", "max_tokens": 4, **rng.choice(INVALID_BODIES)}
-        r = await client.post(f"{base}/v1/completions", json=body)
-        if r.status_code == 400 and r.json().get("error", {}).get("param"):
+        bad_path = rng.choice(list(INVALID_BODIES))
+        r = await client.post(f"{base}{bad_path}", json=rng.choice(INVALID_BODIES[bad_path]))
+        if r.status_code in (400, 404) and r.json().get("error", {}).get("param"):
             minute.invalid += 1
         else:
-            minute.unexpected.append(f"invalid request answered {r.status_code}: {r.text[:120]}")
+            minute.unexpected.append(f"invalid request to {bad_path} answered "
+                                     f"{r.status_code}: {r.text[:120]}")
         return
     start = time.monotonic()
     try:
         if not body["stream"]:
             r = await client.post(f"{base}{path}", json=body)
             if r.status_code != 200:
-                minute.unexpected.append(f"{r.status_code}: {r.text[:120]}")
+                minute.unexpected.append(f"{path} {r.status_code}: {r.text[:120]}")
                 return
+            if continuable(path, body):
+                stored.append(r.json()["id"])
+                del stored[:-32]
             minute.served += 1  # no first token to time: the answer comes whole
             return
         first = await _stream(client, f"{base}{path}", body, minute, start,
@@ -151,11 +236,31 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
         minute.served += 1
 
 
-def is_error_event(line: str) -> bool:
-    """Whether a server-sent `data: ` line is an error event: its own `error` key, not a
-    chunk whose text or logprobs hold the token "error" (the hour-long soak met two)."""
+def _event(line: str) -> dict[str, Any] | None:
+    """A server-sent `data: ` line's JSON (None: OpenAI's closing [DONE])."""
     payload = line.removeprefix("data: ")
-    return payload != "[DONE]" and "error" in json.loads(payload)
+    return None if payload == "[DONE]" else json.loads(payload)
+
+
+def is_error_event(line: str) -> bool:
+    """Whether a server-sent `data: ` line is an error event: its own `error` key (OpenAI's
+    chunks, Anthropic's `error` event) or an event typed as one (Responses' `error`,
+    `response.failed`), not a chunk whose text or logprobs hold the token "error" (the
+    hour-long soak met two)."""
+    data = _event(line)
+    return data is not None and ("error" in data
+                                 or data.get("type") in ("error", "response.failed"))
+
+
+def is_token_event(line: str) -> bool:
+    """Whether a `data: ` line carries generated text: any OpenAI chunk, a typed event's
+    deltas (Responses' `*.delta`, Anthropic's `content_block_delta`), not the events that
+    open a response or a block before any token."""
+    data = _event(line)
+    if data is None:
+        return False
+    kind = data.get("type")
+    return kind is None or kind.endswith(".delta") or kind == "content_block_delta"
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], minute: Minute,
@@ -173,7 +278,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], min
             if is_error_event(line):
                 minute.unexpected.append(f"stream error: {line[:160]}")
                 return None
-            if first is None and line != "data: [DONE]":
+            if first is None and is_token_event(line):
                 first = time.monotonic() - start
             if abandon_after is not None and time.monotonic() - start > abandon_after:
                 minute.aborted += 1  # leaving the stream drops the connection
@@ -188,10 +293,11 @@ async def drive(base: str, headers: dict[str, str], concurrency: int, duration: 
     rng = random.Random(seed)
     start = time.monotonic()
     limits = httpx.Limits(max_connections=concurrency + 4)
+    stored: list[str] = []  # recent stored responses' ids, for turns that continue one
     async with httpx.AsyncClient(headers=headers, timeout=120, limits=limits) as client:
         async def worker() -> None:
             while time.monotonic() - start < duration:
-                await _one(client, base, rng, minute)
+                await _one(client, base, rng, minute, stored)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return minute

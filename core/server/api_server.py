@@ -19,7 +19,7 @@ from pkv.core.server.anthropic_messages import AnthropicServingMessages, Message
 from pkv.core.server.responses_api import OpenAIServingResponses
 from pkv.core.server.responses_items import ResponsesRequest
 from pkv.core.server.errors import OpenAIError, install_error_handlers
-from pkv.core.server.memory_report import HeapTracer, engine_caches
+from pkv.core.server.memory_report import CacheSize, HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import (AuthMiddleware, BodyLimitMiddleware,
                                         EndpointCounterMiddleware, split_keys)
@@ -194,6 +194,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         cache's size and bound, and the Python heap's growth by line when traced
         (PKV_TRACEMALLOC=1); behind the API key."""
         caches = await async_llm.call_in_engine(engine_caches)
+        store = serving_responses.store
+        caches["stored responses"] = CacheSize(len(store), store.max_items, "responses")
         heap = native_heap()
         process = psutil.Process()
         return {"rss_bytes": process.memory_info().rss,

@@ -7,6 +7,7 @@ The caches that fill during a server's first minutes, all bounded:
     token masks            64 MiB (outlines; LRU by bytes)       plugins/guided/outlines_backend.py
     prefix-cache blocks    the KV pool's blocks (they are the pool)  core/sched/block_pool.py
     LoRA adapters          what was loaded by name (explicit; slots preallocated)
+    stored responses       1024 (LRU, an hour each)              core/server/responses_api.py
     glibc free pages       handed back at every idle (malloc_trim)  core/worker/memory.py
 
 `PKV_TRACEMALLOC=1` in a server's environment traces the Python heap (slower) so that a

@@ -67,6 +67,9 @@ class ResponseStore:
         while len(self._items) > self.max_items:
             self._items.popitem(last=False)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def delete(self, tenant: str | None, response_id: str) -> bool:
         return self._items.pop((tenant, response_id), None) is not None
 

@@ -119,7 +119,7 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     # A 3-second sample's p99 TTFT is its slowest few requests, which a shared 2-core machine
     # moves 2-7x between samples: the drift bound is for minutes of traffic, not this.
     result = _bench("soak", str(tiny_llama_dir), "--duration", "12", "--interval", "3",
-                    "--warmup", "6", "--max-num-seqs", "4", "--max-model-len", "256",
+                    "--warmup", "6", "--max-num-seqs", "4", "--max-model-len", "512",
                     "--max-slope", "240", "--max-ttft-growth", "50", "--trace", "--json",
                     str(out), "--plot", str(png))
     assert result.exit_code == 0, result.output
@@ -136,38 +136,82 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     assert last["native_heap"]["in_use_bytes"] > 0 and last["threads"] >= 2
     assert "what the native heap holds" in result.output
     caches = last["caches"]
-    for name in ("prefix-cache blocks", "outlines compiled grammars", "outlines token masks"):
+    for name in ("prefix-cache blocks", "outlines compiled grammars", "outlines token masks",
+                 "stored responses"):
         assert 0 <= caches[name]["size"] <= caches[name]["bound"], name
     assert caches["outlines compiled grammars"]["size"] >= 1  # the mix's JSON schemas
+    assert caches["stored responses"]["size"] >= 1  # the mix's Responses turns
     assert "caches (server idle)" in result.output
 
 
 def test_soak_traffic_mix_covers_every_kind():
     import random
 
-    from pkv.cli.bench.soak import request_body
+    from pkv.cli.bench.soak import continuable, request_body
 
     rng = random.Random(0)
-    bodies = [request_body(rng) for _ in range(400)]
-    paths = {path for path, _ in bodies}
-    assert paths == {"/v1/completions", "/v1/chat/completions"}
+    bodies = [request_body(rng, ["resp_a", "resp_b"]) for _ in range(2000)]
+    by_path: dict[str, list[dict]] = {}
+    for path, body in bodies:
+        by_path.setdefault(path, []).append(body)
+    shares = {path: len(group) / len(bodies) for path, group in by_path.items()}
+    assert shares == pytest.approx({"/v1/completions": 0.3, "/v1/chat/completions": 0.3,
+                                    "/v1/responses": 0.2, "/v1/messages": 0.2}, abs=0.05)
+    openai_bodies = by_path["/v1/completions"] + by_path["/v1/chat/completions"]
+
+    def share(group: list[dict], has) -> float:
+        return sum(bool(has(b)) for b in group) / len(group)
+
     for key in ("n", "logprobs", "stop", "response_format"):
-        assert 20 < sum(key in b for _, b in bodies) < 80, key
+        assert 0.05 < share(openai_bodies, lambda b: key in b) < 0.15, key
+    responses, messages = by_path["/v1/responses"], by_path["/v1/messages"]
+    for has, expected in ((lambda b: "tools" in b, 0.15), (lambda b: "text" in b, 0.15),
+                          (lambda b: "previous_response_id" in b, 0.15),
+                          (lambda b: b.get("store") is False, 0.1),
+                          (lambda b: "instructions" in b, 0.2)):
+        assert abs(share(responses, has) - expected) < 0.05
+    assert any(b.get("tool_choice") == "required" for b in responses)
+    for key, expected in (("tools", 0.15), ("stop_sequences", 0.15), ("system", 0.2)):
+        assert abs(share(messages, lambda b: key in b) - expected) < 0.05, key
     assert 0.6 < sum(b["stream"] for _, b in bodies) / len(bodies) < 0.8
-    schemas = {json.dumps(b["response_format"]["json_schema"]["schema"]) for _, b in bodies
+    schemas = {json.dumps(b["response_format"]["json_schema"]["schema"]) for b in openai_bodies
                if "response_format" in b}
     assert len(schemas) == 3
+    # a turn continues only a stored, short response that is no continuation itself
+    turns = [b for b in responses if continuable("/v1/responses", b)]
+    assert turns and all(b.get("store", True) and "previous_response_id" not in b
+                         and b["max_output_tokens"] <= 48 for b in turns)
+    assert not continuable("/v1/messages", messages[0])
+    assert all("previous_response_id" not in b
+               for _, b in (request_body(rng) for _ in range(200)))  # nothing stored yet
 
 
 def test_soak_tells_an_error_event_from_text_that_says_error():
-    from pkv.cli.bench.soak import is_error_event
+    from pkv.cli.bench.soak import is_error_event, is_token_event
+
+    def data(payload: dict) -> str:
+        return "data: " + json.dumps(payload)
 
     token = {"token": "error", "logprob": -0.1, "top_logprobs": [{"token": "error"}]}
     chunk = {"choices": [{"index": 0, "delta": {"content": '{"error": 1}'},
                           "logprobs": {"content": [token]}}]}
-    assert not is_error_event("data: " + json.dumps(chunk))
-    assert not is_error_event("data: [DONE]")
-    assert is_error_event("data: " + json.dumps({"error": {"message": "boom", "code": 500}}))
+    created = {"type": "response.created", "response": {"id": "resp_1", "error": None}}
+    text_delta = {"type": "response.output_text.delta", "delta": "error"}
+    block_delta = {"type": "content_block_delta", "delta": {"type": "text_delta",
+                                                             "text": "error"}}
+    for line in (data(chunk), "data: [DONE]", data(created), data(text_delta),
+                 data(block_delta), data({"type": "message_start", "message": {}})):
+        assert not is_error_event(line), line
+    for event in ({"error": {"message": "boom", "code": 500}},  # OpenAI's
+                  {"type": "error", "code": "engine_unavailable", "message": "boom"},  # Responses'
+                  {"type": "response.failed", "response": {"error": {"message": "boom"}}},
+                  {"type": "error", "error": {"type": "overloaded_error", "message": "boom"}}):
+        assert is_error_event(data(event)), event
+    # the first token: any OpenAI chunk, a typed event's delta; not an opening event
+    assert is_token_event(data(chunk)) and is_token_event(data(text_delta))
+    assert is_token_event(data(block_delta))
+    assert not is_token_event(data(created)) and not is_token_event("data: [DONE]")
+    assert not is_token_event(data({"type": "content_block_start", "index": 0}))
 
 
 def test_memory_curve_tells_a_warm_up_from_a_leak():
