@@ -62,12 +62,17 @@ def error_body(status: int, message: str, param: str | None = None,
 def error_response(err: OpenAIError, request: Request | None = None) -> JSONResponse:
     """The error as OpenAI's error object, or Anthropic's on its Messages route."""
     body = error_body(err.status, err.message, err.param, err.code)
-    if request is not None and request.url.path.startswith(ANTHROPIC_PATHS):
-        body = anthropic_error(body)
+    if request is not None:
+        body = for_path(body, request.url.path)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def for_path(body: dict, path: str) -> dict:
+    """An OpenAI error body as the API served at `path` shapes errors."""
+    return anthropic_error(body) if path.startswith(ANTHROPIC_PATHS) else body
 
 
 def anthropic_error(body: dict) -> dict:
@@ -79,9 +84,10 @@ def anthropic_error(body: dict) -> dict:
                                        "param": error.get("param")}}
 
 
-def error_bytes(status: int, message: str, param: str | None = None,
-                code: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, param, code)).encode()
+def error_bytes(status: int, message: str, path: str, param: str | None = None) -> bytes:
+    """The error, as the API served at `path` shapes errors, as JSON (for ASGI middleware,
+    which answers before any route)."""
+    return json.dumps(for_path(error_body(status, message, param), path)).encode()
 
 
 def _param(loc: list[str | int]) -> str | None:

@@ -22,9 +22,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health"})
 
 
-async def send_error(send: Send, status: int, message: str, param: str | None = None,
+async def send_error(send: Send, scope: Scope, status: int, message: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = error_bytes(status, message, param)
+    """Answer `status` with the error object of the API at the request's path."""
+    body = error_bytes(status, message, scope["path"])
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *(headers or [])]})
@@ -66,7 +67,8 @@ class AuthMiddleware:
                 if hmac.compare_digest(given, expected):
                     tenant = tid
             if tenant is None:
-                await send_error(send, 401, "invalid or missing API key (Authorization: Bearer)",
+                await send_error(send, scope, 401,
+                                 "invalid or missing API key (Authorization: Bearer)",
                                  headers=[(b"www-authenticate", b"Bearer")])
                 return
             scope.setdefault("state", {})["pkv_tenant"] = tenant
@@ -97,11 +99,12 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
-            await send_error(send, 431, f"request headers are over {MAX_HEADER_BYTES} bytes")
+            await send_error(send, scope, 431,
+                             f"request headers are over {MAX_HEADER_BYTES} bytes")
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
+            await send_error(send, scope, 413, f"request body is over {self.max_bytes} bytes")
             return
         received = 0
         started = body_done = timed_out = False
@@ -116,8 +119,8 @@ class BodyLimitMiddleware:
             except asyncio.TimeoutError:
                 # Answer here: FastAPI turns an exception raised while it reads the body into
                 # its own 400. The app then sees the client leave and its reply is dropped.
-                await send_error(send, 408, f"request body did not arrive within "
-                                            f"{self.body_timeout:g} s")
+                await send_error(send, scope, 408, f"request body did not arrive within "
+                                                   f"{self.body_timeout:g} s")
                 timed_out = True
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
@@ -138,7 +141,8 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await send_error(send, 413, f"request body is over {self.max_bytes} bytes")
+                await send_error(send, scope, 413,
+                                 f"request body is over {self.max_bytes} bytes")
 
 
 class EndpointCounterMiddleware:

@@ -99,8 +99,14 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
     body = {"model": MODEL, "max_tokens": 4, "messages": ASK}
     ok = httpx.post(url, json=body, headers={"x-api-key": server.api_key}, timeout=60)
     assert ok.status_code == 200 and ok.json()["content"]
-    assert httpx.post(url, json=body, headers={"x-api-key": "wrong"}, timeout=60
-                      ).status_code == 401
+    refused = httpx.post(url, json=body, headers={"x-api-key": "wrong"}, timeout=60)
+    assert refused.status_code == 401  # answered by the middleware, in Anthropic's shape too
+    assert refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "authentication_error"
+    too_large = httpx.post(url, content=b"x" * (5 * 2**20),
+                           headers={"x-api-key": server.api_key}, timeout=60)
+    assert too_large.status_code == 413 and too_large.json()["type"] == "error"
+    assert "request body is over" in too_large.json()["error"]["message"]
     cases = [({**body, "max_tokens": "4"}, "max_tokens"),
              ({"model": MODEL, "messages": ASK}, "max_tokens"),
              ({**body, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
