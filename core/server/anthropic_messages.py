@@ -74,6 +74,18 @@ class MessagesRequest(BaseModel):
     thinking: AnthropicThinking | None = None
 
 
+class CountTokensRequest(BaseModel):
+    """The body of POST /v1/messages/count_tokens: a Messages conversation, no max_tokens."""
+
+    model_config = STRICT
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+
+
 def _text(content: str | list[dict[str, Any]], where: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(content, str):
@@ -222,6 +234,12 @@ class AnthropicServingMessages:
         reason, sequence = stop_reason(finish, c)
         return JSONResponse({**base, "content": content_blocks(message), "stop_reason": reason,
                              "stop_sequence": sequence, "usage": _usage(final)})
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        """The tokens a Messages request with this conversation takes as its prompt (its
+        usage.input_tokens), counted without running it."""
+        request = to_chat_request(MessagesRequest(**dict(body), max_tokens=1))
+        return {"input_tokens": len(await self.chat.prompt_ids(request))}
 
     async def _stream(self, base: dict[str, Any], prompt_tokens: int, stream: RequestStream,
                       shaper: ChoiceShaper) -> AsyncIterator[bytes]:

@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pkv.core.engine.async_engine import AsyncLLM
 from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.registry import select_tool_parser
-from pkv.core.server.anthropic_messages import AnthropicServingMessages, MessagesRequest
+from pkv.core.server.anthropic_messages import (AnthropicServingMessages, CountTokensRequest,
+                                                MessagesRequest)
 from pkv.core.server.responses_api import OpenAIServingResponses
 from pkv.core.server.responses_items import ResponsesRequest
 from pkv.core.server.errors import OpenAIError, install_error_handlers
@@ -112,6 +113,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await serving_messages.messages(body, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> dict:
+        return await serving_messages.count_tokens(body)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:

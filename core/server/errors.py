@@ -16,7 +16,7 @@ from pkv.core.structured_output.params import ConstraintCompilerBusyError
 logger = logging.getLogger("pkv.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error",
           413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_server_error",
           503: "service_unavailable"}
@@ -110,6 +110,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, no field
+            where = first.get("loc", ())[-1]
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            return error_response(OpenAIError(
+                400, f"the request body is not valid JSON: {reason} (character {where})"),
+                request)
         param = _param([p for p in first.get("loc", ()) if p != "body"])
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
             first.get("msg", "invalid request body"))

@@ -87,9 +87,7 @@ class OpenAIServingChat(OpenAIServing):
                                                             starts_after=REASONING_END)
         params.skip_special_tokens = plan.skip_special_tokens
         self._cap_thinking(body, params)
-        self._check_tools_fit(plan)
-        text = await self._render_chat(body, plan.tools)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await self._prompt_ids(body, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prepared = await self._prepare(request_id, prompt_ids, params, body, "messages", raw,
                                        "tools" if plan.schema is not None else None)
@@ -98,6 +96,17 @@ class OpenAIServingChat(OpenAIServing):
         [stream] = self.llm.submit([prepared])
         return prepared, stream, [ChoiceShaper(plan.extractor, self.reasoning_parser)
                                   for _ in prepared.children]
+
+    async def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The token ids a chat request's conversation (tools included) is rendered to,
+        without queuing it; 404 for a model this server does not serve."""
+        self._lora_request(body.model)
+        return await self._prompt_ids(body, plan_tools(body, self.tool_parser))
+
+    async def _prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        self._check_tools_fit(plan)
+        text = await self._render_chat(body, plan.tools)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _cap_thinking(self, body: ChatCompletionRequest, params: SamplingParams) -> None:
         """`thinking_token_budget`, or `reasoning_effort`'s budget, as the end-of-thinking

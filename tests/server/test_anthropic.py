@@ -135,3 +135,27 @@ def test_the_client_raises_on_a_bad_request(claude: anthropic.Anthropic):
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.messages.create(model=MODEL, max_tokens=0, messages=ASK)
     assert "max_tokens" in str(caught.value)
+
+
+def test_count_tokens_is_the_prompt_a_message_takes(claude: anthropic.Anthropic):
+    # What Anthropic-SDK agents ask before sending: the count equals usage.input_tokens of the
+    # same conversation sent, with a system prompt, a tool and a tool_use round trip in it.
+    turns = [*ASK, {"role": "assistant", "content": [
+                 {"type": "text", "text": "Let me look."},
+                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                  "input": {"city": "Paris"}}]},
+             {"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny."}]}]
+    for kwargs in ({"messages": ASK},
+                   {"messages": turns, "system": "Be brief.", "tools": [WEATHER]}):
+        counted = claude.messages.count_tokens(model=MODEL, **kwargs)
+        sent = claude.messages.create(model=MODEL, max_tokens=2, **kwargs)
+        assert counted.input_tokens == sent.usage.input_tokens > 0
+    without_system = claude.messages.count_tokens(model=MODEL, messages=turns, tools=[WEATHER])
+    assert without_system.input_tokens < counted.input_tokens  # the system prompt counted
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        claude.messages.count_tokens(model="no-such-model", messages=ASK)
+    assert unknown.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as empty:
+        claude.messages.count_tokens(model=MODEL, messages=[])
+    assert empty.value.body["error"]["param"] == "messages"

@@ -102,8 +102,12 @@ def test_chat_errors(server: RunningServer):
     _assert_error(_post(server, "/v1/chat/completions",
                         {"model": MODEL, "messages": msgs, "max_completion_tokens": 4000}),
                   400, "messages", "context_length_exceeded")
-    _assert_error(_post(server, "/v1/chat/completions", b"{not json"), 400)
+    bad_json = _assert_error(_post(server, "/v1/chat/completions", b"{not json"), 400)
+    assert bad_json["message"].startswith("the request body is not valid JSON: ")
+    assert bad_json["message"].endswith("(character 1)") and bad_json["param"] is None
     _assert_error(_post(server, "/v1/chat/completions", b"x" * (5 * 2**20)), 413)
+    wrong_method = httpx.put(server.base_url + "/v1/chat/completions", headers=server.headers)
+    assert _assert_error(wrong_method, 405)["type"] == "invalid_request_error"
 
 
 def test_32_concurrent_streams_complete_with_correct_text(server: RunningServer):
