@@ -25,7 +25,7 @@ from pkv.core.engine.outputs import CompletionOutput, RequestOutput
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError, anthropic_error
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
-from pkv.core.server.serving_chat import OpenAIServingChat, chat_request_from
+from pkv.core.server.serving_chat import OpenAIServingChat, chat_request_from, named_as
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
 
@@ -142,6 +142,10 @@ def _assistant_message(content: list[dict[str, Any]], where: str) -> dict[str, A
     return message
 
 
+# Chat fields by the Messages field that gave them (errors name what the client sent).
+CHAT_TO_MESSAGES = {"stop": "stop_sequences"}
+
+
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request that asks the same."""
     messages: list[dict[str, Any]] = []
@@ -175,7 +179,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
         if body.thinking.type == "enabled" and body.thinking.budget_tokens is not None:
             chat["thinking_token_budget"] = body.thinking.budget_tokens
-    return chat_request_from(chat)
+    return chat_request_from(chat, CHAT_TO_MESSAGES)
 
 
 def stop_reason(finish: str | None, c: CompletionOutput) -> tuple[str, str | None]:
@@ -220,7 +224,10 @@ class AnthropicServingMessages:
 
     async def messages(self, body: MessagesRequest, raw: Request
                        ) -> JSONResponse | StreamingResponse:
-        prepared, stream, [shaper] = await self.chat.start(to_chat_request(body), raw)
+        try:
+            prepared, stream, [shaper] = await self.chat.start(to_chat_request(body), raw)
+        except OpenAIError as exc:
+            raise named_as(exc, CHAT_TO_MESSAGES) from None
         message_id = "msg_" + prepared.request_id.removeprefix("chatcmpl-")
         base = {"id": message_id, "type": "message", "role": "assistant",
                 "model": self.chat.served_name(body.model)}
@@ -239,7 +246,10 @@ class AnthropicServingMessages:
         """The tokens a Messages request with this conversation takes as its prompt (its
         usage.input_tokens), counted without running it."""
         request = to_chat_request(MessagesRequest(**dict(body), max_tokens=1))
-        return {"input_tokens": len(await self.chat.prompt_ids(request))}
+        try:
+            return {"input_tokens": len(await self.chat.prompt_ids(request))}
+        except OpenAIError as exc:
+            raise named_as(exc, CHAT_TO_MESSAGES) from None
 
     async def _stream(self, base: dict[str, Any], prompt_tokens: int, stream: RequestStream,
                       shaper: ChoiceShaper) -> AsyncIterator[bytes]:

@@ -41,7 +41,7 @@ from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.responses_items import (CHAT_TO_RESPONSES, ResponseIds, ResponsesRequest,
                                              output_items, response_usage, to_chat_request)
-from pkv.core.server.serving_chat import OpenAIServingChat
+from pkv.core.server.serving_chat import OpenAIServingChat, named_as
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
 
@@ -142,8 +142,7 @@ class OpenAIServingResponses:
         try:
             prepared, stream, [shaper] = await self.chat.start(chat_body, raw)
         except OpenAIError as exc:
-            exc.param = CHAT_TO_RESPONSES.get(exc.param or "", exc.param)
-            raise
+            raise named_as(exc, CHAT_TO_RESPONSES) from None
         response_id = "resp_" + prepared.request_id.removeprefix("chatcmpl-")
         base = self._skeleton(body, response_id)
         # What a follow-up continues: this turn's messages and its answer (the instructions

@@ -228,6 +228,18 @@ def chat_request_from(fields: dict[str, Any], renames: dict[str, str] | None = N
         raise OpenAIError(400, f"{param}: {first.get('msg')}", param or None) from None
 
 
+def named_as(exc: OpenAIError, renames: dict[str, str]) -> OpenAIError:
+    """A chat request's error about a field another API (Responses, Messages) calls by
+    another name (`renames`: chat's name -> the API's), naming it that way: its param, and
+    the message that opens with it."""
+    name = renames.get(exc.param or "")
+    if name is not None:
+        if exc.message.startswith(f"{exc.param} "):
+            exc.message = name + exc.message[len(exc.param or ""):]
+        exc.param = name
+    return exc
+
+
 def check_messages(messages: list[ChatMessage]) -> None:
     """A 400 naming the first message that has no content where OpenAI requires it, or
     whose tool calls or tool result are malformed."""

@@ -111,13 +111,15 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
              ({"model": MODEL, "messages": ASK}, "max_tokens"),
              ({**body, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
               "messages[0].content[0]"),
-             ({**body, "tool_choice": {"type": "tool"}}, "tool_choice")]
+             ({**body, "tool_choice": {"type": "tool"}}, "tool_choice"),
+             ({**body, "stop_sequences": [""]}, "stop_sequences")]
     for bad, param in cases:
         response = _post(server, "/v1/messages", bad)
         assert response.status_code == 400, response.text
         error = response.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-        assert error["error"]["param"] == param and error["error"]["message"]
+        assert error["error"]["param"] == param
+        assert error["error"]["message"].startswith(param)  # named as this API names it
     assert _post(server, "/v1/messages", body).status_code == 200  # still serving
     text = httpx.get(server.base_url + "/metrics", headers=server.headers).text
     counts = {status: _counter(text, "/v1/messages", status) for status in (200, 400, 401)}
