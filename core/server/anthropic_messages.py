@@ -143,7 +143,7 @@ def _assistant_message(content: list[dict[str, Any]], where: str) -> dict[str, A
 
 
 # Chat fields by the Messages field that gave them (errors name what the client sent).
-CHAT_TO_MESSAGES = {"stop": "stop_sequences"}
+CHAT_TO_MESSAGES = {"stop": "stop_sequences", "thinking_token_budget": "thinking"}
 
 
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
