@@ -102,6 +102,12 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def get_response(response_id: str, raw: Request) -> dict:
         return serving_responses.retrieve(response_id, raw)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw: Request, limit: int = 20,
+                                   order: str = "desc", after: str | None = None,
+                                   before: str | None = None) -> dict:
+        return serving_responses.input_items(response_id, raw, limit, order, after, before)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request) -> dict:
         return serving_responses.delete(response_id, raw)

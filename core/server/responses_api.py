@@ -1,5 +1,6 @@
-"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `POST
-/v1/responses/{id}/cancel`: OpenAI's Responses API on the chat machinery.
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `GET
+/v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`: OpenAI's Responses API on
+the chat machinery.
 
 `input` (a string, or items: messages, `function_call`, `function_call_output`), after the
 `instructions` and the stored conversation of `previous_response_id`, becomes a chat
@@ -40,16 +41,27 @@ from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
 from pkv.core.server.responses_items import (CHAT_TO_RESPONSES, ResponseIds, ResponsesRequest,
-                                             output_items, response_usage, to_chat_request)
+                                             input_items, output_items, response_usage,
+                                             to_chat_request)
 from pkv.core.server.serving_chat import OpenAIServingChat, named_as
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
 
 
 @dataclass
+class _Turn:
+    """What a response was asked, with what came before it (`previous_response_id`'s
+    turns): as chat messages (a stored response's through its answer, for a follow-up to
+    continue) and as input items (for GET .../input_items)."""
+
+    messages: list[dict[str, Any]]
+    inputs: list[dict[str, Any]]
+
+
+@dataclass
 class _Stored:
     response: dict[str, Any]
-    conversation: list[dict[str, Any]]  # chat messages through this response's answer
+    turn: _Turn
     created: float
 
 
@@ -98,6 +110,34 @@ class OpenAIServingResponses:
                               "not_found")
         return stored.response
 
+    def input_items(self, response_id: str, raw: Request, limit: int = 20,
+                    order: str = "desc", after: str | None = None,
+                    before: str | None = None) -> dict[str, Any]:
+        """The items a stored response was asked with, earlier turns' included (their
+        inputs and outputs), as OpenAI's list: `limit` (1-100) from the cursor on, newest
+        first unless `order` is asc; `after` / `before` an item id."""
+        stored = self.store.get(request_tenant(raw.scope), response_id)
+        if stored is None:
+            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
+                              "not_found")
+        if not 1 <= limit <= 100:
+            raise OpenAIError(400, f"limit must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(400, f"order must be asc or desc, got {order!r}", "order")
+        items = stored.turn.inputs if order == "asc" else stored.turn.inputs[::-1]
+        ids = [item["id"] for item in items]
+        for cursor, name in ((after, "after"), (before, "before")):
+            if cursor is not None and cursor not in ids:
+                raise OpenAIError(400, f"{name}: no item {cursor!r} in this response's input",
+                                  name)
+        start = ids.index(after) + 1 if after is not None else 0
+        end = ids.index(before) if before is not None else len(items)
+        page = items[start:end][:limit] if before is None else items[start:end][-limit:]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items[start:end]) > len(page)}
+
     def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
         if not self.store.delete(request_tenant(raw.scope), response_id):
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
@@ -119,7 +159,7 @@ class OpenAIServingResponses:
         if running is None:
             return stored.response
         cancelled = {**stored.response, "status": "cancelled"}
-        self.store.put(tenant, _Stored(cancelled, stored.conversation, time.time()))
+        self.store.put(tenant, _Stored(cancelled, stored.turn, time.time()))
         task, stream = running
         task.cancel()
         stream.close()  # aborts the engine request (also if the task never started)
@@ -128,13 +168,14 @@ class OpenAIServingResponses:
     async def create(self, body: ResponsesRequest, raw: Request
                      ) -> JSONResponse | StreamingResponse:
         tenant = request_tenant(raw.scope)
-        history: list[dict[str, Any]] = []
+        history, earlier_items = [], []
         if body.previous_response_id is not None:
             previous = self.store.get(tenant, body.previous_response_id)
             if previous is None:
                 raise OpenAIError(404, f"no stored response {body.previous_response_id!r}",
                                   "previous_response_id", "not_found")
-            history = previous.conversation
+            history = previous.turn.messages
+            earlier_items = previous.turn.inputs + previous.response["output"]
         if body.background and (body.stream or not body.store):
             raise OpenAIError(400, "background responses need store=true and stream=false "
                               "(poll GET /v1/responses/{id})", "background")
@@ -148,19 +189,20 @@ class OpenAIServingResponses:
         # What a follow-up continues: this turn's messages and its answer (the instructions
         # are each request's own).
         messages = chat_body.model_dump(exclude_none=True)["messages"]
-        conversation = messages[1:] if body.instructions else messages
+        turn = _Turn(messages[1:] if body.instructions else messages,
+                     earlier_items + input_items(body.input))
         if body.stream:
             return EngineStreamingResponse(
-                self._stream(body, base, stream, shaper, tenant, conversation), [stream])
+                self._stream(body, base, stream, shaper, tenant, turn), [stream])
         if body.background:
             queued = {**base, "status": "queued"}
-            self.store.put(tenant, _Stored(queued, conversation, time.time()))
+            self.store.put(tenant, _Stored(queued, turn, time.time()))
             task = asyncio.ensure_future(
-                self._run_background(body, base, stream, shaper, tenant, conversation))
+                self._run_background(body, base, stream, shaper, tenant, turn))
             self._background[(tenant, response_id)] = (task, stream)
             return JSONResponse(queued)
         final = await self.chat.collect(stream, raw)
-        response = self._finish(body, base, final, shaper, tenant, conversation)
+        response = self._finish(body, base, final, shaper, tenant, turn)
         return JSONResponse(response)
 
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
@@ -178,8 +220,7 @@ class OpenAIServingResponses:
                 "incomplete_details": None, "usage": None}
 
     def _finish(self, body: ResponsesRequest, base: dict[str, Any], final: RequestOutput,
-                shaper: ChoiceShaper, tenant: str | None,
-                conversation: list[dict[str, Any]],
+                shaper: ChoiceShaper, tenant: str | None, turn: _Turn,
                 items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The completed response (stored when asked); `items` when a stream built them."""
         c = final.outputs[0]
@@ -192,36 +233,36 @@ class OpenAIServingResponses:
                     "usage": response_usage(final)}
         if body.store:
             answer = {k: v for k, v in message.items() if k != "reasoning_content"}
-            self.store.put(tenant, _Stored(response, conversation + [answer], time.time()))
+            self.store.put(tenant, _Stored(response, _Turn(turn.messages + [answer],
+                                                           turn.inputs), time.time()))
         return response
 
     async def _run_background(self, body: ResponsesRequest, base: dict[str, Any],
                               stream: RequestStream, shaper: ChoiceShaper, tenant: str | None,
-                              conversation: list[dict[str, Any]]) -> None:
+                              turn: _Turn) -> None:
         """Run a background response to its end, storing where it stands; nobody waits on
         it, so the client going away does not stop it (cancel does)."""
         key = (tenant, base["id"])
-        self.store.put(tenant, _Stored({**base, "status": "in_progress"}, conversation,
-                                       time.time()))
+        self.store.put(tenant, _Stored({**base, "status": "in_progress"}, turn, time.time()))
         try:
             final = None
             async for final in stream.outputs():
                 pass
             if final is not None:
-                self._finish(body, base, final, shaper, tenant, conversation)
+                self._finish(body, base, final, shaper, tenant, turn)
         except Exception as exc:  # the engine failed it: the stored response says so
             known = stream_error(exc)["error"]
             failed = {**base, "status": "failed",
                       "error": {"code": known.get("code") or "server_error",
                                 "message": known["message"]}}
-            self.store.put(tenant, _Stored(failed, conversation, time.time()))
+            self.store.put(tenant, _Stored(failed, turn, time.time()))
         finally:
             stream.close()
             self._background.pop(key, None)
 
     async def _stream(self, body: ResponsesRequest, base: dict[str, Any], stream: RequestStream,
                       shaper: ChoiceShaper, tenant: str | None,
-                      conversation: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+                      turn: _Turn) -> AsyncIterator[bytes]:
         events = _EventStream(base["id"])
         yield events.emit("response.created", {"response": base})
         yield events.emit("response.in_progress", {"response": base})
@@ -238,8 +279,7 @@ class OpenAIServingResponses:
         for chunk in events.close():
             yield chunk
         if final is not None:
-            response = self._finish(body, base, final, shaper, tenant, conversation,
-                                    events.items)
+            response = self._finish(body, base, final, shaper, tenant, turn, events.items)
             kind = "response.completed" if response["status"] == "completed" \
                 else "response.incomplete"
             yield events.emit(kind, {"response": response})

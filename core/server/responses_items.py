@@ -6,6 +6,7 @@ that asks the same, and an assistant message as output items (`reasoning`, `mess
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -124,6 +125,26 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Ch
         chat["reasoning_effort"] = effort
     return chat_request_from(chat, CHAT_TO_RESPONSES)
 
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` (checked by input_messages) as the items GET .../input_items lists: each with
+    an id (its own, else a new one), a message's text as content parts."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}[kind]
+        out = {**item, "type": kind, "id": item.get("id") or f"{prefix}_{uuid.uuid4().hex}"}
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                out["content"] = [{"type": part, "text": item["content"]}]
+            out.setdefault("status", "completed")
+        listed.append(out)
+    return listed
 
 
 def output_items(message: dict[str, Any], ids: ResponseIds) -> list[dict[str, Any]]:

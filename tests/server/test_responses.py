@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -151,3 +152,33 @@ def test_background_response_runs_on_and_a_cancel_stops_it(server: RunningServer
     _assert_error(_post(server, "/v1/responses", {"model": MODEL, "input": "Hi",
                                                   "background": True, "stream": True}),
                   400, "background")
+
+
+def test_input_items_list_a_conversation_newest_first(server: RunningServer,
+                                                      client: openai.OpenAI):
+    first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4,
+                                    temperature=0, instructions="Be brief.")
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, max_output_tokens=4, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Another?"}]},
+               {"type": "message", "role": "user", "content": "And a third?"}])
+    assert [i.type for i in client.responses.input_items.list(first.id)] == ["message"]
+    # Earlier turns included (their input, their answer), then this one's; newest first,
+    # the client paging by `after` from one item at a time.
+    items = list(client.responses.input_items.list(second.id, limit=1))
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("user", "And a third?"), ("user", "Another?"),
+        ("assistant", first.output_text), ("user", "Name a colour.")]
+    assert items[2].id == first.output[0].id and len({i.id for i in items}) == 4
+    oldest = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.id for i in oldest.data] == [i.id for i in items[::-1][:2]] and oldest.has_more
+    before = client.responses.input_items.list(second.id, order="asc",
+                                               extra_query={"before": items[0].id})
+    assert [i.id for i in before.data] == [i.id for i in items[::-1][:3]]
+    for query, param in (({"limit": 0}, "limit"), ({"order": "sideways"}, "order"),
+                         ({"after": "msg_none"}, "after")):
+        response = httpx.get(f"{server.base_url}/v1/responses/{second.id}/input_items",
+                             params=query, headers=server.headers, timeout=60)
+        _assert_error(response, 400, param)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
