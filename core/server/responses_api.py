@@ -168,7 +168,8 @@ class OpenAIServingResponses:
     async def create(self, body: ResponsesRequest, raw: Request
                      ) -> JSONResponse | StreamingResponse:
         tenant = request_tenant(raw.scope)
-        history, earlier_items = [], []
+        history: list[dict[str, Any]] = []  # previous turns as chat messages, and as items
+        earlier_items: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = self.store.get(tenant, body.previous_response_id)
             if previous is None:
