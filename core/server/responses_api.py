@@ -227,11 +227,13 @@ class OpenAIServingResponses:
         c = final.outputs[0]
         message, _ = shaper.message(c.text, c.finish_reason)
         length = c.finish_reason == "length"
+        if items is None:
+            items = output_items(message, ResponseIds(base["id"]))
+            if length and items:  # the item max_output_tokens cut short
+                items[-1]["status"] = "incomplete"
         response = {**base, "status": "incomplete" if length else "completed",
                     "incomplete_details": {"reason": "max_output_tokens"} if length else None,
-                    "output": items if items is not None
-                    else output_items(message, ResponseIds(base["id"])),
-                    "usage": response_usage(final)}
+                    "output": items, "usage": response_usage(final)}
         if body.store:
             answer = {k: v for k, v in message.items() if k != "reasoning_content"}
             self.store.put(tenant, _Stored(response, _Turn(turn.messages + [answer],
@@ -277,7 +279,8 @@ class OpenAIServingResponses:
             yield events.emit("error", {"code": error["code"] or error["type"],
                                         "message": error["message"], "param": error["param"]})
             return
-        for chunk in events.close():
+        cut = final is not None and final.outputs[0].finish_reason == "length"
+        for chunk in events.close("incomplete" if cut else "completed"):
             yield chunk
         if final is not None:
             response = self._finish(body, base, final, shaper, tenant, turn, events.items)
@@ -356,8 +359,9 @@ class _EventStream:
                     "delta": function["arguments"]}))
         return out
 
-    def close(self) -> list[bytes]:
-        """The open item's closing events."""
+    def close(self, status: str = "completed") -> list[bytes]:
+        """The open item's closing events, the item's `status` with them (the last item of a
+        response max_output_tokens cut short is incomplete)."""
         if self.open is None:
             return []
         self.open = None
@@ -375,7 +379,7 @@ class _EventStream:
             out.append(self.emit("response.function_call_arguments.done", {
                 "item_id": item["id"], "output_index": index, "arguments": item["arguments"]}))
         if "status" in item:
-            item["status"] = "completed"
+            item["status"] = status
         out.append(self.emit("response.output_item.done", {"output_index": index,
                                                            "item": item}))
         return out

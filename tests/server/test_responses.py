@@ -44,6 +44,23 @@ def test_plain_and_streamed_agree(client: openai.OpenAI):
     assert final.usage.output_tokens == plain.usage.output_tokens
 
 
+def test_the_item_max_output_tokens_cuts_short_is_incomplete(client: openai.OpenAI):
+    kw = dict(model=MODEL, input="Write a long story about a cat.", temperature=0,
+              max_output_tokens=3)
+    plain = client.responses.create(**kw)
+    assert plain.status == "incomplete"
+    assert plain.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in plain.output] == ["incomplete"]
+    done = [event.item for event in client.responses.create(**kw, stream=True)
+            if event.type == "response.output_item.done"]
+    assert [item.status for item in done] == ["incomplete"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # the grammar ends it well within 40 tokens
+    whole = client.responses.create(**{**kw, "max_output_tokens": 40}, text={"format": {
+        "type": "json_schema", "name": "ok", "schema": schema}})
+    assert whole.status == "completed" and whole.output[-1].status == "completed"
+
+
 def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
     ask = "What is the weather in Paris?"
     called = client.responses.create(model=MODEL, input=ask, tools=[WEATHER],
