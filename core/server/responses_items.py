@@ -91,8 +91,24 @@ CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text
                       "reasoning_effort": "reasoning", "messages": "input"}
 
 
+def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict[str, Any]]
+                       ) -> None:
+    """A 400 naming the first `function_call_output` that answers no earlier call (in the
+    input before it, or in the stored turns it continues), as OpenAI refuses it."""
+    if isinstance(items, str):
+        return
+    calls = {call["id"] for m in history for call in m.get("tool_calls") or []}
+    for i, item in enumerate(items):
+        if item.get("type") == "function_call":
+            calls.add(item.get("call_id"))
+        elif item.get("type") == "function_call_output" and item.get("call_id") not in calls:
+            raise OpenAIError(400, f"input[{i}]: no function_call with call_id "
+                              f"{item.get('call_id')!r} comes before this output", f"input[{i}]")
+
+
 def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat completion request that asks the same, after `history`."""
+    check_call_outputs(body.input, history)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions
                 else []) + history + input_messages(body.input)
     chat: dict[str, Any] = {"model": body.model, "messages": messages,

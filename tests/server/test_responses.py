@@ -118,7 +118,9 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                         ({**base, "input": [{"type": "image"}]}, "input[0]"),
                         ({**base, "tools": [{"type": "web_search"}]}, "tools[0]"),
                         ({**base, "previous_response_id": "resp_nope"}, "previous_response_id"),
-                        ({**base, "temperature": "hot"}, "temperature")]:
+                        ({**base, "temperature": "hot"}, "temperature"),
+                        ({**base, "input": [{"type": "function_call_output", "call_id": "c1",
+                                             "output": "5"}]}, "input[0]")]:
         response = _post(server, "/v1/responses", body)
         error = _assert_error(response, 404 if param == "previous_response_id" else 400, param)
         assert "max_tokens" not in error["message"]  # the field as this API calls it
