@@ -90,15 +90,20 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise OpenAIError(400, f"{where}: expected a string or a list of text blocks", where)
     for i, block in enumerate(content):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if not isinstance(block, dict) or block.get("type") != "text" \
+                or not isinstance(block.get("text"), str):
             raise OpenAIError(400, f"{where}[{i}]: expected a text block", where)
     return "".join(block["text"] for block in content)
 
 
-def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+def _user_messages(content: list[dict[str, Any]], where: str, asked: set[str]
+                   ) -> list[dict[str, Any]]:
     """A user turn's blocks as OpenAI messages: each tool result its own `tool` message
-    (first, as they answer the previous turn's calls), then the text."""
+    (first, as they answer the previous turn's calls: `asked`, its tool_use ids), then the
+    text."""
     out: list[dict[str, Any]] = []
     text = []
     for i, block in enumerate(content):
@@ -106,7 +111,12 @@ def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, 
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
-            result = _text(block.get("content") or "", f"{where}[{i}].content")
+            if block["tool_use_id"] not in asked:
+                raise OpenAIError(400, f"{where}[{i}]: tool_result for "
+                                  f"{block['tool_use_id']!r}, which no tool_use block of the "
+                                  "previous message asked for", f"{where}[{i}]")
+            given = block.get("content")
+            result = _text("" if given is None else given, f"{where}[{i}].content")
             if block.get("is_error"):
                 result = f"Error: {result}"
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
@@ -151,14 +161,17 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text(body.system, "system")})
+    asked: set[str] = set()  # the tool_use ids of the previous (assistant) message
     for i, turn in enumerate(body.messages):
         where = f"messages[{i}].content"
         if isinstance(turn.content, str):
             messages.append({"role": turn.role, "content": turn.content})
         elif turn.role == "user":
-            messages += _user_messages(turn.content, where)
+            messages += _user_messages(turn.content, where, asked)
         else:
             messages.append(_assistant_message(turn.content, where))
+        asked = {call["id"] for call in messages[-1].get("tool_calls") or []} \
+            if turn.role == "assistant" else set()
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_tokens": body.max_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.server.errors import OpenAIError
 from pkv.core.structured_output.params import StructuredOutputsParams
 
 
@@ -163,10 +164,18 @@ class ChatMessage(BaseModel):
         return self.content is None and not (self.role == "assistant" and (
             extra.get("tool_calls") or extra.get("function_call")))
 
+    def first_bad_part(self) -> int | None:
+        """The index of the first content part that is not OpenAI's text part (pkv serves
+        text: an image or audio part dropped in silence would change the question)."""
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                return i
+        return None
+
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if isinstance(content, list):  # text parts (check_messages refused any other)
+            content = "".join(part["text"] for part in content)
         out = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
         if out.get("tool_calls"):
             # Templates write `arguments | tojson`: they expect an object, not its JSON text.
@@ -225,6 +234,18 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        """A 400 for a field whose meaning pkv does not serve (ignoring it would answer
+        another question): fill-in-the-middle, and best_of above n."""
+        if self.suffix:
+            raise OpenAIError(400, "suffix: fill-in-the-middle is not supported; send the "
+                              "text before the gap as the prompt", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, f"best_of: only best_of == n ({self.n}) is supported: "
+                              "each choice is its own sample", "best_of")
 
 
 class TokenizeRequest(BaseModel):

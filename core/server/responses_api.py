@@ -40,6 +40,7 @@ from pkv.core.engine.outputs import RequestOutput
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
+from pkv.core.server.protocol import ChatCompletionRequest
 from pkv.core.server.responses_items import (CHAT_TO_RESPONSES, ResponseIds, ResponsesRequest,
                                              input_items, output_items, response_usage,
                                              to_chat_request)
@@ -180,7 +181,7 @@ class OpenAIServingResponses:
         if body.background and (body.stream or not body.store):
             raise OpenAIError(400, "background responses need store=true and stream=false "
                               "(poll GET /v1/responses/{id})", "background")
-        chat_body = to_chat_request(body, history)
+        chat_body = await self._fitted(body, history)
         try:
             prepared, stream, [shaper] = await self.chat.start(chat_body, raw)
         except OpenAIError as exc:
@@ -206,6 +207,32 @@ class OpenAIServingResponses:
         response = self._finish(body, base, final, shaper, tenant, turn)
         return JSONResponse(response)
 
+    async def _fitted(self, body: ResponsesRequest, history: list[dict[str, Any]]
+                      ) -> ChatCompletionRequest:
+        """The chat request; under `truncation: "auto"` without the fewest earliest messages
+        that let it fit max_model_len (OpenAI drops items from the conversation's start)."""
+        chat_body = to_chat_request(body, history)
+        if body.truncation != "auto" or await self._fits(chat_body):
+            return chat_body
+        least, most = 1, len(chat_body.messages) - (2 if body.instructions else 1)
+        if most < least or not await self._fits(to_chat_request(body, history, most)):
+            return chat_body  # even the last message alone is too long: chat says so
+        while least < most:  # the least drop that fits; fitting only grows with the drop
+            middle = (least + most) // 2
+            if await self._fits(to_chat_request(body, history, middle)):
+                most = middle
+            else:
+                least = middle + 1
+        return to_chat_request(body, history, least)
+
+    async def _fits(self, chat_body: ChatCompletionRequest) -> bool:
+        try:
+            prompt = await self.chat.prompt_ids(chat_body)
+        except OpenAIError as exc:
+            raise named_as(exc, CHAT_TO_RESPONSES) from None
+        return len(prompt) + max(chat_body.max_tokens or 1, 1) <= \
+            self.chat.llm.engine.max_model_len
+
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()),
                 "status": "in_progress", "model": self.chat.served_name(body.model), "output": [],
@@ -217,6 +244,7 @@ class OpenAIServingResponses:
                 "previous_response_id": body.previous_response_id,
                 "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
                 "store": body.store, "background": body.background,
+                "truncation": body.truncation or "disabled",
                 "metadata": body.metadata or {}, "error": None,
                 "incomplete_details": None, "usage": None}
 

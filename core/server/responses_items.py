@@ -37,6 +37,7 @@ class ResponsesRequest(BaseModel):
     background: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -45,8 +46,8 @@ def _item_text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise OpenAIError(400, f"{where}: content must be a string or a list of parts", where)
     for i, part in enumerate(content):
-        if part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in (
+                "input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise OpenAIError(400, f"{where}[{i}]: expected an input_text part", f"{where}[{i}]")
     return "".join(part["text"] for part in content)
 
@@ -99,18 +100,44 @@ def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict[str
         return
     calls = {call["id"] for m in history for call in m.get("tool_calls") or []}
     for i, item in enumerate(items):
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            continue  # input_messages refuses the item by name
         if item.get("type") == "function_call":
-            calls.add(item.get("call_id"))
-        elif item.get("type") == "function_call_output" and item.get("call_id") not in calls:
+            calls.add(call_id)
+        elif item.get("type") == "function_call_output" and call_id not in calls:
             raise OpenAIError(400, f"input[{i}]: no function_call with call_id "
-                              f"{item.get('call_id')!r} comes before this output", f"input[{i}]")
+                              f"{call_id!r} comes before this output", f"input[{i}]")
 
 
-def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat completion request that asks the same, after `history`."""
+def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
+    """`text.format`, checked: a format a client misspells must not be dropped in silence
+    (the answer would come unconstrained)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                            "json_schema"):
+        raise OpenAIError(400, 'text.format: expected {"type": "text"}, {"type": '
+                          '"json_object"} or {"type": "json_schema", "name": ..., "schema": '
+                          '{...}}', "text.format")
+    if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
+        raise OpenAIError(400, "text.format.schema: a json_schema format needs a schema object",
+                          "text.format.schema")
+    return fmt
+
+
+def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]], drop: int = 0
+                    ) -> ChatCompletionRequest:
+    """The chat completion request that asks the same, after `history`; without the first
+    `drop` messages of the conversation (and tool results their dropping leaves unasked),
+    as `truncation: "auto"` shortens it."""
     check_call_outputs(body.input, history)
+    conversation = (history + input_messages(body.input))[drop:]
+    while drop and len(conversation) > 1 and conversation[0]["role"] == "tool":
+        conversation = conversation[1:]
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions
-                else []) + history + input_messages(body.input)
+                else []) + conversation
     chat: dict[str, Any] = {"model": body.model, "messages": messages,
                             "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p,
@@ -130,11 +157,11 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Ch
         chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif choice is not None:
         chat["tool_choice"] = choice
-    fmt = (body.text or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+    fmt = _text_format(body.text)
+    if fmt.get("type") == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+    elif fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:

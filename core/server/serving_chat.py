@@ -249,3 +249,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise OpenAIError(400, f"messages[{i}]: a {message.role} message needs content (a "
                               "string or a list of content parts), not null",
                               f"messages[{i}].content")
+        part = message.first_bad_part()
+        if part is not None:
+            raise OpenAIError(400, f"messages[{i}].content[{part}]: expected a text part "
+                              '({"type": "text", "text": "..."}); pkv serves text-only models',
+                              f"messages[{i}].content")

@@ -27,6 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def completion(self, body: CompletionRequest, raw: Request
                          ) -> JSONResponse | StreamingResponse:
         self._check_common(body, body.logprobs)
+        body.check_supported()
         params = self._params(body, body.max_tokens if body.max_tokens is not None else 16,
                               body.logprobs)
         prompts = _prompt_list(body.prompt)

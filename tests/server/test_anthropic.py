@@ -112,6 +112,15 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
              ({**body, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
               "messages[0].content[0]"),
              ({**body, "tool_choice": {"type": "tool"}}, "tool_choice"),
+             ({**body, "system": [["Be brief."]]}, "system"),
+             ({**body, "messages": [{"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]},
+              "messages[0].content[0]"),
+             ({**body, "messages": [*ASK, {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                               "content": 7}]}]},
+              "messages[2].content[0].content"),
              ({**body, "stop_sequences": [""]}, "stop_sequences")]
     for bad, param in cases:
         response = _post(server, "/v1/messages", bad)

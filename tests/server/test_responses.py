@@ -120,7 +120,16 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                         ({**base, "previous_response_id": "resp_nope"}, "previous_response_id"),
                         ({**base, "temperature": "hot"}, "temperature"),
                         ({**base, "input": [{"type": "function_call_output", "call_id": "c1",
-                                             "output": "5"}]}, "input[0]")]:
+                                             "output": "5"}]}, "input[0]"),
+                        ({**base, "input": [{"role": "user", "content": [["Hi"]]}]},
+                         "input[0].content[0]"),
+                        ({**base, "input": [{"type": "function_call_output", "call_id": ["c"],
+                                             "output": "5"}]}, "input[0]"),
+                        ({**base, "text": {"format": {"type": "json"}}}, "text.format"),
+                        ({**base, "text": {"format": "json_object"}}, "text.format"),
+                        ({**base, "text": {"format": {"type": "json_schema", "name": "x"}}},
+                         "text.format.schema"),
+                        ({**base, "truncation": "sometimes"}, "truncation")]:
         response = _post(server, "/v1/responses", body)
         error = _assert_error(response, 404 if param == "previous_response_id" else 400, param)
         assert "max_tokens" not in error["message"]  # the field as this API calls it
@@ -201,3 +210,28 @@ def test_input_items_list_a_conversation_newest_first(server: RunningServer,
         _assert_error(response, 400, param)
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_unknown")
+
+
+def test_truncation_auto_drops_the_earliest_messages_that_do_not_fit(server: RunningServer,
+                                                                     client: openai.OpenAI):
+    # Four long turns and a question: over the server's max_model_len of 1,024 tokens.
+    long = [{"role": role, "content": f"{i} " + "apple " * 300}
+            for i, role in enumerate(["user", "assistant", "user", "assistant"])]
+    question = {"role": "user", "content": "How many turns were there?"}
+    body = {"model": MODEL, "input": [*long, question], "max_output_tokens": 4,
+            "temperature": 0, "instructions": "Be brief."}
+    _assert_error(_post(server, "/v1/responses", body), 400, "input", "context_length_exceeded")
+    cut = client.responses.create(**body, truncation="auto")
+    assert cut.status in ("completed", "incomplete") and cut.truncation == "auto"
+    # The fewest messages dropped, from the start: the same prompt as sending the rest.
+    for dropped in (1, 2, 3):
+        rest = {**body, "input": [*long[dropped:], question]}
+        fitting = _post(server, "/v1/responses", rest)
+        if fitting.status_code == 200:
+            break
+    assert cut.usage.input_tokens == fitting.json()["usage"]["input_tokens"]
+    assert cut.output_text == fitting.json()["output"][0]["content"][0]["text"]
+    assert dropped < 4 and cut.usage.input_tokens + 4 <= 1024
+    alone = {**body, "input": [{"role": "user", "content": "apple " * 1100}]}
+    _assert_error(_post(server, "/v1/responses", {**alone, "truncation": "auto"}), 400,
+                  "input", "context_length_exceeded")  # the last message alone is too long

@@ -37,6 +37,7 @@ COMMON: dict[str, list[object]] = {
 }
 BAD = {
     "/v1/completions": {**COMMON, "logprobs": [-1, 21, 1.5, "2", True],
+                        "best_of": [2, 0, 1.5, "1", True],
                         "prompt": [[1.5], [-1], [10**9], [NAN]]},
     "/v1/chat/completions": {**COMMON, "max_completion_tokens": [0, -1, 1.5, "16"],
                              "top_logprobs": [-1, 21, 1.5, "2"],
@@ -131,6 +132,10 @@ def test_a_schema_just_inside_the_bounds_is_served(server: RunningServer) -> Non
      "messages[0].content"),
     ([{"role": "wizard", "content": "Hi"}], "messages[0].role"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
+    # pkv serves text: a part it cannot read is refused, not dropped from the question.
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": ["Hi"]}]}], "messages[0].content"),
 ])
 def test_messages_need_content_and_a_role(server: RunningServer, messages: list,
                                           param: str) -> None:
@@ -139,6 +144,16 @@ def test_messages_need_content_and_a_role(server: RunningServer, messages: list,
     _assert_error(r, 400, param)
     r = _send(server, "/tokenize", {"messages": messages})
     _assert_error(r, 400, param)
+
+
+def test_completions_refuse_what_they_would_answer_differently(server: RunningServer) -> None:
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 2}
+    _assert_error(_send(server, "/v1/completions", {**body, "suffix": "\n    return c"}), 400,
+                  "suffix")
+    _assert_error(_send(server, "/v1/completions", {**body, "n": 2, "best_of": 3}), 400,
+                  "best_of")
+    for served in ({"suffix": ""}, {"suffix": None}, {"n": 2, "best_of": 2}):
+        assert _send(server, "/v1/completions", {**body, **served}).status_code == 200
 
 
 def test_an_assistant_message_with_tool_calls_needs_no_content(server: RunningServer) -> None:
