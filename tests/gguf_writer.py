@@ -36,7 +36,7 @@ GGUF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
-    "SmolLM3ForCausalLM": "smollm3",
+    "SmolLM3ForCausalLM": "smollm3", "BertModel": "bert",
 }
 # LlamaModel and its subclasses in the converter (undo_permute = True)
 _PERMUTED = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
@@ -45,17 +45,24 @@ _LLAMA_SHAPED = _PERMUTED
 
 
 def write_gguf(model_dir: Path, out: Path, quant: str, tokenizer_gguf: Path | None = None,
-               *, tokenizer_fields: dict[str, Any] | None = None) -> Path:
+               *, tokenizer_fields: dict[str, Any] | None = None,
+               extra_fields: dict[str, Any] | None = None) -> Path:
     """Write the HF folder `model_dir` as GGUF at `out` the way llama.cpp converts its
     architecture; tensors of 2+ dims in `quant` (F32, F16, Q8_0, ..., Q4_K_M), tokenizer metadata
     copied from `tokenizer_gguf`, or `tokenizer_fields` (GGUFWriter method -> value) when
-    given."""
+    given; `extra_fields` (likewise) for what a converter writes of some checkpoints only
+    (`add_pooling_type` of an embedding model's)."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
     hf_arch = cfg["architectures"][0]
     writer = gguf.GGUFWriter(str(out), GGUF_ARCHS[hf_arch])
     _write_metadata(writer, hf_arch, cfg)
+    for key, value in (extra_fields or {}).items():
+        getattr(writer, key)(value)
+    if hf_arch == "BertModel":
+        _bert_metadata(writer, model_dir, cfg)
+        tokenizer_fields = {}  # the vocabulary comes from the folder, as the converter's
     if tokenizer_fields is None:
         if tokenizer_gguf is None:
             raise ValueError("write_gguf needs tokenizer_gguf or tokenizer_fields")
@@ -198,6 +205,8 @@ def _rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, 
 # --- metadata: each converter's set_gguf_parameters ------------------------------------------
 
 def _write_metadata(w: Any, hf_arch: str, cfg: dict[str, Any]) -> None:
+    if hf_arch == "BertModel":
+        return  # _bert_metadata, which needs the folder
     if hf_arch == "Gemma2ForCausalLM":
         _gemma_common(w, cfg)
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
@@ -229,6 +238,42 @@ def _write_metadata(w: Any, hf_arch: str, cfg: dict[str, Any]) -> None:
                                 ("logits_scaling", "add_logit_scale")]:
                 if cfg.get(key):
                     getattr(w, method)(cfg[key])
+
+
+def _bert_metadata(w: Any, model_dir: Path, cfg: dict[str, Any]) -> None:
+    """conversion/bert.py's BertModel: TextModel's fields for an encoder, non-causal, the
+    pooling sentence-transformers' files name, and the vocabulary in "phantom space" form
+    (a word-initial piece `w` as `▁w`, a continuation `##w` as `w`) with the special ids."""
+    import gguf
+    import transformers
+
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    modules = model_dir / "modules.json"
+    if modules.is_file():
+        path = next(m["path"] for m in json.loads(modules.read_text())
+                    if m["type"].endswith("Pooling"))
+        pooling = json.loads((model_dir / path / "config.json").read_text())
+        kind = ("MEAN" if pooling.get("pooling_mode_mean_tokens") else "CLS"
+                if pooling.get("pooling_mode_cls_token") else "LAST")
+        w.add_pooling_type(gguf.PoolingType[kind])
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    special = set(tok.all_special_tokens)
+    tokens = [by_id[i] for i in range(len(by_id))]
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    w.add_token_type_count(cfg.get("type_vocab_size", 1))
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t if k == gguf.TokenType.CONTROL else t[2:] if t.startswith("##")
+                      else "\u2581" + t for t, k in zip(tokens, types)])
+    w.add_token_types(types)
+    gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
 
 
 def _scaling(kind: str) -> Any:
@@ -324,8 +369,8 @@ def _converted_tensors(hf_arch: str, cfg: dict[str, Any],
     experts: dict[str, np.ndarray] = {}
     for name, tensor in state.items():
         data = tensor.float().numpy()
-        if "rotary_emb.inv_freq" in name:
-            continue
+        if "rotary_emb.inv_freq" in name or name.startswith("pooler."):
+            continue  # (BERT's converter drops the pooler: embeddings do not use it)
         if hf_arch == "Gemma2ForCausalLM" and name == "lm_head.weight":
             continue  # tied in every Gemma 2; the converter drops it
         if hf_arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") and name.endswith("norm.weight"):

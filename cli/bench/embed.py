@@ -99,6 +99,7 @@ def _write_wordpiece(folder: Path, vocab_size: int, max_len: int) -> None:
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
     tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(_SPECIALS)  # listed as added tokens too, as BERT's own files do
     tok.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
               "model_max_length": max_len, **{k: v for k, v in zip(

@@ -22,6 +22,7 @@ from torch import nn
 
 from pkv.core.distributed.parallel import ShardPlan
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import LinearMethod, as_tensor, check_shape
 from pkv.core.models.config import ModelConfig
 
@@ -248,7 +249,8 @@ class BertEmbeddingModel(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            tensor = as_tensor(tensor)
+            # A GGUF's blocks (quantized or 16-bit) as float: encoders compute in float32.
+            tensor = tensor.dequantize() if isinstance(tensor, GGMLTensor) else as_tensor(tensor)
             check_shape(param, tensor, name)
             param.copy_(tensor)
             missing.discard(name)

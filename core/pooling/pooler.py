@@ -43,8 +43,9 @@ class PoolerConfig:
     def for_model(cls, folder: Path | None, default_mode: str,
                   hf_config: dict[str, Any]) -> PoolerConfig:
         """Read sentence-transformers' modules beside the checkpoint (when `folder` has
-        them), else `default_mode`, normalized."""
-        mode, normalize = default_mode, True
+        them), else the config's `pooling_mode` (a GGUF's pooling type) or `default_mode`,
+        normalized."""
+        mode, normalize = hf_config.get("pooling_mode", default_mode), True
         modules_file = folder / "modules.json" if folder is not None else None
         if modules_file is not None and modules_file.is_file():
             mode, normalize = _read_st_modules(folder, modules_file, default_mode)

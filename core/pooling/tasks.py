@@ -1,8 +1,9 @@
 """Which task a model serves: generating text, embeddings, or a cross-encoder's scores.
 
 `auto` follows the checkpoint: an encoder or a decoder saved without its LM head embeds, a
-sequence classifier scores, a causal LM with sentence-transformers' files beside it embeds,
-any other causal LM generates. A task the checkpoint cannot serve is one error naming both.
+sequence classifier scores, a causal LM with sentence-transformers' files beside it (or a
+GGUF that names a pooling type) embeds, any other causal LM generates. A task the checkpoint
+cannot serve is one error naming both.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def resolve_task(asked: str, config: ModelConfig, folder: Path | None) -> str:
     default = POOLING_TASKS.get(config.hf_architecture)
     if default is None:
         st_folder = folder is not None and (folder / "modules.json").is_file()
-        default = "embed" if st_folder else "generate"
+        default = "embed" if st_folder or config.hf.get("pooling_mode") else "generate"
     if asked not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {asked!r}")
     task = {"auto": default, "score": "classify"}.get(asked, asked)

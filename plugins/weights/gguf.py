@@ -32,8 +32,8 @@ from pkv.core.model_loader.loader import ModelSource
 from pkv.core.model_loader.quantization import WeightLoader
 from pkv.core.models.config import ModelConfig
 from pkv.core.tokenizer.tokenizer import Tokenizer
-from pkv.plugins.weights.gguf_archs import (ARCHS, CONFIG_TENSORS, EXPERT_PARTS, GLOBAL_NAMES,
-                                            LAYER_NAMES, decimal)
+from pkv.plugins.weights.gguf_archs import (ARCHS, CONFIG_TENSORS, EXPERT_PARTS, LAYER_NAMES,
+                                            decimal, pooling_fields)
 from pkv.plugins.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from pkv.plugins.weights.gguf_tokenizer import gguf_tokenizer
 
@@ -126,19 +126,31 @@ class GGUFFile:
             cfg = self._common_config()
             if self.spec.fields is not None:
                 self.spec.fields(self, cfg)
+            pooling_fields(self, cfg)
             self._config = cfg
         return self._config
 
+    def needed(self, name: str) -> int:
+        """The architecture's integer field `{arch}.{name}`, which a model cannot lack."""
+        value = self.key(name)
+        if value is None:
+            raise ValueError(f"{self.path.name} lacks {self.arch}.{name}: not a complete "
+                             f"{self.arch!r} GGUF")
+        return int(value)
+
     def _common_config(self) -> dict[str, Any]:
-        heads = int(self.key("attention.head_count"))
-        hidden = int(self.key("embedding_length"))
+        heads = self.needed("attention.head_count")
+        hidden = self.needed("embedding_length")
         head_dim = int(self.key("attention.key_length", hidden // heads))
+        if "token_embd.weight" not in self.names:
+            raise ValueError(f"{self.path.name} has no token_embd.weight: not a complete "
+                             f"{self.arch!r} GGUF")
         cfg: dict[str, Any] = {
             "architectures": [self.spec.hf_arch],
             "vocab_size": self.hf_shape("token_embd.weight")[0],
             "hidden_size": hidden,
-            "intermediate_size": int(self.key("feed_forward_length")),
-            "num_hidden_layers": int(self.key("block_count")),
+            "intermediate_size": self.needed("feed_forward_length"),
+            "num_hidden_layers": self.needed("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self.key("attention.head_count_kv", heads)),
             "head_dim": head_dim,
@@ -174,6 +186,10 @@ class GGUFFile:
 
     # --- tensors --------------------------------------------------------------------------
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape in PyTorch order, by GGUF name."""
+        return {name: self.hf_shape(name) for name in self.names}
+
     def hf_shape(self, gguf_name: str) -> tuple[int, ...]:
         """Shape of a GGUF tensor in PyTorch order (GGUF lists dims fastest first)."""
         return tuple(reversed(self.names[gguf_name].dims))
@@ -183,11 +199,11 @@ class GGUFFile:
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
         if match is None:
             base, _, kind = gguf_name.rpartition(".")
-            if base not in GLOBAL_NAMES:
+            if base not in self.spec.global_names:
                 raise self._foreign(gguf_name)
-            return [f"{GLOBAL_NAMES[base]}.{kind}"]
+            return [f"{self.spec.global_names[base]}.{kind}"]
         layer, part, kind = match.groups()
-        prefix = f"model.layers.{layer}"
+        prefix = f"{self.spec.layer_prefix}.{layer}"
         moe = self.spec.experts
         exps = re.fullmatch(r"ffn_(gate|up|down)_exps", part)
         if moe is not None and exps is not None:

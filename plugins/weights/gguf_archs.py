@@ -22,8 +22,13 @@ class GGUFFile(Protocol):
     """What an architecture's field reader needs of an open file (gguf.py's GGUFFile, which
     reads this module's tables and so is not imported here)."""
 
+    arch: str
+
     def key(self, name: str, default: Any = None) -> Any:
         """The architecture's field `{arch}.{name}`."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape in PyTorch order, by GGUF name."""
 
 
 def decimal(value: Any) -> Any:
@@ -156,6 +161,46 @@ def _smollm3_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
     cfg["use_sliding_window"] = False
 
 
+# BERT's converter (conversion/bert.py): the encoder's own names, no RoPE, post-norms.
+_BERT_LAYER_NAMES = {
+    "attn_q": "attention.self.query", "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value", "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm", "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
+}
+_BERT_GLOBAL_NAMES = {
+    "token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
+    "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
+}
+# gguf-py's PoolingType: what `{arch}.pooling_type` says, as sentence-transformers names it
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _bert_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
+    """An encoder's config: LayerNorm's epsilon, token types and positions from their
+    tables' shapes; GELU, which the converter does not record (BERT embedders use erf's)."""
+    shapes = g.shapes()
+    cfg.update(layer_norm_eps=float(g.key("attention.layer_norm_epsilon", 1e-12)),
+               type_vocab_size=shapes.get("token_types.weight", (1,))[0],
+               max_position_embeddings=shapes.get("position_embd.weight",
+                                                  (cfg["max_position_embeddings"],))[0],
+               hidden_act="gelu", tie_word_embeddings=False)
+    for key in ("rms_norm_eps", "rope_parameters", "num_key_value_heads", "head_dim",
+                "attention_bias"):
+        cfg.pop(key, None)
+
+
+def pooling_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
+    """`{arch}.pooling_type` (an embedding model's file) as the config's `pooling_mode`."""
+    kind = g.key("pooling_type")
+    if kind is None or int(kind) == 0:
+        return
+    if int(kind) not in POOLING_TYPES:
+        raise ValueError(f"GGUF {g.arch}.pooling_type {kind} is not a pooling pkv runs "
+                         f"({', '.join(f'{k} {v}' for k, v in POOLING_TYPES.items())})")
+    cfg["pooling_mode"] = POOLING_TYPES[int(kind)]
+
+
 @dataclass(frozen=True)
 class Arch:
     """How llama.cpp's converter wrote one architecture string."""
@@ -168,6 +213,8 @@ class Arch:
     experts: tuple[str, tuple[str, str, str], str] | None = None
     # the config fields only this architecture has, from the file
     fields: Callable[[GGUFFile, dict[str, Any]], None] | None = None
+    layer_prefix: str = "model.layers"  # blk.N. -> f"{layer_prefix}.N."
+    global_names: dict[str, str] = field(default_factory=lambda: GLOBAL_NAMES)
 
 
 ARCHS = {
@@ -186,4 +233,6 @@ ARCHS = {
     "olmo2": Arch("Olmo2ForCausalLM", names=_POST_NORMS, fields=_olmo2_fields),
     "granite": Arch("GraniteForCausalLM", permuted_qk=True, fields=_granite_fields),
     "smollm3": Arch("SmolLM3ForCausalLM", permuted_qk=True, fields=_smollm3_fields),
+    "bert": Arch("BertModel", names=_BERT_LAYER_NAMES, fields=_bert_fields,
+                 layer_prefix="encoder.layer", global_names=_BERT_GLOBAL_NAMES),
 }

@@ -23,14 +23,17 @@ library so that it tokenizes as llama.cpp does with the same file.
 
   Decoding undoes it: "▁" -> " ", byte pieces -> bytes, and with add_space_prefix the one
   leading space the prefix added comes off again.
+- `bert`: WordPiece (BERT embedding models): the converter's "phantom space" vocabulary back
+  in WordPiece's own form (`▁w` -> `w`, `w` -> `##w`), BERT's normalizer and split, and
+  [CLS] a [SEP] around a prompt.
 
 Token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. Unknown and
 control tokens are special (matched in text, dropped by skip_special_tokens); user-defined ones
 are matched whole in the raw text, as llama.cpp does (its converter stores their ▁ as a space).
 
-Not built: Unigram SentencePiece (`t5`), WordPiece (`bert`), RWKV and others are refused in
-one line; `tokenizer.ggml.add_eos_token` is not honoured. Pre-tokenizer names llama.cpp knows
-but the table lacks are refused too: custom splitters (`kimi-k2`, `afmoe`, `superbpe`),
+Not built: Unigram SentencePiece (`t5`), RWKV and others are refused in one line;
+`tokenizer.ggml.add_eos_token` is not honoured. Pre-tokenizer names llama.cpp knows but the
+table lacks are refused too: custom splitters (`kimi-k2`, `afmoe`, `superbpe`),
 SentencePiece-style BPE (`gemma4`, `sarvam-moe`), encoders that add SEP (`roberta-bpe`,
 `jina-v1-en`, `jina-v2-code`) and newer or rarer ones (`seed-coder`, `bailingmoe`, `youtu`,
 ...). Decoding does not apply llama.cpp's `clean_spaces`.
@@ -41,7 +44,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (AddedToken, Regex, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 from tokenizers import Tokenizer as HFTokenizer
 
 from pkv.core.tokenizer.tokenizer import Tokenizer
@@ -58,7 +62,7 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
     kind = field("tokenizer.ggml.model")
     if kind not in _BUILDERS:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (pkv builds 'gpt2' "
-                         "byte-level BPE and 'llama' SentencePiece BPE)")
+                         "byte-level BPE, 'llama' SentencePiece BPE and 'bert' WordPiece)")
     tokens: list[str] = field("tokenizer.ggml.tokens")
     types: list[int] = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
@@ -68,8 +72,8 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
     eos = {field(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")} - {None}
     # llama.cpp adds BOS to a SentencePiece vocabulary, and to a few byte-level ones (Llama 3,
     # Tekken), that do not say otherwise.
-    add_bos = field("tokenizer.ggml.add_bos_token",
-                    kind == "llama" or field("tokenizer.ggml.pre") in _ADD_BOS)
+    add_bos = kind != "bert" and field("tokenizer.ggml.add_bos_token", kind == "llama"
+                                       or field("tokenizer.ggml.pre") in _ADD_BOS)
     return Tokenizer(backend, bos_token_id=field("tokenizer.ggml.bos_token_id"),
                      eos_token_ids=eos, add_bos_token=bool(add_bos),
                      chat_template=field("tokenizer.chat_template"))
@@ -152,8 +156,42 @@ def merges_from_scores(tokens: list[str], scores: list[float],
     return [(left, right) for *_, left, right in ranked]
 
 
+def _wordpiece(field: Field, tokens: list[str], types: list[int]) -> HFTokenizer:
+    """BERT's WordPiece. The converter wrote the vocabulary in "phantom space" form (a
+    word-initial piece `w` as `▁w`, a continuation `##w` as `w`, control tokens as they
+    are): undone here, the vocabulary is the checkpoint's again. Lowercasing and accent
+    stripping come from the file where it says (newer converters); an older file, which
+    says nothing, is lowercased when its vocabulary has no capital letters (an uncased
+    model: what its own tokenizer did), else left as written."""
+    vocab: dict[str, int] = {}
+    for token_id, (token, kind) in enumerate(zip(tokens, types)):
+        piece = token if kind == _CONTROL else token[1:] if token.startswith(_SPACE) \
+            else "##" + token
+        vocab.setdefault(piece, token_id)
+    unk_id = field("tokenizer.ggml.unknown_token_id", vocab.get("[UNK]", 100))
+    backend = HFTokenizer(models.WordPiece(vocab, unk_token=tokens[unk_id],
+                                           max_input_chars_per_word=100))
+    cased = any(c.isupper() for t, k in zip(tokens, types) if k != _CONTROL for c in t)
+    lowercase = bool(field("tokenizer.ggml.normalizer.lowercase", not cased))
+    backend.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, lowercase=lowercase,
+        strip_accents=bool(field("tokenizer.ggml.normalizer.strip_accents", lowercase)))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    # The ids the file names, else BERT's own tokens, else llama.cpp's defaults.
+    cls_id = field("tokenizer.ggml.cls_token_id", field("tokenizer.ggml.bos_token_id",
+                                                        vocab.get("[CLS]", 101)))
+    sep_id = field("tokenizer.ggml.seperator_token_id", vocab.get("[SEP]", 102))
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == _CONTROL])
+    return backend
+
+
 _BUILDERS: dict[str, Callable[[Field, list[str], list[int]], HFTokenizer]] = {
-    "gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    "gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe, "bert": _wordpiece}
 
 
 # llama.cpp's pre-tokenizers (src/llama-vocab.cpp: the name -> LLAMA_VOCAB_PRE_TYPE_* table in

@@ -180,8 +180,8 @@ def test_gemma_norms_lose_the_converters_one(tmp_path: Path, smol_hf_dir: Path,
 def test_unsupported_gguf_architecture_is_one_line(tmp_path: Path):
     import gguf
 
-    path = tmp_path / "bert.gguf"
-    writer = gguf.GGUFWriter(str(path), "bert")
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -190,9 +190,17 @@ def test_unsupported_gguf_architecture_is_one_line(tmp_path: Path):
     with pytest.raises(ValueError) as err:
         open_model(str(path))
     message = str(err.value)
-    assert "\n" not in message and "'bert'" in message
-    for arch in ("llama", "qwen3moe", "gemma3", "phi3"):
+    assert "\n" not in message and "'mamba'" in message
+    for arch in ("llama", "qwen3moe", "gemma3", "phi3", "bert"):
         assert arch in message
+    writer = gguf.GGUFWriter(str(path), "bert")  # one pkv runs, without its fields
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="lacks bert.attention.head_count"):
+        open_model(str(path))
 
 
 def test_rope_scaling_pkv_lacks_is_named_not_dropped(tmp_path: Path, smol_hf_dir: Path,
