@@ -74,6 +74,7 @@ class ResponseStore:
         self._items: OrderedDict[tuple[str | None, str], _Stored] = OrderedDict()
 
     def put(self, tenant: str | None, stored: _Stored) -> None:
+        self._drop_expired()
         key = (tenant, stored.response["id"])
         self._items[key] = stored
         self._items.move_to_end(key)
@@ -81,7 +82,14 @@ class ResponseStore:
             self._items.popitem(last=False)
 
     def __len__(self) -> int:
+        self._drop_expired()
         return len(self._items)
+
+    def _drop_expired(self) -> None:
+        # A scan of at most max_items: the order is by use, not by age.
+        now = time.time()
+        for key in [k for k, s in self._items.items() if now - s.created > self.ttl]:
+            del self._items[key]
 
     def delete(self, tenant: str | None, response_id: str) -> bool:
         return self._items.pop((tenant, response_id), None) is not None

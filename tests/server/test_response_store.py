@@ -1,0 +1,30 @@
+"""The Responses store: per tenant, bounded by count (least recently used out first) and by
+age (an expired response is gone, and no longer counted)."""
+
+from __future__ import annotations
+
+import time
+
+from pkv.core.server.responses_api import ResponseStore, _Stored, _Turn
+
+
+def _stored(response_id: str, age: float = 0.0) -> _Stored:
+    return _Stored({"id": response_id}, _Turn([], []), time.time() - age)
+
+
+def test_expired_responses_are_neither_read_nor_counted():
+    store = ResponseStore(max_items=8, ttl=60.0)
+    store.put("a", _stored("old", age=120.0))
+    store.put("a", _stored("new"))
+    assert len(store) == 1
+    assert store.get("a", "old") is None and store.get("a", "new") is not None
+
+
+def test_the_least_recently_used_goes_first_and_tenants_stay_apart():
+    store = ResponseStore(max_items=2, ttl=60.0)
+    store.put("a", _stored("r1"))
+    store.put("a", _stored("r2"))
+    assert store.get("a", "r1") is not None  # r1 used: r2 is now the oldest
+    store.put("b", _stored("r3"))
+    assert store.get("a", "r2") is None and store.get("a", "r1") is not None
+    assert store.get("a", "r3") is None and store.get("b", "r3") is not None
