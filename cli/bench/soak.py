@@ -4,7 +4,8 @@ Clients keep the server saturated (twice its running batch) with a mix of its fo
 generating APIs, streamed and not: completions and chat (n=2, logprobs, stop strings, three
 JSON schemas), Responses (a function tool, a JSON schema, turns continuing stored
 responses, responses not stored) and Anthropic Messages (a system prompt, a tool, stop
-sequences); 10% of streams are abandoned part way, 5% of requests are invalid on purpose.
+sequences); 10% of streams are abandoned part way, 5% of requests are invalid on purpose
+(half of them a valid body with one field of the wrong kind: any answer but a 5xx).
 After every interval (a minute) the clients pause until the server idles, and its memory is
 sampled: the curve's plateau, slope and peak decide (cli/bench/soak_memory.py). The run fails
 on any error that was not asked for, a KV block still held, memory that keeps climbing, or
@@ -25,6 +26,7 @@ import numpy as np
 import psutil
 from rich.table import Table
 
+from pkv.cli.bench.mutate import WRONG_KINDS, mutated, places
 from pkv.cli.bench.serve import WORDS
 from pkv.cli.bench.soak_memory import MemoryCurve
 from pkv.cli.http import get_metrics
@@ -205,7 +207,7 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
                stored: list[str]) -> None:
     path, body = request_body(rng, stored)
     kind = rng.random()
-    if kind < 0.05:
+    if kind < 0.025:
         bad_path = rng.choice(list(INVALID_BODIES))
         r = await client.post(f"{base}{bad_path}", json=rng.choice(INVALID_BODIES[bad_path]))
         if r.status_code in (400, 404) and r.json().get("error", {}).get("param"):
@@ -213,6 +215,19 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
         else:
             minute.unexpected.append(f"invalid request to {bad_path} answered "
                                      f"{r.status_code}: {r.text[:120]}")
+        return
+    if kind < 0.05:  # a field of the wrong kind: any answer but a server error
+        where = rng.choice(list(places(body)))
+        try:
+            r = await client.post(f"{base}{path}",
+                                  json=mutated(body, where, rng.choice(WRONG_KINDS)))
+        except httpx.HTTPError as exc:
+            minute.unexpected.append(f"{path} with {where} changed: {type(exc).__name__}")
+            return
+        if r.status_code >= 500 or (r.status_code >= 400 and not _is_error_body(r)):
+            minute.unexpected.append(f"{path} with {where} changed answered {r.status_code}: "
+                                     f"{r.text[:120]}")
+        minute.invalid += 1
         return
     start = time.monotonic()
     try:
@@ -234,6 +249,14 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random, minute:
     if first is not None:
         minute.ttfts.append(first)
         minute.served += 1
+
+
+def _is_error_body(r: httpx.Response) -> bool:
+    """Whether a refusal's body is an error object (OpenAI's, or Anthropic's)."""
+    try:
+        return isinstance(r.json().get("error"), dict)
+    except ValueError:
+        return False
 
 
 def _event(line: str) -> dict[str, Any] | None:

@@ -6,20 +6,15 @@ did not expect it."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from pkv.cli.bench.mutate import REMOVED, WRONG_KINDS, mutated, places
 from pkv.tests.server.conftest import RunningServer
 from pkv.tests.server.test_hardening import _blocks_idle
 from pkv.tests.server.test_http import MODEL
-
-REMOVED = object()
-WRONG: list[Any] = [None, -1, 1.5, 2**63, "x", [], {}, [[1]], {"type": "text", "text": 5},
-                    REMOVED]
 
 _CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 BODIES: dict[str, dict[str, Any]] = {
@@ -62,29 +57,6 @@ BODIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _places(body: Any, where: tuple = ()) -> Iterator[tuple]:
-    """Every field and list element of a body, as a path of keys and indices."""
-    if where:
-        yield where
-    children = body.items() if isinstance(body, dict) else \
-        enumerate(body) if isinstance(body, list) else ()
-    for key, value in children:
-        if where + (key,) != ("model",):
-            yield from _places(value, where + (key,))
-
-
-def _mutated(body: dict[str, Any], where: tuple, value: Any) -> dict[str, Any]:
-    body = copy.deepcopy(body)
-    parent = body
-    for key in where[:-1]:
-        parent = parent[key]
-    if value is REMOVED:
-        del parent[where[-1]]
-    else:
-        parent[where[-1]] = value
-    return body
-
-
 def _shaped(response: httpx.Response, path: str) -> bool:
     """An error in the API's own shape: Anthropic's on /v1/messages, else OpenAI's."""
     try:
@@ -103,9 +75,9 @@ def test_no_field_of_the_wrong_kind_is_a_server_error(server: RunningServer, pat
     with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as http:
         assert http.post(path, json=body).status_code == 200  # the valid body is served
         wrong = []
-        for where in list(_places(body)):
-            for value in WRONG:
-                r = http.post(path, json=_mutated(body, where, value))
+        for where in list(places(body)):
+            for value in WRONG_KINDS:
+                r = http.post(path, json=mutated(body, where, value))
                 if r.status_code >= 500 or (r.status_code >= 400 and not _shaped(r, path)):
                     wrong.append((where, "removed" if value is REMOVED else value,
                                   r.status_code, r.text[:200]))
