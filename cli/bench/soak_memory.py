@@ -4,8 +4,8 @@ A server's memory outside the KV pool climbs while its caches fill (oneDNN primi
 batch shape, allocator arenas, grammar and tokenizer caches) and then holds; a leak keeps
 climbing. Comparing two points cannot tell these apart; the curve can:
 
-    MiB |       ______________________       plateau: from the first sample after which
-        |     _/                              every later one stays within `band` of it
+    MiB |       ______________________       plateau: from the first sample no later one
+        |     _/                              rises more than `band` above
         |   _/                                slope: least squares over the plateau
         |__/                                  peak: the highest sample of the run
         +------------------------------ minutes
@@ -39,12 +39,12 @@ class MemoryCurve:
     before_mib: float | None = None  # idle, before any load
 
     def plateau_start(self, band: float = PLATEAU_BAND_MIB) -> int | None:
-        """Index of the first sample after which every sample stays within `band` of it,
-        with at least MIN_PLATEAU_SAMPLES samples in the plateau; None if there is none."""
+        """Index of the first sample no later sample rises more than `band` above, with at
+        least MIN_PLATEAU_SAMPLES samples in the plateau; None if there is none. A fall is
+        no leak (the heap handing pages back at idle lowers the curve)."""
         s = self.samples_mib
         for i in range(len(s) - MIN_PLATEAU_SAMPLES + 1):
-            rest = s[i:]
-            if max(rest) - s[i] <= band and s[i] - min(rest) <= band:
+            if max(s[i:]) - s[i] <= band:
                 return i
         return None
 

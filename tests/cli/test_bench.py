@@ -225,6 +225,8 @@ def test_memory_curve_tells_a_warm_up_from_a_leak():
     assert "climbs 2.00 MiB/min" in " ".join(slow_leak.problems())
     fast_leak = MemoryCurve(1.0, [1000 + 10 * i for i in range(20)])
     assert "no plateau in the first half" in " ".join(fast_leak.problems())
+    handed_back = MemoryCurve(1.0, [528, 532, 500])  # a fall at idle is no leak
+    assert handed_back.plateau_start() == 0 and handed_back.problems() == []
     assert abs(MemoryCurve(0.5, [1000, 1001, 1000]).slope(0)) < 1e-9
     assert MemoryCurve(0.5, [1000, 1001, 1002]).slope(0) == pytest.approx(2.0)  # per minute
     warm.before_mib = 1000
