@@ -145,6 +145,23 @@ def _engine_config(options: dict[str, Any]) -> Any:
     return EngineConfig.from_dict({k: v for k, v in options.items() if k in engine_keys})
 
 
+def _server_config(options: dict[str, Any], model_name: str) -> Any:
+    """The HTTP side's settings (validated as they are built)."""
+    from pkv.core.server.api_server import ServerConfig
+    from pkv.core.server.serving_engine import ServerLimits
+
+    return ServerConfig(
+        served_model_name=options["served_model_name"] or model_name,
+        api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
+        max_waiting_requests=options["max_waiting_requests"],
+        step_timeout=options["step_timeout"], body_timeout=options["body_timeout"],
+        allowed_origins=list(options["allowed_origins"] or []),
+        tool_call_parser=options["tool_call_parser"], reasoning_parser=options["reasoning_parser"],
+        limits=ServerLimits(options["max_n"], options["max_logprobs"],
+                            options["max_stop_strings"], options["max_stop_length"]),
+        enable_runtime_lora=options["enable_runtime_lora"], lora_dir=options["lora_dir"])
+
+
 def _check(options: dict[str, Any]) -> None:
     """Validate every option, and the model's config and tokenizer where the path exists
     here; never load weights."""
@@ -152,14 +169,16 @@ def _check(options: dict[str, Any]) -> None:
 
     config = _engine_config(options)
     _lora_modules(options)
+    _server_config(options, "check")
     if not 0 <= options["port"] <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {options['port']}")
-    from pkv.core.registry import discover, select_guided_backend
+    from pkv.core.registry import check_attention_backend, discover, select_guided_backend
     from pkv.core.structured_output.reasoning import reasoning_parser
 
     reasoning_parser(options["reasoning_parser"])
     registry = discover()
     select_guided_backend(config.guided_decoding_backend, registry)
+    check_attention_backend(config.attention_backend, registry)
     parsers = registry.tool_parsers
     if options["tool_call_parser"] != "auto" and options["tool_call_parser"] not in parsers:
         raise ValueError(f"unknown tool call parser {options['tool_call_parser']!r}; choose "
@@ -170,8 +189,13 @@ def _check(options: dict[str, Any]) -> None:
     if config.model is None or Path(config.model).expanduser().exists():
         from pkv.core.worker.model_setup import check_model
 
+        from pkv.core.model_loader.quantization import resolve_weight_loader
+        from pkv.core.worker.model_setup import resolve_max_model_len
+
         source = open_model(config.model)
         check_model(config, source)
+        resolve_weight_loader(config.quantization, source, registry)
+        resolve_max_model_len(config, source.config.max_position_embeddings)
         model = f"{source.name} ({source.config.architecture}, read without weights)"
         spec = config.speculative
         if spec is not None and spec.model and Path(spec.model).expanduser().exists():
@@ -206,8 +230,7 @@ def _run(options: dict[str, Any]) -> None:
     from pkv.core.engine.async_engine import AsyncLLM
     from pkv.core.engine.engine_thread import EngineThread
     from pkv.core.engine.llm_engine import LLMEngine
-    from pkv.core.server.api_server import ServerConfig, build_app
-    from pkv.core.server.serving_engine import ServerLimits
+    from pkv.core.server.api_server import build_app
     from pkv.core.worker.tp_worker import torchrun_worker
     from pkv.core.worker.workers import launched_by_torchrun
 
@@ -216,6 +239,7 @@ def _run(options: dict[str, Any]) -> None:
         torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
         return
     adapters = _lora_modules(options)
+    server_config = _server_config(options, "")  # its errors before any weights load
 
     def build() -> LLMEngine:
         engine = LLMEngine(config)
@@ -225,16 +249,7 @@ def _run(options: dict[str, Any]) -> None:
 
     thread = EngineThread()  # builds the engine and steps it: engine_thread.py says why
     engine = thread.call(build)
-    server_config = ServerConfig(
-        served_model_name=options["served_model_name"] or engine.model_name,
-        api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
-        max_waiting_requests=options["max_waiting_requests"],
-        step_timeout=options["step_timeout"], body_timeout=options["body_timeout"],
-        allowed_origins=list(options["allowed_origins"] or []),
-        tool_call_parser=options["tool_call_parser"], reasoning_parser=options["reasoning_parser"],
-        limits=ServerLimits(options["max_n"], options["max_logprobs"],
-                            options["max_stop_strings"], options["max_stop_length"]),
-        enable_runtime_lora=options["enable_runtime_lora"], lora_dir=options["lora_dir"])
+    server_config.served_model_name = server_config.served_model_name or engine.model_name
     async_llm = AsyncLLM(engine, server_config.max_waiting_requests,
                          step_timeout=server_config.step_timeout, thread=thread)
     app = build_app(async_llm, server_config)

@@ -166,14 +166,23 @@ def select_attention_backend(name: str, device: str,
                 logger.warning("attention backend %s is unusable (%s); trying the next",
                                candidate, exc)
         raise ValueError(f"no usable attention backend for {device}")
-    if name not in specs:
-        raise ValueError(f"unknown attention backend {name!r}; usable here: "
-                         f"{', '.join(usable) or 'none'}")
+    check_attention_backend(name, registry, usable)
     reasons = specs[name].unusable_reasons(device)
     if reasons:
         raise ValueError(f"attention backend {name!r} is unusable here ({'; '.join(reasons)}); "
                          f"usable: {', '.join(usable) or 'none'}")
     return specs[name].load()()
+
+
+def check_attention_backend(name: str, registry: PluginRegistry,
+                            usable: list[str] | None = None) -> None:
+    """A one-line error for a backend name no plugin registers (`auto` is always one),
+    naming those usable on the device (`usable`) or else every registered one."""
+    if name != "auto" and name not in registry.attention_backends:
+        known = usable if usable is not None else sorted(registry.attention_backends)
+        where = "usable here" if usable is not None else "registered"
+        raise ValueError(f"unknown attention backend {name!r}; {where}: "
+                         f"{', '.join(known) or 'none'}")
 
 
 def select_guided_backend(name: str, registry: PluginRegistry | None = None) -> Any:

@@ -7,6 +7,7 @@ while it was scheduled come back with its results."""
 from __future__ import annotations
 
 import logging
+import math
 
 from pkv.core.config.engine import EngineConfig
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
@@ -32,6 +33,10 @@ def open_offload_store(config: EngineConfig, setup: ModelSetup, runner: ModelRun
         "revision": config.revision, "device": runner.device.type,
         "pkv": _pkv_version(),
     }
+    block_bytes = math.prod(layout["kv_block_shape"]) * kv.element_size()
+    if int(config.kv_offload_size) < block_bytes:
+        raise ValueError(f"kv_offload_size ({int(config.kv_offload_size)} bytes) holds no KV "
+                         f"block of this model ({block_bytes} bytes each)")
     if runner.kv_parts is not None:  # a file holds every rank's part (heads, layers)
         layout["kv_parts"] = runner.kv_parts.sizes
         layout["parallel"] = [config.tensor_parallel_size, config.pipeline_parallel_size]

@@ -54,6 +54,16 @@ class ServerConfig:
     enable_runtime_lora: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_dir: str | None = None  # adapters load only from under this folder (when set)
 
+    def __post_init__(self) -> None:
+        for name, value in (("max_body_bytes", self.max_body_bytes),
+                            ("max_waiting_requests", self.max_waiting_requests)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, seconds in (("body_timeout", self.body_timeout),
+                              ("step_timeout", self.step_timeout)):
+            if not seconds > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+
 
 def check_lora_dir(path: str, lora_dir: str | None) -> None:
     """With `lora_dir` set, adapters load only from under it (links resolved first)."""

@@ -9,6 +9,7 @@ first byte of a response, so a refusal is a status code and never a truncated st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -42,6 +43,12 @@ class ServerLimits:
     max_prompts: int = 64  # prompts in one completions request
     max_pooling_inputs: int = 512  # inputs (or documents) in one embeddings / rerank request
     max_cache_salt_length: int = 256
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, least = getattr(self, f.name), 1 if f.name == "max_n" else 0
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{f.name} must be an integer >= {least}, got {value!r}")
 
 
 def sse(payload: dict | str) -> bytes:

@@ -86,3 +86,16 @@ def test_check_rejects_tasks_and_partitions_the_model_cannot_take(args: list[str
                                                                   says: str) -> None:
     result = _serve(*args, "--check")
     assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--quantization", "nope"], "unknown quantization method 'nope'"),
+    (["--attention-backend", "nope"], "unknown attention backend 'nope'; registered: "),
+    (["--max-model-len", "99999999"], "exceeds the model's max_position_embeddings (8192)"),
+    (["--max-body-bytes", "-1"], "max_body_bytes must be a positive integer"),
+    (["--max-n", "0"], "max_n must be an integer >= 1"),
+    (["--step-timeout", "0"], "step_timeout must be a positive number of seconds"),
+])
+def test_check_rejects_what_serving_would(args: list[str], says: str) -> None:
+    result = _serve(*args, "--check")
+    assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output

@@ -492,3 +492,15 @@ def test_bench_offload_runs(pp: int, tiny_llama_dir: Path) -> None:
     assert s["prefill_tokens_disk"] < s["prefill_tokens_none"]
     assert s["num_disk_hit_requests"] > 0
     offload_table(result)  # renders
+
+
+def test_a_tier_that_holds_no_block_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+
+    # 2 layers, K and V, 16 slots, 2 heads of 16 float32 values: 8,192 bytes a block
+    config = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="1MiB", max_model_len=200,
+                          kv_offload_dir=str(tmp_path), kv_offload_size="8000")
+    with pytest.raises(ValueError, match=r"kv_offload_size \(8000 bytes\) holds no KV block "
+                                         r"of this model \(8192 bytes each\)"):
+        LLMEngine(config, show_progress=False)
