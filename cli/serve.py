@@ -187,10 +187,8 @@ def _check(options: dict[str, Any]) -> None:
         raise ValueError(f"log_level must be debug, info, warning or error, got "
                          f"{options['log_level']!r}")
     if config.model is None or Path(config.model).expanduser().exists():
-        from pkv.core.worker.model_setup import check_model
-
         from pkv.core.model_loader.quantization import resolve_weight_loader
-        from pkv.core.worker.model_setup import resolve_max_model_len
+        from pkv.core.worker.model_setup import check_model, resolve_max_model_len
 
         source = open_model(config.model)
         check_model(config, source)

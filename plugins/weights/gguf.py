@@ -12,7 +12,9 @@ model file serves both formats:
 - Gemma's converter stores every `*norm.weight` as 1 + weight: the 1 comes off again;
 - stacked experts `ffn_{gate,up,down}_exps` [E, ...] -> one tensor per expert, as
   checkpoints name them;
-- Phi-3's LongRoPE factors are tensors (`rope_factors_long/short`): they go into the config.
+- Phi-3's LongRoPE factors are tensors (`rope_factors_long/short`): they go into the config;
+- BERT (`bert`) keeps the encoder's own names (`encoder.layer.N.attention.self.query`,
+  `embeddings.*`), and an embedding model's `{arch}.pooling_type` becomes `pooling_mode`.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
     # llama.cpp ends generation on EOS, end-of-turn and end-of-message tokens.
     eos = {field(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")} - {None}
     # llama.cpp adds BOS to a SentencePiece vocabulary, and to a few byte-level ones (Llama 3,
-    # Tekken), that do not say otherwise.
+    # Tekken), that do not say otherwise; WordPiece's [CLS] comes from its post-processor.
     add_bos = kind != "bert" and field("tokenizer.ggml.add_bos_token", kind == "llama"
                                        or field("tokenizer.ggml.pre") in _ADD_BOS)
     return Tokenizer(backend, bos_token_id=field("tokenizer.ggml.bos_token_id"),
