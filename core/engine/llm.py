@@ -111,19 +111,25 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Render conversations through the model's chat template, then generate;
+        """Render conversations through the model's chat template, then generate (vLLM's
+        arguments): `tools` (OpenAI function tools) go to the template as `tools`,
+        `continue_final_message` has the model go on writing the last (assistant) message,
         `chat_template_kwargs` go to the template (e.g. Qwen3's `enable_thinking`)."""
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else list(messages))
         tokenizer = self.llm_engine.tokenizer
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts: list[Prompt] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                 **(chat_template_kwargs or {}))
+                                                 continue_final_message, **kwargs)
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None,

@@ -17,6 +17,10 @@ from tokenizers import Tokenizer as HFTokenizer
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
+# Marks where the final message's text ends in a rendered conversation (transformers' tag).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -69,8 +73,13 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render a conversation to the prompt text the model was trained on."""
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on;
+        `continue_final_message`: end the text inside the last message (no end of turn), for
+        the model to go on writing it, as transformers does."""
+        if continue_final_message:
+            return self._continuing(messages, add_generation_prompt, kwargs)
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a prompt")
         if self._template is None:
@@ -84,6 +93,25 @@ class Tokenizer:
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=bos, eos_token=eos, **kwargs)
+
+    def _continuing(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    kwargs: dict[str, Any]) -> str:
+        """The conversation rendered with a tag after the last message's text, cut there."""
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "set: the model continues the last message, it opens no new one")
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ValueError("continue_final_message needs a final message whose content is "
+                             "text")
+        last = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
+        text = self.apply_chat_template([*messages[:-1], last], False, **kwargs)
+        where = text.rfind(_CONTINUE_TAG.strip())
+        if where < 0:
+            raise ValueError("the chat template drops the final message's text, so it cannot "
+                             "be continued")
+        # A template that trims the message also trimmed the tag's space: trim the text too.
+        tagged = text[where:where + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+        return text[:where] if tagged else text[:where].rstrip()
 
     def save(self, folder: Path) -> None:
         """Write tokenizer.json and tokenizer_config.json so `from_folder` (and transformers)

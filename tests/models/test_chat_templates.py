@@ -201,3 +201,56 @@ def test_template_folder_layouts_are_both_read(gemma_folder: Path, tmp_path: Pat
     (folder / "chat_template.jinja").write_text(config.pop("chat_template"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_folder(folder).chat_template == GEMMA3_TEMPLATE
+
+
+TOOLS_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\nTools:\\n' }}
+    {%- for tool in tools %}
+        {{- tool.function.name + ': ' + tool.function.description + '\\n' }}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content | trim + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+                                            "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("template", [GEMMA3_TEMPLATE, QWEN3_TEMPLATE, TOOLS_TEMPLATE])
+def test_continue_final_message_ends_inside_it_as_transformers(tmp_path: Path,
+                                                               tiny_llama_dir: Path,
+                                                               template: str):
+    import transformers
+
+    folder = _model_folder(tmp_path / "m", tiny_llama_dir, template, in_config=True)
+    ours, theirs = Tokenizer.from_folder(folder), transformers.AutoTokenizer.from_pretrained(
+        folder)
+    started = [*CHAT[:2], {"role": "assistant", "content": "The answer is "}]
+    text = ours.apply_chat_template(started, False, continue_final_message=True)
+    assert text == theirs.apply_chat_template(started, tokenize=False,
+                                              continue_final_message=True)
+    assert text.rstrip().endswith("The answer is")  # no end of turn after it
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(started, continue_final_message=True)
+
+
+def test_llm_chat_takes_tools_and_continues_a_message(tmp_path: Path, tiny_llama_dir: Path):
+    import transformers
+
+    folder = _model_folder(tmp_path / "m", tiny_llama_dir, TOOLS_TEMPLATE, in_config=True)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    llm = LLM(str(folder), kv_cache_memory="16MiB", show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with_tools = llm.chat(CHAT[1:2], params, tools=[WEATHER])[0]
+    assert with_tools.prompt_token_ids == theirs.apply_chat_template(
+        CHAT[1:2], tools=[WEATHER], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+    assert "get_weather: Weather now." in theirs.decode(with_tools.prompt_token_ids)
+    started = [*CHAT[1:2], {"role": "assistant", "content": "Hello, I"}]
+    going_on = llm.chat(started, params, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert theirs.decode(going_on.prompt_token_ids).endswith("Hello, I")
+    llm.shutdown()
