@@ -172,10 +172,13 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
             messages.append(_assistant_message(turn.content, where))
         asked = {call["id"] for call in messages[-1].get("tool_calls") or []} \
             if turn.role == "assistant" else set()
+    # A final assistant turn is a prefill: the answer goes on from its text, as Anthropic's.
+    prefill = body.messages[-1].role == "assistant"
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_tokens": body.max_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-        "stop": body.stop_sequences, "stream": body.stream}
+        "stop": body.stop_sequences, "stream": body.stream,
+        "add_generation_prompt": not prefill, "continue_final_message": prefill}
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema}}

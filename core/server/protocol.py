@@ -228,6 +228,10 @@ class ChatCompletionRequest(_SamplingFields):
     # Named only to be refused: a request-supplied template would run the caller's code.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: render without a new assistant turn, ending inside the last message for the
+    # model to go on writing it (a prefilled answer).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_SamplingFields):

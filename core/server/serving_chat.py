@@ -194,6 +194,10 @@ class OpenAIServingChat(OpenAIServing):
                                   f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
                                   f"scalar values; got {key!r}", "chat_template_kwargs")
         check_messages(body.messages)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message needs add_generation_prompt=false: "
+                              "the model goes on writing the last message, it opens no new "
+                              "one", "continue_final_message")
         tools, template = tools or [], self.tokenizer.chat_template or ""
         messages = template_messages([m.as_template_dict() for m in body.messages], tools,
                                      template)
@@ -201,8 +205,8 @@ class OpenAIServingChat(OpenAIServing):
             kwargs = {**kwargs, "tools": tools}
         try:
             text = await asyncio.wait_for(asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, True, **kwargs),
-                timeout=TEMPLATE_TIMEOUT_S)
+                self.tokenizer.apply_chat_template, messages, body.add_generation_prompt,
+                body.continue_final_message, **kwargs), timeout=TEMPLATE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise OpenAIError(400, f"the chat template took over {TEMPLATE_TIMEOUT_S:.0f} s to "
                               "render these messages", "messages") from None

@@ -50,6 +50,18 @@ def test_plain_and_streamed_agree(claude: anthropic.Anthropic):
     assert final.usage.output_tokens == message.usage.output_tokens
 
 
+def test_a_final_assistant_turn_is_a_prefill(claude: anthropic.Anthropic):
+    whole = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                   messages=ASK).content[0].text
+    start = " ".join(whole.split()[:3])
+    prefilled = [*ASK, {"role": "assistant", "content": start}]
+    rest = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                  messages=prefilled)
+    assert start + rest.content[0].text == whole  # the answer goes on, no new turn
+    counted = claude.messages.count_tokens(model=MODEL, messages=prefilled).input_tokens
+    assert rest.usage.input_tokens == counted
+
+
 def test_stop_sequence_is_reported(claude: anthropic.Anthropic):
     first = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK)
     word = first.content[0].text.split()[1]  # a word the answer reaches

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import re
 
+import openai
+import pytest
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -30,6 +33,21 @@ def test_chat_stream_joins_to_the_non_streamed_text(client):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == choice.finish_reason and set(finishes[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_continue_final_message_goes_on_writing_it(client):
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                           max_tokens=32).choices[0].message.content
+    start = " ".join(whole.split()[:3])  # the answer's own first words, prefilled
+    prefilled = [*MESSAGES, {"role": "assistant", "content": start}]
+    rest = client.chat.completions.create(
+        model=model, messages=prefilled, temperature=0, max_tokens=32,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert start + rest.choices[0].message.content == whole  # no new turn: the same answer
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt=false"):
+        client.chat.completions.create(model=model, messages=prefilled, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
 
 
 def test_completion_stream_joins_to_the_non_streamed_text(client):
