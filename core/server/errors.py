@@ -102,6 +102,18 @@ def _param(loc: list[str | int]) -> str | None:
     return param
 
 
+def _http_message(exc: StarletteHTTPException) -> str:
+    """The HTTP error's message; for a body FastAPI could not parse, why (its own message
+    says only that it could not)."""
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON: it nests too deeply to parse"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid JSON: it is not UTF-8 text ({cause.reason} at " \
+               f"byte {cause.start})"
+    return str(exc.detail)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -123,7 +135,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(OpenAIError(exc.status_code, str(exc.detail)), request)
+        return error_response(OpenAIError(exc.status_code, _http_message(exc)), request)
 
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
         return error_response(engine_error(exc), request)  # type: ignore[arg-type]

@@ -134,6 +134,17 @@ def test_malformed_bodies_are_400s(server: RunningServer, body: bytes, content_t
     assert len(r.content) < 4096 and "Traceback" not in r.text
 
 
+@pytest.mark.parametrize("body, says", [
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests too deeply to parse"),
+    (b'{"prompt": "caf\xe9"}', "not UTF-8 text"),
+])
+def test_unparsable_bodies_say_why(server: RunningServer, body: bytes, says: str,
+                                   canary: None) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", content=body, timeout=10,
+                   headers={**server.headers, "content-type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 def test_oversized_headers_are_refused(server: RunningServer, canary: None) -> None:
     headers = {**server.headers, "X-Big": "a" * (128 * 1024)}
     try:
