@@ -145,13 +145,14 @@ def _engine_config(options: dict[str, Any]) -> Any:
     return EngineConfig.from_dict({k: v for k, v in options.items() if k in engine_keys})
 
 
-def _server_config(options: dict[str, Any], model_name: str) -> Any:
-    """The HTTP side's settings (validated as they are built)."""
+def _server_config(options: dict[str, Any]) -> Any:
+    """The HTTP side's settings, validated as they are built (before any weights load; the
+    served name, when not given, is the model's, set once it has loaded)."""
     from pkv.core.server.api_server import ServerConfig
     from pkv.core.server.serving_engine import ServerLimits
 
     return ServerConfig(
-        served_model_name=options["served_model_name"] or model_name,
+        served_model_name=options["served_model_name"] or "",
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
         max_waiting_requests=options["max_waiting_requests"],
         step_timeout=options["step_timeout"], body_timeout=options["body_timeout"],
@@ -169,7 +170,7 @@ def _check(options: dict[str, Any]) -> None:
 
     config = _engine_config(options)
     _lora_modules(options)
-    _server_config(options, "check")
+    _server_config(options)
     if not 0 <= options["port"] <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {options['port']}")
     from pkv.core.registry import check_attention_backend, discover, select_guided_backend
@@ -237,7 +238,7 @@ def _run(options: dict[str, Any]) -> None:
         torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
         return
     adapters = _lora_modules(options)
-    server_config = _server_config(options, "")  # its errors before any weights load
+    server_config = _server_config(options)
 
     def build() -> LLMEngine:
         engine = LLMEngine(config)

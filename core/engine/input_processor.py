@@ -29,6 +29,17 @@ class ContextLengthError(ValueError):
     """The prompt (plus max_tokens) does not fit in max_model_len."""
 
 
+def check_context_length(prompt_len: int, max_tokens: int | None, limit: int) -> None:
+    """A ContextLengthError unless the prompt leaves room for a token and for max_tokens."""
+    if prompt_len >= limit:
+        raise ContextLengthError(
+            f"prompt has {prompt_len} tokens; max_model_len is {limit}, which must leave room "
+            "for at least one generated token")
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise ContextLengthError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
+                                 f"exceeds max_model_len ({limit})")
+
+
 @dataclass(slots=True)
 class PreparedRequest:
     """A validated, tokenized request, ready to be queued."""
@@ -168,14 +179,7 @@ class InputProcessor:
         return None, ids
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        limit = self.limits.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ContextLengthError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, which must "
-                "leave room for at least one generated token")
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
-            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                                     f"({params.max_tokens}) exceeds max_model_len ({limit})")
+        check_context_length(len(prompt_ids), params.max_tokens, self.limits.max_model_len)
         vocab = self.limits.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")

@@ -36,6 +36,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pkv.core.engine.async_engine import RequestStream
+from pkv.core.engine.input_processor import ContextLengthError, check_context_length
 from pkv.core.engine.outputs import RequestOutput
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
@@ -234,12 +235,17 @@ class OpenAIServingResponses:
         return to_chat_request(body, history, least)
 
     async def _fits(self, chat_body: ChatCompletionRequest) -> bool:
+        """Whether the engine would take this conversation's prompt (its own rule)."""
         try:
             prompt = await self.chat.prompt_ids(chat_body)
         except OpenAIError as exc:
             raise named_as(exc, CHAT_TO_RESPONSES) from None
-        return len(prompt) + max(chat_body.max_tokens or 1, 1) <= \
-            self.chat.llm.engine.max_model_len
+        try:
+            check_context_length(len(prompt), chat_body.max_tokens,
+                                 self.chat.llm.engine.max_model_len)
+        except ContextLengthError:
+            return False
+        return True
 
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()),
