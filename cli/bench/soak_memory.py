@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# A plateau: later samples all within this many MiB of its first one.
+# A plateau: later samples all within this many MiB of its first one (minute-long samples of
+# a small model; seconds-long ones, or a large model's arenas, need a wider band).
 PLATEAU_BAND_MIB = 24.0
 # The slope a healthy server may show after its plateau begins (allocator noise).
 MAX_SLOPE_MIB_PER_MIN = 1.0
@@ -37,14 +38,15 @@ class MemoryCurve:
     interval_min: float
     samples_mib: list[float] = field(default_factory=list)
     before_mib: float | None = None  # idle, before any load
+    band_mib: float = PLATEAU_BAND_MIB
 
-    def plateau_start(self, band: float = PLATEAU_BAND_MIB) -> int | None:
-        """Index of the first sample no later sample rises more than `band` above, with at
-        least MIN_PLATEAU_SAMPLES samples in the plateau; None if there is none. A fall is
+    def plateau_start(self) -> int | None:
+        """Index of the first sample no later sample rises more than `band_mib` above, with
+        at least MIN_PLATEAU_SAMPLES samples in the plateau; None if there is none. A fall is
         no leak (the heap handing pages back at idle lowers the curve)."""
         s = self.samples_mib
         for i in range(len(s) - MIN_PLATEAU_SAMPLES + 1):
-            if max(s[i:]) - s[i] <= band:
+            if max(s[i:]) - s[i] <= self.band_mib:
                 return i
         return None
 

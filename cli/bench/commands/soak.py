@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console
-from pkv.cli.bench.soak_memory import MAX_WARMUP_MIB
+from pkv.cli.bench.soak_memory import MAX_WARMUP_MIB, PLATEAU_BAND_MIB
 from pkv.cli.errors import user_errors
 
 
@@ -26,6 +26,7 @@ def soak(
     max_slope: Annotated[float, typer.Option(help="MiB per minute memory outside the KV pool may climb after its plateau.")] = 1.0,
     max_peak_mib: Annotated[Optional[float], typer.Option(help="Most MiB memory outside the KV pool may reach (default: no bound).")] = None,
     max_warmup_mib: Annotated[float, typer.Option(help="Most MiB memory outside the KV pool may rise above the idle server's before any load.")] = MAX_WARMUP_MIB,
+    plateau_band_mib: Annotated[float, typer.Option(help="The plateau: no later sample more than this many MiB above its first.")] = PLATEAU_BAND_MIB,
     max_ttft_growth: Annotated[float, typer.Option(help="Most the last sample's p99 TTFT may be, as a multiple of the first's.")] = 2.0,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     trace: Annotated[bool, typer.Option(help="Trace the server's Python heap (tracemalloc; slower) and list where it grew.")] = False,
@@ -46,16 +47,19 @@ def soak(
     from pkv.core.server.memory_report import TRACE_ENV
 
     with user_errors(console):
-        if duration <= 0 or interval <= 0 or warmup < 0 or max_num_seqs < 1 or (
-                concurrency is not None and concurrency < 1) or max_ttft_growth <= 0:
-            raise ValueError("--duration, --interval, --max-num-seqs, --concurrency and "
-                             "--max-ttft-growth must be > 0, --warmup >= 0")
+        positive = (duration, interval, max_num_seqs, 1 if concurrency is None else concurrency,
+                    max_ttft_growth, plateau_band_mib)
+        if min(positive) <= 0 or warmup < 0:
+            raise ValueError("--duration, --interval, --max-num-seqs, --concurrency, "
+                             "--max-ttft-growth and --plateau-band-mib must be > 0, "
+                             "--warmup >= 0")
         key = secrets.token_hex(16)
         headers = {"Authorization": f"Bearer {key}"}
         args = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                 "--kv-cache-memory", "256MiB", *([model] if model else [])]
         clients = concurrency or 2 * max_num_seqs
-        curve, totals, minutes, reports = MemoryCurve(interval / 60), [], [], []
+        curve = MemoryCurve(interval / 60, band_mib=plateau_band_mib)
+        totals, minutes, reports = [], [], []
         env = {TRACE_ENV: "1"} if trace else None
         with start_pkv_serve(args, key, env=env) as (base, pid):
             curve.before_mib = wait_idle(base, headers, pid).rss_without_kv / 2**20
