@@ -163,7 +163,8 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     return y;
   }
   if (M > kGemvPassRows) {
-    gemm(rest, x, has_bias ? bias : std::nullopt, y);
+    const bool fresh = !out.has_value() && rest.size() == ps.size();  // (no part tiled)
+    gemm(rest, x, has_bias ? bias : std::nullopt, y, fresh);
     return y;
   }
 #if defined(__AVX2__)
