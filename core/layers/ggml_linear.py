@@ -227,3 +227,15 @@ def ggml_storage(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for tensor in getattr(module, "expert_blocks", {}).values():
             found.append((tensor.format.name, tensor.data))
     return found
+
+
+def sixteen_bit_blocks(tensor: Any) -> Any:
+    """A float16 / bfloat16 table (embedding, LM head) as ggml blocks, so that it stays at its
+    own size beside the linears that do; other tensors as they are."""
+    if isinstance(tensor, GGMLTensor):
+        return tensor
+    tensor = as_tensor(tensor)
+    is_16_bit = tensor.dtype in (torch.float16, torch.bfloat16)
+    if is_16_bit and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+        return GGMLTensor.from_float(tensor)
+    return tensor

@@ -24,7 +24,7 @@ from pkv.core.distributed.parallel import ShardPlan, single_rank_plan
 from pkv.core.layers.attention import tp_split
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pkv.core.layers.embedding import VocabEmbedding
-from pkv.core.layers.ggml_linear import GGMLLinearMethod, use_ggml
+from pkv.core.layers.ggml_linear import GGMLLinearMethod, sixteen_bit_blocks, use_ggml
 from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod, as_tensor,
                                     check_shape, take)
@@ -302,18 +302,6 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weights_after_loading(module)
-
-
-def sixteen_bit_blocks(tensor: Any) -> Any:
-    """A float16 / bfloat16 table (embedding, LM head) as ggml blocks, so that it stays at its
-    own size beside linears that do (core/layers/ggml_linear.py); other tensors as they are."""
-    if isinstance(tensor, GGMLTensor):
-        return tensor
-    tensor = as_tensor(tensor)
-    is_16_bit = tensor.dtype in (torch.float16, torch.bfloat16)
-    if is_16_bit and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
-        return GGMLTensor.from_float(tensor)
-    return tensor
 
 
 def add_norm(norm: RMSNorm, h: torch.Tensor,

@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.distributed.parallel import ShardPlan, single_rank_plan
 from pkv.core.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pkv.core.layers.embedding import VocabEmbedding
+from pkv.core.layers.ggml_linear import GGMLLinearMethod, sixteen_bit_blocks
 from pkv.core.layers.ggml_tensor import GGMLTensor
-from pkv.core.layers.linear import LinearMethod, as_tensor, check_shape
+from pkv.core.layers.linear import Linear, LinearMethod, as_tensor, check_shape
 from pkv.core.models.config import ModelConfig
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -42,6 +44,15 @@ class Dense(nn.Linear):
         return self.kernel.f32_linear(x, self.weight, self.bias, None)
 
 
+def dense(d_in: int, d_out: int, method: LinearMethod | None) -> nn.Module:
+    """One of the encoder's linears: float32 (`Dense`), or a `Linear` whose weights stay in
+    ggml blocks (a GGUF's, or a 16-bit checkpoint's) at their own size, where the runner
+    chose that method; float32 activations either way."""
+    if isinstance(method, GGMLLinearMethod):
+        return Linear(d_in, [d_out], True, method)
+    return Dense(d_in, d_out)
+
+
 @dataclass(frozen=True, slots=True)
 class Prompts:
     """Where a step's prompts lie in its rows: prompt i is rows [starts[i], starts[i + 1])."""
@@ -56,9 +67,12 @@ class Prompts:
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, cfg: ModelConfig, eps: float) -> None:
+    def __init__(self, cfg: ModelConfig, eps: float, keeps_blocks: bool) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The word table stays in blocks where the linears do: it is about half of a small
+        # encoder's weights (all-MiniLM-L6: 11.7M of 22.7M).
+        self.word_embeddings = (VocabEmbedding(cfg.hidden_size, single_rank_plan(cfg))
+                                if keeps_blocks else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(cfg.hf.get("type_vocab_size", 2),
                                                   cfg.hidden_size)
@@ -74,12 +88,12 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     kernel: Any = None  # the CPU kernels, for their bidirectional attention (`use_kernels`)
 
-    def __init__(self, hidden: int, heads: int) -> None:
+    def __init__(self, hidden: int, heads: int, method: LinearMethod | None) -> None:
         super().__init__()
         self.heads = heads
-        self.query = Dense(hidden, hidden)
-        self.key = Dense(hidden, hidden)
-        self.value = Dense(hidden, hidden)
+        self.query = dense(hidden, hidden, method)
+        self.key = dense(hidden, hidden, method)
+        self.value = dense(hidden, hidden, method)
 
     def forward(self, x: torch.Tensor, prompts: Prompts) -> torch.Tensor:
         shape = (x.shape[0], self.heads, -1)
@@ -95,9 +109,9 @@ class BertSelfAttention(nn.Module):
 class BertOutput(nn.Module):
     """LayerNorm(residual + dense(x)): both sub-layers end so (post-norm)."""
 
-    def __init__(self, d_in: int, hidden: int, eps: float) -> None:
+    def __init__(self, d_in: int, hidden: int, eps: float, method: LinearMethod | None) -> None:
         super().__init__()
-        self.dense = Dense(d_in, hidden)
+        self.dense = dense(d_in, hidden, method)
         self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -105,19 +119,20 @@ class BertOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, eps: float) -> None:
+    def __init__(self, hidden: int, heads: int, eps: float, method: LinearMethod | None) -> None:
         super().__init__()
-        self.self = BertSelfAttention(hidden, heads)
-        self.output = BertOutput(hidden, hidden, eps)
+        self.self = BertSelfAttention(hidden, heads, method)
+        self.output = BertOutput(hidden, hidden, eps, method)
 
     def forward(self, x: torch.Tensor, prompts: Prompts) -> torch.Tensor:
         return self.output(self.self(x, prompts), x)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str,
+                 method: LinearMethod | None) -> None:
         super().__init__()
-        self.dense = Dense(hidden, intermediate)
+        self.dense = dense(hidden, intermediate, method)
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,12 +140,12 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, eps: float) -> None:
+    def __init__(self, cfg: ModelConfig, eps: float, method: LinearMethod | None) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.attention = BertAttention(h, cfg.num_attention_heads, eps)
-        self.intermediate = BertIntermediate(h, cfg.intermediate_size, cfg.hidden_act)
-        self.output = BertOutput(cfg.intermediate_size, h, eps)
+        self.attention = BertAttention(h, cfg.num_attention_heads, eps, method)
+        self.intermediate = BertIntermediate(h, cfg.intermediate_size, cfg.hidden_act, method)
+        self.output = BertOutput(cfg.intermediate_size, h, eps, method)
 
     def forward(self, x: torch.Tensor, prompts: Prompts) -> torch.Tensor:
         x = self.attention(x, prompts)
@@ -138,9 +153,10 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, eps: float) -> None:
+    def __init__(self, cfg: ModelConfig, eps: float, method: LinearMethod | None) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(cfg, eps) for _ in range(cfg.num_hidden_layers))
+        self.layer = nn.ModuleList(BertLayer(cfg, eps, method)
+                                   for _ in range(cfg.num_hidden_layers))
 
 
 class BertPooler(nn.Module):
@@ -190,8 +206,8 @@ class BertEmbeddingModel(nn.Module):
         super().__init__()
         self.config = cfg
         eps = float(cfg.hf.get("layer_norm_eps", 1e-12))
-        self.embeddings = BertEmbeddings(cfg, eps)
-        self.encoder = BertEncoder(cfg, eps)
+        self.embeddings = BertEmbeddings(cfg, eps, isinstance(method, GGMLLinearMethod))
+        self.encoder = BertEncoder(cfg, eps, method)
 
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
@@ -242,21 +258,32 @@ class BertEmbeddingModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Copy checkpoint tensors into place by name; every parameter must be set once."""
+        """Copy checkpoint tensors into place by name; every parameter must be set once. A
+        `Linear`'s weights go to its method (kept in blocks); the rest is float32."""
         params = dict(self.named_parameters())
-        missing = set(params)
+        linears = {path: m for path, m in self.named_modules() if isinstance(m, Linear)}
+        missing = set(params) | {f"{path}.weight" for path in linears}
         for name, tensor in self._renamed(weights):
-            param = params.get(name)
-            if param is None:
+            path, _, leaf = name.rpartition(".")
+            if path in linears and name in missing:
+                linears[path].load(leaf, tensor, None, name)
+            elif name == "embeddings.word_embeddings.weight" and isinstance(
+                    self.embeddings.word_embeddings, VocabEmbedding):
+                self.embeddings.word_embeddings.load(sixteen_bit_blocks(tensor), name)
+            elif name in params:
+                param = params[name]
+                tensor = (tensor.dequantize() if isinstance(tensor, GGMLTensor)
+                          else as_tensor(tensor))
+                check_shape(param, tensor, name)
+                param.copy_(tensor)
+            else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            # A GGUF's blocks (quantized or 16-bit) as float: encoders compute in float32.
-            tensor = tensor.dequantize() if isinstance(tensor, GGMLTensor) else as_tensor(tensor)
-            check_shape(param, tensor, name)
-            param.copy_(tensor)
             missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
                              f"{sorted(missing)[:3]}")
+        for layer in linears.values():
+            layer.method.process_weights_after_loading(layer)
 
 
 class BertForSequenceClassification(BertEmbeddingModel):

@@ -48,6 +48,9 @@ def test_gguf_bert_embeds_as_transformers(tmp_path: Path, mode: str, quant: str)
     path = write_gguf(folder, tmp_path / f"bert-{quant}.gguf", quant)
     llm = LLM(str(path), show_progress=False)  # task auto: the file names a pooling type
     outs = llm.embed(TEXTS)
+    runner = llm.llm_engine.runner  # the linears and the word table in the file's blocks
+    assert quant in runner.weight_bytes_by_type
+    assert runner.weight_bytes <= 1.15 * path.stat().st_size
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     assert [o.prompt_token_ids for o in outs] == [tok(t)["input_ids"] for t in TEXTS]
     reference = folder if quant == "F32" else quantized_copy(folder, tmp_path / "ref", quant)

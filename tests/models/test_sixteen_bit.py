@@ -57,3 +57,29 @@ def test_sixteen_bit_weights_stay_sixteen_bit(tmp_path: Path, smol_hf_dir: Path,
         assert widened.llm_engine.runner.weight_bytes >= 1.9 * sum(by_type.values())
     finally:
         widened.llm_engine.shutdown()
+
+
+def test_a_sixteen_bit_encoder_stays_sixteen_bit(tmp_path: Path):
+    """A bfloat16 BERT: its linears and word table in BF16 blocks, embeddings as transformers'
+    in float32 on the same weights."""
+    import torch.nn.functional as F
+    import transformers
+
+    from pkv.cli.bench.embed import write_random_bert
+
+    shape = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 intermediate_size=128, vocab_size=1000, max_position_embeddings=128)
+    folder = _sixteen_bit_copy(write_random_bert(tmp_path / "bert", shape, seed=3),
+                               torch.bfloat16)
+    texts = ["hello world", "w1 w2 w3, w4!", "the quick brown fox w17 w18 jumps"]
+    llm = LLM(str(folder), show_progress=False)
+    by_type = llm.llm_engine.runner.weight_bytes_by_type
+    outs = llm.embed(texts)
+    assert by_type["BF16"] > 5 * by_type["float32"]  # left in float32: positions, norms, biases
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.BertModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for out, text in zip(outs, texts):
+            hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+            want = F.normalize(hidden.mean(0), dim=0)
+            assert float(F.cosine_similarity(out.outputs.data, want, dim=0)) >= 0.9999
