@@ -38,7 +38,10 @@ def compare(
         batches = int_list(batch, "--batch")
         if rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {rounds}")
-        options = dict(kv_cache_memory=kv_cache_memory, max_num_seqs=max(batches))
+        # Sequences no longer than the workload's: a long-context model's max_model_len
+        # (128k) would ask a pool of --kv-cache-memory for one whole sequence.
+        options = dict(kv_cache_memory=kv_cache_memory, max_num_seqs=max(batches),
+                       max_model_len=input_len + output_len)
         candidate_config = EngineConfig(model=candidate, awq_activations=awq_activations,
                                         **options)  # errors before loading anything
         engines = [LLMEngine(EngineConfig(model=baseline_model, **options)),
