@@ -131,3 +131,15 @@ def test_a_decoder_gguf_that_names_a_pooling_type_embeds(tmp_path: Path, smol_hf
     plain = write_gguf(folder, tmp_path / "plain.gguf", "F32", smol_gguf)
     assert LLM(str(plain), kv_cache_memory="64MiB", show_progress=False).llm_engine.task == \
         "generate"
+
+
+def test_gguf_bert_takes_int8_activations(tmp_path: Path):
+    """`awq_activations="int8"` runs the encoder's blocks with x in int8 per 32 inputs (the
+    tiles' kernel): embeddings within rounding of float32 activations', not equal to them."""
+    folder = write_random_bert(tmp_path / "hf", SHAPE, "mean", seed=4)
+    path = write_gguf(folder, tmp_path / "bert-Q8_0.gguf", "Q8_0")
+    floats = LLM(str(path), show_progress=False).embed(TEXTS)
+    int8 = LLM(str(path), awq_activations="int8", show_progress=False).embed(TEXTS)
+    assert any(not torch.equal(a.outputs.data, b.outputs.data) for a, b in zip(floats, int8))
+    for a, b in zip(floats, int8):
+        assert float(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0)) >= 0.999
