@@ -117,7 +117,8 @@ def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):
     # Seconds, not minutes: the server is still warming up (~30 MiB/min in its first minute
     # here), so the bound is one a per-request leak would break, not the hour-long 1 MiB/min.
     # Its 3-second samples still climb by tens of MiB while new batch shapes meet oneDNN
-    # (34 MiB over four samples on one Xeon), hence a plateau band as loose as the slope.
+    # (34 MiB over four samples on an Ice Lake Xeon): the plateau's band, like the slope
+    # bound, is one a per-request leak would break.
     # A 3-second sample's p99 TTFT is its slowest few requests, which a shared 2-core machine
     # moves 2-7x between samples: the drift bound is for minutes of traffic, not this.
     result = _bench("soak", str(tiny_llama_dir), "--duration", "12", "--interval", "3",
