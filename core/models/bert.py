@@ -44,6 +44,14 @@ class Dense(nn.Linear):
         return self.kernel.f32_linear(x, self.weight, self.bias, None)
 
 
+def keeps_blocks(cfg: ModelConfig, method: LinearMethod | None) -> bool:
+    """Whether the encoder's weights stay in ggml blocks: where the runner chose that method
+    and every linear's inputs are whole 32-value blocks, the kernels' unit (a TinyBERT's
+    312-wide layers are widened to float32 at load instead)."""
+    widths = (cfg.hidden_size, cfg.intermediate_size)
+    return isinstance(method, GGMLLinearMethod) and all(w % 32 == 0 for w in widths)
+
+
 def dense(d_in: int, d_out: int, method: LinearMethod | None) -> nn.Module:
     """One of the encoder's linears: float32 (`Dense`), or a `Linear` whose weights stay in
     ggml blocks (a GGUF's, or a 16-bit checkpoint's) at their own size, where the runner
@@ -206,7 +214,9 @@ class BertEmbeddingModel(nn.Module):
         super().__init__()
         self.config = cfg
         eps = float(cfg.hf.get("layer_norm_eps", 1e-12))
-        self.embeddings = BertEmbeddings(cfg, eps, isinstance(method, GGMLLinearMethod))
+        if not keeps_blocks(cfg, method):
+            method = None
+        self.embeddings = BertEmbeddings(cfg, eps, method is not None)
         self.encoder = BertEncoder(cfg, eps, method)
 
     @classmethod

@@ -242,11 +242,13 @@ class GGUFFile:
     def read(self, gguf_name: str) -> Weight:
         """A tensor in PyTorch's shape, as stored (no unpermuting): a 2-D one in ggml blocks
         (quantized or 16-bit: a GGMLTensor mapped from the file; stacked experts [E, rows,
-        bytes]), or float32 (F32, and every 1-D tensor)."""
+        bytes]), or float32 (F32, every 1-D tensor, and a 16-bit one whose rows are not whole
+        32-value blocks, as a 312-wide TinyBERT's)."""
         t = self.names[gguf_name]
         shape = self.hf_shape(gguf_name)
         data = torch.from_numpy(self.header.tensor_bytes(t.start, _tensor_bytes(t)))
-        if t.type_id == 0 or len(shape) == 1:  # F32, norms and biases: float32 values
+        odd_16_bit = FORMATS[t.type_id].name in _FLOAT_DTYPES and shape[-1] % 32 != 0
+        if t.type_id == 0 or len(shape) == 1 or odd_16_bit:  # float32 values
             return _float(data, t.type_id, shape)
         return _blocks(data, t.type_id, shape)
 

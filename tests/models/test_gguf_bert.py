@@ -60,6 +60,20 @@ def test_gguf_bert_embeds_as_transformers(tmp_path: Path, mode: str, quant: str)
     assert llm.llm_engine.get_stats().num_blocks_used == 0
 
 
+@pytest.mark.parametrize("quant", ["F32", "F16"])
+def test_gguf_bert_of_odd_width_embeds_in_float32(tmp_path: Path, quant: str):
+    """Layers whose inputs are not whole 32-value blocks (a 312-wide TinyBERT's) load as
+    float32, 16-bit tables included, and embed as transformers does."""
+    shape = {**SHAPE, "hidden_size": 40, "intermediate_size": 72}
+    folder = write_random_bert(tmp_path / "hf", shape, "mean", seed=5)
+    path = write_gguf(folder, tmp_path / f"odd-{quant}.gguf", quant)
+    llm = LLM(str(path), show_progress=False)
+    assert set(llm.llm_engine.runner.weight_bytes_by_type) == {"float32"}
+    reference = folder if quant == "F32" else quantized_copy(folder, tmp_path / "ref", quant)
+    for got, want in zip(llm.embed(TEXTS), _reference(reference, TEXTS, "mean")):
+        assert float(F.cosine_similarity(got.outputs.data, want, dim=0)) >= 0.9999
+
+
 def _rich_vocab(cased: bool) -> list[str]:
     """1,000 WordPiece entries: BERT's specials, single characters (ASCII, accented, CJK,
     Cyrillic) and their continuations, some whole words and pieces, and filler."""
