@@ -55,10 +55,8 @@ def keeps_blocks(cfg: ModelConfig, method: LinearMethod | None) -> bool:
 def dense(d_in: int, d_out: int, method: LinearMethod | None) -> nn.Module:
     """One of the encoder's linears: float32 (`Dense`), or a `Linear` whose weights stay in
     ggml blocks (a GGUF's, or a 16-bit checkpoint's) at their own size, where the runner
-    chose that method; float32 activations either way."""
-    if isinstance(method, GGMLLinearMethod):
-        return Linear(d_in, [d_out], True, method)
-    return Dense(d_in, d_out)
+    chose that method (`keeps_blocks`); float32 activations either way."""
+    return Dense(d_in, d_out) if method is None else Linear(d_in, [d_out], True, method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +73,12 @@ class Prompts:
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, cfg: ModelConfig, eps: float, keeps_blocks: bool) -> None:
+    def __init__(self, cfg: ModelConfig, eps: float, in_blocks: bool) -> None:
         super().__init__()
         # The word table stays in blocks where the linears do: it is about half of a small
         # encoder's weights (all-MiniLM-L6: 11.7M of 22.7M).
         self.word_embeddings = (VocabEmbedding(cfg.hidden_size, single_rank_plan(cfg))
-                                if keeps_blocks else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+                                if in_blocks else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(cfg.hf.get("type_vocab_size", 2),
                                                   cfg.hidden_size)
