@@ -127,9 +127,7 @@ template <bool kFifth>
 struct K4Int {
   static constexpr int64_t kBytes = kFifth ? 176 : 144;
   static IntScales scales(const uint8_t* b) {
-    uint32_t u[4];  // 8 scales, then 8 mins
-    unpack_k4_scales(b + 4, u);
-    const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m128i both = (__m128i)unpack_k4_scales(b + 4);  // 8 scales, then 8 mins
     const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     return {_mm_shuffle_epi8(both, twice),
             _mm_shuffle_epi8(both, _mm_add_epi8(twice, _mm_set1_epi8(8))), half(b), -half(b + 2)};

@@ -188,6 +188,25 @@ inline vu16 widen_u8(const uint8_t* p) {
   return v;
 }
 
+// The same from a vector of 16 bytes in a register.
+typedef uint8_t vb16 __attribute__((vector_size(16)));
+template <typename V>
+  requires(sizeof(V) == 16)
+inline vu16 widen_u8(V bytes) {
+  vu16 v;
+#if defined(__AVX512F__)
+  v.p[0] = (vun)_mm512_cvtepu8_epi32((__m128i)bytes);
+#elif defined(__AVX2__)
+  v.p[0] = (vun)_mm256_cvtepu8_epi32((__m128i)bytes);
+  v.p[1] = (vun)_mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)bytes, 8));
+#else
+  const vb16 b = (vb16)bytes;
+  for (int i = 0; i < kParts; ++i)
+    for (int j = 0; j < kLanes; ++j) v.p[i][j] = b[i * kLanes + j];
+#endif
+  return v;
+}
+
 inline vf16 to_floats(vu16 a) {
   vf16 f;
   for (int i = 0; i < kParts; ++i) f.p[i] = __builtin_convertvector((vin)a.p[i], vfn);
