@@ -337,6 +337,15 @@ inline void kquant_dot(const uint8_t* b, int64_t blocks, const float* x, int64_t
   sums.store(acc);
 }
 
+// A signed run's 16 codes (Q6_K's) times x, its parts summed into one vector before the
+// run's scale: one multiply a run where scaling each part took one a part.
+inline vfn signed_run_dot(const KQuantBuffers& k, int j, const vf16& xv) {
+  const vf16 c = widen_i8(reinterpret_cast<const int8_t*>(k.q + 16 * j));
+  vfn t = c.p[0] * xv.p[0];
+  for (int i = 1; i < kParts; ++i) t += c.p[i] * xv.p[i];
+  return t;
+}
+
 // W weight rows from row n of p through one row of x (a decode step): each vector of x is
 // loaded once for the W rows, and the W accumulators are independent chains. One weight row
 // at a time read x again per row, from L2 where it outgrows L1 (the 8B down projection's
@@ -352,7 +361,12 @@ inline void kquant_rows_dot(const Part& p, int64_t n, int64_t blocks, const floa
     reload_buffers();
     for (int j = 0; j < 16; ++j) {
       const vf16 xv = load16(x + 256 * i + 16 * j);
-      for (int w = 0; w < W; ++w) acc[w] += run_weights<Codes>(k[w], j) * xv;
+      for (int w = 0; w < W; ++w) {
+        if constexpr (!Codes::kOffset && kParts > 1)
+          acc[w].p[0] += signed_run_dot(k[w], j, xv) * k[w].s[j];
+        else
+          acc[w] += run_weights<Codes>(k[w], j) * xv;
+      }
     }
   }
 }
