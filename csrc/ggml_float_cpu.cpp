@@ -290,7 +290,7 @@ inline void k4_scales(const uint8_t* packed, float d, float dmin, float* s, floa
   static constexpr float kHalves[2][16] = {{1, 1, 1, 1, 1, 1, 1, 1},
                                            {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}};
   const vf16 factor = load16(kHalves[0]) * d - load16(kHalves[1]) * dmin;
-  store_halves(s, o, to_floats(widen_u8(unpack_k4_scales(packed))) * factor);
+  store_halves(s, o, to_floats(widen_u8((vb16)unpack_k4_scales(packed))) * factor);
 }
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 values under 6-bit scales and mins; per 64 values the

@@ -188,11 +188,9 @@ inline vu16 widen_u8(const uint8_t* p) {
   return v;
 }
 
-// The same from a vector of 16 bytes in a register.
+// The same from 16 bytes in a register.
 typedef uint8_t vb16 __attribute__((vector_size(16)));
-template <typename V>
-  requires(sizeof(V) == 16)
-inline vu16 widen_u8(V bytes) {
+inline vu16 widen_u8(vb16 bytes) {
   vu16 v;
 #if defined(__AVX512F__)
   v.p[0] = (vun)_mm512_cvtepu8_epi32((__m128i)bytes);
@@ -200,9 +198,8 @@ inline vu16 widen_u8(V bytes) {
   v.p[0] = (vun)_mm256_cvtepu8_epi32((__m128i)bytes);
   v.p[1] = (vun)_mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)bytes, 8));
 #else
-  const vb16 b = (vb16)bytes;
   for (int i = 0; i < kParts; ++i)
-    for (int j = 0; j < kLanes; ++j) v.p[i][j] = b[i * kLanes + j];
+    for (int j = 0; j < kLanes; ++j) v.p[i][j] = bytes[i * kLanes + j];
 #endif
   return v;
 }
