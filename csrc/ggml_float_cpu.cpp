@@ -362,8 +362,8 @@ inline void kquant_rows_dot(const Part& p, int64_t n, int64_t blocks, const floa
     for (int j = 0; j < 16; ++j) {
       const vf16 xv = load16(x + 256 * i + 16 * j);
       for (int w = 0; w < W; ++w) {
-        if constexpr (!Codes::kOffset && kParts > 1)
-          acc[w].p[0] += signed_run_dot(k[w], j, xv) * k[w].s[j];
+        if constexpr (!Codes::kOffset && kParts > 1)  // into one part: the row's sum is
+          acc[w].p[0] += signed_run_dot(k[w], j, xv) * k[w].s[j];  // every lane's
         else
           acc[w] += run_weights<Codes>(k[w], j) * xv;
       }
