@@ -671,7 +671,7 @@ constexpr bool takes_sums32() {
   return false;
 }
 
-// x's sums over its runs of 32 values, then 16 zeros (read past the last by add_offsets).
+// x's sums over its runs of 32 values, then 16 zeros (read past the last by offset_runs_dot).
 inline std::vector<float> sums32(const float* x, int64_t K) {
   std::vector<float> sums(K / 32 + 16, 0.0f);
   for (int64_t i = 0; i < K / 32; ++i) sums[i] = hsum(load16(x + 32 * i) + load16(x + 32 * i + 16));
