@@ -214,6 +214,19 @@ inline vb32 shl16(vb32 v) {
   return reinterpret_cast<vb32>(reinterpret_cast<vh16>(v) << N);
 }
 
+// Bit N of each byte at bit 4, its other bits zero: one 16-bit shift and a mask (the bits
+// that cross into the neighbouring byte land outside bit 4), where a byte shift, a mask and a
+// shift back took three.
+template <int N>
+inline vb32 bit_at_4(vb32 v) {
+  typedef uint16_t vh16 __attribute__((vector_size(32)));
+  const vh16 h = reinterpret_cast<vh16>(v);
+  if constexpr (N <= 4)
+    return reinterpret_cast<vb32>(h << (4 - N)) & 0x10;
+  else
+    return reinterpret_cast<vb32>(h >> (N - 4)) & 0x10;
+}
+
 // The K-quants without a float buffer. A block's codes are put together 32 bytes at a time
 // (a few byte operations per 32 values, where 32-bit lanes took as many per 16) into a
 // 256-byte buffer in L1 and its scales widened in one vector (one by one in scalar registers
@@ -352,15 +365,19 @@ struct K4Codes {
     }
 #else
     const vb32 qh = load32b(b + 16);
-    for (int j = 0; j < 4; ++j) {
-      vb32 low = load32b(qs + 32 * j) & 0xF, high = load32b(qs + 32 * j) >> 4;
+    const auto pair = [&]<int J>() {
+      vb32 low = load32b(qs + 32 * J) & 0xF, high = load32b(qs + 32 * J) >> 4;
       if constexpr (kFifth) {
-        low |= shl16<4>((qh >> (2 * j)) & 1);
-        high |= shl16<4>((qh >> (2 * j + 1)) & 1);
+        low |= bit_at_4<2 * J>(qh);
+        high |= bit_at_4<2 * J + 1>(qh);
       }
-      store32b(k.q + 64 * j, low);
-      store32b(k.q + 64 * j + 32, high);
-    }
+      store32b(k.q + 64 * J, low);
+      store32b(k.q + 64 * J + 32, high);
+    };
+    pair.template operator()<0>();
+    pair.template operator()<1>();
+    pair.template operator()<2>();
+    pair.template operator()<3>();
 #endif
     k4_scales(b + 4, half(b), half(b + 2), k.s, k.o);
   }
