@@ -205,13 +205,15 @@ inline vb32 load32b(const uint8_t* p) {
 
 inline void store32b(uint8_t* p, vb32 v) { std::memcpy(p, &v, 32); }
 
-// Bytes shifted left by N within 16-bit lanes (one instruction; the caller masks the bits
-// that crossed into the next byte). GCC shifts byte vectors left by adding them to themselves
-// N times.
+// The same 32 bytes as 16-bit lanes, for shifts of one instruction (GCC shifts byte vectors
+// left by adding them to themselves N times, right by a 16-bit shift and a mask).
+typedef uint16_t vh32 __attribute__((vector_size(32)));
+
+// Bytes shifted left by N within 16-bit lanes (the caller masks the bits that crossed into
+// the next byte).
 template <int N>
 inline vb32 shl16(vb32 v) {
-  typedef uint16_t vh16 __attribute__((vector_size(32)));
-  return reinterpret_cast<vb32>(reinterpret_cast<vh16>(v) << N);
+  return reinterpret_cast<vb32>(reinterpret_cast<vh32>(v) << N);
 }
 
 // Bit N of each byte at bit 4, its other bits zero: one 16-bit shift and a mask (the bits
@@ -219,12 +221,8 @@ inline vb32 shl16(vb32 v) {
 // shift back took three.
 template <int N>
 inline vb32 bit_at_4(vb32 v) {
-  typedef uint16_t vh16 __attribute__((vector_size(32)));
-  const vh16 h = reinterpret_cast<vh16>(v);
-  if constexpr (N <= 4)
-    return reinterpret_cast<vb32>(h << (4 - N)) & 0x10;
-  else
-    return reinterpret_cast<vb32>(h >> (N - 4)) & 0x10;
+  if constexpr (N <= 4) return shl16<4 - N>(v) & 0x10;
+  return reinterpret_cast<vb32>(reinterpret_cast<vh32>(v) >> (N - 4)) & 0x10;
 }
 
 // The K-quants without a float buffer. A block's codes are put together 32 bytes at a time
