@@ -221,8 +221,10 @@ inline vb32 shl16(vb32 v) {
 // shift back took three.
 template <int N>
 inline vb32 bit_at_4(vb32 v) {
-  if constexpr (N <= 4) return shl16<4 - N>(v) & 0x10;
-  return reinterpret_cast<vb32>(reinterpret_cast<vh32>(v) >> (N - 4)) & 0x10;
+  if constexpr (N <= 4)
+    return shl16<4 - N>(v) & 0x10;
+  else
+    return reinterpret_cast<vb32>(reinterpret_cast<vh32>(v) >> (N - 4)) & 0x10;
 }
 
 // The K-quants without a float buffer. A block's codes are put together 32 bytes at a time

@@ -225,7 +225,8 @@ void tile_q6k(const uint8_t* row, int64_t v0, int64_t count, uint8_t* codes, flo
 
 // A tile type: its reader, how its offset enters (and for TileOffset::kZero the code of value
 // 0), the values per scale, and without VNNI the groups of four inputs whose vpmaddubsw pairs
-// sum in int16 (G x 2 x largest code x 127 below 2^15: 4-bit codes 8, 5-bit 4, Q6_K's 2).
+// sum in int16 (G x 2 x largest code x 127 below 2^15: 4-bit codes 8, 5-bit 4; Q6_K's 6-bit
+// codes, the one 16-value type, two: tile_part gives them by their values).
 struct TileType {
   TileDecoder decode = nullptr;  // nullptr: a type this kernel does not take
   TileOffset offset = TileOffset::kMin;
@@ -245,7 +246,7 @@ TileType tile_type(int64_t type) {
                                 : TileType{tile_q8_signed, TileOffset::kSigned};
     case Q4_K: return {tile_k4<false>, kMin, 0.f, 32, 8};
     case Q5_K: return {tile_k4<true>, kMin};
-    case Q6_K: return {tile_q6k, kZero, Q6KInt::kZero, 16, 2};
+    case Q6_K: return {tile_q6k, kZero, Q6KInt::kZero, 16};
     default: return {};
   }
 }
