@@ -14,7 +14,8 @@ from pkv.cli.errors import user_errors
 
 def random_gguf(
     out: Annotated[Path, typer.Argument(help="The .gguf file to write.")],
-    shape: Annotated[str, typer.Option(help="llama-3.1-8b or llama-3.2-1b.")] = "llama-3.1-8b",
+    shape: Annotated[str, typer.Option(
+        help="llama-3.1-8b, llama-3.2-1b or qwen2.5-0.5b.")] = "llama-3.1-8b",
     seed: Annotated[int, typer.Option(help="Seed of the random blocks.")] = 0,
 ) -> None:
     """Write a random-weight GGUF of a real shape (Q4_K_M mix) to benchmark its size."""
