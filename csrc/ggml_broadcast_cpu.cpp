@@ -156,11 +156,15 @@ class ColumnBuffer {
 };
 
 // x [M, K] as x^T of `width` (a multiple of kLanes, >= M) lanes an input: xt[k width + m] =
-// x[m][k], zero past row M.
+// x[m][k], zero past row M. At one vector's width (kPairs) two inputs at a time instead, each
+// row's pair side by side: xt[k width + 2 m + j] = x[m][k + j] for even k (rows past
+// kLanes / 2 in the second vector), for broadcast_chunk's pairs.
 void transpose_rows(const float* x, int64_t M, int64_t K, int64_t width, std::vector<float>& xt) {
   xt.assign(K * width, 0.f);
+  const bool pairs = width == kLanes;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[k * width + m] = x[m * K + k];
+    for (int64_t k = 0; k < K; ++k)
+      xt[pairs ? (k & ~int64_t{1}) * width + 2 * m + (k & 1) : k * width + m] = x[m * K + k];
 }
 
 // Passes of x that go through the weights together, each chunk of a tile's weight rows decoded
@@ -232,11 +236,46 @@ class PassOutputs {
   vfn acc_[kMaxGroupPasses][P][V];
 };
 
+// Two adjacent floats in every pair of lanes (one 64-bit broadcast).
+inline vfn broadcast_pair(const float* p) {
+  using vu64 = uint64_t __attribute__((vector_size(sizeof(vfn))));
+  uint64_t pair;  // as bits: an integer + 0 is the broadcast itself, a float one is an add
+  std::memcpy(&pair, p, sizeof pair);
+  return (vfn)(vu64{} + pair);
+}
+
+// Lane m: lanes 2m and 2m + 1 of a then b summed (a pair layout's rows back in order).
+inline vfn sum_pairs(vfn a, vfn b) {
+  vin even, odd;
+  for (int j = 0; j < kLanes; ++j) {
+    even[j] = 2 * j;
+    odd[j] = 2 * j + 1;
+  }
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
 // acc[i][v] += w[i][k] xt[k][v] over `count` inputs: P weight rows at w (a row every kChunk
-// floats) broadcast against V vectors of x^T an input.
+// floats) broadcast against V vectors of x^T an input. At one vector (V = 1) two inputs a
+// step, so that each broadcast feeds two multiply-adds as at V = 2: a row's weights for k and
+// k + 1 in every pair of lanes against x^T in pairs (transpose_rows), the pairs summed at the
+// end. A multiply-add whose weight is broadcast from memory ran at ~60% of one on registers.
 template <int P, int V>
 __attribute__((always_inline)) inline void broadcast_chunk(const float* w, const float* xt,
                                                            int64_t count, vfn (&acc)[P][V]) {
+  if constexpr (V == 1) {
+    vfn pairs[P][2] = {};
+    for (int64_t k = 0; k < count; k += 2, xt += 2 * kLanes) {
+      const vfn x0 = loadv(xt), x1 = loadv(xt + kLanes);
+#pragma GCC unroll 32
+      for (int i = 0; i < P; ++i) {
+        const vfn b = broadcast_pair(w + i * kChunk + k);
+        pairs[i][0] += b * x0;
+        pairs[i][1] += b * x1;
+      }
+    }
+    for (int i = 0; i < P; ++i) acc[i][0] += sum_pairs(pairs[i][0], pairs[i][1]);
+    return;
+  }
   for (int64_t k = 0; k < count; ++k, xt += V * kLanes) {
     vfn xv[V];
 #pragma GCC unroll 4
@@ -257,7 +296,7 @@ template <int V>
 void broadcast_rows(const Part& p, int64_t n0, int64_t n1, const float* const* xts,
                     int64_t passes, int64_t M, int64_t K, const float* bias, float* y,
                     int64_t ldy) {
-  constexpr int P = kAccumulators / V;
+  constexpr int P = kAccumulators / 2;  // V = 1 holds two vectors a row too (pairs)
   alignas(64) float w[P * kChunk];
   PassOutputs<P, V, 4 * P> out(passes, n0);
   for (int64_t n = n0; n < n1; n += P) {
