@@ -16,12 +16,12 @@ struct HalfTable {
       value[h] = c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(h));
   }
 };
-const HalfTable kHalves;
+const HalfTable kHalfFloats;
 
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return kHalves.value[h];
+  return kHalfFloats.value[h];
 }
 
 inline uint32_t word(const uint8_t* p) {

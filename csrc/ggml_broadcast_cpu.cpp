@@ -339,7 +339,9 @@ void broadcast_linear(const std::vector<Part>& ps, const float* x, int64_t M, in
   thread_local std::vector<std::vector<float>> transposed;
   std::vector<std::vector<float>>& xts = transposed;
   in_groups(M, kBroadcastRows, [&](int64_t width) { return K * width * 4; },
-            [&](int64_t m0, int64_t rows, int64_t width) {
+            [&](int64_t m0, int64_t rows, int64_t one_or_two) {
+    // One vector's passes take the inputs in pairs: an odd K takes two vectors, half empty.
+    const int64_t width = K % 2 == 0 ? one_or_two : 2 * kLanes;
     const int64_t passes = (rows + kBroadcastRows - 1) / kBroadcastRows;
     if (static_cast<int64_t>(xts.size()) < passes) xts.resize(passes);
     std::vector<const float*> at(passes);

@@ -158,8 +158,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     return activation_bits == 8 && (int8_kquant(p.type) || int8_block32(p.type, M));
   };
   const bool int8 = std::any_of(rest.begin(), rest.end(), takes_int8);
-  // (K even: the broadcast kernel's one-vector passes take the inputs in pairs)
-  if (!int8 && M >= kBroadcastMinRows && M <= kBroadcastMaxRows && K % 2 == 0) {
+  if (!int8 && M >= kBroadcastMinRows && M <= kBroadcastMaxRows) {
     broadcast_linear(rest, x.data_ptr<float>(), M, K, bd, y.data_ptr<float>(), N);
     return y;
   }
