@@ -96,6 +96,12 @@ def _read_config(folder: Path) -> dict:
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise ValueError(f"peft_type is {config.get('peft_type')!r}; only LORA adapters serve")
+    # Each changes what the weights mean; served as plain LoRA, the output would be wrong.
+    for key, what in (("use_dora", "DoRA adapters are not supported"),
+                      ("fan_in_fan_out", "fan_in_fan_out (transposed, Conv1D) weights are not "
+                                         "supported")):
+        if config.get(key):
+            raise ValueError(f"adapter_config.json sets {key}: {what}")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

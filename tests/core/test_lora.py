@@ -169,6 +169,7 @@ KEY = "base_model.model.model.layers.0.self_attn.q_proj"
 @pytest.mark.parametrize("case, message", [
     ("no_config", "no adapter_config.json"),
     ("prefix_tuning", "only LORA adapters serve"),
+    ("dora", "sets use_dora: DoRA adapters are not supported"),
     ("rank", "rank 32, above max_lora_rank=16"),
     ("target", "lm_head is not a linear layer of this model's decoder"),
     ("shape", "do not fit the model's projection"),
@@ -183,6 +184,8 @@ def test_bad_adapters_are_one_line_errors(case: str, message: str, lora_llm: LLM
         folder.mkdir()
     elif case == "prefix_tuning":
         _write_adapter(folder, {**LORA_CONFIG, "peft_type": "PREFIX_TUNING"}, good)
+    elif case == "dora":  # as PEFT writes one, less its magnitude vectors
+        _write_adapter(folder, {**LORA_CONFIG, "use_dora": True}, good)
     elif case == "rank":
         _write_adapter(folder, LORA_CONFIG, {f"{KEY}.lora_A.weight": torch.randn(32, 64),
                                              f"{KEY}.lora_B.weight": torch.randn(64, 32)})
