@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pkv.core.engine.async_engine import RequestStream
 from pkv.core.engine.input_processor import ContextLengthError, check_context_length
 from pkv.core.engine.outputs import RequestOutput
+from pkv.core.server import logprobs_format as lpf
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
@@ -273,6 +274,8 @@ class OpenAIServingResponses:
             items = output_items(message, ResponseIds(base["id"]))
             if length and items:  # the item max_output_tokens cut short
                 items[-1]["status"] = "incomplete"
+        if body.logprobs:
+            _attach_logprobs(items, c.logprobs, c.token_ids, body.top_logprobs or 0)
         response = {**base, "status": "incomplete" if length else "completed",
                     "incomplete_details": {"reason": "max_output_tokens"} if length else None,
                     "output": items, "usage": response_usage(final)}
@@ -312,9 +315,17 @@ class OpenAIServingResponses:
         yield events.emit("response.created", {"response": base})
         yield events.emit("response.in_progress", {"response": base})
         final = None
+        sent = 0  # tokens whose logprobs an output_text delta has carried
         try:
             async for final, delta in single_choice_deltas(stream, shaper):
-                for chunk in events.feed(delta):
+                c = final.outputs[0]
+                logprobs = None
+                if body.logprobs and delta.get("content"):
+                    logprobs = _logprobs(c.logprobs[sent:] if c.logprobs else None,
+                                         c.token_ids[sent:],
+                                         body.top_logprobs or 0)
+                    sent = len(c.token_ids)
+                for chunk in events.feed(delta, logprobs):
                     yield chunk
         except Exception as exc:  # Responses' error event: type "error", code, message, param
             error = stream_error(exc)["error"]
@@ -362,7 +373,9 @@ class _EventStream:
                 "part": {"type": "output_text", "text": "", "annotations": []}}))
         return out
 
-    def feed(self, delta: dict[str, Any]) -> list[bytes]:
+    def feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+             ) -> list[bytes]:
+        """The events of a chat delta; `logprobs`, its content's tokens' (when asked)."""
         out: list[bytes] = []
         if delta.get("reasoning_content"):
             if self.open != "reasoning":
@@ -382,9 +395,10 @@ class _EventStream:
                                                       "annotations": [], "logprobs": []}]})
             item = self.items[-1]
             item["content"][0]["text"] += delta["content"]
+            item["content"][0]["logprobs"] += logprobs or []
             out.append(self.emit("response.output_text.delta", {
                 "item_id": item["id"], "output_index": self._index, "content_index": 0,
-                "delta": delta["content"], "logprobs": []}))
+                "delta": delta["content"], "logprobs": logprobs or []}))
         for call in delta.get("tool_calls") or []:
             key = f"call{call['index']}"
             function = call.get("function") or {}
@@ -413,7 +427,7 @@ class _EventStream:
             text = item["content"][0]["text"]
             out.append(self.emit("response.output_text.done", {
                 "item_id": item["id"], "output_index": index, "content_index": 0, "text": text,
-                "logprobs": []}))
+                "logprobs": item["content"][0]["logprobs"]}))
             out.append(self.emit("response.content_part.done", {
                 "item_id": item["id"], "output_index": index, "content_index": 0,
                 "part": item["content"][0]}))
@@ -425,3 +439,18 @@ class _EventStream:
         out.append(self.emit("response.output_item.done", {"output_index": index,
                                                            "item": item}))
         return out
+
+
+def _logprobs(entries: list | None, token_ids: list[int], top_n: int) -> list[dict[str, Any]]:
+    """Tokens' logprobs as an output_text part carries them (chat's entries)."""
+    return (lpf.chat(entries, token_ids, top_n) or {"content": []})["content"]
+
+
+def _attach_logprobs(items: list[dict[str, Any]], entries: list | None, token_ids: list[int],
+                     top_n: int) -> None:
+    """Every generated token's logprobs on the first output_text part (as vLLM puts them),
+    streamed or not alike."""
+    for item in items:
+        if item["type"] == "message":
+            item["content"][0]["logprobs"] = _logprobs(entries, token_ids, top_n)
+            return

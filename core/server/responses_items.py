@@ -38,6 +38,31 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether output_text parts carry their tokens' logprobs: asked for by `include`, or
+        by asking for alternatives."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
+
+
+LOGPROBS = "message.output_text.logprobs"
+# What OpenAI's `include` may name; pkv fills the logprobs, the rest concern tools and
+# encrypted reasoning pkv does not serve (the Agents SDK sends reasoning.encrypted_content).
+INCLUDABLE = frozenset({LOGPROBS, "reasoning.encrypted_content", "file_search_call.results",
+                        "web_search_call.results", "web_search_call.action.sources",
+                        "message.input_image.image_url", "computer_call_output.output.image_url",
+                        "code_interpreter_call.outputs"})
+
+
+def check_include(include: list[str] | None) -> None:
+    """A 400 naming the first `include` value OpenAI does not know."""
+    for i, value in enumerate(include or []):
+        if value not in INCLUDABLE:
+            raise OpenAIError(400, f"include[{i}]: unknown value {value!r} (pkv fills "
+                              f"{LOGPROBS!r})", f"include[{i}]")
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -133,6 +158,7 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]], drop:
     `drop` messages of the conversation (and tool results their dropping leaves unasked),
     as `truncation: "auto"` shortens it."""
     check_call_outputs(body.input, history)
+    check_include(body.include)
     conversation = (history + input_messages(body.input))[drop:]
     while drop and len(conversation) > 1 and conversation[0]["role"] == "tool":
         conversation = conversation[1:]
@@ -142,6 +168,8 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]], drop:
                             "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p,
                             "parallel_tool_calls": body.parallel_tool_calls}
+    if body.logprobs:
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     if body.tools:
         for i, tool in enumerate(body.tools):
             if tool.get("type") != "function" or not isinstance(tool.get("name"), str):

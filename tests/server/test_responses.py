@@ -44,6 +44,37 @@ def test_plain_and_streamed_agree(client: openai.OpenAI):
     assert final.usage.output_tokens == plain.usage.output_tokens
 
 
+def test_logprobs_come_with_the_text_streamed_or_not(client: openai.OpenAI):
+    """`include` output_text logprobs with `top_logprobs` alternatives: one entry per generated
+    token, the chosen token's text spelling the output; streamed, the deltas carry their own
+    tokens' and the final response equals the non-streamed one."""
+    kw = dict(model=MODEL, input="Name a colour.", temperature=0, max_output_tokens=8,
+              top_logprobs=3, include=["message.output_text.logprobs"])
+    plain = client.responses.create(**kw)
+    part = plain.output[0].content[0]
+    assert len(part.logprobs) == plain.usage.output_tokens
+    assert part.text.startswith("".join(lp.token for lp in part.logprobs[:-1]).strip()[:4])
+    for lp in part.logprobs:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].logprob >= lp.logprob  # greedy: the chosen one leads
+    carried, final = [], None
+    for event in client.responses.create(**kw, stream=True):
+        if event.type == "response.output_text.delta":
+            assert event.logprobs  # each delta: the tokens that made it
+            carried += event.logprobs
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    streamed = final.output[0].content[0].logprobs
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    # (a prefix-cache hit sums in another order: the values agree closely, not bit for bit)
+    assert [lp.logprob for lp in streamed] == pytest.approx(
+        [lp.logprob for lp in part.logprobs], abs=1e-3)
+    assert [lp.token for lp in carried] == [lp.token for lp in part.logprobs[:len(carried)]]
+    without = client.responses.create(**{k: v for k, v in kw.items()
+                                         if k not in ("top_logprobs", "include")})
+    assert without.output[0].content[0].logprobs == []
+
+
 def test_the_item_max_output_tokens_cuts_short_is_incomplete(client: openai.OpenAI):
     kw = dict(model=MODEL, input="Write a long story about a cat.", temperature=0,
               max_output_tokens=3)
@@ -129,7 +160,9 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                         ({**base, "text": {"format": "json_object"}}, "text.format"),
                         ({**base, "text": {"format": {"type": "json_schema", "name": "x"}}},
                          "text.format.schema"),
-                        ({**base, "truncation": "sometimes"}, "truncation")]:
+                        ({**base, "truncation": "sometimes"}, "truncation"),
+                        ({**base, "top_logprobs": 500}, "top_logprobs"),
+                        ({**base, "include": ["bogus"]}, "include[0]")]:
         response = _post(server, "/v1/responses", body)
         error = _assert_error(response, 404 if param == "previous_response_id" else 400, param)
         assert "max_tokens" not in error["message"]  # the field as this API calls it
