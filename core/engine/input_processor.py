@@ -95,7 +95,10 @@ class InputProcessor:
         if isinstance(prompt, tuple):
             raise ValueError("a pair of texts is a cross-encoder's input, not a prompt")
         params = params or SamplingParams()
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        # -1 keeps as many as leave max_tokens (at least one) of room
+        room = self.limits.max_model_len - (params.max_tokens or 1)
+        prompt_text, prompt_ids = self._tokenize(prompt, params.truncate_prompt_tokens,
+                                                 max(1, room))
         self._validate(prompt_ids, params)
         adapter = self._adapter(lora_request)
         grammar = (self.guided.compile(params.structured_outputs)
@@ -127,7 +130,13 @@ class InputProcessor:
                              "model (pkv serve MODEL --task embed)")
         pooler.check(params)
         types = None
+        chunks = self.limits.pool_in_chunks
+        limit = (self.limits.max_model_len if chunks
+                 else min(self.limits.max_model_len, self.limits.max_num_batched_tokens))
         if isinstance(prompt, tuple):
+            if params.truncate_prompt_tokens is not None:
+                raise ValueError("truncate_prompt_tokens applies to one text, not to a "
+                                 "cross-encoder's pair")
             if not pooler.classifies:
                 raise ValueError("a pair of texts is a cross-encoder's input; this model "
                                  "embeds one text at a time")
@@ -136,10 +145,7 @@ class InputProcessor:
             text: str | None = None
             ids, types = self.tokenizer.encode_pair(*prompt)
         else:
-            text, ids = self._tokenize(prompt)
-        chunks = self.limits.pool_in_chunks
-        limit = (self.limits.max_model_len if chunks
-                 else min(self.limits.max_model_len, self.limits.max_num_batched_tokens))
+            text, ids = self._tokenize(prompt, params.truncate_prompt_tokens, limit)
         if len(ids) > limit:
             raise ContextLengthError(f"input has {len(ids)} tokens; this model takes at most "
                                      f"{limit}")
@@ -165,18 +171,40 @@ class InputProcessor:
         marker = self.tokenizer.encode(after, add_special_tokens=False)
         return DelayedGuidedState(grammar.new_state(), marker)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int], truncate: int | None = None,
+                  limit: int = 0) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for ids) and ids; with `truncate` (-1: `limit`) only the
+        last that many tokens, a text's special tokens kept around them."""
+        keep = limit if truncate == -1 else truncate
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if keep is not None and len(ids) > keep:
+                ids = self._last(prompt, ids, keep)
+            return prompt, ids
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.limits.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
+        return None, ids if keep is None else ids[-keep:]
+
+    def _last(self, text: str, ids: list[int], keep: int) -> list[int]:
+        """A text's ids cut to `keep`, as a tokenizer truncating on the left cuts them: the
+        special tokens it adds around the text (BOS; BERT's [CLS] and [SEP]) stay."""
+        body = self.tokenizer.encode(text, add_special_tokens=False)
+        lead = next((i for i in range(min(4, len(ids) - len(body)) + 1)
+                     if ids[i:i + len(body)] == body), None)
+        if lead is None:  # the specials are not simply around the text: cut the ids
+            return ids[-keep:]
+        tail = ids[lead + len(body):]
+        room = keep - lead - len(tail)
+        if room < 1:
+            raise ValueError(f"truncate_prompt_tokens={keep} leaves no room beside the "
+                             f"{lead + len(tail)} special tokens the tokenizer adds")
+        return ids[:lead] + body[-room:] + tail
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_context_length(len(prompt_ids), params.max_tokens, self.limits.max_model_len)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pkv.core.sample.sampling_params import check_truncate_prompt_tokens
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -15,8 +17,10 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     activation: bool = True
+    truncate_prompt_tokens: int | None = None  # as SamplingParams'
 
     def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.dimensions is not None and (not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from pkv.core.structured_output.params import StructuredOutputsParams
 
 
+def check_truncate_prompt_tokens(value: int | None) -> None:
+    """ValueError unless `value` is None, -1 or a positive integer."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or (value < 1 and value != -1)):
+        raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or a positive "
+                         f"integer, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
@@ -41,6 +49,9 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     think_start_token_ids: list[int] | None = None  # empty or None: opened by the prompt
     think_end_token_ids: list[int] | None = None
+    # Keep only the prompt's last N tokens (vLLM's; the tokenizer's special tokens around a
+    # text stay); -1: as many as leave max_tokens (at least one) within max_model_len.
+    truncate_prompt_tokens: int | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +70,7 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         check(0 <= self.temperature < math.inf,
               f"temperature must be finite and >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")

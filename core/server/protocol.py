@@ -83,6 +83,7 @@ class _SamplingFields(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def constraint_fields(self) -> list[str]:
         """The request fields that carry a structured-output constraint."""
@@ -133,7 +134,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-            structured_outputs=structured)
+            structured_outputs=structured, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -298,6 +299,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
 
 

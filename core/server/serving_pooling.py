@@ -39,9 +39,10 @@ class OpenAIServingPooling(OpenAIServing):
         """The OpenAI body; float vectors as float32 arrays, for `json_body` to write."""
         lora = self._check_model(body.model, "embed")
         try:
-            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), "dimensions") from None
+            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
+                                   truncate_prompt_tokens=body.truncate_prompt_tokens)
+        except ValueError as exc:  # the message opens with the field's name
+            raise OpenAIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
         inputs = _embedding_inputs(body.input)
         finals = await self._run(inputs, params, "input", raw, lora)
         data = [{"object": "embedding", "index": i,
@@ -133,7 +134,8 @@ class OpenAIServingPooling(OpenAIServing):
                 raise OpenAIError(400, f"{param}[{i}]: {exc}", param,
                                   "context_length_exceeded") from None
             except ValueError as exc:
-                field = "dimensions" if str(exc).startswith("dimensions") else param
+                field = next((f for f in ("dimensions", "truncate_prompt_tokens")
+                              if str(exc).startswith(f)), param)
                 raise OpenAIError(400, str(exc), field) from None
         return prepared
 

@@ -134,10 +134,32 @@ def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, messag
     ({"n": 0}, "n must"),
     ({"min_p": 2.0}, "min_p"),
     ({"logprobs": 50}, "logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(smol_llm: LLM):
+    """Ids keep their last N; a text its last N - 1 after the BOS the tokenizer puts first
+    (as a tokenizer truncating on the left); -1 leaves max_tokens of max_model_len free."""
+    tok = smol_llm.get_tokenizer()
+    greedy = dict(temperature=0, max_tokens=4)
+    ids = tok.encode(PROMPT)
+    cut = smol_llm.generate([ids], SamplingParams(**greedy, truncate_prompt_tokens=5))[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.outputs[0].token_ids == smol_llm.generate(
+        [ids[-5:]], SamplingParams(**greedy))[0].outputs[0].token_ids
+    text = smol_llm.generate(PROMPT, SamplingParams(**greedy, truncate_prompt_tokens=5))[0]
+    body = tok.encode(PROMPT, add_special_tokens=False)
+    assert text.prompt_token_ids == ids[:len(ids) - len(body)] + body[-(5 - len(ids) +
+                                                                         len(body)):]
+    assert len(text.prompt_token_ids) == 5
+    limit = smol_llm.llm_engine.max_model_len
+    fitted = smol_llm.generate([[7] * (limit + 50)], SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, truncate_prompt_tokens=-1))[0]
+    assert len(fitted.prompt_token_ids) == limit - 3 and len(fitted.outputs[0].token_ids) == 3
 
 
 def test_bfloat16_weights_run(tiny_llama_dir):

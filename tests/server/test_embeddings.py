@@ -113,6 +113,31 @@ def test_raw_http_base64_and_token_ids(embed_server: RunningServer, models: dict
                    for d in data)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(embed_server: RunningServer,
+                                                      models: dict[str, Path]):
+    """vLLM's truncate_prompt_tokens: a text keeps [CLS], its last tokens and [SEP] (as the
+    tokenizer truncating on the left gives them), ids keep their last N; -1 fits an over-long
+    input to max_model_len instead of refusing it."""
+    tok = transformers.AutoTokenizer.from_pretrained(models["embed"], truncation_side="left")
+    text = " ".join(f"w{i}" for i in range(1, 30))
+    for keep in (5, 12):
+        got = _post(embed_server, "/v1/embeddings", {"input": text, "encoding_format": "float",
+                                                     "truncate_prompt_tokens": keep}).json()
+        assert got["usage"]["prompt_tokens"] == keep
+        cut = tok.decode(tok(text, truncation=True, max_length=keep)["input_ids"],
+                         skip_special_tokens=True)
+        assert _cos(got["data"][0]["embedding"], _reference(models["embed"], [cut])[0]) >= 0.9999
+    ids = tok(text)["input_ids"]
+    by_ids = _post(embed_server, "/v1/embeddings", {"input": ids, "truncate_prompt_tokens": 3})
+    assert by_ids.json()["usage"]["prompt_tokens"] == 3
+    long = " ".join(["w1"] * 200)
+    fitted = _post(embed_server, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": -1})
+    assert fitted.status_code == 200 and fitted.json()["usage"]["prompt_tokens"] == 128
+    for keep in (0, 2, "3"):  # 2: no room beside [CLS] and [SEP]
+        r = _post(embed_server, "/v1/embeddings", {"input": text, "truncate_prompt_tokens": keep})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def _digits(x: float) -> int:
     return len(Decimal(repr(x)).normalize().as_tuple().digits)
 
