@@ -149,6 +149,9 @@ class LLMEngine:
                         lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from another thread;
         see InputProcessor.prepare)."""
+        if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+                and self.config.pipeline_parallel_size > 1):
+            raise ValueError("prompt_logprobs is not served under pipeline parallelism")
         return self.processor.prepare(request_id, prompt, params, cache_salt, lora_request)
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
@@ -297,6 +300,8 @@ class LLMEngine:
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled_reqs, result.logprobs)}
         before = sum(r.num_output_tokens for r in sampled_reqs)
+        if result.prompt_logprobs:  # (before the requests' computed tokens move on)
+            self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         self.scheduler.update_from_output(sched, sampled, failures)
         self.num_generation_tokens += sum(r.num_output_tokens for r in sampled_reqs) - before
         for tokens, num_drafts in zip(result.token_ids, result.num_drafts):

@@ -12,6 +12,7 @@ import torch
 
 from pkv.core.engine.outputs import (CompletionOutput, Logprob, PoolingOutput,
                                      PoolingRequestOutput, RequestOutput)
+from pkv.core.sample.prompt_logprobs import LogprobEntry
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.sched.request import Request, record_failure
 from pkv.core.tokenizer.detokenizer import IncrementalDetokenizer
@@ -36,6 +37,7 @@ class _ParentState:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: list[_Sample] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -52,7 +54,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         params = children[0].sampling_params
-        state = _ParentState(request_id, prompt, children[0].prompt_token_ids, params)
+        state = _ParentState(request_id, prompt, children[0].prompt_token_ids, params,
+                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
         for i, child in enumerate(children):
             detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
                                            params.skip_special_tokens)
@@ -63,6 +66,21 @@ class OutputProcessor:
     def children(self, request_id: str) -> list[Request]:
         state = self.parents.get(request_id)
         return [s.request for s in state.samples] if state else []
+
+    def add_prompt_logprobs(self, entries: dict[str, list[LogprobEntry]]) -> None:
+        """A step's prompt-logprobs entries, by engine request: the first sample's, for the
+        prompt tokens not yet recorded (a preempted request computes its prompt again)."""
+        for request_id, found in entries.items():
+            parent_id, index = self.child_to_parent.get(request_id, ("", -1))
+            state = self.parents.get(parent_id)
+            if index != 0 or state is None or state.prompt_logprobs is None:
+                continue
+            request = state.samples[0].request
+            first = request.num_computed_tokens + 1  # the prompt token its first row predicts
+            for token, entry in zip(state.prompt_token_ids[first:], found):
+                if first == len(state.prompt_logprobs):
+                    state.prompt_logprobs.append(self._logprob_dict(token, entry))
+                first += 1
 
     def process(self, updated: list[Request],
                 logprobs: dict[str, list[tuple[list[int], list[float], float, int]] | None],
@@ -146,7 +164,9 @@ class OutputProcessor:
                    for i, s in enumerate(state.samples)]
         cached = max(0, min(s.request.num_cached_tokens for s in state.samples))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
-                             state.finished, num_cached_tokens=cached)
+                             state.finished, num_cached_tokens=cached,
+                             prompt_logprobs=None if state.prompt_logprobs is None
+                             else list(state.prompt_logprobs))
 
     def finish_pooled(self, request: Request, data: torch.Tensor) -> PoolingRequestOutput:
         """The final output of a pooling request, which its vector ends."""

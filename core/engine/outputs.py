@@ -52,6 +52,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set (with finished) when this request alone failed
+    # asked by SamplingParams.prompt_logprobs: per prompt token, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -18,13 +18,12 @@ request's own generator, so a seeded request stays reproducible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pkv.core.sample.prompt_logprobs import LogprobEntry
 from pkv.core.sample.sampler import Sampler, SamplingRow
-
-LogprobEntry = tuple[list[int], list[float], float, int]
 
 
 @dataclass(slots=True)
@@ -35,6 +34,8 @@ class VerifyOutput:
     token_ids: list[list[int]]
     logprobs: list[list[LogprobEntry] | None]
     num_drafts: list[int]
+    # by request id: the step's prompt rows' entries, for requests that ask prompt_logprobs
+    prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
 
 
 class RejectionSampler:

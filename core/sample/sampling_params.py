@@ -42,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (vLLM's)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # A cap on the thinking block (core/sched/thinking_budget.py): its tokens by id, set by
@@ -96,6 +97,8 @@ class SamplingParams:
               f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         check(self.logprobs is None or 0 <= self.logprobs <= 20,
               f"logprobs must be in [0, 20], got {self.logprobs}")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         check(all(isinstance(t, int) and not isinstance(t, bool) and isinstance(b, (int, float))
                   and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
               "logit_bias must map token ids to numbers in [-100, 100]")

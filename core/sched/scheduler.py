@@ -166,6 +166,8 @@ class Scheduler:
                 if request.num_tokens > budget:
                     break  # whole, in a later step (it fits a step: the engine checked)
                 computed, num_cached = None, 0  # (the pooler reads every row)
+            elif request.sampling_params.prompt_logprobs is not None:
+                computed, num_cached = None, 0  # every prompt row's logits: no cache hits
             else:  # (a decoder pooling its last token reads only that row)
                 computed, num_cached = self.kv_cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)

@@ -1,4 +1,5 @@
-"""Logprobs in OpenAI's two response shapes: chat (`content` list) and completions.
+"""Logprobs in OpenAI's two response shapes: chat (`content` list) and completions; a
+prompt's (echoed completions, and vLLM's `prompt_logprobs` field).
 
 Each token's entry maps token id -> Logprob: the chosen token plus the top `top_n`
 alternatives (the chosen one may rank below them).
@@ -44,3 +45,29 @@ def completion(entries: list[_Entry] | None, token_ids: list[int], top_n: int,
         offset += len(chosen.decoded_token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def completion_prompt(entries: list[_Entry | None], token_ids: list[int], first: str,
+                      top_n: int) -> dict:
+    """An echoed prompt's part of completions' logprobs: its first token (text `first`) has
+    none (null, as OpenAI's echo gives it)."""
+    rest = completion(entries[1:], token_ids[1:], top_n, len(first)) or {}  # type: ignore
+    return {"tokens": [first, *rest.get("tokens", [])],
+            "token_logprobs": [None, *rest.get("token_logprobs", [])],
+            "top_logprobs": [None, *rest.get("top_logprobs", [])],
+            "text_offset": [0, *rest.get("text_offset", [])]}
+
+
+def joined(prompt: dict, output: dict | None) -> dict:
+    """An echoed prompt's logprobs, then the completion's (whose offsets follow the prompt)."""
+    return {key: prompt[key] + (output or {}).get(key, []) for key in prompt}
+
+
+def vllm_prompt(entries: list[_Entry | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), token id -> its
+    logprob, rank and text."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()} for entry in entries]

@@ -84,6 +84,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: choices[i].prompt_logprobs
 
     def constraint_fields(self) -> list[str]:
         """The request fields that carry a structured-output constraint."""
@@ -134,7 +135,12 @@ class _SamplingFields(BaseModel):
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-            structured_outputs=structured, truncate_prompt_tokens=self.truncate_prompt_tokens)
+            structured_outputs=structured, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.asked_prompt_logprobs())
+
+    def asked_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprobs carry (None: not asked)."""
+        return self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -241,6 +247,17 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def asked_prompt_logprobs(self) -> int | None:
+        """Echoed with logprobs, the prompt's tokens carry them too (OpenAI's scoring)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt back (with its logprobs), nothing made."""
+        return self.echo and self.max_tokens == 0
 
     def check_supported(self) -> None:
         """A 400 for a field whose meaning pkv does not serve (ignoring it would answer

@@ -64,9 +64,11 @@ class OpenAIServingChat(OpenAIServing):
             choices.append({"index": c.index, "message": message,
                             "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
                             if body.logprobs else None, "finish_reason": finish})
+        prompt = ({} if body.prompt_logprobs is None  # vLLM's, beside the choices
+                  else {"prompt_logprobs": lpf.vllm_prompt(final.prompt_logprobs)})
         return JSONResponse({"id": prepared.request_id, "object": "chat.completion",
                              "created": int(time.time()), "model": self.served_name(body.model),
-                             "choices": choices, "usage": usage([final])})
+                             "choices": choices, "usage": usage([final]), **prompt})
 
     async def start(self, body: ChatCompletionRequest, raw: Request
                     ) -> tuple[PreparedRequest, RequestStream, list[ChoiceShaper]]:

@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,8 +29,9 @@ class OpenAIServingCompletion(OpenAIServing):
                          ) -> JSONResponse | StreamingResponse:
         self._check_common(body, body.logprobs)
         body.check_supported()
-        params = self._params(body, body.max_tokens if body.max_tokens is not None else 16,
-                              body.logprobs)
+        # echo_only runs one step (the prompt's logprobs come with it) and drops its token
+        max_tokens = 1 if body.echo_only else body.max_tokens
+        params = self._params(body, max_tokens if max_tokens is not None else 16, body.logprobs)
         prompts = _prompt_list(body.prompt)
         if len(prompts) * body.n > self.limits.max_prompts:
             raise OpenAIError(400, f"at most {self.limits.max_prompts} prompts (times n) per "
@@ -42,18 +44,40 @@ class OpenAIServingCompletion(OpenAIServing):
             return EngineStreamingResponse(self._completion_stream(body, base_id, streams),
                                             streams)
         finals = await self.collect_all(streams, raw)
+        if body.echo_only:
+            finals = [_prompt_only(f) for f in finals]
         choices = []
         for i, final in enumerate(finals):
             prefix = self._prompt_text(final) if body.echo else ""
             for c in final.outputs:
                 choices.append({"index": i * body.n + c.index, "text": prefix + c.text,
-                                "logprobs": lpf.completion(c.logprobs, c.token_ids,
-                                                           body.logprobs or 0, len(prefix))
-                                if body.logprobs is not None else None,
-                                "finish_reason": c.finish_reason})
+                                "logprobs": self._logprobs(body, final, c.logprobs,
+                                                           c.token_ids, prefix),
+                                "finish_reason": c.finish_reason,
+                                **self._prompt_field(body, final)})
         return JSONResponse({"id": base_id, "object": "text_completion",
                              "created": int(time.time()), "model": self.served_name(body.model),
                              "choices": choices, "usage": usage(finals)})
+
+    def _logprobs(self, body: CompletionRequest, final: RequestOutput, entries: list | None,
+                  token_ids: list[int], echo: str) -> dict | None:
+        """A choice's logprobs (None: not asked); an echoed prompt's first (`echo`: its text,
+        or "" where this part does not carry it)."""
+        if body.logprobs is None or entries is None:
+            return None
+        output = lpf.completion(entries, token_ids, body.logprobs, len(echo))
+        if not echo or final.prompt_logprobs is None:
+            return output
+        first = self.tokenizer.decode(final.prompt_token_ids[:1], skip_special_tokens=False)
+        return lpf.joined(lpf.completion_prompt(final.prompt_logprobs, final.prompt_token_ids,
+                                                first, body.logprobs), output)
+
+    @staticmethod
+    def _prompt_field(body: CompletionRequest, final: RequestOutput) -> dict:
+        """vLLM's `prompt_logprobs` on a choice, where the request named it."""
+        if body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": lpf.vllm_prompt(final.prompt_logprobs)}
 
     async def _completion_stream(self, body: CompletionRequest, base_id: str,
                                  streams: list[RequestStream]) -> AsyncIterator[bytes]:
@@ -63,19 +87,22 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, output in _merge([s.outputs() for s in streams]):
+                if body.echo_only:
+                    output = _prompt_only(output)
                 finals[i] = output
                 for c in output.outputs:
                     index = i * body.n + c.index
-                    echo = self._prompt_text(output) if body.echo and tracker.is_new(index) else ""
+                    first = tracker.is_new(index)
+                    echo = self._prompt_text(output) if body.echo and first else ""
                     delta = tracker.advance(index, c)
                     if delta is None:
                         continue
                     text, lps, ids = delta
-                    logprobs = (lpf.completion(lps, ids, body.logprobs or 0, len(echo))
-                                if body.logprobs is not None and lps is not None else None)
-                    yield sse({**base, "choices": [{"index": index, "text": echo + text,
-                                                     "logprobs": logprobs,
-                                                     "finish_reason": c.finish_reason}]})
+                    yield sse({**base, "choices": [{
+                        "index": index, "text": echo + text,
+                        "logprobs": self._logprobs(body, output, lps, ids, echo),
+                        "finish_reason": c.finish_reason,
+                        **(self._prompt_field(body, output) if first else {})}]})
         except Exception as exc:
             yield sse(stream_error(exc))
         else:
@@ -130,3 +157,10 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _prompt_only(output: RequestOutput) -> RequestOutput:
+    """An echo_only request's output: its choices' generated token dropped."""
+    choices = [replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None
+                       else None) for c in output.outputs]
+    return replace(output, outputs=choices)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pkv.core.layers.attention_backend import AttentionMetadata
+from pkv.core.sample.prompt_logprobs import prompt_rows
 from pkv.core.sched.request import Request
 from pkv.core.sched.scheduler import SchedulerOutput
 
@@ -23,6 +24,7 @@ class SeqChunk:
     block_tables: list[list[int]]  # one per KV group
     total_len: int  # the whole sequence's length, computed or not (LongRoPE picks by it)
     num_logits: int  # how many of its last rows need logits
+    num_prompt_logits: int = 0  # how many of its first rows give prompt logprobs
 
 
 def step_chunks(sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
@@ -35,10 +37,12 @@ def step_chunks(sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
         n = sched.num_scheduled_tokens[request.request_id] - len(drafts)
         start = request.num_computed_tokens
         samples = sched.samples(request) and request.pooling is None
+        asks = request.pooling is None and request.sampling_params.prompt_logprobs is not None
         chunks.append(SeqChunk(request.all_token_ids[start:start + n] + drafts, start,
                                block_tables[request.request_id],
                                request.num_tokens + len(drafts),
-                               len(drafts) + 1 if samples else 0))
+                               len(drafts) + 1 if samples else 0,
+                               prompt_rows(start, n, request.num_prompt_tokens) if asks else 0))
         if samples:
             sampling.append(request)
     return chunks, sampling
@@ -48,7 +52,8 @@ def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device,
                   layer_groups: list[int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """One step's flattened batch: input ids, positions, attention metadata and the rows
-    whose logits are computed. Single-token chunks that come first count as decodes. With
+    whose logits are computed (each chunk's prompt-logprobs rows, then its sampling rows:
+    increasing). Single-token chunks that come first count as decodes. With
     several KV groups, each gets its own slots and block tables (`meta.groups`), and
     `layer_groups` says which group each layer reads.
 
@@ -82,6 +87,7 @@ def flatten_batch(chunks: list[SeqChunk], block_size: int, device: torch.device,
         seq_lens.append(end)
         if n == 1 and num_decode_tokens == i:
             num_decode_tokens += 1
+        logits_idx += range(query_start_loc[-2], query_start_loc[-2] + chunk.num_prompt_logits)
         logits_idx += range(query_start_loc[-1] - chunk.num_logits, query_start_loc[-1])
     num_tokens, num_seqs = len(input_ids), len(chunks)
     kv_lens = [p + 1 for p in positions]
@@ -124,3 +130,20 @@ def token_types(requests: list[Request], device: torch.device) -> torch.Tensor |
     for r in requests:
         types += r.token_type_ids or [0] * r.num_tokens
     return torch.tensor(types, dtype=torch.long, device=device)
+
+
+def split_logits(logits: torch.Tensor, chunks: list[SeqChunk]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's logits (flatten_batch's rows) as the prompt-logprobs rows and the sampling
+    rows (None when none samples), each chunk after chunk."""
+    prompt: list[int] = []
+    sample: list[int] = []
+    row = 0
+    for chunk in chunks:
+        prompt += range(row, row + chunk.num_prompt_logits)
+        row += chunk.num_prompt_logits
+        sample += range(row, row + chunk.num_logits)
+        row += chunk.num_logits
+    at = torch.tensor(prompt + sample, device=logits.device)
+    rows = logits.index_select(0, at)
+    return rows[:len(prompt)], rows[len(prompt):] if sample else None

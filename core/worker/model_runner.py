@@ -23,6 +23,8 @@ from pkv.core.model_loader.loader import build_model
 from pkv.core.model_loader.quantization import int8_lm_head
 from pkv.core.pooling.pooler import Pooler
 from pkv.core.pooling.tasks import build_pooler
+from pkv.core.sample.prompt_logprobs import LogprobEntry
+from pkv.core.sample.prompt_logprobs import entries as prompt_entries
 from pkv.core.sample.rejection_sampler import RejectionSampler, VerifyOutput
 from pkv.core.sample.sampler import Sampler, SamplingRow
 from pkv.core.sample.sampling_params import SamplingParams
@@ -30,8 +32,8 @@ from pkv.core.sched.request import Request, record_failure
 from pkv.core.sched.scheduler import SchedulerOutput
 from pkv.core.worker.fused_decoder import build_fused_decoder
 from pkv.core.worker.huge_pages import empty_on_huge_pages, move_weights_to_huge_pages
-from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, step_chunks,
-                                         token_types)
+from pkv.core.worker.input_batch import (SeqChunk, flatten_batch, pool_spans, split_logits,
+                                         step_chunks, token_types)
 from pkv.core.worker.kv_parts import KVParts, KVTransfer, KVWork
 from pkv.core.worker.kv_pool_size import num_kv_blocks
 from pkv.core.worker.memory import (HeldHeap, hold_freed_memory_until_idle, release_free_memory,
@@ -259,7 +261,12 @@ class ModelRunner:
         for done in sent:
             done.wait()
         self.timer.lap("forward")
-        return sampling, self._sample(logits, sched, sampling, failures), pooled
+        if logits is None or not any(c.num_prompt_logits for c in chunks):
+            return sampling, self._sample(logits, sched, sampling, failures), pooled
+        prompt, sample = split_logits(logits, chunks)
+        result = self._sample(sample, sched, sampling, failures)
+        result.prompt_logprobs = self._prompt_logprobs(prompt, sched, chunks)
+        return sampling, result, pooled
 
     def _sample(self, logits: torch.Tensor | None, sched: SchedulerOutput,
                 sampling: list[Request], failures: dict[str, Exception] | None) -> VerifyOutput:
@@ -276,6 +283,21 @@ class ModelRunner:
                                   [0] * len(rows))
         self.timer.lap("sample")
         return result
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, sched: SchedulerOutput,
+                         chunks: list[SeqChunk]) -> dict[str, list[LogprobEntry]]:
+        """The prompt-logprobs rows' entries (`logits`: theirs, chunk after chunk), by
+        request: each row's for the prompt token after it."""
+        out, row = {}, 0
+        for request, chunk in zip(sched.scheduled, chunks):
+            n = chunk.num_prompt_logits
+            if n:
+                targets = request.all_token_ids[chunk.start + 1:chunk.start + 1 + n]
+                out[request.request_id] = prompt_entries(
+                    logits[row:row + n], targets, request.sampling_params.prompt_logprobs or 0)
+                row += n
+        return out
 
     def _pooling(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
         """The step's pooling requests whose prompt it ends (a chunked one pools at its last

@@ -113,6 +113,47 @@ def test_echo_and_token_prompts(client, server):
     assert text == PROMPT
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, server):
+    """OpenAI's scoring request (echo, logprobs, max_tokens 0: what lm-eval-harness sends):
+    the prompt back with every token's logprob (the first null); with tokens to make, the
+    same prompt part and then theirs; streamed alike; vLLM's prompt_logprobs field too."""
+    import httpx
+
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT, temperature=0, echo=True,
+              logprobs=1)
+    scored = client.completions.create(**kw, max_tokens=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == PROMPT and "".join(lp.tokens) == PROMPT
+    assert scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert len(lp.tokens) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and lp.text_offset[:2] == [0, len(
+        lp.tokens[0])]
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    more = client.completions.create(**kw, max_tokens=2).choices[0]
+    n = len(lp.tokens)
+    assert more.logprobs.tokens[:n] == lp.tokens and len(more.logprobs.tokens) == n + 2
+    assert more.logprobs.token_logprobs[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    assert "".join(more.logprobs.tokens) == more.text
+    chunks = list(client.completions.create(**kw, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 1, "prompt_logprobs": 2}
+    raw = httpx.post(f"{server.base_url}/v1/completions", json={**body, "prompt": PROMPT},
+                     headers=server.headers, timeout=60).json()
+    prompt_lps = raw["choices"][0]["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == raw["usage"]["prompt_tokens"]
+    assert all(2 <= len(entry) <= 3 for entry in prompt_lps[1:])  # the token and the top 2
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": "Hi"}]}, headers=server.headers, timeout=60).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    bad = httpx.post(f"{server.base_url}/v1/completions", json={**body, "prompt": PROMPT,
+                     "prompt_logprobs": 21}, headers=server.headers, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_structured_outputs_through_every_request_field(client):
     import jsonschema
 
