@@ -74,6 +74,7 @@ class OpenAIServingChat(OpenAIServing):
                     ) -> tuple[PreparedRequest, RequestStream, list[ChoiceShaper]]:
         """Render, validate and queue a chat request: its engine request, the stream of its
         outputs and a shaper per choice (other APIs built on chat share this)."""
+        self._check_generates()
         top = body.top_logprobs
         self._check_common(body, top, "top_logprobs")
         top = (top or 0) if body.logprobs else None
@@ -103,6 +104,7 @@ class OpenAIServingChat(OpenAIServing):
         """The token ids a chat request's conversation (tools included) is rendered to,
         without queuing it; 404 for a model this server does not serve."""
         self._lora_request(body.model)
+        self._check_generates()
         return await self._prompt_ids(body, plan_tools(body, self.tool_parser))
 
     async def _prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:

@@ -66,11 +66,21 @@ class OpenAIServing:
         self.limits = limits
         self.tokenizer = async_llm.engine.tokenizer
 
+    def _check_generates(self) -> None:
+        """A 400 where this server's model pools (embeddings, scores) instead of writing."""
+        task = self.llm.engine.task
+        if task != "generate":
+            raise OpenAIError(400, f"{self.model_name!r} serves task={task} (/v1/embeddings, "
+                              "/v1/rerank, /score), not text generation", "model")
+
     def _check_common(self, body: _SamplingFields, logprobs: int | None,
                       logprobs_param: str = "logprobs") -> None:
         self._lora_request(body.model)  # an unknown model name is a 404 before anything else
         if not 1 <= body.n <= self.limits.max_n:
             raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream: true",
+                              "stream_options")
         if logprobs is not None and not 0 <= logprobs <= self.limits.max_logprobs:
             raise OpenAIError(400, f"{logprobs_param} must be between 0 and "
                               f"{self.limits.max_logprobs}", logprobs_param)
@@ -102,9 +112,12 @@ class OpenAIServing:
             return body.sampling_params(max_tokens, logprobs, structured)
         except ValueError as exc:
             # SamplingParams messages start with the field's name.
-            name = str(exc).split(" ", 1)[0]
-            param = field if "structured outputs" in str(exc) else (names or {}).get(name, name)
-            raise OpenAIError(400, str(exc), param) from None
+            message = str(exc)
+            name = message.split(" ", 1)[0]
+            param = field if "structured outputs" in message else (names or {}).get(name, name)
+            if param != name and message.startswith(f"{name} "):  # as the client called it
+                message = param + message[len(name):]
+            raise OpenAIError(400, message, param) from None
 
     async def _prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        body: _SamplingFields, param: str, raw: Request,

@@ -56,11 +56,11 @@ class OpenAIServingPooling(OpenAIServing):
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
         if not documents:
             raise OpenAIError(400, "documents must not be empty", "documents")
-        if body.top_n is not None and body.top_n < 1:
-            raise OpenAIError(400, "top_n must be >= 1", "top_n")
+        if body.top_n is not None and body.top_n < 0:
+            raise OpenAIError(400, "top_n must be >= 0 (0 or none: every document)", "top_n")
         scores, finals = await self._scores([(body.query, d) for d in documents], raw,
                                             ("query", "documents"), lora)
-        order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n]
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n or None]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": documents[i]}} if body.return_documents else {})}
                    for i in order]

@@ -175,6 +175,13 @@ def test_bad_embedding_requests_name_the_field(embed_server: RunningServer, body
 def test_a_pooling_model_refuses_generation_and_needs_the_key(embed_server: RunningServer):
     r = _post(embed_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 400 and "task=embed" in r.json()["error"]["message"]
+    hi = [{"role": "user", "content": "hi"}]
+    for path, body in [("/v1/chat/completions", {"messages": hi}),
+                       ("/v1/responses", {"input": "hi"}),
+                       ("/v1/messages", {"model": "embedder", "max_tokens": 2, "messages": hi})]:
+        r = _post(embed_server, path, body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and "task=embed" in error["message"], (path, r.text)
     assert _post(embed_server, "/v1/embeddings", {"input": "w1"}, headers={}).status_code == 401
     metrics = httpx.get(embed_server.base_url + "/metrics", headers=embed_server.headers).text
     assert _counter(metrics, "/v1/embeddings", 200) >= 1
@@ -208,6 +215,10 @@ def test_rerank_and_score_on_a_cross_encoder(cross_server: RunningServer,
     assert r.status_code == 400 and r.json()["error"]["param"] == "text_2"
     r = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+    every = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0})
+    assert len(every.json()["results"]) == len(DOCS)  # vLLM's 0: every document
+    r = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"
 
 
 def test_rerank_on_an_embedding_model_is_cosine(embed_server: RunningServer,

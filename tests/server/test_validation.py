@@ -34,6 +34,8 @@ COMMON: dict[str, list[object]] = {
     "frequency_penalty": [2.5, NAN, -INF],
     "repetition_penalty": [0, -1, NAN, INF, "1.1"],
     "min_tokens": [-1, 1.5, "2"],
+    "truncate_prompt_tokens": [0, -2, 1.5, "3", True],
+    "prompt_logprobs": [-1, 21, 1.5, "2", True],
 }
 BAD = {
     "/v1/completions": {**COMMON, "logprobs": [-1, 21, 1.5, "2", True],
@@ -80,11 +82,19 @@ def test_every_number_field_is_checked_and_named(server: RunningServer, path: st
         for value in values:
             r = _send(server, path, {**BASE[path], "max_tokens": 2, field: value})
             error = r.json().get("error") or {}
-            if r.status_code != 400 or error.get("param") != field:
+            if (r.status_code != 400 or error.get("param") != field
+                    or field not in error.get("message", "")):
                 wrong.append((field, value, r.status_code, error.get("param"),
                               error.get("message")))
     assert not wrong, wrong
     _blocks_idle(server)
+
+
+def test_stream_options_need_stream(server: RunningServer) -> None:
+    for path in BASE:
+        r = _send(server, path, {**BASE[path], "max_tokens": 2,
+                                 "stream_options": {"include_usage": True}})
+        _assert_error(r, 400, "stream_options")
 
 
 def _deep(levels: int) -> dict:
