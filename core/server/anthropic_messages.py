@@ -67,7 +67,7 @@ class MessagesRequest(BaseModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
@@ -106,6 +106,11 @@ def _user_messages(content: list[dict[str, Any]], where: str, asked: set[str]
     text."""
     out: list[dict[str, Any]] = []
     text = []
+    answered = {block.get("tool_use_id") for block in content if block.get("type") ==
+                "tool_result"}
+    if asked - answered:  # as Anthropic refuses it: every call is answered at once
+        raise OpenAIError(400, f"{where}: tool_use ids {sorted(asked - answered)} have no "
+                          "tool_result block in this message (the one after them)", where)
     for i, block in enumerate(content):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
@@ -153,7 +158,7 @@ def _assistant_message(content: list[dict[str, Any]], where: str) -> dict[str, A
 
 
 # Chat fields by the Messages field that gave them (errors name what the client sent).
-CHAT_TO_MESSAGES = {"stop": "stop_sequences", "thinking_token_budget": "thinking"}
+CHAT_TO_MESSAGES = {"stop": "stop_sequences", "thinking_token_budget": "thinking.budget_tokens"}
 
 
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
@@ -165,6 +170,8 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     for i, turn in enumerate(body.messages):
         where = f"messages[{i}].content"
         if isinstance(turn.content, str):
+            if turn.role == "user" and asked:
+                _user_messages([], where, asked)  # (the calls it leaves unanswered: a 400)
             messages.append({"role": turn.role, "content": turn.content})
         elif turn.role == "user":
             messages += _user_messages(turn.content, where, asked)
@@ -193,8 +200,12 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if body.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
-        if body.thinking.type == "enabled" and body.thinking.budget_tokens is not None:
-            chat["thinking_token_budget"] = body.thinking.budget_tokens
+        budget = body.thinking.budget_tokens
+        if body.thinking.type == "enabled" and budget is not None:
+            if budget >= body.max_tokens:  # the answer would have no room
+                raise OpenAIError(400, f"thinking.budget_tokens ({budget}) must be less than "
+                                  f"max_tokens ({body.max_tokens})", "thinking.budget_tokens")
+            chat["thinking_token_budget"] = budget
     return chat_request_from(chat, CHAT_TO_MESSAGES)
 
 

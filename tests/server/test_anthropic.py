@@ -133,7 +133,13 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                                "content": 7}]}]},
               "messages[2].content[0].content"),
-             ({**body, "stop_sequences": [""]}, "stop_sequences")]
+             ({**body, "stop_sequences": [""]}, "stop_sequences"),
+             ({**body, "temperature": 5}, "temperature"),
+             ({**body, "thinking": {"type": "enabled", "budget_tokens": 4}},
+              "thinking.budget_tokens"),
+             ({**body, "messages": [*ASK, {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                 {"role": "user", "content": "and now?"}]}, "messages[2].content")]
     for bad, param in cases:
         response = _post(server, "/v1/messages", bad)
         assert response.status_code == 400, response.text

@@ -61,8 +61,9 @@ def test_a_budget_needs_a_reasoning_parser(server: RunningServer):
     assert _post(server, "/v1/chat/completions",
                  {**body, "reasoning_effort": "high"}).status_code == 200  # nothing to cap
     # Anthropic's thinking asks for the same budget: the error names its field
-    refused = _post(server, "/v1/messages", {**body, "thinking": {"type": "enabled",
-                                                                  "budget_tokens": 8}})
+    refused = _post(server, "/v1/messages", {**body, "max_tokens": 16, "thinking": {
+        "type": "enabled", "budget_tokens": 8}})
     error = refused.json()["error"]
-    assert refused.status_code == 400 and error["param"] == "thinking"
-    assert error["message"].startswith("thinking needs a server started with --reasoning-parser")
+    assert refused.status_code == 400 and error["param"] == "thinking.budget_tokens"
+    assert error["message"].startswith("thinking.budget_tokens needs a server started with "
+                                       "--reasoning-parser")
