@@ -128,9 +128,15 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(OpenAIError(
                 400, f"the request body is not valid JSON: {reason} (character {where})"),
                 request)
-        param = _param([p for p in first.get("loc", ()) if p != "body"])
+        param = _param([p for p in first.get("loc", ()) if p not in ("body", "query")])
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
             first.get("msg", "invalid request body"))
+        if not param and first.get("loc", ())[:1] == ("body",):  # the body as a whole
+            kind = request.headers.get("content-type", "none")
+            message = ("the request body is empty: send a JSON object"
+                       if first.get("type") == "missing" else
+                       f"the request body must be a JSON object (Content-Type: "
+                       f"application/json; this one: {kind})")
         return error_response(OpenAIError(400, message, param), request)
 
     @app.exception_handler(StarletteHTTPException)

@@ -254,7 +254,10 @@ class OpenAIServingResponses:
                 "instructions": body.instructions, "tools": body.tools or [],
                 "tool_choice": body.tool_choice or "auto",
                 "parallel_tool_calls": body.parallel_tool_calls,
-                "temperature": body.temperature, "top_p": body.top_p,
+                # the values it runs with (OpenAI's defaults where not sent)
+                "temperature": 1.0 if body.temperature is None else body.temperature,
+                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "top_logprobs": body.top_logprobs or 0,
                 "max_output_tokens": body.max_output_tokens,
                 "previous_response_id": body.previous_response_id,
                 "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,

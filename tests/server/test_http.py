@@ -106,6 +106,13 @@ def test_chat_errors(server: RunningServer):
     assert bad_json["message"].startswith("the request body is not valid JSON: ")
     assert bad_json["message"].endswith("(character 1)") and bad_json["param"] is None
     _assert_error(_post(server, "/v1/chat/completions", b"x" * (5 * 2**20)), 413)
+    # curl -d without -H content-type: a form body; the message says what a body must be
+    form = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                      content=b"model=x&messages=hi", headers={
+                          **server.headers, "content-type": "application/x-www-form-urlencoded"})
+    assert "application/json" in _assert_error(form, 400)["message"]
+    empty = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers)
+    assert "body is empty" in _assert_error(empty, 400)["message"]
     wrong_method = httpx.put(server.base_url + "/v1/chat/completions", headers=server.headers)
     assert _assert_error(wrong_method, 405)["type"] == "invalid_request_error"
 

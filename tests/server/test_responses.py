@@ -28,6 +28,8 @@ def test_plain_and_streamed_agree(client: openai.OpenAI):
     assert plain.object == "response" and plain.id.startswith("resp_")
     assert plain.status in ("completed", "incomplete") and plain.output_text.strip()
     assert plain.usage.input_tokens > 10 and 0 < plain.usage.output_tokens <= 16
+    assert plain.temperature == 0 and client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=1).temperature == 1.0  # what it ran with
     kinds, final = [], None
     for event in client.responses.create(**kw, stream=True):
         kinds.append(event.type)
@@ -162,7 +164,10 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                          "text.format.schema"),
                         ({**base, "truncation": "sometimes"}, "truncation"),
                         ({**base, "top_logprobs": 500}, "top_logprobs"),
-                        ({**base, "include": ["bogus"]}, "include[0]")]:
+                        ({**base, "include": ["bogus"]}, "include[0]"),
+                        ({**base, "input": [{"type": "function_call", "call_id": "c1",
+                                             "name": "f", "arguments": "{oops"}]},
+                         "input[0].arguments")]:
         response = _post(server, "/v1/responses", body)
         error = _assert_error(response, 404 if param == "previous_response_id" else 400, param)
         assert "max_tokens" not in error["message"]  # the field as this API calls it
@@ -236,7 +241,8 @@ def test_input_items_list_a_conversation_newest_first(server: RunningServer,
     before = client.responses.input_items.list(second.id, order="asc",
                                                extra_query={"before": items[0].id})
     assert [i.id for i in before.data] == [i.id for i in items[::-1][:3]]
-    for query, param in (({"limit": 0}, "limit"), ({"order": "sideways"}, "order"),
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "abc"}, "limit"),
+                         ({"order": "sideways"}, "order"),
                          ({"after": "msg_none"}, "after")):
         response = httpx.get(f"{server.base_url}/v1/responses/{second.id}/input_items",
                              params=query, headers=server.headers, timeout=60)
