@@ -29,6 +29,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,8 +316,22 @@ class OpenAIServingResponses:
                       shaper: ChoiceShaper, tenant: str | None,
                       turn: _Turn) -> AsyncIterator[bytes]:
         events = _EventStream(base["id"])
-        yield events.emit("response.created", {"response": base})
-        yield events.emit("response.in_progress", {"response": base})
+        try:
+            yield events.emit("response.created", {"response": base})
+            yield events.emit("response.in_progress", {"response": base})
+            async with aclosing(self._stream_events(body, base, stream, shaper, tenant, turn,
+                                                    events)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:  # a client gone before the end: stored as cancelled, with what it got
+            if body.store and not events.finished:
+                events.close("incomplete")
+                self.store.put(tenant, _Stored({**base, "status": "cancelled",
+                                                "output": events.items}, turn, time.time()))
+
+    async def _stream_events(self, body: ResponsesRequest, base: dict[str, Any],
+                             stream: RequestStream, shaper: ChoiceShaper, tenant: str | None,
+                             turn: _Turn, events: _EventStream) -> AsyncIterator[bytes]:
         final = None
         sent = 0  # tokens whose logprobs an output_text delta has carried
         try:
@@ -331,6 +346,7 @@ class OpenAIServingResponses:
                 for chunk in events.feed(delta, logprobs):
                     yield chunk
         except Exception as exc:  # Responses' error event: type "error", code, message, param
+            events.finished = True
             error = stream_error(exc)["error"]
             yield events.emit("error", {"code": error["code"] or error["type"],
                                         "message": error["message"], "param": error["param"]})
@@ -340,6 +356,7 @@ class OpenAIServingResponses:
             yield chunk
         if final is not None:
             response = self._finish(body, base, final, shaper, tenant, turn, events.items)
+            events.finished = True
             kind = "response.completed" if response["status"] == "completed" \
                 else "response.incomplete"
             yield events.emit(kind, {"response": response})
@@ -354,6 +371,7 @@ class _EventStream:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self.open: str | None = None
+        self.finished = False  # the response is complete (and stored, if asked) or failed
 
     def emit(self, kind: str, payload: dict[str, Any]) -> bytes:
         self.sequence += 1

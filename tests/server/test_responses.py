@@ -77,6 +77,30 @@ def test_logprobs_come_with_the_text_streamed_or_not(client: openai.OpenAI):
     assert without.output[0].content[0].logprobs == []
 
 
+def test_a_stream_the_client_leaves_is_stored_as_cancelled(server: RunningServer,
+                                                           client: openai.OpenAI):
+    body = {"model": MODEL, "input": "Write a very long story about dragons.",
+            "max_output_tokens": 600, "stream": True}
+    response_id = None
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body,
+                      headers=server.headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and response_id is None:
+                response_id = json.loads(line[6:])["response"]["id"]
+            if line.startswith("data: ") and "output_text.delta" in line:
+                break  # leave mid-stream, some text received
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            left = client.responses.retrieve(response_id)
+            break
+        except openai.NotFoundError:
+            assert time.monotonic() < deadline, "never stored"
+            time.sleep(0.1)
+    assert left.status == "cancelled" and left.output[0].type == "message"
+    assert left.output[0].content[0].text and left.output[0].status == "incomplete"
+
+
 def test_the_item_max_output_tokens_cuts_short_is_incomplete(client: openai.OpenAI):
     kw = dict(model=MODEL, input="Write a long story about a cat.", temperature=0,
               max_output_tokens=3)
