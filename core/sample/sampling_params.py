@@ -13,7 +13,7 @@ def check_truncate_prompt_tokens(value: int | None) -> None:
     """ValueError unless `value` is None, -1 or a positive integer."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                               or (value < 1 and value != -1)):
-        raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or a positive "
+        raise ValueError("truncate_prompt_tokens must be -1 (as many as fit) or a positive "
                          f"integer, got {value!r}")
 
 

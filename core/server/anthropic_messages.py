@@ -106,8 +106,8 @@ def _user_messages(content: list[dict[str, Any]], where: str, asked: set[str]
     text."""
     out: list[dict[str, Any]] = []
     text = []
-    answered = {block.get("tool_use_id") for block in content if block.get("type") ==
-                "tool_result"}
+    answered = {block["tool_use_id"] for block in content if block.get("type") == "tool_result"
+                and isinstance(block.get("tool_use_id"), str)}
     if asked - answered:  # as Anthropic refuses it: every call is answered at once
         raise OpenAIError(400, f"{where}: tool_use ids {sorted(asked - answered)} have no "
                           "tool_result block in this message (the one after them)", where)
