@@ -69,6 +69,29 @@ class _Stored:
     created: float
 
 
+@dataclass
+class _Running:
+    """A background response on its way: what cancel stops, and the output it has so far."""
+
+    task: asyncio.Future
+    stream: RequestStream
+    shaper: ChoiceShaper
+    latest: RequestOutput | None = None
+
+    def partial(self, base: dict[str, Any], status: str = "cancelled") -> dict[str, Any]:
+        """The response as far as it got (its last item in progress, or incomplete once
+        cancelled)."""
+        if self.latest is None:
+            return {**base, "status": status}
+        c = self.latest.outputs[0]
+        message, _ = self.shaper.message(c.text, None)
+        items = output_items(message, ResponseIds(base["id"]))
+        if items:
+            items[-1]["status"] = "incomplete" if status == "cancelled" else status
+        return {**base, "status": status, "output": items,
+                "usage": response_usage(self.latest)}
+
+
 class ResponseStore:
     """Responses by (tenant, id): at most `max_items`, each for `ttl` seconds."""
 
@@ -113,13 +136,18 @@ class OpenAIServingResponses:
         self.chat = chat
         self.store = store or ResponseStore()
         # Background responses still running: their task and engine stream.
-        self._background: dict[tuple[str | None, str], tuple[asyncio.Task, RequestStream]] = {}
+        self._background: dict[tuple[str | None, str], _Running] = {}
 
     def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
-        stored = self.store.get(request_tenant(raw.scope), response_id)
+        """A stored response; a background one still running, with its output so far."""
+        tenant = request_tenant(raw.scope)
+        stored = self.store.get(tenant, response_id)
         if stored is None:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
                               "not_found")
+        running = self._background.get((tenant, response_id))
+        if running is not None and running.latest is not None:
+            return running.partial(stored.response, "in_progress")
         return stored.response
 
     def input_items(self, response_id: str, raw: Request, limit: int = 20,
@@ -170,11 +198,10 @@ class OpenAIServingResponses:
         running = self._background.pop((tenant, response_id), None)
         if running is None:
             return stored.response
-        cancelled = {**stored.response, "status": "cancelled"}
+        cancelled = running.partial(stored.response)
         self.store.put(tenant, _Stored(cancelled, stored.turn, time.time()))
-        task, stream = running
-        task.cancel()
-        stream.close()  # aborts the engine request (also if the task never started)
+        running.task.cancel()
+        running.stream.close()  # aborts the engine request (also if the task never started)
         return cancelled
 
     async def create(self, body: ResponsesRequest, raw: Request
@@ -210,9 +237,9 @@ class OpenAIServingResponses:
         if body.background:
             queued = {**base, "status": "queued"}
             self.store.put(tenant, _Stored(queued, turn, time.time()))
-            task = asyncio.ensure_future(
-                self._run_background(body, base, stream, shaper, tenant, turn))
-            self._background[(tenant, response_id)] = (task, stream)
+            running = _Running(asyncio.ensure_future(
+                self._run_background(body, base, stream, shaper, tenant, turn)), stream, shaper)
+            self._background[(tenant, response_id)] = running
             return JSONResponse(queued)
         final = await self.chat.collect(stream, raw)
         response = self._finish(body, base, final, shaper, tenant, turn)
@@ -299,7 +326,9 @@ class OpenAIServingResponses:
         try:
             final = None
             async for final in stream.outputs():
-                pass
+                running = self._background.get(key)
+                if running is not None:  # (cancel reads how far it got)
+                    running.latest = final
             if final is not None:
                 self._finish(body, base, final, shaper, tenant, turn)
         except Exception as exc:  # the engine failed it: the stored response says so

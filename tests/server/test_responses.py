@@ -228,6 +228,17 @@ def test_background_response_runs_on_and_a_cancel_stops_it(server: RunningServer
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(long.id).status == "cancelled"
+    # Cancelled once it has written: the text so far, and what it took
+    running = client.responses.create(model=MODEL, input="Write a very long story.",
+                                      max_output_tokens=900, background=True)
+    deadline = time.monotonic() + 60
+    while not client.responses.retrieve(running.id).output_text:  # GET: the text so far
+        assert time.monotonic() < deadline, "no output while in progress"
+        time.sleep(0.1)
+    partial = client.responses.cancel(running.id)
+    assert partial.status == "cancelled" and partial.output[0].status == "incomplete"
+    assert partial.output_text and partial.usage.output_tokens > 0
+    assert client.responses.retrieve(running.id).output_text == partial.output_text
     deadline = time.monotonic() + 30
     while server.metrics()["pkv:num_requests_running"] and time.monotonic() < deadline:
         time.sleep(0.1)  # the abort reaches the engine between steps
