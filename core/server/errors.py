@@ -93,11 +93,11 @@ def error_bytes(status: int, message: str, path: str, param: str | None = None) 
 def _param(loc: list[str | int]) -> str | None:
     """The field a validation error is about, as the client wrote it: the top-level field
     (not pydantic's union branch or a dict key inside it), and for messages the message and
-    its field (`messages[2].role`)."""
+    its field (`messages[2].role`), as for tools (`tools[0].input_schema`)."""
     if not loc:
         return None
     param = str(loc[0])
-    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+    if param in ("messages", "tools") and len(loc) > 1 and isinstance(loc[1], int):
         param += f"[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 else "")
     return param
 

@@ -135,6 +135,7 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
               "messages[2].content[0].content"),
              ({**body, "stop_sequences": [""]}, "stop_sequences"),
              ({**body, "temperature": 5}, "temperature"),
+             ({**body, "tools": [{"name": "f"}]}, "tools[0].input_schema"),
              ({**body, "thinking": {"type": "enabled", "budget_tokens": 4}},
               "thinking.budget_tokens"),
              ({**body, "messages": [*ASK, {"role": "assistant", "content": [

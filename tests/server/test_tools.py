@@ -120,7 +120,8 @@ BAD = [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ({"tools": None, "tool_choice": NAMED}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+     "tools[0].function"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "required": 5}}}]}, "tools"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
