@@ -190,3 +190,36 @@ def test_the_kv_disk_tier_with_micro_batches_in_flight(tmp_path: Path,
     assert engine.runner.num_blocks == 24
     assert got == want
     assert stats.writes > 0 and stats.hits > 0 and stats.drops == 0
+
+
+def test_prompt_logprobs_under_a_split_equal_one_rank(tmp_path: Path, smol_hf_dir: Path
+                                                      ) -> None:
+    """Every rank computes the logits of the prompt rows too (the head's gather is a
+    collective), the driver reads them; chunked prefill splits the prompt. Pipeline
+    parallelism refuses them in one line."""
+    model = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama", num_hidden_layers=4)
+    options = dict(max_model_len=128, block_size=4, kv_cache_memory="4MiB",
+                   max_num_batched_tokens=16, show_progress=False)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    prompts = [PROMPT_IDS[1], PROMPT_IDS[3]]
+
+    def run(llm: LLM) -> list[list]:
+        try:
+            return [o.prompt_logprobs for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+
+    expected = run(LLM(str(model), **options))
+    got = run(LLM(str(model), **options, tensor_parallel_size=2))
+    assert [len(e) for e in got] == [len(p) for p in prompts]
+    for want, have in zip(expected, got):
+        for a, b in zip(want[1:], have[1:]):
+            assert a.keys() == b.keys()
+            assert [lp.logprob for lp in a.values()] == pytest.approx(
+                [lp.logprob for lp in b.values()], abs=1e-4)
+    piped = LLM(str(model), **options, pipeline_parallel_size=2, pp_layer_partition="1,3")
+    try:
+        with pytest.raises(ValueError, match="prompt_logprobs is not served under pipeline"):
+            piped.generate(prompts, params)
+    finally:
+        piped.shutdown()
