@@ -209,8 +209,9 @@ class InputProcessor:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_context_length(len(prompt_ids), params.max_tokens, self.limits.max_model_len)
         vocab = self.limits.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        for name in ("stop_token_ids", "think_start_token_ids", "think_end_token_ids"):
+            if any(not 0 <= t < vocab for t in getattr(params, name) or []):
+                raise ValueError(f"{name} must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias or {}):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
 

@@ -217,12 +217,16 @@ class LLM:
         with make_progress(transient=True, disable=not show) as progress:
             task = progress.add_task("Generating", total=len(ids), info="", visible=show)
             generated = 0
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        finals[output.request_id] = output
-                        progress.advance(task)
-                generated = sum(len(c.token_ids) for o in finals.values()
-                                if isinstance(o, RequestOutput) for c in o.outputs)
-                progress.update(task, info=f"{generated}/{expected_tokens or '?'} tokens")
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finals[output.request_id] = output
+                            progress.advance(task)
+                    generated = sum(len(c.token_ids) for o in finals.values()
+                                    if isinstance(o, RequestOutput) for c in o.outputs)
+                    progress.update(task, info=f"{generated}/{expected_tokens or '?'} tokens")
+            except BaseException:  # Ctrl-C or a failed step: the call's requests end with it
+                engine.abort_request([i for i in ids if i not in finals])
+                raise
         return finals

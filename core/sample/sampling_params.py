@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from pkv.core.structured_output.params import StructuredOutputsParams
 
 
+_INTEGERS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+             "thinking_token_budget", "truncate_prompt_tokens")
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")
+_TOKEN_LISTS = ("stop_token_ids", "think_start_token_ids", "think_end_token_ids")
+
+
 def check_truncate_prompt_tokens(value: int | None) -> None:
     """ValueError unless `value` is None, -1 or a positive integer."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -56,6 +63,7 @@ class SamplingParams:
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self._stop = [self.stop]
         else:
@@ -64,6 +72,27 @@ class SamplingParams:
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0  # vLLM uses -1 for "off"; both mean off here.
         self._validate()
+
+    def _check_types(self) -> None:
+        """ValueError naming the first field of the wrong type: each is checked here, once,
+        not deep in a step (a float `logprobs` failed in the sampler's topk)."""
+        for name in _INTEGERS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in _TOKEN_LISTS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+                raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
 
     def _validate(self) -> None:
         def check(ok: bool, message: str) -> None:

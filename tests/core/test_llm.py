@@ -135,6 +135,13 @@ def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, messag
     ({"min_p": 2.0}, "min_p"),
     ({"logprobs": 50}, "logprobs"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    # wrong types are refused here, not deep in a step (a float logprobs broke topk)
+    ({"logprobs": 2.5}, "logprobs must be an integer"),
+    ({"max_tokens": "3"}, "max_tokens must be an integer"),
+    ({"n": True}, "n must be an integer"),
+    ({"temperature": "1"}, "temperature must be a number"),
+    ({"stop": 5}, "stop must be a string"),
+    ({"think_end_token_ids": [1.5]}, "think_end_token_ids must be a list of token ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str):
     with pytest.raises(ValueError, match=field):
@@ -160,6 +167,34 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(smol_llm: LLM):
     fitted = smol_llm.generate([[7] * (limit + 50)], SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, truncate_prompt_tokens=-1))[0]
     assert len(fitted.prompt_token_ids) == limit - 3 and len(fitted.outputs[0].token_ids) == 3
+
+
+def test_a_failed_or_interrupted_call_leaves_nothing_running(smol_llm: LLM):
+    """A token id outside the vocabulary is refused before any work; a step that fails (or
+    a Ctrl-C) ends the call's requests, so the next call runs alone and no block is held."""
+    engine = smol_llm.llm_engine
+    with pytest.raises(ValueError, match="think_end_token_ids must be in"):
+        smol_llm.generate(PROMPT, SamplingParams(thinking_token_budget=0,
+                                                 think_end_token_ids=[10**9]))
+    calls = 0
+    step = engine.step
+
+    def interrupted():  # noqa: ANN202
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            smol_llm.generate([PROMPT] * 4, SamplingParams(max_tokens=400, ignore_eos=True))
+    finally:
+        del engine.step
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().num_blocks_used == 0
+    assert _text(smol_llm, "Hello", temperature=0, max_tokens=3)
 
 
 def test_bfloat16_weights_run(tiny_llama_dir):
