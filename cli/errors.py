@@ -7,8 +7,10 @@ from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-_USER_ERRORS = (ValueError, FileNotFoundError, PermissionError)
+# OSError: a path that is a file where a folder must be (or the reverse), a full disk, ...
+_USER_ERRORS = (ValueError, OSError)
 
 
 @contextmanager
@@ -17,7 +19,8 @@ def user_errors(console: Console | None = None) -> Iterator[None]:
     try:
         yield
     except _USER_ERRORS as exc:
-        (console or Console(stderr=True)).print(f"[bold red]error:[/] {exc}", highlight=False,
-                                              soft_wrap=True)  # one line, never wrapped
+        # (the message as text: a path or hint in [brackets] is not Rich markup)
+        (console or Console(stderr=True)).print(f"[bold red]error:[/] {escape(str(exc))}",
+                                              highlight=False, soft_wrap=True)  # one line
         raise typer.Exit(code=2) from None
 

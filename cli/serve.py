@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -204,7 +205,7 @@ def _check(options: dict[str, Any]) -> None:
                               source.config.vocab_size)
     else:
         model = f"{config.model} (not on this machine; checked again when serving)"
-    console.print(f"[bold green]config OK[/]: model {model}, tensor_parallel_size "
+    console.print(f"[bold green]config OK[/]: model {escape(model)}, tensor_parallel_size "
                   f"{config.tensor_parallel_size}, pipeline_parallel_size "
                   f"{config.pipeline_parallel_size}, quantization {config.quantization}",
                   highlight=False, soft_wrap=True)

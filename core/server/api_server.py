@@ -55,6 +55,11 @@ class ServerConfig:
     lora_dir: str | None = None  # adapters load only from under this folder (when set)
 
     def __post_init__(self) -> None:
+        # A key list with no key in it would leave the server open while saying it is not.
+        if self.api_key is not None and (not isinstance(self.api_key, str)
+                                         or not split_keys(self.api_key)):
+            raise ValueError(f"api_key must hold at least one key (k1,k2,...), got "
+                             f"{self.api_key!r}")
         for name, value in (("max_body_bytes", self.max_body_bytes),
                             ("max_waiting_requests", self.max_waiting_requests)):
             if not isinstance(value, int) or value < 1:

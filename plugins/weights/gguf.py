@@ -140,10 +140,20 @@ class GGUFFile:
                              f"{self.arch!r} GGUF")
         return int(value)
 
+    def positive(self, name: str, default: Any = None) -> int:
+        """A count that must be above zero (`default` where the file may leave it out)."""
+        value = self.needed(name) if default is None else int(self.key(name, default))
+        if value < 1:
+            raise ValueError(f"{self.path.name}: {self.arch}.{name} is {value}; not a "
+                             "readable GGUF")
+        return value
+
     def _common_config(self) -> dict[str, Any]:
-        heads = self.needed("attention.head_count")
-        hidden = self.needed("embedding_length")
-        head_dim = int(self.key("attention.key_length", hidden // heads))
+        heads = self.positive("attention.head_count")
+        hidden = self.positive("embedding_length")
+        head_dim = self.positive("attention.key_length", hidden // heads)
+        kv_heads = self.positive("attention.head_count_kv", heads)
+        context = self.positive("context_length", 2048)
         if "token_embd.weight" not in self.names:
             raise ValueError(f"{self.path.name} has no token_embd.weight: not a complete "
                              f"{self.arch!r} GGUF")
@@ -152,13 +162,13 @@ class GGUFFile:
             "vocab_size": self.hf_shape("token_embd.weight")[0],
             "hidden_size": hidden,
             "intermediate_size": self.needed("feed_forward_length"),
-            "num_hidden_layers": self.needed("block_count"),
+            "num_hidden_layers": self.positive("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self.key("attention.head_count_kv", heads)),
+            "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
             "rms_norm_eps": float(self.key("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_parameters": self.rope_parameters(),
-            "max_position_embeddings": int(self.key("context_length", 2048)),
+            "max_position_embeddings": context,
             "tie_word_embeddings": "output.weight" not in self.names,
             "attention_bias": "blk.0.attn_q.bias" in self.names,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),

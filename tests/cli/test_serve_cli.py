@@ -55,6 +55,15 @@ def test_a_shipped_recipe_is_found_by_name_and_a_missing_one_lists_them() -> Non
     assert "Traceback" not in missing.output
 
 
+def test_names_in_brackets_print_as_written(tmp_path: Path) -> None:
+    """Paths and ids are text, not Rich markup: `[/bad]` once crashed the error line."""
+    missing = _serve(str(tmp_path / "[/bad]"))
+    assert missing.exit_code == 2 and "[/bad]" in missing.output
+    assert "Traceback" not in missing.output
+    remote = _serve("org/mod[v2]", "--check")
+    assert remote.exit_code == 0 and "org/mod[v2]" in remote.output
+
+
 def test_check_rejects_bad_configs_without_loading(tmp_path: Path, tiny_llama_dir: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"model: {tiny_llama_dir}\ntensor-parallel-size: 3\n")
@@ -95,6 +104,7 @@ def test_check_rejects_tasks_and_partitions_the_model_cannot_take(args: list[str
     (["--max-body-bytes", "-1"], "max_body_bytes must be a positive integer"),
     (["--max-n", "0"], "max_n must be an integer >= 1"),
     (["--step-timeout", "0"], "step_timeout must be a positive number of seconds"),
+    (["--api-key", " , "], "api_key must hold at least one key"),  # (would leave it open)
 ])
 def test_check_rejects_what_serving_would(args: list[str], says: str) -> None:
     result = _serve(*args, "--check")

@@ -58,6 +58,21 @@ def test_truncated_gguf_is_a_clear_error(tmp_path: Path, smol_gguf: Path) -> Non
         open_model(str(truncated))
 
 
+@pytest.mark.parametrize("field, method", [
+    ("attention.head_count", "add_head_count"), ("embedding_length", "add_embedding_length"),
+    ("attention.head_count_kv", "add_head_count_kv"), ("context_length", "add_context_length")])
+def test_a_zero_count_in_a_gguf_is_a_clear_error(tmp_path: Path, field: str, method: str
+                                                 ) -> None:
+    from pkv.tests.gguf_writer import write_fields_gguf
+
+    fields = {"add_block_count": 1, "add_context_length": 128, "add_embedding_length": 64,
+              "add_feed_forward_length": 128, "add_head_count": 4, "add_head_count_kv": 2}
+    path = write_fields_gguf(tmp_path / "zero.gguf", "llama", {**fields, method: 0})
+    with pytest.raises(ValueError, match=f"llama.{field} is 0; not a readable GGUF") as caught:
+        open_model(str(path)).config  # noqa: B018 - reading it is the check
+    assert "\n" not in str(caught.value)
+
+
 def test_remote_code_is_never_run(tmp_path: Path, tiny_llama_dir: Path) -> None:
     folder = tmp_path / "remote"
     shutil.copytree(tiny_llama_dir, folder)
