@@ -5,6 +5,7 @@ Field docstrings (the `help` metadata) double as CLI help text in `pkv serve`.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -39,6 +40,13 @@ def parse_memory_size(value: int | float | str, name: str = "kv_cache_memory") -
     if size <= 0:
         raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return size
+
+
+# The option types EngineConfig's annotations name, as Python types (bool is not an int here).
+_KINDS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
+                                      "bool": (bool,), "None": (type(None),), "dict": (dict,)}
+_KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+               "None": "unset", "dict": "a mapping"}
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -118,6 +126,9 @@ class EngineConfig:
         "also prompt_lookup_min/max, disable_by_batch_size.")
 
     def __post_init__(self) -> None:
+        self._check_types()
+        if not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in _DTYPES:
@@ -210,6 +221,20 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_types(self) -> None:
+        """ValueError naming the first option of the wrong type (YAML reads `1e3` as a
+        string, say), before any check compares it."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kinds = [part.strip().split("[")[0] for part in str(f.type).split("|")]
+            if isinstance(value, os.PathLike) and "str" in kinds:  # a Path names a file too
+                value = os.fspath(value)
+                setattr(self, f.name, value)
+            allowed = tuple(t for k in kinds for t in _KINDS.get(k, ()))
+            if isinstance(value, bool) and "bool" not in kinds or not isinstance(value, allowed):
+                wanted = " or ".join(_KIND_NAMES.get(k, k) for k in kinds)
+                raise ValueError(f"{f.name} must be {wanted}, got {value!r}")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> EngineConfig:

@@ -55,6 +55,23 @@ def test_a_shipped_recipe_is_found_by_name_and_a_missing_one_lists_them() -> Non
     assert "Traceback" not in missing.output
 
 
+@pytest.mark.parametrize("yaml, says", [
+    ("max-num-seqs: abc", "max_num_seqs must be an integer, got 'abc'"),
+    ("max-model-len: 1e3", "max_model_len must be an integer or unset, got '1e3'"),
+    ("memory-utilization: '0.5'", "memory_utilization must be a number"),
+    ("enable-prefix-caching: maybe", "enable_prefix_caching must be true or false"),
+    ("seed: 99999999999999999999999", "seed must be a 64-bit integer"),
+    ("api-key: 12345", "api_key must hold at least one key"),
+])
+def test_yaml_values_of_the_wrong_type_are_one_line_errors(tmp_path: Path, yaml: str,
+                                                          says: str) -> None:
+    config = tmp_path / "typed.yaml"
+    config.write_text(yaml + "\n")
+    result = _serve("--config", str(config), "--check")
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert "Traceback" not in result.output
+
+
 def test_names_in_brackets_print_as_written(tmp_path: Path) -> None:
     """Paths and ids are text, not Rich markup: `[/bad]` once crashed the error line."""
     missing = _serve(str(tmp_path / "[/bad]"))
