@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from pkv.cli.http import get_json
+
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city.",
@@ -76,4 +78,4 @@ async def forced_calls(base: str, headers: dict[str, str], model: str, count: in
 
 
 def first_model(base: str, headers: dict[str, str]) -> Any:
-    return httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    return get_json(base, "/v1/models", headers)["data"][0]["id"]

@@ -121,6 +121,10 @@ def make_prompts(vocab_ids: list[int], num_prompts: int, input_len: int, seed: i
         except json.JSONDecodeError as exc:
             raise ValueError(f"dataset {dataset} is not JSONL: {exc}") from None
         texts = [e["prompt"] if isinstance(e, dict) and "prompt" in e else str(e) for e in lines]
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t), None)
+        if bad is not None:
+            raise ValueError(f"dataset {dataset} line {bad + 1}: the prompt must be a non-empty "
+                             f"string, got {texts[bad]!r}")
         if not texts:
             raise ValueError(f"dataset {dataset} has no prompts")
         return [tokenize(texts[i % len(texts)]) for i in range(num_prompts)]

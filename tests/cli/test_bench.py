@@ -93,6 +93,8 @@ def test_dataset_prompts(tmp_path: Path, tiny_llama_dir: Path):
     (["--baseline", "openai", "--url", "http://127.0.0.1:9"], "cannot reach"),
     (["--baseline", "vllm"], "--baseline must be"),
     (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--num-prompts", "-1"], "Invalid value for '--num-prompts'"),
+    (["--json", "/"], "--json / is a folder"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_llama_dir: Path, args: list[str], message: str):
     result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", *args)
@@ -105,11 +107,19 @@ def test_empty_dataset(tmp_path: Path, tiny_llama_dir: Path):
     empty.write_text("\n")
     result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", "--dataset", str(empty))
     assert result.exit_code == 2 and "has no prompts" in result.output
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"prompt": "fine"}\n{"prompt": 1}\n')
+    result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", "--dataset", str(numbers))
+    assert result.exit_code == 2 and "line 2: the prompt must be a non-empty string" in \
+        result.output
 
 
 def test_unreachable_server_for_bench_serve():
     result = _bench("serve", "--url", "http://127.0.0.1:9", "--concurrency", "1")
     assert result.exit_code == 2 and "cannot reach" in result.output
+    tools = _bench("tools", "--url", "http://127.0.0.1:9")
+    assert tools.exit_code == 2 and "cannot reach" in tools.output
+    assert "Traceback" not in tools.output
 
 
 def test_soak_short_run_on_a_real_server(tmp_path: Path, tiny_llama_dir: Path):

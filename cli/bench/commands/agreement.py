@@ -16,7 +16,7 @@ def agreement(
     model: Annotated[Optional[str], typer.Argument(help="HF folder, .gguf or Hub id; default: bundled")] = None,
     awq_activations: Annotated[str, typer.Option(help="The activations measured: int8, int16 or float32.")] = "int8",
     kv_cache_dtype: Annotated[str, typer.Option(help="The KV cache dtype measured (e.g. int8, fp8_e4m3); auto: float32.")] = "auto",
-    num_prompts: Annotated[int, typer.Option(help="Prompts: the start of one of pkv's source files each.")] = 16,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Prompts: the start of one of pkv's source files each.")] = 16,
     input_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 32,
     output_len: Annotated[int, typer.Option(help="Greedy tokens per prompt: positions = prompts x this.")] = 125,
 ) -> None:

@@ -17,7 +17,7 @@ def compare(
     candidate: Annotated[str, typer.Argument(help="The model measured (B): HF folder, .gguf or Hub id, e.g. the output of `pkv quantize --awq`.")],
     baseline_model: Annotated[Optional[str], typer.Option(help="The model it is measured against (A); default: bundled SmolLM2, float32.")] = None,
     batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,64",
-    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: 2 x batch, at least 4).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(min=1, help="Requests per run (default: 2 x batch, at least 4).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     rounds: Annotated[int, typer.Option(help="Runs of each model per batch size, in turn (A B, B A, ...); the ratio is taken per round.")] = 3,

@@ -17,7 +17,7 @@ def lora(
     lora_modules: Annotated[list[str], typer.Option(help="NAME=PATH of a PEFT LoRA adapter (repeat the flag).")],
     model: Annotated[Optional[str], typer.Argument(help="The adapters' base model; default: bundled SmolLM2.")] = None,
     batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated (batch 1 uses the first adapter; larger ones all, evenly).")] = "1,64",
-    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: 2 x batch, at least 4).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(min=1, help="Requests per run (default: 2 x batch, at least 4).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",

@@ -25,7 +25,7 @@ def run(
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a Hub id.")] = None,
     gguf_file: Annotated[Optional[str], typer.Option(help="The .gguf to load from a Hub id or folder.")] = None,
     batch: Annotated[str, typer.Option(help="Concurrent sequences; a list (1,16,64) sweeps.")] = "256",
-    num_prompts: Annotated[Optional[int], typer.Option(help="Requests (default 2 x batch).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(min=1, help="Requests (default 2 x batch).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first.")] = 0,
@@ -93,6 +93,8 @@ def _run_offline(o: dict[str, Any]) -> None:
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.sample.sampling_params import SamplingParams
 
+    if o["json_path"] is not None and o["json_path"].is_dir():  # known before the runs
+        raise ValueError(f"--json {o['json_path']} is a folder; give the file to write")
     headers = auth_headers(o["api_key"])
     url = base_url(o["url"]) if o["url"] else ""
     remote_model = check_server(url, headers) if o["baseline"] == "openai" else None

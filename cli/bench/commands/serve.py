@@ -19,7 +19,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Bearer key.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model name (default: the server's first).")] = None,
     concurrency: Annotated[str, typer.Option(help="Concurrent requests; a list sweeps.")] = "1,16,64",
-    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per level (default 2 x concurrency).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(min=1, help="Requests per level (default 2 x concurrency).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt length (about, in tokens).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     request_rate: Annotated[float, typer.Option(help="Poisson arrivals per second (inf: all at once).")] = float("inf"),

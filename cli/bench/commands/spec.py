@@ -18,7 +18,7 @@ def spec(
     speculative_config: Annotated[str, typer.Option(help='Speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.')] = '{"method": "ngram", "num_speculative_tokens": 4}',
     workload: Annotated[str, typer.Option(help="Workloads, comma-separated: repeat, synthetic.")] = "repeat,synthetic",
     batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1",
-    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: 2 x batch, at least 4).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(min=1, help="Requests per run (default: 2 x batch, at least 4).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens of synthetic prompts.")] = 32,
     shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first (a cached document: the draft's K/V of it is reused).")] = 0,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
