@@ -152,6 +152,9 @@ def _server_config(options: dict[str, Any]) -> Any:
     from pkv.core.server.api_server import ServerConfig
     from pkv.core.server.serving_engine import ServerLimits
 
+    if not 0 <= options["shutdown_timeout"] < float("inf"):
+        raise ValueError("shutdown_timeout must be a finite number of seconds >= 0, got "
+                         f"{options['shutdown_timeout']}")
     return ServerConfig(
         served_model_name=options["served_model_name"] or "",
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],

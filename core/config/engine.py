@@ -170,7 +170,7 @@ class EngineConfig:
         if self.awq_activations not in _AWQ_ACTIVATIONS:
             raise ValueError(f"awq_activations must be one of {', '.join(_AWQ_ACTIVATIONS)}, "
                              f"got {self.awq_activations!r}")
-        if self.structured_outputs_timeout <= 0:
+        if not 0 < self.structured_outputs_timeout < float("inf"):
             raise ValueError("structured_outputs_timeout must be > 0 seconds, got "
                              f"{self.structured_outputs_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -40,8 +40,11 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 def resolve_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
     """(text or token ids, cache salt) of a prompt in any of the forms `generate` takes."""
-    if not isinstance(prompt, dict):
+    if isinstance(prompt, (str, list)):  # (the engine checks the text or the ids)
         return prompt, None
+    if not isinstance(prompt, dict):
+        raise ValueError(f"a prompt is a string, a list of token ids or a prompt dict, not "
+                         f"{type(prompt).__name__} {str(prompt)[:40]!r}")
     unknown = sorted(set(prompt) - _PROMPT_KEYS)
     if unknown:
         raise ValueError(f"prompt dicts take prompt or prompt_token_ids (and cache_salt); "
@@ -51,6 +54,8 @@ def resolve_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
     if "prompt" in prompt and not isinstance(prompt["prompt"], str):
         raise ValueError("prompt must be a string (token ids go in prompt_token_ids)")
     body = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    if "prompt_token_ids" in prompt and not isinstance(body, list):
+        raise ValueError("prompt_token_ids must be a list of token ids")
     salt = prompt.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError("cache_salt must be a string")
@@ -146,6 +151,10 @@ class LLM:
     def classify(self, prompts: Prompt | Sequence[Prompt],
                  use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
         """A classifier's scores per label (`outputs.probs`) for each prompt."""
+        task = self.llm_engine.task
+        if task != "classify":  # (an embedding model would hand back its vectors)
+            raise ValueError(f"classify needs a classifier (task=classify); this model serves "
+                             f"task={task}")
         bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
         return self._pool(bodies, PoolingParams(), use_tqdm)
 
@@ -186,6 +195,9 @@ class LLM:
     def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if prompts is None or isinstance(prompts, (int, float, bytes, bytearray)):
+            raise ValueError(f"prompts are a string, token ids, a prompt dict or a list of "
+                             f"them, not {type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and isinstance(prompts[0], int):
             return [prompts]  # one prompt given as token ids

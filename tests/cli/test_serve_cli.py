@@ -122,6 +122,8 @@ def test_check_rejects_tasks_and_partitions_the_model_cannot_take(args: list[str
     (["--max-n", "0"], "max_n must be an integer >= 1"),
     (["--step-timeout", "0"], "step_timeout must be a positive number of seconds"),
     (["--api-key", " , "], "api_key must hold at least one key"),  # (would leave it open)
+    (["--shutdown-timeout", "nan"], "shutdown_timeout must be a finite number"),
+    (["--structured-outputs-timeout", "inf"], "structured_outputs_timeout must be > 0"),
 ])
 def test_check_rejects_what_serving_would(args: list[str], says: str) -> None:
     result = _serve(*args, "--check")

@@ -114,6 +114,8 @@ def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
     ("hi", SamplingParams(max_tokens=600), "max_model_len"),
     ([10**9], SamplingParams(), "token ids"),
     ({"prompt": [1, 2]}, SamplingParams(), "prompt must be a string"),
+    (None, SamplingParams(), "a prompt is a string, a list of token ids or a prompt dict"),
+    ({"prompt_token_ids": "abc"}, SamplingParams(), "prompt_token_ids must be a list"),
     ({"prompt": "a", "prompt_token_ids": [1]}, SamplingParams(), "exactly one of prompt"),
     ({"prompt": "a", "multi_modal_data": {}}, SamplingParams(), "not multi_modal_data"),
 ])
@@ -167,6 +169,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(smol_llm: LLM):
     fitted = smol_llm.generate([[7] * (limit + 50)], SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, truncate_prompt_tokens=-1))[0]
     assert len(fitted.prompt_token_ids) == limit - 3 and len(fitted.outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("prompts", [None, 5, b"hello"])
+def test_prompts_of_no_kind_are_refused(smol_llm: LLM, prompts: object):
+    with pytest.raises(ValueError, match="prompts are a string, token ids"):
+        smol_llm.generate(prompts)  # type: ignore[arg-type]
 
 
 def test_a_failed_or_interrupted_call_leaves_nothing_running(smol_llm: LLM):

@@ -137,6 +137,8 @@ def test_embedding_model_scores_by_cosine(bert_dirs: dict[str, Path]):
     assert len(llm.score(["w1", "w2"], ["w3", "w4"])) == 2
     with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
         llm.score(["w1", "w2"], ["w3", "w4", "w5"])
+    with pytest.raises(ValueError, match="classify needs a classifier"):
+        llm.classify("w1 w2")  # (an embedding model's vectors are not label scores)
 
 
 @pytest.fixture(scope="module")
