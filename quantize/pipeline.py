@@ -3,6 +3,8 @@ perplexity. Every input is checked before anything is written."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -77,6 +79,20 @@ def check_options(opts: QuantizeOptions) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if opts.group_size is not None and opts.group_size < 2:
         raise ValueError(f"--group-size must be >= 2, got {opts.group_size}")
+    _check_writable(opts.output)
+
+
+def _check_writable(output: Path) -> None:
+    """A ValueError now, not after minutes of search, where `output` cannot be made: a
+    folder made and removed in its nearest existing parent (nothing is left behind)."""
+    parent = output.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError as exc:
+        raise ValueError(f"cannot write --output {output}: {parent} is not a writable "
+                         f"folder ({exc.strerror})") from None
 
 
 def input_sizes(source: ModelSource) -> list[int]:

@@ -42,6 +42,15 @@ def test_bad_options_write_nothing(tmp_path: Path, tiny_llama_dir: Path, args: l
     assert not out.exists()
 
 
+def test_an_output_that_cannot_be_written_is_refused_first(tmp_path: Path,
+                                                           tiny_llama_dir: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "out"  # under a file: no folder can be made there
+    result = _quantize(str(tiny_llama_dir), "--awq", "--output", str(out))
+    _one_line_error(result, f"cannot write --output {out}")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
 def test_output_must_be_new_or_empty(tmp_path: Path, tiny_llama_dir: Path) -> None:
     (tmp_path / "keep.txt").write_text("mine")
     result = _quantize(str(tiny_llama_dir), "--fp8", "--output", str(tmp_path))
