@@ -135,7 +135,7 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store or ResponseStore()
-        # Background responses still running: their task and engine stream.
+        # Background responses still running (cancel stops them; GET reads how far they got).
         self._background: dict[tuple[str | None, str], _Running] = {}
 
     def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
