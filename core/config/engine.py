@@ -232,7 +232,7 @@ class EngineConfig:
                 value = os.fspath(value)
                 setattr(self, f.name, value)
             allowed = tuple(t for k in kinds for t in _KINDS.get(k, ()))
-            if isinstance(value, bool) and "bool" not in kinds or not isinstance(value, allowed):
+            if (isinstance(value, bool) and "bool" not in kinds) or not isinstance(value, allowed):
                 wanted = " or ".join(_KIND_NAMES.get(k, k) for k in kinds)
                 raise ValueError(f"{f.name} must be {wanted}, got {value!r}")
 

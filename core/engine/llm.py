@@ -40,7 +40,7 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 def resolve_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
     """(text or token ids, cache salt) of a prompt in any of the forms `generate` takes."""
-    if isinstance(prompt, (str, list)):  # (the engine checks the text or the ids)
+    if isinstance(prompt, (str, list, tuple)):  # (the engine checks text, ids or a pair)
         return prompt, None
     if not isinstance(prompt, dict):
         raise ValueError(f"a prompt is a string, a list of token ids or a prompt dict, not "
