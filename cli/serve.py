@@ -152,6 +152,9 @@ def _server_config(options: dict[str, Any]) -> Any:
     from pkv.core.server.api_server import ServerConfig
     from pkv.core.server.serving_engine import ServerLimits
 
+    port = options["port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
     if not 0 <= options["shutdown_timeout"] < float("inf"):
         raise ValueError("shutdown_timeout must be a finite number of seconds >= 0, got "
                          f"{options['shutdown_timeout']}")
@@ -175,8 +178,6 @@ def _check(options: dict[str, Any]) -> None:
     config = _engine_config(options)
     _lora_modules(options)
     _server_config(options)
-    if not 0 <= options["port"] <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {options['port']}")
     from pkv.core.registry import check_attention_backend, discover, select_guided_backend
     from pkv.core.structured_output.reasoning import reasoning_parser
 

@@ -62,6 +62,7 @@ def test_a_shipped_recipe_is_found_by_name_and_a_missing_one_lists_them() -> Non
     ("enable-prefix-caching: maybe", "enable_prefix_caching must be true or false"),
     ("seed: 99999999999999999999999", "seed must be a 64-bit integer"),
     ("api-key: 12345", "api_key must hold at least one key"),
+    ("port: 1.5", "port must be an integer in [0, 65535], got 1.5"),
 ])
 def test_yaml_values_of_the_wrong_type_are_one_line_errors(tmp_path: Path, yaml: str,
                                                           says: str) -> None:
