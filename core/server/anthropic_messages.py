@@ -99,6 +99,14 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     return "".join(block["text"] for block in content)
 
 
+def _check_answered(asked: set[str], answered: set[str], where: str) -> None:
+    """A 400 where a user turn leaves a call of the turn before it unanswered (Anthropic's
+    rule: every call is answered at once, in the next message)."""
+    if asked - answered:
+        raise OpenAIError(400, f"{where}: tool_use ids {sorted(asked - answered)} have no "
+                          "tool_result block in this message (the one after them)", where)
+
+
 def _user_messages(content: list[dict[str, Any]], where: str, asked: set[str]
                    ) -> list[dict[str, Any]]:
     """A user turn's blocks as OpenAI messages: each tool result its own `tool` message
@@ -106,11 +114,9 @@ def _user_messages(content: list[dict[str, Any]], where: str, asked: set[str]
     text."""
     out: list[dict[str, Any]] = []
     text = []
-    answered = {block["tool_use_id"] for block in content if block.get("type") == "tool_result"
-                and isinstance(block.get("tool_use_id"), str)}
-    if asked - answered:  # as Anthropic refuses it: every call is answered at once
-        raise OpenAIError(400, f"{where}: tool_use ids {sorted(asked - answered)} have no "
-                          "tool_result block in this message (the one after them)", where)
+    _check_answered(asked, {block["tool_use_id"] for block in content
+                            if block.get("type") == "tool_result"
+                            and isinstance(block.get("tool_use_id"), str)}, where)
     for i, block in enumerate(content):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
@@ -170,8 +176,8 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     for i, turn in enumerate(body.messages):
         where = f"messages[{i}].content"
         if isinstance(turn.content, str):
-            if turn.role == "user" and asked:
-                _user_messages([], where, asked)  # (the calls it leaves unanswered: a 400)
+            if turn.role == "user":
+                _check_answered(asked, set(), where)
             messages.append({"role": turn.role, "content": turn.content})
         elif turn.role == "user":
             messages += _user_messages(turn.content, where, asked)

@@ -15,6 +15,7 @@ from pkv.core.engine.outputs import RequestOutput
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.protocol import STRICT, ChatCompletionRequest
 from pkv.core.server.serving_chat import chat_request_from
+from pkv.core.server.tools import json_object
 
 
 class ResponsesRequest(BaseModel):
@@ -77,13 +78,6 @@ def _item_text(content: Any, where: str) -> str:
     return "".join(part["text"] for part in content)
 
 
-def _json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`input` as chat messages: consecutive function calls become one assistant turn."""
     if isinstance(items, str):
@@ -99,7 +93,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                              "content": _item_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and all(isinstance(item.get(k), str)
                                              for k in ("call_id", "name", "arguments")):
-            if not _json_object(item["arguments"]):
+            if not json_object(item["arguments"]):
                 raise OpenAIError(400, f"{where}.arguments: a JSON object as a string",
                                   f"{where}.arguments")
             call = {"id": item["call_id"], "type": "function",

@@ -32,6 +32,14 @@ class ToolPlan:
     skip_special_tokens: bool = True
 
 
+def json_object(text: Any) -> bool:
+    """Whether `text` is a string holding a JSON object (a tool call's arguments)."""
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def check_tool_messages(messages: list[ChatMessage]) -> None:
     """400s for tool results without their call's id and calls without JSON arguments."""
     for i, m in enumerate(messages):
@@ -45,8 +53,8 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
         try:
             ok = isinstance(calls, list) and all(
                 isinstance(c["function"]["name"], str)
-                and isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
-        except (KeyError, TypeError, ValueError):
+                and json_object(c["function"]["arguments"]) for c in calls)
+        except (KeyError, TypeError):
             ok = False
         if not ok:
             raise OpenAIError(400, f"messages[{i}]: each tool call needs function.name and "
