@@ -44,7 +44,8 @@ class OpenAIServingPooling(OpenAIServing):
         except ValueError as exc:  # the message opens with the field's name
             raise OpenAIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
         inputs = _embedding_inputs(body.input)
-        finals = await self._run(inputs, params, "input", raw, lora)
+        names = [f"input[{i}]" for i in range(len(inputs))]
+        finals = await self._run(inputs, params, "input", names, raw, lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(f.outputs.data, body.encoding_format)}
                 for i, f in enumerate(finals)]
@@ -58,8 +59,10 @@ class OpenAIServingPooling(OpenAIServing):
             raise OpenAIError(400, "documents must not be empty", "documents")
         if body.top_n is not None and body.top_n < 0:
             raise OpenAIError(400, "top_n must be >= 0 (0 or none: every document)", "top_n")
-        scores, finals = await self._scores([(body.query, d) for d in documents], raw,
-                                            ("query", "documents"), lora)
+        scores, finals = await self._scores(
+            [(body.query, d) for d in documents],
+            [("query", f"documents[{i}]") for i in range(len(documents))], "documents", raw,
+            lora)
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n or None]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": documents[i]}} if body.return_documents else {})}
@@ -74,7 +77,8 @@ class OpenAIServingPooling(OpenAIServing):
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "text_2" if "text_2" in str(exc) else "text_1"
                               ) from None
-        scores, finals = await self._scores(pairs, raw, ("text_1", "text_2"), lora)
+        scores, finals = await self._scores(pairs, _score_names(body.text_1, body.text_2),
+                                            "text_2", raw, lora)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.served_name(body.model), "data": data, "usage": _usage(finals)}
@@ -93,20 +97,28 @@ class OpenAIServingPooling(OpenAIServing):
                               f"task={served}", "model")
         return lora
 
-    async def _scores(self, pairs: list[tuple[str, str]], raw: Request,
-                      params: tuple[str, str], lora: LoRARequest | None
+    async def _scores(self, pairs: list[tuple[str, str]], names: list[tuple[str, str]],
+                      param: str, raw: Request, lora: LoRARequest | None
                       ) -> tuple[list[float], list[PoolingRequestOutput]]:
-        """Each pair's score: a cross-encoder's, or the cosine of the texts' embeddings."""
+        """Each pair's score: a cross-encoder's, or the cosine of the texts' embeddings.
+        `names` holds each pair's two fields, for errors."""
         if self.llm.engine.task == "classify":
-            finals = await self._run(list(pairs), PoolingParams(), params[1], raw, lora)
+            finals = await self._run(list(pairs), PoolingParams(), param, list(names), raw,
+                                     lora)
             return [_one_score(f) for f in finals], finals
-        texts = sorted({t for pair in pairs for t in pair})
-        finals = await self._run(list(texts), PoolingParams(), params[1], raw, lora)
+        named = {t: name for pair, pair_names in zip(pairs, names)
+                 for t, name in zip(pair, pair_names)}
+        texts = sorted(named)
+        finals = await self._run(list(texts), PoolingParams(), param,
+                                 [named[t] for t in texts], raw, lora)
         vectors = {t: f.outputs.data for t, f in zip(texts, finals)}
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], finals
 
     async def _run(self, inputs: list[PoolingInput], params: PoolingParams, param: str,
-                   raw: Request, lora: LoRARequest | None) -> list[PoolingRequestOutput]:
+                   names: list[str] | list[tuple[str, str]], raw: Request,
+                   lora: LoRARequest | None) -> list[PoolingRequestOutput]:
+        """Every input as one engine request; `names` holds each one's field (a pair's
+        two) and `param` the field that holds them all, for errors."""
         if not inputs:
             raise OpenAIError(400, f"{param} must not be empty", param)
         if len(inputs) > self.limits.max_pooling_inputs:
@@ -118,12 +130,12 @@ class OpenAIServingPooling(OpenAIServing):
         tenant = request_tenant(raw.scope)
         salt = None if tenant is None else f"{tenant}:"
         prepared = await asyncio.to_thread(self._prepare_all, base_id, inputs, params, param,
-                                           lora, salt)
+                                           names, lora, salt)
         return await self.collect_all(self.llm.submit(prepared), raw)
 
     def _prepare_all(self, base_id: str, inputs: list[PoolingInput], params: PoolingParams,
-                     param: str, lora: LoRARequest | None,
-                     salt: str | None) -> list[PreparedRequest]:
+                     param: str, names: list[str] | list[tuple[str, str]],
+                     lora: LoRARequest | None, salt: str | None) -> list[PreparedRequest]:
         engine = self.llm.engine
         prepared = []
         for i, item in enumerate(inputs):
@@ -131,13 +143,24 @@ class OpenAIServingPooling(OpenAIServing):
                 prepared.append(engine.prepare_request(f"{base_id}-{i}", item, params, salt,
                                                        lora_request=lora))
             except ContextLengthError as exc:
-                raise OpenAIError(400, f"{param}[{i}]: {exc}", param,
+                name = names[i]
+                if isinstance(name, tuple):  # a pair: blame its query if that alone is long
+                    name = name[0] if self._too_long(item[0], params, lora) else name[1]
+                raise OpenAIError(400, f"{name}: {exc}", _field(name),
                                   "context_length_exceeded") from None
             except ValueError as exc:
                 field = next((f for f in ("dimensions", "truncate_prompt_tokens")
                               if str(exc).startswith(f)), param)
                 raise OpenAIError(400, str(exc), field) from None
         return prepared
+
+    def _too_long(self, text: PoolingInput, params: PoolingParams,
+                  lora: LoRARequest | None) -> bool:
+        try:
+            self.llm.engine.prepare_request("pool-length", text, params, lora_request=lora)
+        except ContextLengthError:
+            return True
+        return False
 
 
 def _embedding_inputs(value: str | list[str] | list[int] | list[list[int]]
@@ -148,6 +171,20 @@ def _embedding_inputs(value: str | list[str] | list[int] | list[list[int]]
     if value and all(isinstance(v, int) for v in value):
         return [list(value)]  # type: ignore[arg-type]
     return list(value)  # type: ignore[arg-type]
+
+
+def _field(name: str) -> str:
+    """The request field an input's name is in: `documents` of `documents[3]`."""
+    return name.split("[", 1)[0]
+
+
+def _score_names(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """Each /score pair's two fields (score_pairs' 1 x N or N x N)."""
+    second = ["text_2"] if isinstance(text_2, str) else \
+        [f"text_2[{i}]" for i in range(len(text_2))]
+    first = ["text_1"] if isinstance(text_1, str) else \
+        [f"text_1[{i}]" for i in range(len(text_1))]
+    return list(zip(first * len(second) if len(first) == 1 else first, second))
 
 
 def _encode(vector: Any, encoding_format: str) -> np.ndarray | str:

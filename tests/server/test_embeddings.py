@@ -221,6 +221,24 @@ def test_rerank_and_score_on_a_cross_encoder(cross_server: RunningServer,
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"
 
 
+@pytest.mark.parametrize("server_name", ["cross", "embed"])
+def test_a_long_text_is_named_by_its_own_field(server_name: str, request: pytest.FixtureRequest):
+    server = request.getfixturevalue(f"{server_name}_server")
+    long = " ".join(["w1"] * 200)
+    cases = [("/v1/rerank", {"query": QUERY, "documents": [*DOCS[:2], long]}, "documents[2]"),
+             ("/v1/rerank", {"query": long, "documents": DOCS}, "query"),
+             ("/score", {"text_1": [QUERY, long], "text_2": DOCS[:2]}, "text_1[1]"),
+             ("/score", {"text_1": QUERY, "text_2": [long, DOCS[0]]}, "text_2[0]")]
+    for path, body, name in cases:
+        r = _post(server, path, body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["message"].startswith(f"{name}: "), r.text
+        assert error["param"] == name.split("[")[0] and error["code"] == \
+            "context_length_exceeded"
+    values = server.metrics()
+    assert values["pkv:kv_blocks_free"] == values["pkv:kv_blocks_total"]
+
+
 def test_rerank_on_an_embedding_model_is_cosine(embed_server: RunningServer,
                                                 models: dict[str, Path]):
     vectors = _reference(models["embed"], [QUERY, *DOCS])
