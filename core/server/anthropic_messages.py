@@ -60,7 +60,7 @@ class MessagesRequest(BaseModel):
     """The body of POST /v1/messages (fields pkv does not use are accepted and ignored)."""
 
     model_config = STRICT
-    model: str | None = None
+    model: str | None = None  # optional, as the OpenAI endpoints' (llama.cpp's too)
     max_tokens: int
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -235,9 +235,16 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
-        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+        blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]),
+                       "name": call["function"]["name"],
                        "input": json.loads(call["function"]["arguments"])})
     return blocks
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's form of a tool call's id (`toolu_...`; the engine's are OpenAI's
+    `call_...`). The client sends it back in tool_result blocks, where it is only text."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id else call_id
 
 
 def _usage(final: RequestOutput) -> dict[str, int]:
@@ -344,7 +351,8 @@ class _BlockStream:
             key = f"tool{call['index']}"
             function = call.get("function") or {}
             if self.open != key:
-                out += self._start(key, {"type": "tool_use", "id": call.get("id", ""),
+                out += self._start(key, {"type": "tool_use",
+                                         "id": tool_use_id(call.get("id", "")),
                                          "name": function.get("name", ""), "input": {}})
             if function.get("arguments"):
                 out.append(self._delta({"type": "input_json_delta",

@@ -78,7 +78,7 @@ def test_tool_use_round_trip(claude: anthropic.Anthropic):
                                     messages=ask)
     assert called.stop_reason == "tool_use"
     [use] = [b for b in called.content if b.type == "tool_use"]
-    assert use.name == "get_weather" and use.id
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER["input_schema"])
 
     streamed = claude.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY,
@@ -88,6 +88,7 @@ def test_tool_use_round_trip(claude: anthropic.Anthropic):
     for event in streamed:
         if event.type == "content_block_start":
             starts.append(event.content_block.type)
+            assert event.content_block.id.startswith("toolu_")
         elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
             partial += event.delta.partial_json
         elif event.type == "message_delta":
