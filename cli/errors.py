@@ -14,13 +14,14 @@ _USER_ERRORS = (ValueError, OSError)
 
 
 @contextmanager
-def user_errors(console: Console | None = None) -> Iterator[None]:
-    """Report bad input (ValueError, missing files) as `error: ...` and exit 2."""
+def user_errors() -> Iterator[None]:
+    """Report bad input (ValueError, missing files) as `error: ...` on stderr and exit 2
+    (stdout may be a table or JSON that a script reads)."""
     try:
         yield
     except _USER_ERRORS as exc:
         # (the message as text: a path or hint in [brackets] is not Rich markup)
-        (console or Console(stderr=True)).print(f"[bold red]error:[/] {escape(str(exc))}",
-                                              highlight=False, soft_wrap=True)  # one line
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}",
+                                   highlight=False, soft_wrap=True)  # one line
         raise typer.Exit(code=2) from None
 

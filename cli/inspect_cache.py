@@ -35,10 +35,10 @@ def inspect_cache(
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size (simulation).")] = "64MiB",
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache storage (simulation): auto, int8, fp8_e4m3, ...")] = "auto",
     max_model_len: Annotated[int, typer.Option(help="Longest sequence (simulation).")] = 1024,
-    png: Annotated[Optional[Path], typer.Option(help="Write a picture of the block map.")] = None,
+    png: Annotated[Optional[Path], typer.Option(dir_okay=False, help="Write a picture of the block map.")] = None,
 ) -> None:
     """Show pool usage, hit rate, evictions, block tables, fragmentation and a block map."""
-    with user_errors(console):
+    with user_errors():
         if simulate == (url is not None):
             raise ValueError("give either --url URL or --simulate")
         if simulate:

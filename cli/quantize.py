@@ -33,7 +33,7 @@ def quantize(
     backend: Annotated[str, typer.Option(help="AWQ implementation: pkv, or autoawq if installed.")] = "pkv",
 ) -> None:
     """Quantize a model to AWQ 4-bit or FP8 and report size (and perplexity with --eval)."""
-    with user_errors(console):
+    with user_errors():
         from pkv.quantize.pipeline import QuantizeOptions, quantize_model
 
         if awq == fp8:

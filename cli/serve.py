@@ -95,7 +95,7 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI API (chat, completions, responses, streaming; embeddings,
     rerank and score for pooling models) and Anthropic's Messages API."""
-    with user_errors(console):
+    with user_errors():
         options = _merge_options(ctx, config)
         if check:
             _check(options)

@@ -94,7 +94,7 @@ def test_dataset_prompts(tmp_path: Path, tiny_llama_dir: Path):
     (["--baseline", "vllm"], "--baseline must be"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--num-prompts", "-1"], "Invalid value for '--num-prompts'"),
-    (["--json", "/"], "--json / is a folder"),
+    (["--json", "/"], "is a directory"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_llama_dir: Path, args: list[str], message: str):
     result = _bench(str(tiny_llama_dir), "--kv-cache-memory", "8MiB", *args)

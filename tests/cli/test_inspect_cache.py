@@ -47,4 +47,11 @@ def test_simulate_renders_tables_map_and_png(tmp_path: Path, tiny_llama_dir: Pat
 
 def test_needs_exactly_one_source():
     result = CliRunner().invoke(app, ["inspect-cache"])
-    assert result.exit_code == 2 and "either --url" in result.output
+    assert result.exit_code == 2 and "either --url" in result.stderr
+    assert "error" not in result.stdout  # stdout stays for what a script reads
+
+
+def test_a_folder_for_the_picture_is_refused(tmp_path: Path):
+    result = CliRunner().invoke(app, ["inspect-cache", "--simulate", "--png", str(tmp_path)])
+    assert result.exit_code == 2 and "Invalid value for '--png'" in result.output
+    assert not tmp_path.with_suffix(".png").exists()  # matplotlib's own choice of name

@@ -27,7 +27,7 @@ def agreement(
     from pkv.core.engine.llm import LLM
     from pkv.csrc import cpp_build
 
-    with user_errors(console):
+    with user_errors():
         if awq_activations not in ("int8", "int16", "float32"):
             raise ValueError("--awq-activations must be int8, int16 or float32, got "
                              f"{awq_activations!r}")

@@ -35,7 +35,7 @@ def attention(
     from pkv.plugins.attention.layouts import random_paged_layout
 
     print_cpu_line(console)
-    with user_errors(console):
+    with user_errors():
         if min(batch, context, heads, kv_heads, head_dim, layers, repeat) < 1:
             raise ValueError("every size must be >= 1")
         formats = [kv_format(name.strip(), torch.float32, head_dim)

@@ -24,7 +24,7 @@ def burst(
     max_tokens: Annotated[int, typer.Option(help="Tokens each request asks for.")] = 16,
     url: Annotated[Optional[str], typer.Option(help="Burst a running server instead.")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Its API key.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
 ) -> None:
     """Every client at once against a server with small limits: answers by status (200, or
     503/429 with Retry-After; never 500) and /health latency during the burst."""
@@ -35,7 +35,7 @@ def burst(
     from pkv.cli.bench.burst import burst as send_burst, burst_table
     from pkv.cli.serve_process import start_pkv_serve
 
-    with user_errors(console):
+    with user_errors():
         if clients < 1 or max_num_seqs < 1 or max_waiting_requests < 1 or max_tokens < 1:
             raise ValueError("--clients, --max-num-seqs, --max-waiting-requests and "
                              "--max-tokens must be >= 1")

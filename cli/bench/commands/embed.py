@@ -19,14 +19,14 @@ def embed(
     max_words: Annotated[int, typer.Option(help="Most words per input.")] = 64,
     repeats: Annotated[int, typer.Option(help="Alternating runs of each way (the best is kept).")] = 3,
     seed: Annotated[int, typer.Option(help="Seed of the inputs (and the random model).")] = 0,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
 ) -> None:
     """Embedding throughput: the same inputs one request at a time, then all at once."""
     from pkv.cli.bench import report
     from pkv.cli.bench.cpu_info import print_cpu_line
     from pkv.cli.bench.embed import embed_table, run_embed_bench
 
-    with user_errors(console):
+    with user_errors():
         if min(num_inputs, min_words, repeats) < 1 or max_words < min_words:
             raise ValueError("num_inputs, min_words and repeats must be >= 1, max_words >= "
                              "min_words")

@@ -19,7 +19,7 @@ def guided(
     max_tokens: Annotated[int, typer.Option(help="Token limit per request.")] = 128,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size.")] = "1GiB",
     backends: Annotated[str, typer.Option(help="Comma-separated guided decoding backends.")] = "outlines,xgrammar",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
 ) -> None:
     """Structured outputs per backend: keyword-suite coverage, validity over 5 schemas,
     compile time cold and cached, mask cost per step at batch 1 and 32, throughput."""
@@ -29,7 +29,7 @@ def guided(
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
-    with user_errors(console):
+    with user_errors():
         if min(num_requests, batch, max_tokens) < 1:
             raise ValueError("--num-requests, --batch and --max-tokens must be >= 1")
         results = {}

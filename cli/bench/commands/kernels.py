@@ -29,7 +29,7 @@ def kernels(
     (random weights; defaults: SmolLM2-135M's shape)."""
     from pkv.cli.bench.kernels import KernelShape, print_kernels
 
-    with user_errors(console):
+    with user_errors():
         flavours = [f.strip() for f in isa.split(",") if f.strip()]
         print_kernels(console, KernelShape(hidden, intermediate, qkv, vocab, group),
                       int_list(rows, "--rows"), flavours, repeats=repeat,

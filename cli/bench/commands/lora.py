@@ -23,7 +23,7 @@ def lora(
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
     profile: Annotated[bool, typer.Option(help="Time the adapter runs' steps by phase.")] = False,
     rounds: Annotated[int, typer.Option(help="Runs of each configuration, in turn; the fastest is kept.")] = 2,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
 ) -> None:
     """Multi-LoRA throughput against the base model, back to back, and memory per adapter."""
     from pkv.cli.bench import report
@@ -33,7 +33,7 @@ def lora(
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
-    with user_errors(console):
+    with user_errors():
         batches = int_list(batch, "--batch")
         options = dict(model=model, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batches))
         lora_engine = LLMEngine(EngineConfig(**options, **lora_options(lora_modules)))

@@ -22,7 +22,7 @@ def moe(
     """One sparse MoE layer vs a dense MLP with the same active parameters (random weights)."""
     from pkv.cli.bench.moe import print_moe_vs_dense
 
-    with user_errors(console):
+    with user_errors():
         print_moe_vs_dense(console, batch_sizes=int_list(batch, "--batch"), hidden=hidden,
                            num_experts=experts, top_k=top_k,
                            expert_intermediate=expert_intermediate, repeats=repeat)

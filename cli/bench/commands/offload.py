@@ -24,7 +24,7 @@ def offload(
     kv_offload_dir: Annotated[Optional[str], typer.Option(help="Folder of the disk tier (default: a temporary one).")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model (and each block's KV heads) over.")] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option(help="Pipeline stages to split the layers (and each block's KV) over.")] = 1,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
 ) -> None:
     """Prefill tokens and time to first token with the prefix cache's disk tier and without,
     and whether a restarted engine hits on its first request."""
@@ -32,7 +32,7 @@ def offload(
     from pkv.cli.bench.cpu_info import print_cpu_line
     from pkv.cli.bench.offload import offload_table, run_offload_bench
 
-    with user_errors(console):
+    with user_errors():
         if min(num_docs, doc_tokens, num_requests, question_tokens, max_tokens) < 1:
             raise ValueError("num_docs, doc_tokens, num_requests, question_tokens and "
                              "max_tokens must be >= 1")

@@ -21,6 +21,6 @@ def random_gguf(
     """Write a random-weight GGUF of a real shape (Q4_K_M mix) to benchmark its size."""
     from pkv.cli.bench.random_gguf import write_random_gguf
 
-    with user_errors(console):
+    with user_errors():
         size = write_random_gguf(out, shape, seed)
         console.print(f"wrote {out} ({size / 2**30:.2f} GiB); run it with `pkv bench {out}`")

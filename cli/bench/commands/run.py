@@ -59,13 +59,13 @@ def run(
     profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
     roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
     rounds: Annotated[int, typer.Option(help="Runs of pkv and the baseline, alternating, per batch size: each round's ratio and their median.")] = 1,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="PNG of throughput/latency over a sweep.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
     """Offline throughput of pkv on one workload, with an optional baseline, same process."""
     from pkv.cli.bench.workload import WORKLOADS
 
-    with user_errors(console):
+    with user_errors():
         batches = int_list(batch, "--batch")
         if baseline not in (None, "hf", "openai", "llama.cpp"):
             raise ValueError(f"--baseline must be hf, openai or llama.cpp, got {baseline!r}")
@@ -93,8 +93,6 @@ def _run_offline(o: dict[str, Any]) -> None:
     from pkv.core.engine.llm_engine import LLMEngine
     from pkv.core.sample.sampling_params import SamplingParams
 
-    if o["json_path"] is not None and o["json_path"].is_dir():  # known before the runs
-        raise ValueError(f"--json {o['json_path']} is a folder; give the file to write")
     headers = auth_headers(o["api_key"])
     url = base_url(o["url"]) if o["url"] else ""
     remote_model = check_server(url, headers) if o["baseline"] == "openai" else None

@@ -26,14 +26,14 @@ def serve(
     seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals.")] = 0,
     slo_ttft_ms: Annotated[Optional[float], typer.Option(help="TTFT goal for goodput.")] = None,
     slo_tpot_ms: Annotated[Optional[float], typer.Option(help="TPOT goal for goodput.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="PNG over the concurrency sweep.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, help="PNG over the concurrency sweep.")] = None,
 ) -> None:
     """Online benchmark: streaming chat requests against a running server."""
     from pkv.cli.bench import report
     from pkv.cli.bench.serve import check_server, run_level, synthetic_messages
 
-    with user_errors(console):
+    with user_errors():
         levels = int_list(concurrency, "--concurrency")
         if request_rate <= 0:
             raise ValueError("--request-rate must be > 0 (or inf)")

@@ -30,8 +30,8 @@ def soak(
     max_ttft_growth: Annotated[float, typer.Option(help="Most the last sample's p99 TTFT may be, as a multiple of the first's.")] = 2.0,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     trace: Annotated[bool, typer.Option(help="Trace the server's Python heap (tracemalloc; slower) and list where it grew.")] = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="PNG of memory over time.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, help="PNG of memory over time.")] = None,
 ) -> None:
     """A real server at capacity for `duration` under a hostile mix; fails on unexpected
     errors, held KV blocks, memory that climbs after its plateau, growing open files, or a p99
@@ -46,7 +46,7 @@ def soak(
     from pkv.cli.serve_process import start_pkv_serve
     from pkv.core.server.memory_report import TRACE_ENV
 
-    with user_errors(console):
+    with user_errors():
         positive = (duration, interval, max_num_seqs, 1 if concurrency is None else concurrency,
                     max_ttft_growth, plateau_band_mib)
         if min(positive) <= 0 or warmup < 0:

@@ -25,7 +25,7 @@ def spec(
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
     profile: Annotated[bool, typer.Option(help="Time the speculating steps by phase (propose / forward / sample).")] = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
 ) -> None:
     """With and without speculative decoding, back to back: tok/s, speed-up, acceptance,
     and whether the greedy outputs are identical."""
@@ -36,7 +36,7 @@ def spec(
     from pkv.core.config.engine import EngineConfig
     from pkv.core.engine.llm_engine import LLMEngine
 
-    with user_errors(console):
+    with user_errors():
         batches = int_list(batch, "--batch")
         if shared_prefix_len < 0:
             raise ValueError("--shared-prefix-len must be >= 0")

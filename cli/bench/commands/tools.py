@@ -29,7 +29,7 @@ def tools(
     from pkv.cli.bench.tools import first_model, forced_calls
     from pkv.cli.serve_process import start_pkv_serve
 
-    with user_errors(console):
+    with user_errors():
         if requests < 1:
             raise ValueError("--requests must be >= 1")
         key = api_key if url else secrets.token_hex(16)
