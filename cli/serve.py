@@ -113,8 +113,11 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
     config_file = _config_path(config_file)
     try:
         loaded = yaml.safe_load(config_file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{config_file} is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # one line: the problem and where, not the file's text
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ValueError(f"{config_file} is not valid YAML: "
+                         f"{getattr(exc, 'problem', None) or 'cannot parse'}{where}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{config_file} must hold a mapping of option: value")
     for key, value in loaded.items():

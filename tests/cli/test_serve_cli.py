@@ -30,6 +30,11 @@ def test_unknown_yaml_key_is_an_error(tmp_path: Path):
     result = _serve("--config", str(config))
     assert result.exit_code == 2 and "unknown option 'max-num-seq'" in result.output
     assert "Traceback" not in result.output
+    config.write_text("password_hash: x: y\n")
+    result = _serve("--config", str(config))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1  # one line
+    assert "not valid YAML: mapping values are not allowed here (line 1, column 17)" in \
+        result.stderr and "password_hash" not in result.stderr  # nor the file's text
 
 
 def test_bad_flags_are_one_line_errors(tmp_path: Path):
