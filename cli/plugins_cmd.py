@@ -22,6 +22,9 @@ def plugins(
 
     from pkv.core.registry import discover
 
+    with user_errors():
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     registry = discover()
     table = Table(title="pkv plugins (entry-point group `pkv`)")

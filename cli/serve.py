@@ -199,7 +199,8 @@ def _check(options: dict[str, Any]) -> None:
         from pkv.core.model_loader.quantization import resolve_weight_loader
         from pkv.core.worker.model_setup import check_model, resolve_max_model_len
 
-        source = open_model(config.model)
+        source = open_model(config.model, revision=config.revision,
+                            gguf_file=config.gguf_file)
         check_model(config, source)
         resolve_weight_loader(config.quantization, source, registry)
         resolve_max_model_len(config, source.config.max_position_embeddings)

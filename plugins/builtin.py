@@ -59,7 +59,8 @@ def pkv_guided_decoding_backends() -> list[GuidedDecodingSpec]:
 def pkv_weight_loaders() -> list[WeightLoaderSpec]:
     return [
         WeightLoaderSpec("gguf", "pkv.plugins.weights.gguf:GGUFLoader",
-                         "GGUF files (llama.cpp), dequantized while loading", file_magic=b"GGUF"),
+                         "GGUF files (llama.cpp), quantized tensors kept in their blocks",
+                         file_magic=b"GGUF"),
         WeightLoaderSpec("awq", "pkv.plugins.weights.awq:AWQLoader",
                          "AutoAWQ GEMM 4-bit checkpoints (fused CPU kernel, Triton on GPU)"),
         WeightLoaderSpec("fp8", "pkv.plugins.weights.fp8:FP8Loader",

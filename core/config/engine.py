@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from pkv.core.config.speculative import SpeculativeConfig
@@ -201,6 +202,9 @@ class EngineConfig:
     def _check_kv_offload(self) -> None:
         if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
             raise ValueError(f"kv_offload_dir must be a folder path, got {self.kv_offload_dir!r}")
+        if Path(self.kv_offload_dir).expanduser().is_file():
+            raise ValueError(f"kv_offload_dir {self.kv_offload_dir!r} is a file; name a folder "
+                             "(made if missing)")
         if not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir needs enable_prefix_caching (it extends the prefix "
                              "cache)")

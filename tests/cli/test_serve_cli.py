@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pkv.cli.main import app
+from pkv.core.model_loader.loader import bundled_model_path
 
 
 def _serve(*args: str):
@@ -130,7 +131,15 @@ def test_check_rejects_tasks_and_partitions_the_model_cannot_take(args: list[str
     (["--api-key", " , "], "api_key must hold at least one key"),  # (would leave it open)
     (["--shutdown-timeout", "nan"], "shutdown_timeout must be a finite number"),
     (["--structured-outputs-timeout", "inf"], "structured_outputs_timeout must be > 0"),
+    (["--kv-offload-dir", __file__], "is a file; name a folder"),
+    ([str(bundled_model_path()), "--gguf-file", "other.gguf"],
+     "needs a Hugging Face id or a folder"),
 ])
 def test_check_rejects_what_serving_would(args: list[str], says: str) -> None:
     result = _serve(*args, "--check")
     assert result.exit_code != 0 and says in result.output and "Traceback" not in result.output
+
+
+def test_plugins_refuses_an_unknown_device() -> None:
+    result = CliRunner().invoke(app, ["plugins", "--device", "tpu"])
+    assert result.exit_code == 2 and "--device must be cpu or cuda, got 'tpu'" in result.stderr
