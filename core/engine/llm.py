@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
-from pkv.core.config.engine import EngineConfig
-from pkv.core.engine.llm_engine import LLMEngine
 import torch
 
+from pkv.core.config.engine import EngineConfig
+from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pkv.core.lora.adapter import LoRARequest
 from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.progress import make_progress
 from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.tokenizer.chat_messages import message_problem, template_message
 
 
 class _Salted(TypedDict, total=False):
@@ -35,6 +36,7 @@ class TokensPrompt(_Salted):
 
 Prompt = str | list[int] | TextPrompt | TokensPrompt
 Conversation = list[dict[str, Any]]
+
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
@@ -125,12 +127,12 @@ class LLM:
         arguments): `tools` (OpenAI function tools) go to the template as `tools`,
         `continue_final_message` has the model go on writing the last (assistant) message,
         `chat_template_kwargs` go to the template (e.g. Qwen3's `enable_thinking`)."""
-        conversations = ([messages] if messages and isinstance(messages[0], dict)
-                         else list(messages))
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be a dict")
         tokenizer = self.llm_engine.tokenizer
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts: list[Prompt] = []
-        for conversation in conversations:
+        for conversation in _conversations(messages):
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
                                                  continue_final_message, **kwargs)
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
@@ -242,3 +244,24 @@ class LLM:
                 engine.abort_request([i for i in ids if i not in finals])
                 raise
         return finals
+
+
+def _conversations(messages: Any) -> list[Conversation]:
+    """One conversation or several, each checked and as chat templates read it (a message
+    with a problem is a ValueError naming it, not a template's TypeError)."""
+    shape = "chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{shape}, got {type(messages).__name__ if messages else 'nothing'}")
+    several = not isinstance(messages[0], dict)
+    conversations = list(messages) if several else [messages]
+    out = []
+    for i, conversation in enumerate(conversations):
+        where = f"conversation {i}" if several else "the conversation"
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError(f"{shape}; {where} is {type(conversation).__name__}")
+        for j, message in enumerate(conversation):
+            problem = message_problem(message)
+            if problem is not None:
+                raise ValueError(f"{where}, message {j}: {problem}")
+        out.append([template_message(m) for m in conversation])
+    return out

@@ -9,7 +9,6 @@ the field the client sent.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server.errors import OpenAIError
 from pkv.core.structured_output.params import StructuredOutputsParams
+from pkv.core.tokenizer.chat_messages import template_message
 
 
 # Strict types, finite floats: see the module docstring. Unknown fields are accepted and
@@ -180,16 +180,9 @@ class ChatMessage(BaseModel):
         return None
 
     def as_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):  # text parts (check_messages refused any other)
-            content = "".join(part["text"] for part in content)
-        out = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
-        if out.get("tool_calls"):
-            # Templates write `arguments | tojson`: they expect an object, not its JSON text.
-            out["tool_calls"] = [{**call, "function": {
-                **call["function"], "arguments": json.loads(call["function"]["arguments"])}}
-                for call in out["tool_calls"]]
-        return out
+        """The message as chat templates read it (check_messages refused what they cannot)."""
+        return template_message({**(self.model_extra or {}), "role": self.role,
+                                 "content": self.content})
 
 
 class FunctionDefinition(BaseModel):

@@ -21,6 +21,42 @@ def test_chat_answers_through_the_template(smol_llm: LLM):
     assert out.prompt_token_ids[:1] == [1]  # <|im_start|> from the template
 
 
+def test_chat_takes_text_parts_and_tool_calls_as_the_server_does(smol_llm: LLM):
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    ask = "What is the capital of France?"
+    plain = smol_llm.chat([{"role": "user", "content": ask}], greedy)[0]
+    parts = smol_llm.chat([[{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                                          {"type": "text", "text": ask[8:]}]}]],
+                          greedy)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids
+    assert parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    called = [{"role": "user", "content": ask},
+              {"role": "assistant", "content": None, "tool_calls": [{
+                  "id": "c1", "type": "function",
+                  "function": {"name": "capital", "arguments": '{"country": "France"}'}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "Paris"}]
+    assert smol_llm.chat(called, greedy)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("messages, message", [
+    (None, "chat takes a conversation"),
+    ({"role": "user", "content": "hi"}, "got dict"),
+    ("hello", "got str"),
+    ([{"content": "hi"}], "the conversation, message 0: role must be one of"),
+    ([[{"role": "user", "content": "hi"}], "hi"], "conversation 1 is str"),
+    ([{"role": "user", "content": None}], "a user message needs content"),
+    ([{"role": "user", "content": 5}], "content must be a string or a list of text parts"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "must be text parts"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{bad"}}]}], "arguments must be a JSON object"),
+])
+def test_bad_conversations_name_the_message(smol_llm: LLM, messages: object, message: str):
+    with pytest.raises(ValueError) as info:
+        smol_llm.chat(messages)  # type: ignore[arg-type]
+    assert message in str(info.value)
+    assert smol_llm.llm_engine.get_stats().num_blocks_used == 0
+
+
 def test_same_seed_same_output_whatever_the_batch(smol_llm: LLM):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=16)
     alone = smol_llm.generate([PROMPT], params)[0].outputs[0].token_ids

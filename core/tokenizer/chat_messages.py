@@ -1,0 +1,59 @@
+"""Chat messages as chat templates take them: OpenAI's message dicts checked (a role, text
+content, tool calls whose arguments are JSON objects) and put in the form templates read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def message_problem(message: Any) -> str | None:
+    """What keeps `message` from being an OpenAI chat message a text model reads (None:
+    nothing)."""
+    if not isinstance(message, dict):
+        return f"a message is a dict with 'role' and 'content', got {type(message).__name__}"
+    role = message.get("role")
+    if role not in ROLES:
+        return f"role must be one of {', '.join(ROLES)}, got {role!r}"
+    content = message.get("content")
+    if content is None:
+        calls = role == "assistant" and (message.get("tool_calls") or message.get("function_call"))
+        return None if calls else f"a {role} message needs content (a string or a list of " \
+                                  "text parts), not None"
+    if isinstance(content, list):
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+            return None
+        return "content parts must be text parts ({'type': 'text', 'text': '...'}): pkv " \
+               "serves text-only models"
+    if not isinstance(content, str):
+        return f"content must be a string or a list of text parts, got {type(content).__name__}"
+    return None
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message without a problem (see message_problem) as templates read it: text parts
+    joined, no null content, tool-call arguments as objects (templates write
+    `arguments | tojson`; OpenAI sends the JSON text)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(part["text"] for part in content)
+    out = {**message, "content": content or ""}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_parsed_arguments(call) for call in out["tool_calls"]]
+    return out
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        return call  # already an object (offline callers may pass one)
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        raise ValueError(f"tool call {function.get('name')!r}: arguments must be a JSON "
+                         f"object, got {arguments[:60]!r}") from None
+    return {**call, "function": {**function, "arguments": parsed}}
