@@ -25,11 +25,11 @@ _SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def write_random_bert(folder: Path, shape: dict[str, Any] | None = None,
                       pooling: str | None = "mean", classifier: bool = False,
-                      matryoshka: bool = False, seed: int = 0) -> Path:
+                      matryoshka: bool = False, seed: int = 0, labels: int = 1) -> Path:
     """A BERT checkpoint with random weights: config.json, model.safetensors, a WordPiece
     tokenizer, and (unless `pooling` is None) sentence-transformers' modules with that
-    pooling mode and Normalize. `classifier`: a one-label cross-encoder
-    (BertForSequenceClassification)."""
+    pooling mode and Normalize. `classifier`: a sequence classifier
+    (BertForSequenceClassification) of `labels` labels (1: a cross-encoder)."""
     import torch
     from safetensors.torch import save_file
 
@@ -39,12 +39,15 @@ def write_random_bert(folder: Path, shape: dict[str, Any] | None = None,
               "model_type": "bert", "hidden_act": "gelu", "layer_norm_eps": 1e-12,
               "type_vocab_size": 2, "pad_token_id": 0, "torch_dtype": "float32", **shape}
     if classifier:
-        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        names = {str(i): f"LABEL_{i}" if labels == 1 else f"class_{i}" for i in range(labels)}
+        config.update(num_labels=labels, id2label=names,
+                      label2id={name: int(i) for i, name in names.items()})
     if matryoshka:
         config["is_matryoshka"] = True
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     gen = torch.Generator().manual_seed(seed)
-    tensors = {name: _init(name, dims, gen) for name, dims in _bert_shapes(shape, classifier)}
+    tensors = {name: _init(name, dims, gen)
+               for name, dims in _bert_shapes(shape, labels if classifier else 0)}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     _write_wordpiece(folder, shape["vocab_size"], shape["max_position_embeddings"])
     if pooling is not None and not classifier:
@@ -60,9 +63,10 @@ def _init(name: str, dims: tuple[int, ...], gen: Any) -> Any:
     return 0.05 * torch.randn(dims, generator=gen)
 
 
-def _bert_shapes(s: dict[str, Any], classifier: bool) -> list[tuple[str, tuple[int, ...]]]:
+def _bert_shapes(s: dict[str, Any], labels: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor's name and shape; `labels`: a classifier's (0: no classifier)."""
     h, i = s["hidden_size"], s["intermediate_size"]
-    pre = "bert." if classifier else ""
+    pre = "bert." if labels else ""
     out = [("embeddings.word_embeddings.weight", (s["vocab_size"], h)),
            ("embeddings.position_embeddings.weight", (s["max_position_embeddings"], h)),
            ("embeddings.token_type_embeddings.weight", (2, h)),
@@ -78,8 +82,8 @@ def _bert_shapes(s: dict[str, Any], classifier: bool) -> list[tuple[str, tuple[i
             out += [(layer + norm + ".weight", (h,)), (layer + norm + ".bias", (h,))]
     out += [("pooler.dense.weight", (h, h)), ("pooler.dense.bias", (h,))]
     out = [(pre + name, dims) for name, dims in out]
-    if classifier:
-        out += [("classifier.weight", (1, h)), ("classifier.bias", (1,))]
+    if labels:
+        out += [("classifier.weight", (labels, h)), ("classifier.bias", (labels,))]
     return out
 
 

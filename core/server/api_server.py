@@ -24,9 +24,10 @@ from pkv.core.server.memory_report import CacheSize, HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import (AuthMiddleware, BodyLimitMiddleware,
                                         EndpointCounterMiddleware, split_keys)
-from pkv.core.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest,
-                                      ScoreRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+from pkv.core.server.protocol import (ChatCompletionRequest, ClassificationRequest,
+                                      CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                      LoadLoRAAdapterRequest, RerankRequest, ScoreRequest,
+                                      TokenizeRequest, UnloadLoRAAdapterRequest)
 from pkv.core.server.serving_chat import OpenAIServingChat, check_messages
 from pkv.core.server.serving_completion import OpenAIServingCompletion
 from pkv.core.server.serving_engine import ServerLimits
@@ -151,6 +152,11 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v2/rerank")
     async def rerank(body: RerankRequest, raw: Request) -> dict:
         return await serving_pooling.rerank(body, raw)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest, raw: Request) -> dict:
+        return await serving_pooling.classify(body, raw)
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -313,6 +313,17 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+class ClassificationRequest(BaseModel):
+    """POST /classify (vLLM's body): a sequence classifier's label scores for each input."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
 class RerankDocument(BaseModel):
     model_config = STRICT
 

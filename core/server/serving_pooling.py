@@ -1,5 +1,5 @@
-"""The pooling endpoints: `POST /v1/embeddings` (OpenAI), `POST /v1/rerank` (Jina / Cohere)
-and `POST /score` (vLLM).
+"""The pooling endpoints: `POST /v1/embeddings` (OpenAI), `POST /v1/rerank` (Jina / Cohere),
+`POST /score` and `POST /classify` (vLLM).
 
 Every input is one engine request (PoolingParams), all of a body's inputs queued at once so
 that the scheduler packs them into as few steps as the token budget allows. A cross-encoder
@@ -26,7 +26,8 @@ from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.middleware import request_tenant
-from pkv.core.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from pkv.core.server.protocol import (ClassificationRequest, EmbeddingRequest, RerankRequest,
+                                      ScoreRequest)
 from pkv.core.server.serving_engine import OpenAIServing
 
 PoolingInput = str | list[int] | tuple[str, str]
@@ -38,12 +39,9 @@ class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
         """The OpenAI body; float vectors as float32 arrays, for `json_body` to write."""
         lora = self._check_model(body.model, "embed")
-        try:
-            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
-                                   truncate_prompt_tokens=body.truncate_prompt_tokens)
-        except ValueError as exc:  # the message opens with the field's name
-            raise OpenAIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
-        inputs = _embedding_inputs(body.input)
+        params = _params(dimensions=body.dimensions, normalize=body.normalize,
+                         truncate_prompt_tokens=body.truncate_prompt_tokens)
+        inputs = _inputs(body.input)
         names = [f"input[{i}]" for i in range(len(inputs))]
         finals = await self._run(inputs, params, "input", names, raw, lora)
         data = [{"object": "embedding", "index": i,
@@ -51,6 +49,25 @@ class OpenAIServingPooling(OpenAIServing):
                 for i, f in enumerate(finals)]
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.served_name(body.model), "data": data, "usage": _usage(finals)}
+
+    async def classify(self, body: ClassificationRequest, raw: Request) -> dict[str, Any]:
+        """vLLM's body: each input's scores per label (the classifier's activation applied)
+        and the label that scores highest."""
+        lora = self._check_model(body.model, "classify")
+        inputs = _inputs(body.input)
+        params = _params(truncate_prompt_tokens=body.truncate_prompt_tokens)
+        finals = await self._run(inputs, params, "input",
+                                 [f"input[{i}]" for i in range(len(inputs))], raw, lora)
+        names = self.llm.engine.model_config.hf.get("id2label") or {}
+        data = []
+        for i, final in enumerate(finals):
+            probs = final.outputs.probs
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": i, "label": names.get(str(best), f"LABEL_{best}"),
+                         "probs": probs, "num_classes": len(probs)})
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                "created": int(time.time()), "model": self.served_name(body.model),
+                "data": data, "usage": _usage(finals)}
 
     async def rerank(self, body: RerankRequest, raw: Request) -> dict[str, Any]:
         lora = self._check_model(body.model, None)
@@ -92,7 +109,8 @@ class OpenAIServingPooling(OpenAIServing):
         lora = self._lora_request(model)
         served = self.llm.engine.task
         if served == "generate" or (task is not None and served != task):
-            needs = "an embedding model (--task embed)" if task else "a pooling model"
+            needs = {"embed": "an embedding model (--task embed)", None: "a pooling model",
+                     "classify": "a sequence classifier (--task classify)"}[task]
             raise OpenAIError(400, f"this endpoint needs {needs}; {self.model_name!r} serves "
                               f"task={served}", "model")
         return lora
@@ -163,8 +181,14 @@ class OpenAIServingPooling(OpenAIServing):
         return False
 
 
-def _embedding_inputs(value: str | list[str] | list[int] | list[list[int]]
-                      ) -> list[PoolingInput]:
+def _params(**fields: Any) -> PoolingParams:
+    try:
+        return PoolingParams(**fields)
+    except ValueError as exc:  # the message opens with the field's name
+        raise OpenAIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+
+
+def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[PoolingInput]:
     """One text, texts, one prompt's token ids, or several prompts' ids."""
     if isinstance(value, str):
         return [value]

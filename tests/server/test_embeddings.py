@@ -34,7 +34,9 @@ QUERY, DOCS = "what is w5", ["nothing here", "w5 is a word", "w5 w5, again w5", 
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pooling-models")
     return {"embed": write_random_bert(root / "embed", SHAPE, "mean", matryoshka=True),
-            "cross": write_random_bert(root / "cross", SHAPE, classifier=True, seed=3)}
+            "cross": write_random_bert(root / "cross", SHAPE, classifier=True, seed=3),
+            "classes": write_random_bert(root / "classes", SHAPE, classifier=True, seed=5,
+                                         labels=3)}
 
 
 def _serve(folder: Path, name: str, factory: pytest.TempPathFactory
@@ -55,6 +57,12 @@ def embed_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 def cross_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[RunningServer]:
     yield from _serve(models["cross"], "reranker", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def classes_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[RunningServer]:
+    yield from _serve(models["classes"], "classifier", tmp_path_factory)
 
 
 @torch.no_grad()
@@ -237,6 +245,35 @@ def test_a_long_text_is_named_by_its_own_field(server_name: str, request: pytest
             "context_length_exceeded"
     values = server.metrics()
     assert values["pkv:kv_blocks_free"] == values["pkv:kv_blocks_total"]
+
+
+@torch.no_grad()
+def test_classify_gives_each_input_its_labels_scores(classes_server: RunningServer,
+                                                     models: dict[str, Path]):
+    tok = transformers.AutoTokenizer.from_pretrained(models["classes"])
+    model = transformers.BertForSequenceClassification.from_pretrained(models["classes"]).eval()
+    texts = [QUERY, *DOCS]
+    body = _post(classes_server, "/classify", {"input": texts}).json()
+    assert body["object"] == "list" and body["model"] == "classifier"
+    assert body["usage"]["prompt_tokens"] == sum(len(tok(t).input_ids) for t in texts)
+    for i, (row, text) in enumerate(zip(body["data"], texts)):
+        probs = torch.softmax(model(**tok(text, return_tensors="pt")).logits[0], -1)
+        assert row["index"] == i and row["num_classes"] == 3
+        assert row["probs"] == pytest.approx(probs.tolist(), abs=1e-5)
+        assert row["label"] == model.config.id2label[int(probs.argmax())]
+    one = _post(classes_server, "/v1/classify", {"input": DOCS[1]}).json()["data"]
+    assert one[0]["probs"] == pytest.approx(body["data"][2]["probs"], abs=1e-6)
+    refused = _post(classes_server, "/classify", {"input": " ".join(["w1"] * 200)})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    r = _post(classes_server, "/v1/embeddings", {"input": "w1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_classify_needs_a_classifier(embed_server: RunningServer):
+    r = _post(embed_server, "/classify", {"input": "w1"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "model"
+    assert "needs a sequence classifier (--task classify)" in error["message"]
 
 
 def test_rerank_on_an_embedding_model_is_cosine(embed_server: RunningServer,
