@@ -209,11 +209,27 @@ class InputProcessor:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_context_length(len(prompt_ids), params.max_tokens, self.limits.max_model_len)
         vocab = self.limits.vocab_size
-        for name in ("stop_token_ids", "think_start_token_ids", "think_end_token_ids"):
+        for name in ("stop_token_ids", "think_start_token_ids", "think_end_token_ids",
+                     "allowed_token_ids"):
             if any(not 0 <= t < vocab for t in getattr(params, name) or []):
                 raise ValueError(f"{name} must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias or {}):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words(params.bad_words)
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as it starts the text and, where the tokenizer gives a
+        word after a space other tokens of the same count, as it follows one (vLLM's rule:
+        a word is banned wherever it would begin)."""
+        out = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:

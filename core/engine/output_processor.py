@@ -14,7 +14,7 @@ from pkv.core.engine.outputs import (CompletionOutput, Logprob, PoolingOutput,
                                      PoolingRequestOutput, RequestOutput)
 from pkv.core.sample.prompt_logprobs import LogprobEntry
 from pkv.core.sample.sampling_params import SamplingParams
-from pkv.core.sched.request import Request, record_failure
+from pkv.core.sched.request import Request, RequestStatus, record_failure
 from pkv.core.tokenizer.detokenizer import IncrementalDetokenizer
 from pkv.core.tokenizer.tokenizer import Tokenizer
 
@@ -113,17 +113,24 @@ class OutputProcessor:
         a stop string ended it: tokens after the one that completed it are dropped."""
         request = sample.request
         new_tokens = request.output_token_ids[sample.num_seen_tokens:]
+        # The stop token (a stop_token_ids entry, the end of sequence) that ended the request
+        # keeps its id but not its text, as vLLM's.
+        stop_token = (len(new_tokens) - 1 if request.status == RequestStatus.FINISHED_STOPPED
+                      and not params.include_stop_str_in_output else -1)
         stopped_by_string = False
         for i, token in enumerate(new_tokens):
             if sample.finish_reason is not None:
                 break
             sample.num_seen_tokens += 1
-            sample.detokenizer.add_token(token)
             if logprobs is not None and sample.logprobs is not None and i < len(logprobs):
                 sample.logprobs.append(self._logprob_dict(token, logprobs[i]))
+            if i == stop_token:
+                break
+            sample.detokenizer.add_token(token)
             stop = self._find_stop(sample.detokenizer.output_text, params)
             if stop is not None:
-                sample.text = sample.detokenizer.output_text[:stop[0]]
+                end = stop[0] + (len(stop[1]) if params.include_stop_str_in_output else 0)
+                sample.text = sample.detokenizer.output_text[:end]
                 sample.finish_reason, sample.stop_reason = "stop", stop[1]
                 stopped_by_string = True
         if sample.finish_reason is None:
@@ -141,8 +148,10 @@ class OutputProcessor:
 
     @staticmethod
     def _visible_text(text: str, params: SamplingParams) -> str:
-        # Hold back a tail that could still grow into a stop string, so streamed text is final.
-        hold = max((len(s) - 1 for s in params.stop_strings), default=0)
+        # Hold back a tail that could still grow into a stop string, so streamed text is final
+        # (none where the stop string stays in the text).
+        hold = 0 if params.include_stop_str_in_output else \
+            max((len(s) - 1 for s in params.stop_strings), default=0)
         return text[:len(text) - hold] if hold else text
 
     def _logprob_dict(self, token: int, lp: tuple[list[int], list[float], float, int]

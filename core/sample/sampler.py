@@ -24,7 +24,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
-    banned_token_ids: list[int]  # stop/eos tokens masked while min_tokens is not reached
+    banned_token_ids: list[int]  # stop/eos tokens under min_tokens; a bad word's next token
     allowed_mask: torch.Tensor | None = None  # [vocab] bool: guided decoding's allowed tokens
 
 
@@ -98,7 +98,13 @@ class Sampler:
 
     @staticmethod
     def _apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """allowed_token_ids first, then the bans (a token both allowed and banned is
+        banned)."""
         for i, row in enumerate(rows):
+            if row.params.allowed_token_ids:
+                kept = logits[i, row.params.allowed_token_ids].clone()
+                logits[i] = float("-inf")
+                logits[i, row.params.allowed_token_ids] = kept
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
 

@@ -13,7 +13,9 @@ _INTEGERS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prom
              "thinking_token_budget", "truncate_prompt_tokens")
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty")
-_TOKEN_LISTS = ("stop_token_ids", "think_start_token_ids", "think_end_token_ids")
+_TOKEN_LISTS = ("stop_token_ids", "think_start_token_ids", "think_end_token_ids",
+                "allowed_token_ids")
+_FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 
 def check_truncate_prompt_tokens(value: int | None) -> None:
@@ -28,9 +30,12 @@ def check_truncate_prompt_tokens(value: int | None) -> None:
 class SamplingParams:
     """How to pick tokens for one request.
 
-    `temperature == 0` is greedy. `stop` strings are excluded from the returned text.
-    Penalties follow OpenAI (presence/frequency over generated tokens) and vLLM/HF
-    (repetition over prompt and generated tokens).
+    `temperature == 0` is greedy. A `stop` string, or the stop token (`stop_token_ids`, the
+    end of sequence) that ended the text, is left out of it unless
+    `include_stop_str_in_output`. Penalties follow OpenAI (presence/frequency over generated
+    tokens) and vLLM/HF (repetition over prompt and generated tokens). `allowed_token_ids`
+    and `bad_words` (words never generated, at the start of the text or inside it) are
+    vLLM's.
     """
 
     n: int = 1
@@ -51,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (vLLM's)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # A cap on the thinking block (core/sched/thinking_budget.py): its tokens by id, set by
     # whoever knows the model (the server, from its reasoning parser and tokenizer).
@@ -61,6 +69,8 @@ class SamplingParams:
     # text stay); -1: as many as leave max_tokens (at least one) within max_model_len.
     truncate_prompt_tokens: int | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
+    # bad_words as token sequences, set by the input processor (it knows the tokenizer)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -69,6 +79,8 @@ class SamplingParams:
         else:
             self._stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (None: every token)")
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0  # vLLM uses -1 for "off"; both mean off here.
         self._validate()
@@ -89,6 +101,13 @@ class SamplingParams:
             if value is not None and (not isinstance(value, (list, tuple)) or not all(
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
                 raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.bad_words is not None and not (isinstance(self.bad_words, (list, tuple)) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got "
+                             f"{self.bad_words!r}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
@@ -141,6 +160,16 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+    def bad_word_bans(self, output_token_ids: list[int]) -> list[int]:
+        """The tokens that would complete a bad word now: each word's last token where the
+        output ends with the rest of the word (vLLM's rule)."""
+        bans = []
+        for word in self.bad_words_token_ids:
+            *prefix, last = word
+            if not prefix or output_token_ids[-len(prefix):] == prefix:
+                bans.append(last)
+        return bans
 
     @property
     def greedy(self) -> bool:

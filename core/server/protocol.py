@@ -74,6 +74,10 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True  # vLLM's extras, from here to bad_words
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -131,6 +135,9 @@ class _SamplingFields(BaseModel):
             top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             logit_bias=self._logit_bias(),
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),

@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
             # The grammar constrains the answer, after the (free) thinking block.
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
                                                             starts_after=REASONING_END)
-        params.skip_special_tokens = plan.skip_special_tokens
+        params.skip_special_tokens = plan.skip_special_tokens and body.skip_special_tokens
         self._cap_thinking(body, params)
         prompt_ids = await self._prompt_ids(body, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

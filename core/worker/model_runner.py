@@ -401,5 +401,7 @@ class ModelRunner:
             banned = [*params.stop_token_ids, *request.eos_token_ids]
         allowed = request.guided.allowed_mask() if request.guided is not None else None
         outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
+        if params.bad_words_token_ids:
+            banned += params.bad_word_bans(outputs)
         return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
                            banned, allowed)

@@ -95,6 +95,49 @@ def test_stop_token_ids_and_min_tokens(smol_llm: LLM):
     assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
 
 
+def test_the_stop_token_or_string_stays_out_of_the_text_unless_asked(smol_llm: LLM):
+    greedy = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0]
+    ids, text = greedy.outputs[0].token_ids, greedy.outputs[0].text
+    tokenizer = smol_llm.get_tokenizer()
+    for include in (False, True):
+        out = smol_llm.generate(PROMPT, SamplingParams(
+            temperature=0, max_tokens=8, stop_token_ids=[ids[2]],
+            include_stop_str_in_output=include))[0].outputs[0]
+        assert out.token_ids == ids[:3] and out.stop_reason == ids[2]  # the id stays
+        assert out.text == tokenizer.decode(ids[:3] if include else ids[:2])
+    stop = tokenizer.decode(ids[3:5]).strip()
+    kept = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, stop=[stop],
+                                                    include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == text[:text.index(stop) + len(stop)]
+    assert smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, stop=[stop])
+                             )[0].outputs[0].text == text[:text.index(stop)]
+
+
+def test_allowed_token_ids_and_bad_words(smol_llm: LLM):
+    greedy = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    allowed = greedy.token_ids[1:4]
+    only = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8,
+                                                    allowed_token_ids=allowed))[0].outputs[0]
+    assert set(only.token_ids) <= set(allowed) and only.token_ids != greedy.token_ids
+    sampled = smol_llm.generate(PROMPT, SamplingParams(temperature=1.5, seed=1, max_tokens=12,
+                                                       allowed_token_ids=allowed))[0]
+    assert set(sampled.outputs[0].token_ids) <= set(allowed)
+    word = greedy.text.split()[1]  # " wise": a word the greedy text has
+    tokenizer = smol_llm.get_tokenizer()
+    banned = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8,
+                                                      bad_words=[word]))[0].outputs[0]
+    spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+    assert banned.token_ids[:1] == greedy.token_ids[:1] and banned.token_ids != greedy.token_ids
+    assert all(banned.token_ids[i:i + len(spaced)] != spaced for i in range(len(banned.token_ids)))
+    with pytest.raises(ValueError, match="allowed_token_ids must be in"):
+        smol_llm.generate(PROMPT, SamplingParams(allowed_token_ids=[10**7]))
+    with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
+        SamplingParams(bad_words=[" "])
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be true or false"):
+        SamplingParams(include_stop_str_in_output="yes")  # type: ignore[arg-type]
+    assert smol_llm.llm_engine.get_stats().num_blocks_used == 0
+
+
 def test_max_tokens_gives_length(smol_llm: LLM):
     out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5,
                                                    ignore_eos=True))[0].outputs[0]

@@ -82,6 +82,34 @@ def test_stop_strings(client):
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
 
 
+def test_vllm_sampling_extras(client):
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    full = client.completions.create(model=model, prompt=PROMPT, temperature=0,
+                                     max_tokens=32).choices[0].text
+    stop = full.split()[3]
+    kept = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=32,
+                                      stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(stop) + len(stop)]
+    streamed = client.completions.create(model=model, prompt=PROMPT, temperature=0,
+                                         max_tokens=32, stop=[stop], stream=True,
+                                         extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in streamed) == kept.choices[0].text
+    word = full.split()[1]
+    banned = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=32,
+                                       extra_body={"bad_words": [word]}).choices[0].text
+    assert f" {word} " not in banned and banned != full
+    # A chat answer run past its end-of-turn token shows the token only when asked to.
+    answers = [client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=24,
+        extra_body={"ignore_eos": True, "skip_special_tokens": skip}).choices[0].message.content
+        for skip in (True, False)]
+    assert "<|im_end|>" not in answers[0] and "<|im_end|>" in answers[1]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"allowed_token_ids": [10**7]})
+    assert info.value.body["param"] == "allowed_token_ids"
+
+
 def test_logprobs(client):
     chat = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=MESSAGES,
                                           temperature=0, max_tokens=5, logprobs=True,
