@@ -82,7 +82,7 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(help="Grace period on SIGTERM, seconds.")] = 30.0,
     allowed_origins: Annotated[Optional[list[str]], typer.Option(help="CORS origins (none by default).")] = None,
     max_waiting_requests: Annotated[int, typer.Option(help="Queue bound; past it 503.")] = 1024,
-    body_timeout: Annotated[float, typer.Option(help="Seconds a request body may take to arrive (408 after).")] = 30.0,
+    body_timeout: Annotated[float, typer.Option(help="Seconds a request's headers, then its body, may take to arrive (closed, then 408, after).")] = 30.0,
     step_timeout: Annotated[float, typer.Option(help="Seconds one engine step may run before the watchdog declares the engine wedged (/health 503).")] = 120.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 4 * 2**20,
     max_n: Annotated[int, typer.Option(help="Largest n per request.")] = 16,
@@ -299,6 +299,8 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
 def _serve_until_signal(app: Any, options: dict[str, Any]) -> None:
     import uvicorn
 
+    from pkv.core.server.http_protocol import head_deadline_protocol
+
     class _Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM after its shutdown (exit by signal); we exit 0 instead.
         @contextlib.contextmanager
@@ -317,5 +319,6 @@ def _serve_until_signal(app: Any, options: dict[str, Any]) -> None:
     config = uvicorn.Config(app, host=options["host"], port=options["port"],
                             log_level=options["log_level"], access_log=False,
                             timeout_graceful_shutdown=int(options["shutdown_timeout"]),
-                            h11_max_incomplete_event_size=64 * 1024)
+                            h11_max_incomplete_event_size=64 * 1024,
+                            http=head_deadline_protocol(options["body_timeout"]))
     asyncio.run(_Server(config).serve())

@@ -75,10 +75,6 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 # uvicorn bounds headers only when they arrive in pieces; one large read gets through.
 MAX_HEADER_BYTES = 32 * 1024
 
@@ -107,42 +103,41 @@ class BodyLimitMiddleware:
             await send_error(send, scope, 413, f"request body is over {self.max_bytes} bytes")
             return
         received = 0
-        started = body_done = timed_out = False
+        started = body_done = answered = False
         deadline = time.monotonic() + self.body_timeout
 
+        async def refuse(status: int, message: str) -> Message:
+            # Answer here: FastAPI turns an exception raised while it reads the body into its
+            # own 400. The app then sees the client leave and its reply is dropped.
+            nonlocal answered
+            if not started:
+                await send_error(send, scope, status, message)
+                answered = True
+            return {"type": "http.disconnect"}
+
         async def limited_receive() -> Message:
-            nonlocal received, body_done, timed_out
+            nonlocal received, body_done
             if body_done:  # later receives wait for the client to leave: no deadline
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                # Answer here: FastAPI turns an exception raised while it reads the body into
-                # its own 400. The app then sees the client leave and its reply is dropped.
-                await send_error(send, scope, 408, f"request body did not arrive within "
-                                                   f"{self.body_timeout:g} s")
-                timed_out = True
-                return {"type": "http.disconnect"}
+                return await refuse(408, f"request body did not arrive within "
+                                         f"{self.body_timeout:g} s")
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge
+                if received > self.max_bytes:  # (chunked: no Content-Length said so before)
+                    return await refuse(413, f"request body is over {self.max_bytes} bytes")
                 body_done = not message.get("more_body", False)
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
-            if timed_out:
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+            if not answered:
+                started = started or message["type"] == "http.response.start"
+                await send(message)
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await send_error(send, scope, 413,
-                                 f"request body is over {self.max_bytes} bytes")
+        await self.app(scope, limited_receive, tracking_send)
 
 
 class EndpointCounterMiddleware:

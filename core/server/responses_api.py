@@ -179,7 +179,15 @@ class OpenAIServingResponses:
                 "has_more": len(items[start:end]) > len(page)}
 
     def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
-        if not self.store.delete(request_tenant(raw.scope), response_id):
+        """Forget a stored response; one still running in the background stops (its engine
+        request is aborted) and is not stored again when it ends."""
+        tenant = request_tenant(raw.scope)
+        found = self.store.delete(tenant, response_id)
+        running = self._background.pop((tenant, response_id), None)
+        if running is not None:
+            running.task.cancel()
+            running.stream.close()
+        if not found and running is None:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
                               "not_found")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -329,9 +337,12 @@ class OpenAIServingResponses:
                 running = self._background.get(key)
                 if running is not None:  # (cancel reads how far it got)
                     running.latest = final
-            if final is not None:
+            # (cancelled or deleted meanwhile: what cancel stored stays, a deletion stays)
+            if final is not None and key in self._background:
                 self._finish(body, base, final, shaper, tenant, turn)
         except Exception as exc:  # the engine failed it: the stored response says so
+            if key not in self._background:
+                return
             known = stream_error(exc)["error"]
             failed = {**base, "status": "failed",
                       "error": {"code": known.get("code") or "server_error",

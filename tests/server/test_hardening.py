@@ -5,6 +5,7 @@ with every KV block back."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -242,6 +243,37 @@ def test_a_dribbling_body_gets_408_and_holds_nothing(server: RunningServer, cana
         reply = reply.decode()
     assert reply.startswith("HTTP/1.1 408"), reply[:200]
     assert "did not arrive within 2 s" in reply and time.monotonic() - start < 6
+
+
+def test_dribbled_headers_and_silent_connections_are_closed(server: RunningServer,
+                                                            canary: None) -> None:
+    import socket
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as silent, \
+            socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        assert silent.recv(4096) == b"" and slow.recv(4096) == b""  # closed by the server
+    assert time.monotonic() - start < 6  # --body-timeout 2, not never
+    # A kept-alive connection's next request has the same deadline from its first byte.
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        start = time.monotonic()
+        assert sock.recv(4096) == b"" and time.monotonic() - start < 4
+
+
+def test_a_chunked_body_over_the_limit_is_413(server: RunningServer, canary: None) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(6):
+            yield b"x" * 2**20
+
+    r = httpx.post(f"{server.base_url}/v1/completions", content=chunks(), timeout=30,
+                   headers={**server.headers, "content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "request body is over" in r.json()["error"]["message"]
 
 
 async def _abandon(server: RunningServer, body: dict, count: int, timeout: float) -> int:

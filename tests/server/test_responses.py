@@ -255,6 +255,28 @@ def test_background_response_runs_on_and_a_cancel_stops_it(server: RunningServer
                   400, "background")
 
 
+def test_deleting_a_running_background_response_stops_it_for_good(server: RunningServer,
+                                                                  client: openai.OpenAI):
+    running = client.responses.create(model=MODEL, input="Write a very long story.",
+                                      max_output_tokens=400, background=True)
+    deadline = time.monotonic() + 60
+    while not client.responses.retrieve(running.id).output_text:
+        assert time.monotonic() < deadline, "no output while in progress"
+        time.sleep(0.1)
+    assert client.responses.delete(running.id) is None  # the SDK's answer to a deletion
+    deadline = time.monotonic() + 30
+    while server.metrics()["pkv:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    values = server.metrics()
+    assert values["pkv:num_requests_running"] == 0  # stopped, not run to its 400 tokens
+    assert values["pkv:kv_blocks_free"] == values["pkv:kv_blocks_total"]
+    time.sleep(0.5)  # (what the task would store, it would have stored by now)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(running.id)
+
+
 def test_input_items_list_a_conversation_newest_first(server: RunningServer,
                                                       client: openai.OpenAI):
     first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4,
