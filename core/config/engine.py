@@ -67,8 +67,9 @@ class EngineConfig:
         "embedding model: /v1/embeddings) or classify / score (a cross-encoder: /v1/rerank, "
         "/score).")
     dtype: str = _opt("auto", "Compute dtype: auto, float32, bfloat16, float16 "
-                      "(auto: float32 on CPU, the checkpoint's dtype on GPU; a GGUF's "
-                      "weights stay in its blocks unless float32 is asked for).")
+                      "(auto: float32 on CPU, a 16-bit checkpoint's weights kept in 16 bits "
+                      "and a GGUF's in its blocks; the checkpoint's dtype on GPU). float32 "
+                      "widens every weight.")
     device: str = _opt("auto", "Device: auto, cpu or cuda.")
     block_size: int = _opt(16, "Tokens per KV cache block.")
     kv_cache_dtype: str = _opt(
