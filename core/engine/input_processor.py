@@ -226,8 +226,10 @@ class InputProcessor:
         for word in words:
             bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words: {word!r} has no tokens")
             out.append(bare)
-            if spaced[0] != bare[0] and len(spaced) == len(bare):
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 out.append(spaced)
         return out
 
