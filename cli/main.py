@@ -8,6 +8,7 @@ from pkv.cli.bench.app import bench_app
 from pkv.cli.inspect_cache import inspect_cache
 from pkv.cli.plugins_cmd import plugins
 from pkv.cli.quantize import quantize
+from pkv.cli.run_batch import run_batch
 from pkv.cli.serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -17,6 +18,7 @@ app.add_typer(bench_app, name="bench")
 app.command(help="List plugins and which attention backends are usable here.")(plugins)
 app.command(help="Quantize a model to AWQ 4-bit or FP8.")(quantize)
 app.command("inspect-cache", help="Show the KV cache of a server or a simulation.")(inspect_cache)
+app.command("run-batch", help="Answer a file of OpenAI Batch API requests offline.")(run_batch)
 
 
 @app.callback()

@@ -108,6 +108,27 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
     options = {k: v for k, v in ctx.params.items() if k not in ("config", "check")}
     if config_file is None:
         return options
+    for name, value in yaml_options(config_file, set(options)).items():
+        # typer vendors click: compare the source by name, not by enum identity.
+        if getattr(ctx.get_parameter_source(name), "name", "") != "COMMANDLINE":
+            options[name] = value
+    return options
+
+
+def serve_options(config_file: Path | None) -> dict[str, Any]:
+    """`pkv serve`'s options as its defaults and `config_file` (YAML or a recipe's name)
+    make them, for commands that run the same engine without serving it."""
+    import inspect
+
+    options = {name: p.default for name, p in inspect.signature(serve).parameters.items()
+               if name not in ("ctx", "config", "check")}
+    if config_file is not None:
+        options.update(yaml_options(config_file, set(options)))
+    return options
+
+
+def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
+    """The options a YAML file (or a shipped recipe) sets, each name one of `known`."""
     import yaml
 
     config_file = _config_path(config_file)
@@ -120,13 +141,12 @@ def _merge_options(ctx: typer.Context, config_file: Path | None) -> dict[str, An
                          f"{getattr(exc, 'problem', None) or 'cannot parse'}{where}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{config_file} must hold a mapping of option: value")
+    options = {}
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
-        if name not in options:
+        if name not in known:
             raise ValueError(f"unknown option {key!r} in {config_file}")
-        # typer vendors click: compare the source by name, not by enum identity.
-        if getattr(ctx.get_parameter_source(name), "name", "") != "COMMANDLINE":
-            options[name] = value
+        options[name] = value
     return options
 
 
@@ -235,10 +255,6 @@ def _lora_modules(options: dict[str, Any]) -> list[tuple[str, str]]:
 def _run(options: dict[str, Any]) -> None:
     logging.basicConfig(level=options["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pkv.core.engine.async_engine import AsyncLLM
-    from pkv.core.engine.engine_thread import EngineThread
-    from pkv.core.engine.llm_engine import LLMEngine
-    from pkv.core.server.api_server import build_app
     from pkv.core.worker.tp_worker import torchrun_worker
     from pkv.core.worker.workers import launched_by_torchrun
 
@@ -246,6 +262,24 @@ def _run(options: dict[str, Any]) -> None:
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
         return
+    async_llm, app, server_config = start_app(options)
+    _print_summary(async_llm.engine, server_config, options)
+    try:
+        _serve_until_signal(app, options)
+    finally:
+        async_llm.shutdown()
+    console.print("[bold]pkv stopped[/]")
+
+
+def start_app(options: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(AsyncLLM, the app on it, ServerConfig) for `options`, the engine built on its own
+    thread and its loop running: the caller shuts it down."""
+    from pkv.core.engine.async_engine import AsyncLLM
+    from pkv.core.engine.engine_thread import EngineThread
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.core.server.api_server import build_app
+
+    config = _engine_config(options)
     adapters = _lora_modules(options)
     server_config = _server_config(options)
 
@@ -261,13 +295,8 @@ def _run(options: dict[str, Any]) -> None:
     async_llm = AsyncLLM(engine, server_config.max_waiting_requests,
                          step_timeout=server_config.step_timeout, thread=thread)
     app = build_app(async_llm, server_config)
-    _print_summary(engine, server_config, options)
     async_llm.start()
-    try:
-        _serve_until_signal(app, options)
-    finally:
-        async_llm.shutdown()
-    console.print("[bold]pkv stopped[/]")
+    return async_llm, app, server_config
 
 
 def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
