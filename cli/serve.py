@@ -30,6 +30,9 @@ console = Console(stderr=True)
 # The serving recipes installed with pkv (the repository's recipes/, the wheel's pkv/recipes/).
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
+# Seconds the requests the engine ended at shutdown have to send their error events.
+_STREAM_END_SECONDS = 5
+
 # Options that configure the HTTP side rather than the engine.
 SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
                   "shutdown_timeout", "allowed_origins", "max_waiting_requests", "step_timeout",
@@ -265,7 +268,7 @@ def _run(options: dict[str, Any]) -> None:
     async_llm, app, server_config = start_app(options)
     _print_summary(async_llm.engine, server_config, options)
     try:
-        _serve_until_signal(app, options)
+        _serve_until_signal(app, options, async_llm)
     finally:
         async_llm.shutdown()
     console.print("[bold]pkv stopped[/]")
@@ -325,16 +328,20 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
     console.print(Panel(table, title="pkv serve", expand=False))
 
 
-def _serve_until_signal(app: Any, options: dict[str, Any]) -> None:
+def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any) -> None:
     import uvicorn
 
     from pkv.core.server.http_protocol import head_deadline_protocol
+
+    grace = options["shutdown_timeout"]
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM after its shutdown (exit by signal); we exit 0 instead.
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             def handle(signum: int, frame: Any) -> None:
+                if self.should_exit:  # a second signal: end what runs now
+                    async_llm.stop()
                 self.force_exit = self.should_exit
                 self.should_exit = True
 
@@ -345,9 +352,19 @@ def _serve_until_signal(app: Any, options: dict[str, Any]) -> None:
                 for s, h in previous.items():
                     signal.signal(s, h)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            # At the grace period's end the engine stops, so each request still running ends
+            # in its API's error event; uvicorn's own deadline, later, would cancel them
+            # mid-chunk (a cut stream and a traceback each).
+            deadline = asyncio.get_running_loop().call_later(grace, async_llm.stop)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+
     config = uvicorn.Config(app, host=options["host"], port=options["port"],
                             log_level=options["log_level"], access_log=False,
-                            timeout_graceful_shutdown=int(options["shutdown_timeout"]),
+                            timeout_graceful_shutdown=int(grace) + _STREAM_END_SECONDS,
                             h11_max_incomplete_event_size=64 * 1024,
                             http=head_deadline_protocol(options["body_timeout"]))
     asyncio.run(_Server(config).serve())

@@ -151,10 +151,18 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop, failing whatever is still in flight."""
+    def stop(self) -> None:
+        """Take no more steps: what is in flight fails ("the server is shutting down") once
+        the running step ends, each stream with its API's error; shutdown() joins the loop."""
+        if not self._stop.is_set() and self._streams:
+            logger.warning("shutting down: ending %d requests still in flight",
+                           len(self._streams))
         self._stop.set()
         self._wakeup.set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loop, failing whatever is still in flight."""
+        self.stop()
         if self._thread.looping:
             self._thread.join_loop(timeout)
         # A step still running owns the collectives: then workers are killed, not told.

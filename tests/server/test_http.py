@@ -196,6 +196,32 @@ def test_queue_bound_and_sigterm_with_request_in_flight(tmp_path):
             server.process.kill()
 
 
+def test_streams_still_running_at_the_grace_periods_end_get_an_error_event(tmp_path):
+    server = start_server(str(tmp_path), "--shutdown-timeout", "1", api_key=None)
+    try:
+        long = {"model": MODEL, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60,
+                          json={**long, "prompt": "Tell me a story."}) as completion, \
+                httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=60,
+                             json={**long, "messages": [{"role": "user", "content": "Hi"}]}
+                             ) as chat:
+            lines = [completion.iter_lines(), chat.iter_lines()]
+            for each in lines:
+                assert next(each).startswith("data: {")
+            server.process.send_signal(signal.SIGTERM)
+            rests = [list(each) for each in lines]  # each read to its end: no cut chunk
+        for rest in rests:
+            errors = [json.loads(x[6:]) for x in rest if x.startswith('data: {"error"')]
+            assert errors and "shutting down" in errors[0]["error"]["message"], rest[-3:]
+            assert "data: [DONE]" in rest[-2:]
+        assert server.process.wait(20) == 0
+        log = server.log()
+        assert "Traceback" not in log and "ending 2 requests still in flight" in log
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
 def test_admin_cache_needs_the_key_and_feeds_inspect_cache(server: RunningServer, tmp_path):
     from typer.testing import CliRunner
 
