@@ -97,12 +97,22 @@ async def _send(client: httpx.AsyncClient, line: BatchLine) -> dict[str, Any]:
     if line.problem is not None:
         out["error"] = {"code": "invalid_request", "message": line.problem}
         return out
-    response = await client.post(line.url, json=line.body)
-    try:
-        body = response.json()
-    except ValueError:
-        body = {"error": {"message": response.text, "type": "server_error"}}
+    while True:
+        response = await client.post(line.url, json=line.body)
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"error": {"message": response.text, "type": "server_error"}}
+        if not _overloaded(response.status_code, body):
+            break
+        await asyncio.sleep(float(response.headers.get("retry-after", 1)))  # the queue is full
     request_id = body.get("id") if isinstance(body, dict) else None
     out["response"] = {"status_code": response.status_code,
                        "request_id": request_id or f"req_{uuid.uuid4().hex}", "body": body}
     return out
+
+
+def _overloaded(status: int, body: Any) -> bool:
+    """Whether the engine's queue turned the request away (a batch waits and resends it)."""
+    return status == 503 and isinstance(body, dict) and \
+        (body.get("error") or {}).get("code") == "server_overloaded"

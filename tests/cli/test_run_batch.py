@@ -76,6 +76,20 @@ def test_each_bad_line_is_its_own_error(answered: dict[str, Any]) -> None:
     assert all(r["response"] is None for r in (by_line[0], by_line[3], by_line[4]))
 
 
+def test_a_full_queue_is_waited_out(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    (tmp_path / "serve.yaml").write_text("kv-cache-memory: 16MiB\nmax-model-len: 256\n"
+                                         "max-num-seqs: 1\nmax-waiting-requests: 1\n")
+    (tmp_path / "in.jsonl").write_text("\n".join(
+        _line(f"r{i}", "/v1/completions", {"prompt": f"Hi {i}", "max_tokens": 4})
+        for i in range(5)))
+    result = CliRunner().invoke(app, [
+        "run-batch", str(tiny_llama_dir), "-i", str(tmp_path / "in.jsonl"),
+        "-o", str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "serve.yaml")])
+    assert result.exit_code == 0 and "5 answered, 0 failed" in result.stderr, result.output
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert {r["response"]["status_code"] for r in rows} == {200}
+
+
 def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
