@@ -34,7 +34,7 @@ def quantize(
 ) -> None:
     """Quantize a model to AWQ 4-bit or FP8 and report size (and perplexity with --eval)."""
     with user_errors():
-        from pkv.quantize.pipeline import QuantizeOptions, quantize_model
+        from pkv.quantize.pipeline import QuantizeOptions, check_options, quantize_model
 
         if awq == fp8:
             raise ValueError("choose exactly one of --awq and --fp8")
@@ -45,6 +45,7 @@ def quantize(
         opts = QuantizeOptions(model, output, "awq" if awq else "fp8", w_bit, group_size,
                                zero_point, search, clip, calib, calib_samples, calib_seq_len,
                                fp8_scheme, eval)
+        check_options(opts)  # before any progress bar is drawn
         if backend == "autoawq":
             from pkv.quantize.autoawq_backend import quantize_with_autoawq
 
