@@ -152,7 +152,7 @@ class OutputProcessor:
         # (none where the stop string stays in the text).
         hold = 0 if params.include_stop_str_in_output else \
             max((len(s) - 1 for s in params.stop_strings), default=0)
-        return text[:len(text) - hold] if hold else text
+        return text[:max(0, len(text) - hold)]
 
     def _logprob_dict(self, token: int, lp: tuple[list[int], list[float], float, int]
                       ) -> dict[int, Logprob]:

@@ -80,6 +80,12 @@ def test_stop_strings(client):
     streamed = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
                                          temperature=0, max_tokens=32, stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    # A long stop string the text opens with: no piece of it is streamed before it matches.
+    opening = full[:20]
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT,
+                                         temperature=0, max_tokens=32, stop=[opening],
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == ""
 
 
 def test_vllm_sampling_extras(client):
