@@ -229,11 +229,14 @@ async def single_choice_deltas(stream: RequestStream, shaper: ChoiceShaper
         yield output, shaper.delta(c.text, c.finish_reason is not None) if new else {}
 
 
-def usage(finals: list[RequestOutput]) -> dict[str, int]:
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens read from the prefix cache."""
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    cached = sum(max(0, f.num_cached_tokens) for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def stream_error(exc: Exception) -> dict:

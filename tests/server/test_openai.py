@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 import openai
 import pytest
@@ -114,6 +115,19 @@ def test_vllm_sampling_extras(client):
         client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
                                   extra_body={"allowed_token_ids": [10**7]})
     assert info.value.body["param"] == "allowed_token_ids"
+
+
+def test_usage_counts_the_prompt_tokens_read_from_the_cache(client):
+    prompt = f"{uuid.uuid4().hex} " * 12 + PROMPT  # a prompt no test has cached
+    runs = [client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt,
+                                      temperature=0, max_tokens=2).usage for _ in range(2)]
+    assert runs[0].prompt_tokens_details.cached_tokens == 0
+    cached = runs[1].prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < runs[1].prompt_tokens  # whole blocks
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=2,
+        messages=[{"role": "user", "content": prompt}]).usage
+    assert chat.prompt_tokens_details.cached_tokens < chat.prompt_tokens
 
 
 def test_logprobs(client):
