@@ -76,11 +76,14 @@ class _Running:
     task: asyncio.Future
     stream: RequestStream
     shaper: ChoiceShaper
+    base: dict[str, Any]  # the response's fields, for when the store has dropped it (LRU)
+    turn: _Turn
     latest: RequestOutput | None = None
 
-    def partial(self, base: dict[str, Any], status: str = "cancelled") -> dict[str, Any]:
+    def partial(self, status: str = "cancelled") -> dict[str, Any]:
         """The response as far as it got (its last item in progress, or incomplete once
         cancelled)."""
+        base = self.base
         if self.latest is None:
             return {**base, "status": status}
         c = self.latest.outputs[0]
@@ -142,12 +145,13 @@ class OpenAIServingResponses:
         """A stored response; a background one still running, with its output so far."""
         tenant = request_tenant(raw.scope)
         stored = self.store.get(tenant, response_id)
+        running = self._background.get((tenant, response_id))
+        # (running: also when newer responses have pushed it out of the store)
+        if running is not None and (running.latest is not None or stored is None):
+            return running.partial("in_progress")
         if stored is None:
             raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
                               "not_found")
-        running = self._background.get((tenant, response_id))
-        if running is not None and running.latest is not None:
-            return running.partial(stored.response, "in_progress")
         return stored.response
 
     def input_items(self, response_id: str, raw: Request, limit: int = 20,
@@ -196,18 +200,18 @@ class OpenAIServingResponses:
         """Stop a background response (its engine request is aborted); a finished one is
         returned as it is."""
         tenant = request_tenant(raw.scope)
-        stored = self.store.get(tenant, response_id)
-        if stored is None:
-            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
-                              "not_found")
-        if not stored.response.get("background"):
-            raise OpenAIError(400, "only background responses can be cancelled",
-                              "response_id")
         running = self._background.pop((tenant, response_id), None)
         if running is None:
+            stored = self.store.get(tenant, response_id)
+            if stored is None:
+                raise OpenAIError(404, f"no stored response {response_id!r}", "response_id",
+                                  "not_found")
+            if not stored.response.get("background"):
+                raise OpenAIError(400, "only background responses can be cancelled",
+                                  "response_id")
             return stored.response
-        cancelled = running.partial(stored.response)
-        self.store.put(tenant, _Stored(cancelled, stored.turn, time.time()))
+        cancelled = running.partial()
+        self.store.put(tenant, _Stored(cancelled, running.turn, time.time()))
         running.task.cancel()
         running.stream.close()  # aborts the engine request (also if the task never started)
         return cancelled
@@ -246,7 +250,8 @@ class OpenAIServingResponses:
             queued = {**base, "status": "queued"}
             self.store.put(tenant, _Stored(queued, turn, time.time()))
             running = _Running(asyncio.ensure_future(
-                self._run_background(body, base, stream, shaper, tenant, turn)), stream, shaper)
+                self._run_background(body, base, stream, shaper, tenant, turn)), stream, shaper,
+                base, turn)
             self._background[(tenant, response_id)] = running
             return JSONResponse(queued)
         final = await self.chat.collect(stream, raw)

@@ -124,8 +124,10 @@ class OpenAIServingPooling(OpenAIServing):
             finals = await self._run(list(pairs), PoolingParams(), param, list(names), raw,
                                      lora)
             return [_one_score(f) for f in finals], finals
-        named = {t: name for pair, pair_names in zip(pairs, names)
-                 for t, name in zip(pair, pair_names)}
+        named: dict[str, str] = {}  # each text once, named by the first field it is in
+        for pair, pair_names in zip(pairs, names):
+            for text, name in zip(pair, pair_names):
+                named.setdefault(text, name)
         texts = sorted(named)
         finals = await self._run(list(texts), PoolingParams(), param,
                                  [named[t] for t in texts], raw, lora)
