@@ -131,7 +131,8 @@ def open_folder(path: Path) -> ModelSource:
     eos = config.eos_token_ids
     if gen_path.is_file():
         gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        eos += tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,) if gen_eos else ()
+        eos += tuple(gen_eos) if isinstance(gen_eos, list) else \
+            () if gen_eos is None else (gen_eos,)  # (0 is a token id)
     tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
     num_tensors = sum(len(_safetensor_keys(f)) for f in files)
     return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,

@@ -126,9 +126,9 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta") or model_cls.default_rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
-                                             model_cls.default_tie_word_embeddings)),
-            attention_bias=bool(cfg.get("attention_bias", False)) or model_cls.qkv_bias,
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings",
+                                      model_cls.default_tie_word_embeddings),
+            attention_bias=_flag(cfg, "attention_bias", False) or model_cls.qkv_bias,
             rope_scaling=scaling,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -186,3 +186,14 @@ class ModelConfig:
             per_layer += q + 2 * kv
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + head
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false config field (a string "false" is not False: refused, as transformers
+    does, rather than read as true)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config field {key}={value!r} must be true or false")
+    return value

@@ -137,10 +137,9 @@ class Tokenizer:
         backend = HFTokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        template = cfg.get("chat_template")
-        jinja_path = folder / "chat_template.jinja"
-        if template is None and jinja_path.is_file():
-            template = jinja_path.read_text()
+        jinja_path = folder / "chat_template.jinja"  # first, as transformers reads them
+        template = jinja_path.read_text() if jinja_path.is_file() else \
+            _default_template(cfg.get("chat_template"))
 
         def token_id(key: str) -> int | None:
             tok = cfg.get(key)
@@ -155,3 +154,12 @@ class Tokenizer:
         add_bos = bool(cfg.get("add_bos_token")) and backend.post_processor is None
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
                    add_bos_token=add_bos, chat_template=template)
+
+
+def _default_template(value: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of named templates (the one
+    named "default")."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value if isinstance(value, str) else None

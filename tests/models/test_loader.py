@@ -104,6 +104,47 @@ def test_unsupported_architecture(tmp_path: Path, tiny_llama_dir: Path):
         open_model(str(folder))
 
 
+def _copy_with(tmp_path: Path, source: Path, name: str, **config: object) -> Path:
+    folder = tmp_path / name
+    shutil.copytree(source, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    return folder
+
+
+def test_a_true_false_field_of_another_kind_is_refused(tmp_path: Path, tiny_llama_dir: Path):
+    for key in ("tie_word_embeddings", "attention_bias"):  # "false" would read as true
+        folder = _copy_with(tmp_path, tiny_llama_dir, key, **{key: "false"})
+        with pytest.raises(ValueError, match=f"config field {key}='false' must be true or "
+                                             "false"):
+            open_model(str(folder))
+
+
+def test_a_generation_configs_eos_token_id_zero_stops(tmp_path: Path, tiny_llama_dir: Path):
+    folder = _copy_with(tmp_path, tiny_llama_dir, "eos0")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    assert 0 in open_model(str(folder)).tokenizer.eos_token_ids
+
+
+def test_chat_templates_are_read_in_transformers_order(tmp_path: Path, tiny_llama_dir: Path):
+    from transformers import AutoTokenizer
+
+    folder = _copy_with(tmp_path, tiny_llama_dir, "templates")
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = [{"name": "default", "template": "DEFAULT{{ messages[0].content }}"},
+                            {"name": "tool_use", "template": "TOOLS"}]
+    cfg_path.write_text(json.dumps(cfg))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    ask = [{"role": "user", "content": "hi"}]
+    for jinja in (None, "JINJA{{ messages[0].content }}"):  # the .jinja file wins
+        if jinja is not None:
+            (folder / "chat_template.jinja").write_text(jinja)
+        ours = open_model(str(folder)).tokenizer.apply_chat_template(ask, False)
+        theirs = AutoTokenizer.from_pretrained(folder).apply_chat_template(ask, tokenize=False)
+        assert ours == theirs == ("JINJAhi" if jinja else "DEFAULThi")
+
+
 @pytest.mark.parametrize("options,message", [
     ({"block_size": 0}, "block_size"),
     ({"dtype": "int3"}, "dtype"),
