@@ -117,9 +117,7 @@ def open_folder(path: Path) -> ModelSource:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder: config.json is missing")
-    hf_config = json.loads(cfg_path.read_text())
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"{cfg_path} must hold a JSON object")
+    hf_config = _json_object(cfg_path)
     config = ModelConfig.from_hf_dict(hf_config)
     files = weight_files(path)
     if not files:
@@ -130,15 +128,32 @@ def open_folder(path: Path) -> ModelSource:
     gen_path = path / "generation_config.json"
     eos = config.eos_token_ids
     if gen_path.is_file():
-        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        eos += tuple(gen_eos) if isinstance(gen_eos, list) else \
-            () if gen_eos is None else (gen_eos,)  # (0 is a token id)
+        eos += _eos_ids(_json_object(gen_path).get("eos_token_id"), gen_path)
     tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
     num_tensors = sum(len(_safetensor_keys(f)) for f in files)
     return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,
                        num_tensors=num_tensors, weights=lambda: _iter_safetensors(files),
                        hf_config=hf_config,
                        quantization=checkpoint_quantization(hf_config.get("quantization_config")))
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that holds an object; an error names the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # (a UnicodeDecodeError too)
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return value
+
+
+def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
+    """generation_config's eos_token_id: one id, a list, or none (0 is an id)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{path}: eos_token_id={value!r} must be a token id or a list of them")
+    return tuple(ids)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -151,6 +166,9 @@ def weight_files(path: Path) -> list[Path]:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{index} is not a safetensors index: {exc}") from None
+        if not all(isinstance(n, str) and (path / n).resolve().is_relative_to(path.resolve())
+                   for n in names):
+            raise ValueError(f"{index}: every weight_map value must name a file in {path}")
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ValueError(f"{path} lacks {len(missing)} shard(s) its index names, "

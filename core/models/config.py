@@ -8,6 +8,7 @@ the computation in a way pkv does not implement is one error naming it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,57 @@ _FAMILY_FIELDS: dict[str, tuple[set[str], tuple[Any, ...]]] = {
     "shared_expert_intermediate_size": (set(), (None, 0)),
     "use_qk_norm": (set(), (None, False)),
 }
+
+
+# Fields read as sizes, as numbers, as mappings: checked when the config is read, so that a
+# `"64"` or a `-5` is one line naming the field (from `--check` too), not a crash deep in a
+# layer's constructor once weights load.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "partial_rotary_factor")
+_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config")
+# What each RoPE scaling kind reads besides its theta (LongRoPE's factors: the family's
+# own check, phi3.py).
+_ROPE_NEEDS = {"linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                          "original_max_position_embeddings")}
+
+
+def _check_kinds(cfg: dict[str, Any]) -> None:
+    for key in _SIZES:
+        value = cfg.get(key)
+        if value is not None and not _positive(value, int):
+            raise ValueError(f"config field {key}={value!r} must be a positive integer")
+    for key in _NUMBERS:
+        value = cfg.get(key)
+        if value is not None and not _positive(value, (int, float)):
+            raise ValueError(f"config field {key}={value!r} must be a positive number")
+    for key in _MAPPINGS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"config field {key} must be a mapping, got {cfg[key]!r}")
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not all(_token_id(t) for t in (eos if isinstance(eos, list)
+                                                          else [eos])):
+        raise ValueError(f"config field eos_token_id={eos!r} must be a token id or a list of "
+                         "them")
+
+
+def _check_rope(rope: dict[str, Any], kind: str) -> None:
+    for key in ("rope_theta", "factor", *_ROPE_NEEDS.get(kind, ())):
+        value = rope.get(key)
+        if value is None and key in _ROPE_NEEDS.get(kind, ()):
+            raise ValueError(f"config field rope_scaling of type {kind!r} lacks {key!r}")
+        if value is not None and not _positive(value, (int, float)):
+            raise ValueError(f"config field rope_scaling.{key}={value!r} must be a positive "
+                             "number")
+
+
+def _positive(value: Any, kinds: type | tuple[type, ...]) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +142,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
+        archs = [archs] if isinstance(archs, str) else archs  # (transformers writes a list)
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -101,12 +154,14 @@ class ModelConfig:
         for key in (*required, *model_cls.required_fields):
             if cfg.get(key) is None:
                 raise ValueError(f"config of {arch} lacks the field {key!r}")
+        _check_kinds(cfg)
         heads = cfg["num_attention_heads"]
         rope = _rope_parameters(cfg)
         kind = rope.get("rope_type") or rope.get("type") or "default"
         if kind not in ROPE_TYPES:
             raise ValueError(f"config field rope_scaling.rope_type={kind!r} is not supported "
                              f"({', '.join(ROPE_TYPES)})")
+        _check_rope(rope, kind)
         scaling = None if kind == "default" else rope
         for key, (families, neutral) in _FAMILY_FIELDS.items():
             if family not in families and cfg.get(key) not in neutral:

@@ -134,9 +134,18 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")
-        backend = HFTokenizer.from_file(str(path))
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot read
+            raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: "
+                             f"{exc}") from None
         cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        except ValueError as exc:
+            raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_path} must hold a JSON object")
         jinja_path = folder / "chat_template.jinja"  # first, as transformers reads them
         template = jinja_path.read_text() if jinja_path.is_file() else \
             _default_template(cfg.get("chat_template"))

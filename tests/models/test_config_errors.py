@@ -44,6 +44,19 @@ CASES = {
     "phi3-longrope-factors": (_llama(architectures=["Phi3ForCausalLM"], rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 3}),
         "rope_scaling.long_factor"),
+    # values of the wrong kind: named here, not a crash in a layer once weights load
+    "layers-as-text": (_llama(num_hidden_layers="2"), "num_hidden_layers='2'"),
+    "hidden-as-float": (_llama(hidden_size=64.0), "hidden_size=64.0"),
+    "negative-vocab": (_llama(vocab_size=-5), "vocab_size=-5"),
+    "eps-as-text": (_llama(rms_norm_eps="1e-5"), "rms_norm_eps='1e-5'"),
+    "positions-as-text": (_llama(max_position_embeddings="512"), "max_position_embeddings"),
+    "rope-scaling-list": (_llama(rope_scaling=[1, 2]), "rope_scaling must be a mapping"),
+    "linear-rope-no-factor": (_llama(rope_scaling={"rope_type": "linear"}), "lacks 'factor'"),
+    "rope-factor-as-text": (_llama(rope_scaling={"rope_type": "linear", "factor": "2"}),
+                            "rope_scaling.factor='2'"),
+    "quantization-config-text": (_llama(quantization_config="awq"), "quantization_config"),
+    "eos-as-text": (_llama(eos_token_id="2"), "eos_token_id='2'"),
+    "tie-as-text": (_llama(tie_word_embeddings="false"), "tie_word_embeddings='false'"),
 }
 
 

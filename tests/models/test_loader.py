@@ -126,6 +126,28 @@ def test_a_generation_configs_eos_token_id_zero_stops(tmp_path: Path, tiny_llama
     assert 0 in open_model(str(folder)).tokenizer.eos_token_ids
 
 
+@pytest.mark.parametrize("file, text, message", [
+    ("config.json", "{not json", "config.json is not valid JSON"),
+    ("generation_config.json", "[1, 2]", "generation_config.json must hold a JSON object"),
+    ("generation_config.json", '{"eos_token_id": "2"}', "eos_token_id='2' must be a token id"),
+    ("generation_config.json", '{"eos_token_id": [2, null]}', "eos_token_id=[2, None]"),
+    ("generation_config.json", '{"eos_token_id": -1}', "eos_token_id=-1"),
+    ("tokenizer_config.json", "{", "tokenizer_config.json is not valid JSON"),
+    ("tokenizer.json", '{"model": 5}', "tokenizer.json is not a tokenizer"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": 3}}',
+     "every weight_map value must name a file in"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": "../model.safetensors"}}',
+     "every weight_map value must name a file in"),
+])
+def test_malformed_files_of_a_folder_are_named(tmp_path: Path, tiny_llama_dir: Path, file: str,
+                                               text: str, message: str):
+    folder = _copy_with(tmp_path, tiny_llama_dir, "bad")
+    (folder / file).write_text(text)
+    with pytest.raises(ValueError) as info:
+        open_model(str(folder))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
 def test_chat_templates_are_read_in_transformers_order(tmp_path: Path, tiny_llama_dir: Path):
     from transformers import AutoTokenizer
 

@@ -29,6 +29,7 @@ COMMON: dict[str, list[object]] = {
     "n": [0, 10**6, "1", 1.5, True],
     "seed": [2**64, -(2**63) - 1, "7", 1.5],
     "stop_token_ids": [[-1], [10**9], ["1"], [1.5]],
+    "allowed_token_ids": [[-1], [10**9], ["1"], [1.5], []],
     "logit_bias": [{"5": 101}, {"5": NAN}, {"5": INF}, {"5": "1"}],
     "presence_penalty": [2.5, -2.5, NAN, INF, "0"],
     "frequency_penalty": [2.5, NAN, -INF],
@@ -47,7 +48,8 @@ BAD = {
 }
 # A valid value of every number field: strictness must not refuse what is right.
 GOOD = {"max_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0.0, "n": 1,
-        "seed": 2**63, "stop_token_ids": [2], "logit_bias": {"5": -1}, "presence_penalty": 0,
+        "seed": 2**63, "stop_token_ids": [2], "allowed_token_ids": [5, 6], "logit_bias": {"5": -1},
+        "presence_penalty": 0,
         "frequency_penalty": 0.5, "repetition_penalty": 1, "min_tokens": 1}
 BASE = {
     "/v1/completions": {"model": MODEL, "prompt": "Hello"},
