@@ -64,9 +64,21 @@ def _checked_header(path: Path) -> GGUFHeader:
         header = read_header(path)
         for tensor in header.tensors:
             _check_tensor(tensor, len(header.data))
+        _check_disjoint(header.tensors)
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
     return header
+
+
+def _check_disjoint(tensors: list[TensorInfo]) -> None:
+    """No tensor's bytes run into the next one's: a type id or shape changed by corruption
+    would read its neighbour's bytes as its own (and quietly make every logit NaN)."""
+    ordered = sorted(tensors, key=lambda t: t.start)
+    for tensor, after in zip(ordered, ordered[1:]):
+        if tensor.start + _tensor_bytes(tensor) > after.start:
+            raise ValueError(f"GGUF tensor {tensor.name} ({_tensor_bytes(tensor)} bytes at "
+                             f"offset {tensor.start}) runs into {after.name} at offset "
+                             f"{after.start}: its type or shape is corrupt")
 
 
 def _check_tensor(tensor: TensorInfo, file_size: int) -> None:

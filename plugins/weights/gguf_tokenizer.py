@@ -64,6 +64,9 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (pkv builds 'gpt2' "
                          "byte-level BPE, 'llama' SentencePiece BPE and 'bert' WordPiece)")
     tokens: list[str] = field("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF tokenizer: tokenizer.ggml.tokens is missing or not a list of "
+                         "strings")
     types: list[int] = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"GGUF tokenizer: {len(tokens)} tokens but {len(types)} token types")
@@ -81,9 +84,18 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
 
 def _byte_level_bpe(field: Field, tokens: list[str], types: list[int]) -> HFTokenizer:
     pre = field("tokenizer.ggml.pre") or "default"  # llama.cpp's choice for a file without one
-    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
-    backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                     fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES))
+    listed = field("tokenizer.ggml.merges")
+    if listed is None:  # (llama.cpp refuses such a file too: the text would split otherwise)
+        raise ValueError("GGUF byte-level BPE tokenizer without tokenizer.ggml.merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in listed if isinstance(m, str)]
+    bad = next((m for m, pair in zip(listed, merges)
+                if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab), None)
+    if len(merges) != len(listed) or bad is not None:
+        raise ValueError(f"GGUF tokenizer.ggml.merges holds {bad!r}, not two tokens of the "
+                         "vocabulary joined by a space")
+    backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False,
+                                     ignore_merges=pre in _IGNORE_MERGES))
     backend.pre_tokenizer = _pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([t for t, k in zip(tokens, types) if k == _CONTROL])

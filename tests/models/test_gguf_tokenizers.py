@@ -217,6 +217,25 @@ def test_other_tokenizer_models_are_refused_in_one_line(model: str, tmp_path: Pa
     assert "\n" not in message and repr(model) in message and "'llama'" in message
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"add_token_merges": None}, "without tokenizer.ggml.merges"),
+    ({"add_token_merges": ["nospace"]}, "tokenizer.ggml.merges holds 'nospace'"),
+    ({"add_token_merges": ["zzzq zzzw"]}, "holds 'zzzq zzzw', not two tokens of the vocabulary"),
+    ({"add_token_list": []}, "tokenizer.ggml.tokens is missing"),
+])
+def test_a_broken_byte_level_vocabulary_is_one_line(edit: dict[str, Any], message: str,
+                                                    tmp_path: Path, smol_gguf: Path):
+    from pkv.tests.gguf_writer import _tokenizer_fields
+
+    fields = {k: v for k, v in {**_tokenizer_fields(str(smol_gguf)), **edit}.items()
+              if v is not None}  # None: the key left out
+    if not fields["add_token_list"]:
+        fields["add_token_types"] = []
+    with pytest.raises(ValueError) as err:
+        gguf_tokenizer(tmp_path / "broken.gguf", fields)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_byte_level_gguf_still_encodes_as_transformers(smol_gguf: Path):
     # the `gpt2` builder moved to gguf_tokenizer.py; the bundled SmolLM2 is one
     from transformers import AutoTokenizer

@@ -58,6 +58,22 @@ def test_truncated_gguf_is_a_clear_error(tmp_path: Path, smol_gguf: Path) -> Non
         open_model(str(truncated))
 
 
+def test_a_tensor_that_runs_into_the_next_is_a_clear_error(tmp_path: Path, tiny_llama_dir: Path,
+                                                          smol_gguf: Path) -> None:
+    from pkv.tests.gguf_writer import write_gguf
+
+    written = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", "Q8_0", smol_gguf)
+    raw = bytearray(written.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # its n_dims
+    n_dims = struct.unpack_from("<I", raw, at)[0]
+    struct.pack_into("<I", raw, at + 4 + 8 * n_dims, 0)  # Q8_0 -> F32: 3.8x the bytes
+    (tmp_path / "overlap.gguf").write_bytes(raw)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight .* runs into") as caught:
+        open_model(str(tmp_path / "overlap.gguf"))
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("field, method", [
     ("attention.head_count", "add_head_count"), ("embedding_length", "add_embedding_length"),
     ("attention.head_count_kv", "add_head_count_kv"), ("context_length", "add_context_length")])
