@@ -218,7 +218,9 @@ def _check(options: dict[str, Any]) -> None:
     if options["log_level"].lower() not in ("debug", "info", "warning", "error", "critical"):
         raise ValueError(f"log_level must be debug, info, warning or error, got "
                          f"{options['log_level']!r}")
-    if config.model is None or Path(config.model).expanduser().exists():
+    from pkv.core.model_loader.hub import on_this_machine
+
+    if config.model is None or on_this_machine(config.model, config.revision, config.gguf_file):
         from pkv.core.model_loader.quantization import resolve_weight_loader
         from pkv.core.worker.model_setup import check_model, resolve_max_model_len
 

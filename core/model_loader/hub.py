@@ -108,6 +108,19 @@ def resolve_model(model: str, revision: str | None = None,
     return found
 
 
+def on_this_machine(model: str, revision: str | None = None,
+                    gguf_file: str | None = None) -> bool:
+    """Whether `model` opens here without the network: a path that exists, or a Hub id
+    whose snapshot is whole in the cache."""
+    if not is_hub_id(model):
+        return Path(model).expanduser().exists()
+    folder = _cached_snapshot(model, revision, gguf_file, hub_cache_dir())
+    try:
+        return folder is not None and _complete(folder, model, gguf_file, revision) is not None
+    except ValueError:
+        return False  # the Hub's own listing decides when serving
+
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 

@@ -189,6 +189,15 @@ def test_gated_and_missing_repos_are_one_line(hub_cache: Path, monkeypatch: pyte
         assert expected in str(err.value) and "\n" not in str(err.value)
 
 
+def test_check_reads_a_cached_hub_model(hub_cache: Path, tiny_llama_dir: Path):
+    add_snapshot(hub_cache, "org/cached", REV_A, folder_files(tiny_llama_dir))
+    ok = CliRunner().invoke(app, ["serve", "org/cached", "--check"])
+    assert ok.exit_code == 0 and "org/cached (llama, read without weights)" in ok.output
+    too_long = CliRunner().invoke(app, ["serve", "org/cached", "--check",
+                                        "--max-model-len", str(10**7)])
+    assert too_long.exit_code == 2 and "max_position_embeddings" in too_long.stderr
+
+
 def test_serve_offline_miss_is_one_line_without_traceback(hub_cache: Path):
     result = CliRunner().invoke(app, ["serve", "org/missing", "--port", "0"])
     assert result.exit_code == 2
