@@ -263,9 +263,9 @@ def _run(options: dict[str, Any]) -> None:
     from pkv.core.worker.tp_worker import torchrun_worker
     from pkv.core.worker.workers import launched_by_torchrun
 
-    config = _engine_config(options)
     if launched_by_torchrun() and os.environ["RANK"] != "0":
-        torchrun_worker(asdict(config))  # rank 0 serves HTTP; the others compute with it
+        # rank 0 serves HTTP; the others compute with it
+        torchrun_worker(asdict(_engine_config(options)))
         return
     async_llm, app, server_config = start_app(options)
     _print_summary(async_llm.engine, server_config, options)

@@ -21,7 +21,7 @@ from pkv.core.distributed.pipeline import PipelineStage
 from pkv.core.layers.attention_backend import AttentionBackend
 from pkv.core.layers.linear import LinearMethod
 from pkv.core.models.base import CausalLM
-from pkv.core.models.config import ModelConfig
+from pkv.core.models.config import ModelConfig, eos_token_ids
 from pkv.core.models.registry import family_of
 from pkv.core.progress import progress_bar
 from pkv.core.tokenizer.tokenizer import Tokenizer
@@ -128,7 +128,7 @@ def open_folder(path: Path) -> ModelSource:
     gen_path = path / "generation_config.json"
     eos = config.eos_token_ids
     if gen_path.is_file():
-        eos += _eos_ids(_json_object(gen_path).get("eos_token_id"), gen_path)
+        eos += eos_token_ids(_json_object(gen_path).get("eos_token_id"), f"{gen_path}: ")
     tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
     num_tensors = sum(len(_safetensor_keys(f)) for f in files)
     return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,
@@ -146,14 +146,6 @@ def _json_object(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return value
-
-
-def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
-    """generation_config's eos_token_id: one id, a list, or none (0 is an id)."""
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"{path}: eos_token_id={value!r} must be a token id or a list of them")
-    return tuple(ids)
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -59,11 +59,6 @@ def _check_kinds(cfg: dict[str, Any]) -> None:
     for key in _MAPPINGS:
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise ValueError(f"config field {key} must be a mapping, got {cfg[key]!r}")
-    eos = cfg.get("eos_token_id")
-    if eos is not None and not all(_token_id(t) for t in (eos if isinstance(eos, list)
-                                                          else [eos])):
-        raise ValueError(f"config field eos_token_id={eos!r} must be a token id or a list of "
-                         "them")
 
 
 def _check_rope(rope: dict[str, Any], kind: str) -> None:
@@ -80,8 +75,13 @@ def _positive(value: Any, kinds: type | tuple[type, ...]) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool) and 0 < value < math.inf
 
 
-def _token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def eos_token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An eos_token_id field: one id, a list of them, or none (0 is an id); `where` opens
+    the error ("config field ", a file's name)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{where}eos_token_id={value!r} must be a token id or a list of them")
+    return tuple(ids)
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -167,8 +167,6 @@ class ModelConfig:
             if family not in families and cfg.get(key) not in neutral:
                 raise ValueError(f"config field {key}={cfg[key]!r} changes the computation, "
                                  f"and pkv does not implement it for {arch}")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         config = cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -187,7 +185,7 @@ class ModelConfig:
             rope_scaling=scaling,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), "config field "),
             hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
             partial_rotary_factor=float(rope.get("partial_rotary_factor") or 1.0),
             hf_architecture=arch,

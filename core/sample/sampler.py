@@ -98,18 +98,19 @@ class Sampler:
 
     @staticmethod
     def _apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """allowed_token_ids first, then the bans (a token both allowed and banned is
-        banned)."""
         for i, row in enumerate(rows):
-            if row.params.allowed_token_ids:
-                kept = logits[i, row.params.allowed_token_ids].clone()
-                logits[i] = float("-inf")
-                logits[i, row.params.allowed_token_ids] = kept
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
 
     @staticmethod
     def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Only the allowed tokens stay: a row's allowed_token_ids, then guided decoding's
+        mask (after the bans: a token both allowed and banned stays banned)."""
+        for i, row in enumerate(rows):
+            if row.params.allowed_token_ids:
+                kept = logits[i, row.params.allowed_token_ids].clone()
+                logits[i] = float("-inf")
+                logits[i, row.params.allowed_token_ids] = kept
         idx = [i for i, r in enumerate(rows) if r.allowed_mask is not None]
         if idx:
             allowed = torch.stack([rows[i].allowed_mask for i in idx]).to(logits.device)

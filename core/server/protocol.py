@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server.errors import OpenAIError
 from pkv.core.structured_output.params import StructuredOutputsParams
-from pkv.core.tokenizer.chat_messages import template_message
+from pkv.core.tokenizer.chat_messages import (first_non_text_part, may_omit_content,
+                                               template_message)
 
 
 # Strict types, finite floats: see the module docstring. Unknown fields are accepted and
@@ -174,17 +175,12 @@ class ChatMessage(BaseModel):
 
     def missing_content(self) -> bool:
         """OpenAI: only an assistant message that calls tools may go without content."""
-        extra = self.model_extra or {}
-        return self.content is None and not (self.role == "assistant" and (
-            extra.get("tool_calls") or extra.get("function_call")))
+        return self.content is None and not may_omit_content(
+            {**(self.model_extra or {}), "role": self.role})
 
     def first_bad_part(self) -> int | None:
-        """The index of the first content part that is not OpenAI's text part (pkv serves
-        text: an image or audio part dropped in silence would change the question)."""
-        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                return i
-        return None
+        """The index of the first content part that is not OpenAI's text part."""
+        return first_non_text_part(self.content) if isinstance(self.content, list) else None
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (check_messages refused what they cannot)."""

@@ -41,9 +41,7 @@ class OpenAIServingPooling(OpenAIServing):
         lora = self._check_model(body.model, "embed")
         params = _params(dimensions=body.dimensions, normalize=body.normalize,
                          truncate_prompt_tokens=body.truncate_prompt_tokens)
-        inputs = _inputs(body.input)
-        names = [f"input[{i}]" for i in range(len(inputs))]
-        finals = await self._run(inputs, params, "input", names, raw, lora)
+        finals = await self._run(_inputs(body.input), params, "input", raw, lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(f.outputs.data, body.encoding_format)}
                 for i, f in enumerate(finals)]
@@ -54,10 +52,8 @@ class OpenAIServingPooling(OpenAIServing):
         """vLLM's body: each input's scores per label (the classifier's activation applied)
         and the label that scores highest."""
         lora = self._check_model(body.model, "classify")
-        inputs = _inputs(body.input)
         params = _params(truncate_prompt_tokens=body.truncate_prompt_tokens)
-        finals = await self._run(inputs, params, "input",
-                                 [f"input[{i}]" for i in range(len(inputs))], raw, lora)
+        finals = await self._run(_inputs(body.input), params, "input", raw, lora)
         names = self.llm.engine.model_config.hf.get("id2label") or {}
         data = []
         for i, final in enumerate(finals):
@@ -121,24 +117,25 @@ class OpenAIServingPooling(OpenAIServing):
         """Each pair's score: a cross-encoder's, or the cosine of the texts' embeddings.
         `names` holds each pair's two fields, for errors."""
         if self.llm.engine.task == "classify":
-            finals = await self._run(list(pairs), PoolingParams(), param, list(names), raw,
-                                     lora)
+            finals = await self._run(list(pairs), PoolingParams(), param, raw, lora,
+                                     list(names))
             return [_one_score(f) for f in finals], finals
         named: dict[str, str] = {}  # each text once, named by the first field it is in
         for pair, pair_names in zip(pairs, names):
             for text, name in zip(pair, pair_names):
                 named.setdefault(text, name)
         texts = sorted(named)
-        finals = await self._run(list(texts), PoolingParams(), param,
-                                 [named[t] for t in texts], raw, lora)
+        finals = await self._run(list(texts), PoolingParams(), param, raw, lora,
+                                 [named[t] for t in texts])
         vectors = {t: f.outputs.data for t, f in zip(texts, finals)}
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], finals
 
     async def _run(self, inputs: list[PoolingInput], params: PoolingParams, param: str,
-                   names: list[str] | list[tuple[str, str]], raw: Request,
-                   lora: LoRARequest | None) -> list[PoolingRequestOutput]:
-        """Every input as one engine request; `names` holds each one's field (a pair's
-        two) and `param` the field that holds them all, for errors."""
+                   raw: Request, lora: LoRARequest | None,
+                   names: list[str] | list[tuple[str, str]] | None = None
+                   ) -> list[PoolingRequestOutput]:
+        """Every input as one engine request. For errors: `param` is the field that holds
+        them all, `names` each one's field (a pair's two; default `param[i]`)."""
         if not inputs:
             raise OpenAIError(400, f"{param} must not be empty", param)
         if len(inputs) > self.limits.max_pooling_inputs:
@@ -149,6 +146,7 @@ class OpenAIServingPooling(OpenAIServing):
         # token takes hits): their name salts every hash, as for generation.
         tenant = request_tenant(raw.scope)
         salt = None if tenant is None else f"{tenant}:"
+        names = names or [f"{param}[{i}]" for i in range(len(inputs))]
         prepared = await asyncio.to_thread(self._prepare_all, base_id, inputs, params, param,
                                            names, lora, salt)
         return await self.collect_all(self.llm.submit(prepared), raw)

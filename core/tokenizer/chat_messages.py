@@ -19,17 +19,31 @@ def message_problem(message: Any) -> str | None:
         return f"role must be one of {', '.join(ROLES)}, got {role!r}"
     content = message.get("content")
     if content is None:
-        calls = role == "assistant" and (message.get("tool_calls") or message.get("function_call"))
-        return None if calls else f"a {role} message needs content (a string or a list of " \
-                                  "text parts), not None"
+        return None if may_omit_content(message) else f"a {role} message needs content (a " \
+                                                      "string or a list of text parts), not None"
     if isinstance(content, list):
-        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-               for p in content):
+        if first_non_text_part(content) is None:
             return None
         return "content parts must be text parts ({'type': 'text', 'text': '...'}): pkv " \
                "serves text-only models"
     if not isinstance(content, str):
         return f"content must be a string or a list of text parts, got {type(content).__name__}"
+    return None
+
+
+def may_omit_content(message: dict[str, Any]) -> bool:
+    """OpenAI's rule: only an assistant message that calls tools may go without content."""
+    return message.get("role") == "assistant" and bool(message.get("tool_calls")
+                                                        or message.get("function_call"))
+
+
+def first_non_text_part(parts: list[Any]) -> int | None:
+    """The index of the first content part that is not a text part (pkv serves text: an
+    image or audio part dropped in silence would change the question)."""
+    for i, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            return i
     return None
 
 

@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -63,6 +64,12 @@ def cross_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 def classes_server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[RunningServer]:
     yield from _serve(models["classes"], "classifier", tmp_path_factory)
+
+
+def _hf_classifier(folder: Path) -> tuple[Any, Any]:
+    """transformers' tokenizer and BertForSequenceClassification of `folder`."""
+    return (transformers.AutoTokenizer.from_pretrained(folder),
+            transformers.BertForSequenceClassification.from_pretrained(folder).eval())
 
 
 @torch.no_grad()
@@ -202,8 +209,7 @@ def test_a_pooling_model_refuses_generation_and_needs_the_key(embed_server: Runn
 @torch.no_grad()
 def test_rerank_and_score_on_a_cross_encoder(cross_server: RunningServer,
                                              models: dict[str, Path]):
-    tok = transformers.AutoTokenizer.from_pretrained(models["cross"])
-    model = transformers.BertForSequenceClassification.from_pretrained(models["cross"]).eval()
+    tok, model = _hf_classifier(models["cross"])
     ref = [torch.sigmoid(model(**tok(QUERY, d, return_tensors="pt")).logits)[0, 0].item()
            for d in DOCS]
     ranked = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 3})
@@ -250,8 +256,7 @@ def test_a_long_text_is_named_by_its_own_field(server_name: str, request: pytest
 @torch.no_grad()
 def test_classify_gives_each_input_its_labels_scores(classes_server: RunningServer,
                                                      models: dict[str, Path]):
-    tok = transformers.AutoTokenizer.from_pretrained(models["classes"])
-    model = transformers.BertForSequenceClassification.from_pretrained(models["classes"]).eval()
+    tok, model = _hf_classifier(models["classes"])
     texts = [QUERY, *DOCS]
     body = _post(classes_server, "/classify", {"input": texts}).json()
     assert body["object"] == "list" and body["model"] == "classifier"
