@@ -34,28 +34,41 @@ if "PKV_CACHE_DIR" not in os.environ:
 KERNEL_FLAVOURS = [] if cpp_build.unusable_reasons() else cpp_build.runnable_flavours()
 
 
-_BUILDER = pytest.StashKey[subprocess.Popen]()
+_BUILDERS = pytest.StashKey[list[subprocess.Popen]]()
 _BUILD_IN_BACKGROUND = ("import sys\nfrom pkv.csrc import cpp_build\n"
                         "for flavour in sys.argv[1:]: cpp_build.kernels(flavour)")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Compile the kernel flavours in a background process from the start: the default one
-    is ready about when the first engine asks for it (the fixtures before it take as long),
-    and the others (~35 s each, one core) build beside the tests instead of inside them.
-    A test that needs a flavour still being built waits on torch's build lock."""
+    """Compile the kernel flavours in the background from the start, on both cores: the
+    default one is ready about when the first engine asks for it (~70 s, one core), the
+    others build beside it and then beside the tests. A test that needs a flavour still
+    being built waits on torch's build lock."""
     if not KERNEL_FLAVOURS or "PYTEST_XDIST_WORKER" in os.environ:  # workers: the controller's
         return
     default = cpp_build.selected_flavour()
-    order = [default, *(f for f in KERNEL_FLAVOURS if f != default)]
-    session.config.stash[_BUILDER] = subprocess.Popen(
-        [sys.executable, "-c", _BUILD_IN_BACKGROUND, *order],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    others = [f for f in KERNEL_FLAVOURS if f != default]
+    session.config.stash[_BUILDERS] = [
+        subprocess.Popen([sys.executable, "-c", _BUILD_IN_BACKGROUND, *flavours],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for flavours in ([default], others) if flavours]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files that run a flavour other than the default go last, so that its build (started
+    at the session's start) is done before they ask for it instead of holding both workers."""
+    default = cpp_build.selected_flavour() if KERNEL_FLAVOURS else None
+
+    def other_flavour(item: pytest.Item) -> bool:
+        params = getattr(item, "callspec", None)
+        return params is not None and params.params.get("isa", default) != default
+
+    late = {item.path for item in items if other_flavour(item)}
+    items.sort(key=lambda item: item.path in late)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    builder = session.config.stash.get(_BUILDER, None)
-    if builder is not None:
+    for builder in session.config.stash.get(_BUILDERS, []):
         try:
             builder.wait(timeout=300)  # a build cut short would leave its lock behind
         except subprocess.TimeoutExpired:

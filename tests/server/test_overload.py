@@ -92,7 +92,7 @@ def test_memory_comes_back_after_each_burst(small_server: RunningServer) -> None
         return _rss_without_kv(small_server)
 
     start = one_round()  # the first round fills what fills once (allocator arenas, shapes)
-    after = [one_round() for _ in range(19)]
+    after = [one_round() for _ in range(11)]  # a leak of 4.4 MiB a burst shows
     grew = [(rss - start) / 2**20 for rss in after]
     assert max(grew) < 48, grew
 
