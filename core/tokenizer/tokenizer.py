@@ -6,6 +6,7 @@ Built from a Hugging Face folder (tokenizer.json) or from GGUF metadata (see plu
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,11 @@ class Tokenizer:
         self.special_token_ids = {
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self._template: jinja2.Template | None = None
+        if chat_template:
+            try:
+                self._compiled_template()
+            except ValueError as exc:  # the model still completes text; chat is refused
+                logging.getLogger("pkv.tokenizer").warning("%s", exc)
 
     @property
     def vocab_size(self) -> int:
@@ -82,17 +88,26 @@ class Tokenizer:
             return self._continuing(messages, add_generation_prompt, kwargs)
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a prompt")
+        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        return self._compiled_template().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=bos, eos_token=eos, **kwargs)
+
+    def _compiled_template(self) -> jinja2.Template:
+        """The chat template compiled once; a ValueError saying where it does not parse."""
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent,
                                                                       ensure_ascii=False)
-            self._template = env.from_string(self.chat_template)
-        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos, **kwargs)
+            try:
+                self._template = env.from_string(self.chat_template or "")
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"the model's chat template does not compile (line "
+                                 f"{exc.lineno}: {exc.message}); chat requests are refused "
+                                 "until it is fixed") from None
+        return self._template
 
     def _continuing(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     kwargs: dict[str, Any]) -> str:

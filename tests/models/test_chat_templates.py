@@ -123,6 +123,18 @@ def test_gemma_folds_the_system_prompt_into_the_first_user_turn(gemma_folder: Pa
         tokenizer.apply_chat_template(CHAT[1:2] * 2)
 
 
+def test_a_template_that_does_not_compile_is_named_at_load_and_refused_at_chat(
+        tmp_path: Path, tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture):
+    broken = "{% for message in messages %}{{ message['content'] }}\n{% if %}"
+    with caplog.at_level("WARNING", logger="pkv.tokenizer"):
+        tokenizer = Tokenizer.from_folder(_model_folder(tmp_path / "m", tiny_llama_dir, broken,
+                                                        in_config=False))
+    assert "chat template does not compile (line 2" in caplog.text
+    assert tokenizer.encode("Hi", add_special_tokens=False)  # completions still work
+    with pytest.raises(ValueError, match=r"does not compile \(line 2: .*\); chat requests"):
+        tokenizer.apply_chat_template(CHAT)
+
+
 def test_gemma2_template_refuses_a_system_prompt(tmp_path: Path, tiny_llama_dir: Path):
     tokenizer = Tokenizer.from_folder(_model_folder(tmp_path / "m", tiny_llama_dir,
                                                     GEMMA2_TEMPLATE, in_config=True))
