@@ -90,8 +90,9 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use generate() with a prompt")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
-        return self._compiled_template().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos, **kwargs)
+        return self._compiled_template().render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+            eos_token=eos, **kwargs)
 
     def _compiled_template(self) -> jinja2.Template:
         """The chat template compiled once; a ValueError saying where it does not parse."""
