@@ -187,7 +187,8 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.limits.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids if keep is None else ids[-keep:]
 

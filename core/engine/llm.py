@@ -122,33 +122,42 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Render conversations through the model's chat template, then generate (vLLM's
-        arguments): `tools` (OpenAI function tools) go to the template as `tools`,
-        `continue_final_message` has the model go on writing the last (assistant) message,
-        `chat_template_kwargs` go to the template (e.g. Qwen3's `enable_thinking`)."""
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Render conversations through the model's chat template (or `chat_template`, a
+        Jinja template given instead), then generate (vLLM's arguments): `tools` (OpenAI
+        function tools) go to the template as `tools`, `continue_final_message` has the model
+        go on writing the last (assistant) message, `chat_template_kwargs` go to the template
+        (e.g. Qwen3's `enable_thinking`). Each output's `prompt` is the rendered text."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError("chat_template must be a Jinja template (a string)")
         tokenizer = self.llm_engine.tokenizer
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        prompts: list[Prompt] = []
-        for conversation in _conversations(messages):
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                 continue_final_message, **kwargs)
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        texts = [tokenizer.apply_chat_template(conversation, add_generation_prompt,
+                                               continue_final_message, chat_template, **kwargs)
+                 for conversation in _conversations(messages)]
+        prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False)
+                                 for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
-              pooling_params: PoolingParams | None = None,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool | None = None,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
               ) -> list[PoolingRequestOutput]:
         """One embedding per prompt (`outputs.embedding`), in prompt order; an embedding
-        model's (task=embed). `lora_request`: one adapter for every prompt, or one (or None)
+        model's (task=embed). `pooling_params`: one for every prompt, or one per prompt.
+        `lora_request`: one adapter for every prompt, or one (or None)
         per prompt (a decoder embedding model's)."""
         bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
+        params = self._params_per_prompt(pooling_params, len(bodies), PoolingParams)
         loras = self._per_prompt(lora_request, len(bodies), "LoRA requests")
-        return self._pool(bodies, pooling_params or PoolingParams(), use_tqdm, loras)
+        return self._pool(bodies, params, use_tqdm, loras)
 
     def classify(self, prompts: Prompt | Sequence[Prompt],
                  use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
@@ -158,7 +167,7 @@ class LLM:
             raise ValueError(f"classify needs a classifier (task=classify); this model serves "
                              f"task={task}")
         bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
-        return self._pool(bodies, PoolingParams(), use_tqdm)
+        return self._pool(bodies, [PoolingParams()] * len(bodies), use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
@@ -167,7 +176,7 @@ class LLM:
         two texts' embeddings."""
         pairs = score_pairs(text_1, text_2)
         if self.llm_engine.task == "classify":
-            return self._pool(list(pairs), PoolingParams(), use_tqdm)
+            return self._pool(list(pairs), [PoolingParams()] * len(pairs), use_tqdm)
         texts = sorted({t for pair in pairs for t in pair})
         vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm)))
         outputs = []
@@ -178,14 +187,14 @@ class LLM:
                 str(i), None, va.prompt_token_ids + vb.prompt_token_ids, PoolingOutput(score)))
         return outputs
 
-    def _pool(self, bodies: list[str | list[int] | tuple[str, str]], params: PoolingParams,
-              use_tqdm: bool | None, loras: list[LoRARequest | None] | None = None
-              ) -> list[PoolingRequestOutput]:
+    def _pool(self, bodies: list[str | list[int] | tuple[str, str]],
+              params: list[PoolingParams], use_tqdm: bool | None,
+              loras: list[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for body, lora in zip(bodies, loras or [None] * len(bodies)):
-                ids.append(engine.add_request(None, body, params, lora_request=lora))
+            for body, p, lora in zip(bodies, params, loras or [None] * len(bodies)):
+                ids.append(engine.add_request(None, body, p, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -206,14 +215,17 @@ class LLM:
         return prompts
 
     @staticmethod
-    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
-                           n: int) -> list[SamplingParams]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * n
-        params = list(params)
+    def _params_per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:
+        """`params` (a `kind`, or None for its defaults) for each of n prompts, or a list of
+        them, one per prompt."""
+        if params is None or isinstance(params, kind):
+            return [params or kind()] * n
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, kind) for p in params):
+            raise TypeError(f"{_snake(kind.__name__)} takes a {kind.__name__} or a list of "
+                            f"them, one per prompt, not {_type_names(params)}")
         if len(params) != n:
-            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
-        return params
+            raise ValueError(f"got {len(params)} {_snake(kind.__name__)} for {n} prompts")
+        return list(params)
 
     @staticmethod
     def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
@@ -244,6 +256,19 @@ class LLM:
                 engine.abort_request([i for i in ids if i not in finals])
                 raise
         return finals
+
+
+def _snake(name: str) -> str:
+    """SamplingParams -> sampling_params, as the argument is called."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+def _type_names(value: Any) -> str:
+    """`value`'s type, or a list's element types: what a wrong argument was."""
+    if isinstance(value, (list, tuple)):
+        inner = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(inner)}" if inner else "an empty list"
+    return f"a {type(value).__name__}"
 
 
 def _conversations(messages: Any) -> list[Conversation]:

@@ -28,6 +28,9 @@ class _Sample:
     num_seen_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Stop strings count where they end past this much text: that of the first min_tokens
+    # tokens (vLLM's rule: none ends the output before it has min_tokens tokens).
+    stop_from: int = 0
 
 
 @dataclass
@@ -127,7 +130,10 @@ class OutputProcessor:
             if i == stop_token:
                 break
             sample.detokenizer.add_token(token)
-            stop = self._find_stop(sample.detokenizer.output_text, params)
+            if sample.num_seen_tokens <= params.min_tokens:
+                sample.stop_from = len(sample.detokenizer.output_text)
+                continue
+            stop = self._find_stop(sample.detokenizer.output_text, params, sample.stop_from)
             if stop is not None:
                 end = stop[0] + (len(stop[1]) if params.include_stop_str_in_output else 0)
                 sample.text = sample.detokenizer.output_text[:end]
@@ -142,8 +148,10 @@ class OutputProcessor:
         return stopped_by_string
 
     @staticmethod
-    def _find_stop(text: str, params: SamplingParams) -> tuple[int, str] | None:
-        hits = [(text.find(s), s) for s in params.stop_strings if s in text]
+    def _find_stop(text: str, params: SamplingParams, start: int) -> tuple[int, str] | None:
+        """The first stop string in `text` that ends past `start`, and where it begins."""
+        hits = [(text.find(s, max(0, start - len(s) + 1)), s) for s in params.stop_strings]
+        hits = [hit for hit in hits if hit[0] >= 0]
         return min(hits) if hits else None
 
     @staticmethod

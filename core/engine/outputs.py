@@ -40,6 +40,14 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' logprobs (vLLM's); None unless logprobs were asked
+        for."""
+        if self.logprobs is None:
+            return None
+        return sum(step[token].logprob for step, token in zip(self.logprobs, self.token_ids))
+
 
 @dataclass(slots=True)
 class RequestOutput:

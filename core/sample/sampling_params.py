@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
-
 from dataclasses import dataclass, field
+from typing import Any
 
 from pkv.core.structured_output.params import StructuredOutputsParams
 
@@ -16,6 +17,8 @@ _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_pena
 _TOKEN_LISTS = ("stop_token_ids", "think_start_token_ids", "think_end_token_ids",
                 "allowed_token_ids")
 _FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+# Below this a temperature samples greedily (vLLM's bound): logits / 1e-40 overflow float32.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def check_truncate_prompt_tokens(value: int | None) -> None:
@@ -30,13 +33,12 @@ def check_truncate_prompt_tokens(value: int | None) -> None:
 class SamplingParams:
     """How to pick tokens for one request.
 
-    `temperature == 0` is greedy. A `stop` string, or the stop token (`stop_token_ids`, the
-    end of sequence) that ended the text, is left out of it unless
-    `include_stop_str_in_output`. Penalties follow OpenAI (presence/frequency over generated
-    tokens) and vLLM/HF (repetition over prompt and generated tokens). `allowed_token_ids`
-    and `bad_words` (words never generated, at the start of the text or inside it) are
-    vLLM's.
-    """
+    A temperature below 1e-5 (or 0) is greedy. A `stop` string, or the stop token
+    (`stop_token_ids`, the end of sequence) that ended the text, is left out of it unless
+    `include_stop_str_in_output`; none ends the text before it has `min_tokens` tokens.
+    Penalties follow OpenAI (presence/frequency over generated tokens) and vLLM/HF
+    (repetition over prompt and generated tokens). `allowed_token_ids` and `bad_words` (words
+    never generated, at the start of the text or inside it) are vLLM's."""
 
     n: int = 1
     temperature: float = 1.0
@@ -73,6 +75,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._check_types()
         if isinstance(self.stop, str):
             self._stop = [self.stop]
@@ -173,9 +176,28 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's), to change one request's parameters and not another's."""
+        return copy.deepcopy(self)
 
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _structured_outputs(value: Any) -> StructuredOutputsParams | None:
+    """`structured_outputs` as given, or a dict of its fields (the server's JSON shape) made
+    into one; ValueError for anything else."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError:
+            raise ValueError(f"structured_outputs takes json, regex, choice, json_object and "
+                             f"starts_after, got {sorted(value)}") from None
+    raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict of its "
+                     f"fields, got {value!r}")

@@ -26,6 +26,26 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    """Where chat templates render: sandboxed, with the globals and filters that
+    transformers gives them."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent,
+                                                              ensure_ascii=False)
+    return env
+
+
+def _compile(template: str, whose: str) -> jinja2.Template:
+    """`template` compiled; a ValueError saying where it does not parse."""
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"{whose} does not compile (line {exc.lineno}: {exc.message}); chat "
+                         "requests are refused until it is fixed") from None
+
+
 class Tokenizer:
     """Encodes text, decodes ids, and renders chat messages through the model's template."""
 
@@ -80,34 +100,29 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
-        """Render a conversation to the prompt text the model was trained on;
-        `continue_final_message`: end the text inside the last message (no end of turn), for
-        the model to go on writing it, as transformers does."""
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on (or through
+        `chat_template`, a Jinja template given instead); `continue_final_message`: end the
+        text inside the last message (no end of turn), for the model to go on writing it, as
+        transformers does. Other keywords go to the template."""
         if continue_final_message:
-            return self._continuing(messages, add_generation_prompt, kwargs)
-        if not self.chat_template:
+            return self._continuing(messages, add_generation_prompt,
+                                    {**kwargs, "chat_template": chat_template})
+        if not (chat_template or self.chat_template):
             raise ValueError("this model has no chat template; use generate() with a prompt")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
-        return self._compiled_template().render(
+        template = (self._compiled_template() if chat_template is None
+                    else _compile(chat_template, "the chat template given"))
+        return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
             eos_token=eos, **kwargs)
 
     def _compiled_template(self) -> jinja2.Template:
-        """The chat template compiled once; a ValueError saying where it does not parse."""
+        """The model's chat template, compiled once."""
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.globals["raise_exception"] = _raise
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent,
-                                                                      ensure_ascii=False)
-            try:
-                self._template = env.from_string(self.chat_template or "")
-            except jinja2.TemplateSyntaxError as exc:
-                raise ValueError(f"the model's chat template does not compile (line "
-                                 f"{exc.lineno}: {exc.message}); chat requests are refused "
-                                 "until it is fixed") from None
+            self._template = _compile(self.chat_template or "", "the model's chat template")
         return self._template
 
     def _continuing(self, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -83,6 +83,81 @@ def test_stop_string_ends_text_before_it(smol_llm: LLM):
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
 
 
+@pytest.mark.parametrize("params, message", [
+    ({"temperature": 0}, "sampling_params takes a SamplingParams or a list of them, one per "
+                         "prompt, not a dict"),
+    ([None], "not a list of NoneType"),
+    ("greedy", "not a str"),
+])
+def test_sampling_params_of_another_kind_are_named(smol_llm: LLM, params: object, message: str):
+    with pytest.raises(TypeError, match=message):
+        smol_llm.generate("Hi", params)  # type: ignore[arg-type]
+    assert smol_llm.llm_engine.get_stats().num_blocks_used == 0
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(smol_llm: LLM):
+    greedy = _text(smol_llm, PROMPT, temperature=0, max_tokens=8, ignore_eos=True)
+    # 1e-40 is below float32's normal range: logits / it overflowed and sampled token 0
+    assert _text(smol_llm, PROMPT, temperature=1e-40, max_tokens=8, ignore_eos=True,
+                 seed=0) == greedy
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def test_structured_outputs_as_a_dict_and_clone(smol_llm: LLM):
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"choice": ["yes",
+                                                                                        "no"]})
+    assert smol_llm.generate("Is the sky blue?", params)[0].outputs[0].text in ("yes", "no")
+    copy = params.clone()
+    copy.max_tokens = 9
+    assert params.max_tokens == 4 and copy.structured_outputs == params.structured_outputs
+
+
+def test_min_tokens_holds_back_stop_strings_too(smol_llm: LLM):
+    full = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24,
+                                                    ignore_eos=True))[0].outputs[0]
+    tokenizer = smol_llm.get_tokenizer()
+    first = tokenizer.decode(full.token_ids[:1])
+    stop = first.strip()[:1]  # the first token's first character ends at once without it
+    assert smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+                             )[0].outputs[0].token_ids == full.token_ids[:1]
+    held = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                    min_tokens=3, ignore_eos=True))[0].outputs[0]
+    # vLLM's rule: a stop string counts once min_tokens tokens exist, where it ends after them
+    start = len(tokenizer.decode(full.token_ids[:3]))
+    found = full.text.find(stop, start - len(stop) + 1)
+    assert len(held.token_ids) >= 3 and held.text == (full.text[:found] if found >= 0
+                                                      else full.text)
+
+
+def test_cumulative_logprob_and_the_chat_prompt_text(smol_llm: LLM):
+    out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=1))
+    completion = out[0].outputs[0]
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)))
+    assert completion.cumulative_logprob < 0
+    assert smol_llm.generate(PROMPT, SamplingParams(max_tokens=2))[0].outputs[0] \
+        .cumulative_logprob is None
+    chat = [{"role": "user", "content": "Hi"}]
+    answer = smol_llm.chat(chat, SamplingParams(temperature=0, max_tokens=2))[0]
+    assert answer.prompt == smol_llm.get_tokenizer().apply_chat_template(chat)
+    own = smol_llm.chat(chat, SamplingParams(temperature=0, max_tokens=2),
+                        chat_template="{% for m in messages %}Q: {{ m['content'] }}\nA:"
+                                      "{% endfor %}")[0]
+    assert own.prompt == "Q: Hi\nA:" and own.prompt_token_ids == \
+        smol_llm.get_tokenizer().encode("Q: Hi\nA:", add_special_tokens=False)
+    with pytest.raises(ValueError, match="the chat template given does not compile"):
+        smol_llm.chat(chat, chat_template="{% if %}")
+
+
+@pytest.mark.parametrize("option, hint", [
+    ("gpu_memory_utilization", "pkv calls it memory_utilization"),
+    ("trust_remote_code", "runs no code from a checkpoint"),
+])
+def test_vllm_only_options_say_what_pkv_has(option: str, hint: str):
+    with pytest.raises(ValueError, match=hint):
+        LLM(**{option: True}, show_progress=False)
+
+
 def test_stop_token_ids_and_min_tokens(smol_llm: LLM):
     greedy = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0]
     first = greedy.outputs[0].token_ids[0]
@@ -197,6 +272,7 @@ def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
     ({"prompt_token_ids": "abc"}, SamplingParams(), "prompt_token_ids must be a list"),
     ({"prompt": "a", "prompt_token_ids": [1]}, SamplingParams(), "exactly one of prompt"),
     ({"prompt": "a", "multi_modal_data": {}}, SamplingParams(), "not multi_modal_data"),
+    ([True, 5], SamplingParams(), "token ids must be integers"),
 ])
 def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, message):
     engine = smol_llm.llm_engine
@@ -223,6 +299,8 @@ def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, messag
     ({"temperature": "1"}, "temperature must be a number"),
     ({"stop": 5}, "stop must be a string"),
     ({"think_end_token_ids": [1.5]}, "think_end_token_ids must be a list of token ids"),
+    ({"structured_outputs": {"choice": ["a"], "grammar": "x"}}, "structured_outputs takes"),
+    ({"structured_outputs": "yes|no"}, "structured_outputs must be"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str):
     with pytest.raises(ValueError, match=field):

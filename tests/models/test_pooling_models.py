@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from pkv import LLM, PoolingParams
+from pkv import LLM, PoolingParams, SamplingParams
 from pkv.cli.bench.embed import write_random_bert
 from pkv.tests.helpers import save_headless_qwen3
 
@@ -105,6 +105,12 @@ def test_matryoshka_dimensions_truncate_and_renormalize(bert_dirs: dict[str, Pat
     assert torch.allclose(F.normalize(raw, dim=0), full, atol=1e-6)
     with pytest.raises(ValueError, match="dimensions=65"):
         llm.embed("w1", PoolingParams(dimensions=65))
+    # one PoolingParams per prompt, as vLLM's embed takes them
+    both = llm.embed([TEXTS[1], TEXTS[1]], [PoolingParams(dimensions=16), PoolingParams()])
+    assert torch.allclose(both[0].outputs.data, short, atol=1e-6)
+    assert both[1].outputs.data.shape == full.shape
+    with pytest.raises(TypeError, match="pooling_params takes a PoolingParams or a list"):
+        llm.embed("w1", SamplingParams())  # type: ignore[arg-type]
     not_matryoshka = LLM(str(bert_dirs["cls"]), show_progress=False)
     with pytest.raises(ValueError, match="not supported by this model"):
         not_matryoshka.embed("w1", PoolingParams(dimensions=16))
