@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -25,3 +26,11 @@ def user_errors() -> Iterator[None]:
                                    highlight=False, soft_wrap=True)  # one line
         raise typer.Exit(code=2) from None
 
+
+
+def output_file(value: Path | None) -> Path | None:
+    """An option's file written at the end of a run: its folder must exist now, not be
+    found missing after the run."""
+    if value is not None and not value.expanduser().parent.is_dir():
+        raise typer.BadParameter(f"the folder {value.parent} does not exist")
+    return value

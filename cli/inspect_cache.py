@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 from pkv.cli.http import auth_headers, base_url, get_json
 from pkv.core.sched.cache_inspector import CACHED, FREE, SHARED, USED, CacheSnapshot
 
@@ -35,7 +35,7 @@ def inspect_cache(
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size (simulation).")] = "64MiB",
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache storage (simulation): auto, int8, fp8_e4m3, ...")] = "auto",
     max_model_len: Annotated[int, typer.Option(help="Longest sequence (simulation).")] = 1024,
-    png: Annotated[Optional[Path], typer.Option(dir_okay=False, help="Write a picture of the block map.")] = None,
+    png: Annotated[Optional[Path], typer.Option(dir_okay=False, callback=output_file, help="Write a picture of the block map.")] = None,
 ) -> None:
     """Show pool usage, hit rate, evictions, block tables, fragmentation and a block map."""
     with user_errors():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from pkv.cli.bench.app import bench_app
@@ -21,8 +23,18 @@ app.command("inspect-cache", help="Show the KV cache of a server or a simulation
 app.command("run-batch", help="Answer a file of OpenAI Batch API requests offline.")(run_batch)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from pkv import __version__
+
+        typer.echo(f"pkv {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print pkv's version and exit.")] = False) -> None:
     """pkv: paged KV cache, continuous batching, OpenAI-compatible serving."""
 
 

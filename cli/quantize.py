@@ -16,6 +16,7 @@ console = Console()
 
 
 def quantize(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(help="HF folder or .gguf; default: bundled SmolLM2.")] = None,
     output: Annotated[Optional[Path], typer.Option(help="Folder to write (must not exist or be empty).")] = None,
     awq: Annotated[bool, typer.Option("--awq", help="4-bit AWQ (AutoAWQ GEMM format).")] = False,
@@ -38,6 +39,12 @@ def quantize(
 
         if awq == fp8:
             raise ValueError("choose exactly one of --awq and --fp8")
+        # (typer vendors click: compare the source by name, not by enum identity)
+        given = [name for name in _ONLY_FOR["fp8" if awq else "awq"]
+                 if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"{flags}: for {'--fp8' if awq else '--awq'} only")
         if output is None:
             raise ValueError("--output DIR is required")
         if backend not in ("pkv", "autoawq"):
@@ -53,6 +60,14 @@ def quantize(
         else:
             report = _with_progress(opts, quantize_model)
         _print_report(opts, report)
+
+
+# The options that only one method reads.
+_ONLY_FOR = {
+    "awq": ("w_bit", "group_size", "zero_point", "search", "clip", "calib", "calib_samples",
+            "calib_seq_len", "backend"),
+    "fp8": ("fp8_scheme",),
+}
 
 
 def _with_progress(opts, quantize_model):  # noqa: ANN001, ANN202 - thin glue

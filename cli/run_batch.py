@@ -15,14 +15,14 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 console = Console(stderr=True)
 
 
 def run_batch(
     input_file: Annotated[Path, typer.Option("--input-file", "-i", exists=True, dir_okay=False, help="JSONL of {custom_id, method, url, body} (OpenAI's Batch API input).")],
-    output_file: Annotated[Path, typer.Option("--output-file", "-o", dir_okay=False, help="JSONL written here: one {id, custom_id, response, error} per request, in input order.")],
+    output_file: Annotated[Path, typer.Option("--output-file", "-o", dir_okay=False, callback=output_file, help="JSONL written here: one {id, custom_id, response, error} per request, in input order.")],
     model: Annotated[Optional[str], typer.Argument(help="HF folder, .gguf or Hub id; default: bundled SmolLM2.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="`pkv serve` options as YAML, or a shipped recipe's name.")] = None,
     max_concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 256,

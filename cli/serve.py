@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -137,6 +138,8 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
     config_file = _config_path(config_file)
     try:
         loaded = yaml.safe_load(config_file.read_text()) or {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{config_file} is not a text (UTF-8) file") from None
     except yaml.YAMLError as exc:  # one line: the problem and where, not the file's text
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -149,14 +152,20 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in known:
             raise ValueError(f"unknown option {key!r} in {config_file}")
-        options[name] = value
+        # a list option given one value (`lora_modules: a=/x`) is a list of one, as its flag
+        options[name] = [value] if name in _LIST_OPTIONS and isinstance(value, str) else value
     return options
+
+
+_LIST_OPTIONS = ("lora_modules", "allowed_origins")
 
 
 def _config_path(value: Path) -> Path:
     """A YAML file, or the name of a recipe that ships with pkv (`--config smollm2-cpu`)."""
     if value.is_file():
         return value
+    if value.is_dir():
+        raise ValueError(f"config file {value} is a folder; name a YAML file in it")
     recipe = RECIPES / f"{value.name.removesuffix('.yaml')}.yaml"
     if value.parent == Path(".") and recipe.is_file():
         return recipe
@@ -267,13 +276,29 @@ def _run(options: dict[str, Any]) -> None:
         # rank 0 serves HTTP; the others compute with it
         torchrun_worker(asdict(_engine_config(options)))
         return
+    sock = _listening_socket(options["host"], options["port"])
     async_llm, app, server_config = start_app(options)
     _print_summary(async_llm.engine, server_config, options)
     try:
-        _serve_until_signal(app, options, async_llm)
+        _serve_until_signal(app, options, async_llm, sock)
     finally:
         async_llm.shutdown()
     console.print("[bold]pkv stopped[/]")
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use or a host that is
+    not this machine's is a one-line error at once, not uvicorn's after the loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:  # in use, not an address here, not a host name at all
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def start_app(options: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -287,6 +312,9 @@ def start_app(options: dict[str, Any]) -> tuple[Any, Any, Any]:
     config = _engine_config(options)
     adapters = _lora_modules(options)
     server_config = _server_config(options)
+    lora_dir = options["lora_dir"]
+    if lora_dir is not None and not Path(lora_dir).expanduser().is_dir():
+        raise ValueError(f"--lora-dir {lora_dir} is not a folder on this machine")
 
     def build() -> LLMEngine:
         engine = LLMEngine(config)
@@ -330,7 +358,8 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
     console.print(Panel(table, title="pkv serve", expand=False))
 
 
-def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any) -> None:
+def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any,
+                        sock: socket.socket) -> None:
     import uvicorn
 
     from pkv.core.server.http_protocol import head_deadline_protocol
@@ -369,4 +398,4 @@ def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any) -> No
                             timeout_graceful_shutdown=int(grace) + _STREAM_END_SECONDS,
                             h11_max_incomplete_event_size=64 * 1024,
                             http=head_deadline_protocol(options["body_timeout"]))
-    asyncio.run(_Server(config).serve())
+    asyncio.run(_Server(config).serve(sockets=[sock]))

@@ -64,7 +64,11 @@ class OffloadFiles:
 
     def __init__(self, directory: str | Path, max_bytes: int) -> None:
         self.dir = Path(directory).expanduser()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"kv_offload_dir {directory}: cannot make the folder "
+                             f"({exc.strerror or exc})") from None
         self.max_bytes = max_bytes
         self.stats = FileStats()
         self._lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,48 @@ def test_check_rejects_what_serving_would(args: list[str], says: str) -> None:
 def test_plugins_refuses_an_unknown_device() -> None:
     result = CliRunner().invoke(app, ["plugins", "--device", "tpu"])
     assert result.exit_code == 2 and "--device must be cpu or cuda, got 'tpu'" in result.stderr
+
+
+def test_a_taken_port_or_a_foreign_host_is_refused_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _serve("--port", str(port))
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "pkv serve" not in result.output  # (the summary printed once the model is up)
+    result = _serve("--host", "999.1.1.1", "--port", "0")
+    assert result.exit_code == 2 and "cannot listen on 999.1.1.1:0" in result.stderr
+    result = _serve("--port", "0", "--enable-lora", "--lora-dir", "/nonexistent/adapters")
+    assert result.exit_code == 2 and "--lora-dir /nonexistent/adapters is not a folder" in \
+        result.stderr
+
+
+def test_config_files_that_are_folders_bytes_or_scalars_for_lists(tmp_path: Path) -> None:
+    result = _serve("--config", str(tmp_path), "--check")
+    assert result.exit_code == 2 and "is a folder; name a YAML file in it" in result.stderr
+    binary = tmp_path / "serve.yaml"
+    binary.write_bytes(b"\xf9\x00\x01")
+    result = _serve("--config", str(binary), "--check")
+    assert result.exit_code == 2 and f"{binary} is not a text (UTF-8) file" in result.stderr
+    # one value where a list goes is a list of one, as the flag given once (it was read
+    # character by character: "NAME=PATH, got 'a'")
+    binary.write_text("lora-modules: a=/adapters/a\n")
+    result = _serve("--config", str(binary), "--check")
+    assert result.exit_code == 2 and "need --enable-lora" in result.stderr
+
+
+def test_version_and_output_files_whose_folder_is_missing(tmp_path: Path) -> None:
+    from pkv import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"pkv {__version__}"
+    missing = tmp_path / "no-such-folder" / "figures.json"
+    for args, says in ((["bench", "run", "--json", str(missing)], "'--json': the folder"),
+                       (["inspect-cache", "--simulate", "--png", str(missing)],
+                        "'--png': the folder"),
+                       (["bench", "run", "--dataset", str(tmp_path)], "is a directory"),
+                       (["bench", "run", "--warmup", "-1"], "greater than or equal to 0")):
+        result = CliRunner().invoke(app, args)  # refused before any run, not after it
+        shown = " ".join(result.output.replace("│", " ").split())  # (the box's lines joined)
+        assert result.exit_code == 2 and says in shown, (args, result.output)

@@ -34,6 +34,8 @@ def _one_line_error(result, text: str) -> None:  # noqa: ANN001
     (["--fp8", "--fp8-scheme", "block"], "--fp8-scheme must be one of channel, tensor"),
     (["--awq", "--calib", "/nonexistent.txt"], "--calib file /nonexistent.txt does not exist"),
     (["--awq", "--calib-samples", "0"], "--calib-samples must be >= 1"),
+    (["--fp8", "--w-bit", "8", "--no-clip"], "--w-bit, --clip: for --awq only"),
+    (["--awq", "--fp8-scheme", "tensor"], "--fp8-scheme: for --fp8 only"),
 ])
 def test_bad_options_write_nothing(tmp_path: Path, tiny_llama_dir: Path, args: list[str],
                                    text: str) -> None:

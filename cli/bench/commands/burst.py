@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 from pkv.cli.http import auth_headers, base_url
 
 
@@ -24,7 +24,7 @@ def burst(
     max_tokens: Annotated[int, typer.Option(help="Tokens each request asks for.")] = 16,
     url: Annotated[Optional[str], typer.Option(help="Burst a running server instead.")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="PKV_API_KEY", help="Its API key.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Every client at once against a server with small limits: answers by status (200, or
     503/429 with Retry-After; never 500) and /health latency during the burst."""

@@ -10,7 +10,7 @@ import typer
 
 from pkv.cli.bench.console import console, int_list
 from pkv.cli.bench.engines import warm_up
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def compare(
@@ -23,7 +23,7 @@ def compare(
     rounds: Annotated[int, typer.Option(help="Runs of each model per batch size, in turn (A B, B A, ...); the ratio is taken per round.")] = 3,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
     awq_activations: Annotated[str, typer.Option(help="The candidate's AWQ / GGUF decode activations: float32, int16 or int8.")] = "float32",
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Two models on the same prompts in one process, in turn: each round's tok/s of both and
     B / A (say, a 4-bit model against the float model it was quantized from)."""

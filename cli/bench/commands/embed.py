@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def embed(
@@ -19,7 +19,7 @@ def embed(
     max_words: Annotated[int, typer.Option(help="Most words per input.")] = 64,
     repeats: Annotated[int, typer.Option(help="Alternating runs of each way (the best is kept).")] = 3,
     seed: Annotated[int, typer.Option(help="Seed of the inputs (and the random model).")] = 0,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Embedding throughput: the same inputs one request at a time, then all at once."""
     from pkv.cli.bench import report

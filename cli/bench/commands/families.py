@@ -9,14 +9,14 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console, int_list
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def families(
     family: Annotated[str, typer.Option(help="Families, comma-separated (default: all).")] = "",
     batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,64",
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 32,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Decode speed of every model family on random weights of one shape, beside Llama."""
     from pkv.cli.bench import report

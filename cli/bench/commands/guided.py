@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def guided(
@@ -19,7 +19,7 @@ def guided(
     max_tokens: Annotated[int, typer.Option(help="Token limit per request.")] = 128,
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size.")] = "1GiB",
     backends: Annotated[str, typer.Option(help="Comma-separated guided decoding backends.")] = "outlines,xgrammar",
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Structured outputs per backend: keyword-suite coverage, validity over 5 schemas,
     compile time cold and cached, mask cost per step at batch 1 and 32, throughput."""

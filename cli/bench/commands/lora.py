@@ -10,7 +10,7 @@ import typer
 
 from pkv.cli.bench.console import console, int_list
 from pkv.cli.bench.engines import add_adapters, lora_options, warm_up
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def lora(
@@ -23,7 +23,7 @@ def lora(
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
     profile: Annotated[bool, typer.Option(help="Time the adapter runs' steps by phase.")] = False,
     rounds: Annotated[int, typer.Option(help="Runs of each configuration, in turn; the fastest is kept.")] = 2,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Multi-LoRA throughput against the base model, back to back, and memory per adapter."""
     from pkv.cli.bench import report

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def offload(
@@ -24,7 +24,7 @@ def offload(
     kv_offload_dir: Annotated[Optional[str], typer.Option(help="Folder of the disk tier (default: a temporary one).")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="Ranks to split the model (and each block's KV heads) over.")] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option(help="Pipeline stages to split the layers (and each block's KV) over.")] = 1,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """Prefill tokens and time to first token with the prefix cache's disk tier and without,
     and whether a restarted engine hits on its first request."""

@@ -16,7 +16,7 @@ import typer
 
 from pkv.cli.bench.console import console, int_list
 from pkv.cli.bench.engines import add_adapters, decoder_path, lora_options
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 from pkv.cli.http import auth_headers, base_url
 
 
@@ -30,9 +30,9 @@ def run(
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first.")] = 0,
     long_prompt_len: Annotated[int, typer.Option(help="Add one prompt this long once decoding runs (0: none).")] = 0,
-    dataset: Annotated[Optional[Path], typer.Option(help="JSONL file of prompts.")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="JSONL file of prompts.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
-    warmup: Annotated[int, typer.Option(help="Warm-up requests before timing.")] = 4,
+    warmup: Annotated[int, typer.Option(min=0, help="Warm-up requests before timing.")] = 4,
     baseline: Annotated[Optional[str], typer.Option(help="Also run: hf, openai or llama.cpp (a GGUF).")] = None,
     llama_cpp: Annotated[Optional[str], typer.Option(help="Folder of a llama.cpp build's llama-batched-bench (default: PATH).")] = None,
     baseline_batch: Annotated[int, typer.Option(help="Static batch of the hf baseline.")] = 16,
@@ -59,8 +59,8 @@ def run(
     profile: Annotated[bool, typer.Option(help="Time each phase of every step (overhead vs forward).")] = False,
     roofline: Annotated[bool, typer.Option(help="Also measure the float32 GEMM roofline of a step.")] = False,
     rounds: Annotated[int, typer.Option(help="Runs of pkv and the baseline, alternating, per batch size: each round's ratio and their median.")] = 1,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, help="PNG of throughput/latency over a sweep.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, callback=output_file, help="PNG of throughput/latency over a sweep.")] = None,
 ) -> None:
     """Offline throughput of pkv on one workload, with an optional baseline, same process."""
     from pkv.cli.bench.workload import WORKLOADS

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console, int_list
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 from pkv.cli.http import auth_headers, base_url
 
 
@@ -26,8 +26,8 @@ def serve(
     seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals.")] = 0,
     slo_ttft_ms: Annotated[Optional[float], typer.Option(help="TTFT goal for goodput.")] = None,
     slo_tpot_ms: Annotated[Optional[float], typer.Option(help="TPOT goal for goodput.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, help="PNG over the concurrency sweep.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, callback=output_file, help="PNG over the concurrency sweep.")] = None,
 ) -> None:
     """Online benchmark: streaming chat requests against a running server."""
     from pkv.cli.bench import report

@@ -12,7 +12,7 @@ import typer
 
 from pkv.cli.bench.console import console
 from pkv.cli.bench.soak_memory import MAX_WARMUP_MIB, PLATEAU_BAND_MIB
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def soak(
@@ -21,7 +21,7 @@ def soak(
     interval: Annotated[float, typer.Option(help="Seconds between memory samples (the server idles for each).")] = 60,
     max_num_seqs: Annotated[int, typer.Option(help="The server's running batch.")] = 32,
     concurrency: Annotated[Optional[int], typer.Option(help="Clients (default 2 x max-num-seqs).")] = None,
-    warmup: Annotated[float, typer.Option(help="Seconds of load before the first sample.")] = 0,
+    warmup: Annotated[float, typer.Option(min=0, help="Seconds of load before the first sample.")] = 0,
     max_model_len: Annotated[int, typer.Option(help="The server's longest sequence.")] = 1024,
     max_slope: Annotated[float, typer.Option(help="MiB per minute memory outside the KV pool may climb after its plateau.")] = 1.0,
     max_peak_mib: Annotated[Optional[float], typer.Option(help="Most MiB memory outside the KV pool may reach (default: no bound).")] = None,
@@ -30,8 +30,8 @@ def soak(
     max_ttft_growth: Annotated[float, typer.Option(help="Most the last sample's p99 TTFT may be, as a multiple of the first's.")] = 2.0,
     seed: Annotated[int, typer.Option(help="Seed of the traffic mix.")] = 0,
     trace: Annotated[bool, typer.Option(help="Trace the server's Python heap (tracemalloc; slower) and list where it grew.")] = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, help="PNG of memory over time.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(dir_okay=False, callback=output_file, help="PNG of memory over time.")] = None,
 ) -> None:
     """A real server at capacity for `duration` under a hostile mix; fails on unexpected
     errors, held KV blocks, memory that climbs after its plateau, growing open files, or a p99

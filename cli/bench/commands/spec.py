@@ -10,7 +10,7 @@ import typer
 
 from pkv.cli.bench.console import console, int_list
 from pkv.cli.bench.engines import warm_up
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def spec(
@@ -25,7 +25,7 @@ def spec(
     kv_cache_memory: Annotated[str, typer.Option(help="KV pool size of each engine.")] = "1GiB",
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
     profile: Annotated[bool, typer.Option(help="Time the speculating steps by phase (propose / forward / sample).")] = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """With and without speculative decoding, back to back: tok/s, speed-up, acceptance,
     and whether the greedy outputs are identical."""

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pkv.cli.bench.console import console
-from pkv.cli.errors import user_errors
+from pkv.cli.errors import output_file, user_errors
 
 
 def window(
@@ -18,7 +18,7 @@ def window(
     output_len: Annotated[int, typer.Option(help="New tokens.")] = 2048,
     every: Annotated[int, typer.Option(help="Sample the block count every this many tokens.")] = 256,
     hybrid: Annotated[Optional[str], typer.Option(help="gemma2 or gemma3: layer-blocks held vs the least.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, help="Write every figure here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", dir_okay=False, callback=output_file, help="Write every figure here.")] = None,
 ) -> None:
     """KV blocks one long generation holds over time, with a sliding window and without (or,
     with --hybrid, a hybrid model's layer-blocks against the least they could be)."""
