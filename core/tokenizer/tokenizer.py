@@ -101,11 +101,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+                            chat_template: str | None = None, *, tokenize: bool = False,
+                            **kwargs: Any) -> Any:
         """Render a conversation to the prompt text the model was trained on (or through
         `chat_template`, a Jinja template given instead); `continue_final_message`: end the
         text inside the last message (no end of turn), for the model to go on writing it, as
-        transformers does. Other keywords go to the template."""
+        transformers does. `tokenize`: the text's token ids instead (transformers' keyword).
+        Other keywords go to the template."""
+        if tokenize:
+            text = self.apply_chat_template(messages, add_generation_prompt,
+                                            continue_final_message, chat_template, **kwargs)
+            return self.encode(text, add_special_tokens=False)
         if continue_final_message:
             return self._continuing(messages, add_generation_prompt,
                                     {**kwargs, "chat_template": chat_template})

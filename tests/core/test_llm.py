@@ -140,6 +140,8 @@ def test_cumulative_logprob_and_the_chat_prompt_text(smol_llm: LLM):
     chat = [{"role": "user", "content": "Hi"}]
     answer = smol_llm.chat(chat, SamplingParams(temperature=0, max_tokens=2))[0]
     assert answer.prompt == smol_llm.get_tokenizer().apply_chat_template(chat)
+    assert answer.prompt_token_ids == smol_llm.get_tokenizer().apply_chat_template(
+        chat, tokenize=True)  # transformers' keyword (it went to the template, unread)
     own = smol_llm.chat(chat, SamplingParams(temperature=0, max_tokens=2),
                         chat_template="{% for m in messages %}Q: {{ m['content'] }}\nA:"
                                       "{% endfor %}")[0]
