@@ -27,7 +27,6 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(code=2) from None
 
 
-
 def output_file(value: Path | None) -> Path | None:
     """An option's file written at the end of a run: its folder must exist now, not be
     found missing after the run."""
