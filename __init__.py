@@ -6,13 +6,11 @@ until one of these names is used, so `pkv --help` stays fast.
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = metadata.version("pkv")
-except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
-    __version__ = "0+unknown"
+from pkv.core.version import pkv_version
+
+__version__ = pkv_version()
 
 _EXPORTS = {
     "LLM": "pkv.core.engine.llm",

@@ -25,9 +25,9 @@ app.command("run-batch", help="Answer a file of OpenAI Batch API requests offlin
 
 def _print_version(value: bool) -> None:
     if value:
-        from pkv import __version__
+        from pkv.core.version import pkv_version
 
-        typer.echo(f"pkv {__version__}")
+        typer.echo(f"pkv {pkv_version()}")
         raise typer.Exit()
 
 

@@ -13,6 +13,7 @@ from pkv.core.config.engine import EngineConfig
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.kv_cache_manager import cdiv
 from pkv.core.sched.kv_offload import KVOffloadStore, block_ids, model_fingerprint
+from pkv.core.version import pkv_version
 from pkv.core.worker.kv_parts import KVTransfer, KVWork
 from pkv.core.worker.model_runner import ModelRunner
 from pkv.core.worker.model_setup import ModelSetup
@@ -31,7 +32,7 @@ def open_offload_store(config: EngineConfig, setup: ModelSetup, runner: ModelRun
         "quantization": setup.loader.name if setup.loader else None,
         "awq_activations": config.awq_activations, "gguf_file": config.gguf_file,
         "revision": config.revision, "device": runner.device.type,
-        "pkv": _pkv_version(),
+        "pkv": pkv_version(),
     }
     block_bytes = math.prod(layout["kv_block_shape"]) * kv.element_size()
     if int(config.kv_offload_size) < block_bytes:
@@ -79,10 +80,3 @@ def finish_kv_work(store: KVOffloadStore | None, kv: KVWork | None) -> None:
         store.finish(kv.due, kv.parts)
 
 
-def _pkv_version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("pkv")
-    except metadata.PackageNotFoundError:
-        return "unknown"

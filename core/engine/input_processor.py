@@ -218,6 +218,18 @@ class InputProcessor:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words(params.bad_words)
+        if params.allowed_token_ids is not None:
+            self._check_something_allowed(params)
+
+    def _check_something_allowed(self, params: SamplingParams) -> None:
+        """ValueError where the bans leave none of allowed_token_ids (every logit would be
+        -inf, and the sampler's argmax token 0, allowed or not)."""
+        banned = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if params.min_tokens:  # until then no stop token or end of sequence
+            banned |= set(params.stop_token_ids) | set(self.tokenizer.eos_token_ids)
+        if set(params.allowed_token_ids or []) <= banned:
+            raise ValueError("allowed_token_ids: every allowed token is banned (by bad_words, "
+                             "or as a stop token or the end of sequence before min_tokens)")
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens as it starts the text and, where the tokenizer gives a

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -33,9 +32,10 @@ from pkv.core.server.serving_completion import OpenAIServingCompletion
 from pkv.core.server.serving_engine import ServerLimits
 from pkv.core.server.serving_pooling import OpenAIServingPooling, json_body
 from pkv.core.structured_output.reasoning import reasoning_parser
+from pkv.core.version import pkv_version
 from pkv.core.worker.memory import native_heap, resident_by_kind
 
-PKV_VERSION = metadata.version("pkv")
+PKV_VERSION = pkv_version()
 
 
 @dataclass

@@ -275,6 +275,9 @@ def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
     ({"prompt": "a", "prompt_token_ids": [1]}, SamplingParams(), "exactly one of prompt"),
     ({"prompt": "a", "multi_modal_data": {}}, SamplingParams(), "not multi_modal_data"),
     ([True, 5], SamplingParams(), "token ids must be integers"),
+    # nothing left to sample: token 0 came out, allowed or not
+    ("Hi", SamplingParams(allowed_token_ids=[28], bad_words=[","]), "every allowed token is"),
+    ("Hi", SamplingParams(allowed_token_ids=[2], min_tokens=2), "every allowed token is banned"),
 ])
 def test_bad_prompts_raise_before_any_work(smol_llm: LLM, prompt, params, message):
     engine = smol_llm.llm_engine

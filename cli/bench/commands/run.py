@@ -30,7 +30,7 @@ def run(
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
     shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first.")] = 0,
     long_prompt_len: Annotated[int, typer.Option(help="Add one prompt this long once decoding runs (0: none).")] = 0,
-    dataset: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="JSONL file of prompts.")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(dir_okay=False, help="JSONL file of prompts.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic prompts.")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="Warm-up requests before timing.")] = 4,
     baseline: Annotated[Optional[str], typer.Option(help="Also run: hf, openai or llama.cpp (a GGUF).")] = None,
