@@ -52,6 +52,30 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: Any = None  # vLLM's; named only to be refused
+
+
+# vLLM fields that would change the answer and that pkv does not serve: each is refused by
+# name (a client that sent one must not believe it was applied) unless it asks nothing.
+_UNSERVED = {
+    "guided_grammar": "grammars are not supported; use structured_outputs (json, regex, "
+                      "choice) or response_format",
+    "structural_tag": "structural tags are not supported; use structured_outputs or "
+                      "response_format",
+    "use_beam_search": "beam search is not supported: each choice is its own sample",
+    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "return_tokens_as_token_ids": "tokens come back as text only",
+    "logits_processors": "logits processors are not supported",
+    "priority": "priority scheduling is not enabled: requests run first come, first served",
+}
+_NO_OP = {"priority": 0, "length_penalty": 1}  # the numbers that ask nothing
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    if value is None or value is False or value == [] or value == {}:
+        return True
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and value == _NO_OP.get(name)
 
 
 class _SamplingFields(BaseModel):
@@ -90,6 +114,23 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: choices[i].prompt_logprobs
+    guided_grammar: Any = None  # vLLM's, named only to be refused (see _UNSERVED)
+    structural_tag: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    priority: Any = None
+
+    def check_supported(self) -> None:
+        """A 400 for a field whose meaning pkv does not serve (ignoring it would answer
+        another question)."""
+        for name, why in _UNSERVED.items():
+            if not _asks_nothing(name, getattr(self, name)):
+                raise OpenAIError(400, f"{name}: {why}", name)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise OpenAIError(400, "stream_options.continuous_usage_stats: usage comes once, "
+                              "in the last chunk (include_usage)", "stream_options")
 
     def constraint_fields(self) -> list[str]:
         """The request fields that carry a structured-output constraint."""
@@ -230,11 +271,20 @@ class ChatCompletionRequest(_SamplingFields):
     thinking_token_budget: int | None = None
     # Named only to be refused: a request-supplied template would run the caller's code.
     chat_template: str | None = None
+    echo: Any = None  # vLLM's (the prefilled assistant text first), named only to be refused
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: render without a new assistant turn, ending inside the last message for the
     # model to go on writing it (a prefilled answer).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo not in (None, False):
+            raise OpenAIError(400, "echo: chat does not repeat the prompt; a prefilled "
+                              "answer (continue_final_message) is in the request already",
+                              "echo")
 
 
 class CompletionRequest(_SamplingFields):
@@ -256,8 +306,8 @@ class CompletionRequest(_SamplingFields):
         return self.echo and self.max_tokens == 0
 
     def check_supported(self) -> None:
-        """A 400 for a field whose meaning pkv does not serve (ignoring it would answer
-        another question): fill-in-the-middle, and best_of above n."""
+        """The shared fields' refusals, then fill-in-the-middle and best_of above n."""
+        super().check_supported()
         if self.suffix:
             raise OpenAIError(400, "suffix: fill-in-the-middle is not supported; send the "
                               "text before the gap as the prompt", "suffix")

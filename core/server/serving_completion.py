@@ -28,7 +28,6 @@ class OpenAIServingCompletion(OpenAIServing):
     async def completion(self, body: CompletionRequest, raw: Request
                          ) -> JSONResponse | StreamingResponse:
         self._check_common(body, body.logprobs)
-        body.check_supported()
         # echo_only runs one step (the prompt's logprobs come with it) and drops its token
         max_tokens = 1 if body.echo_only else body.max_tokens
         params = self._params(body, max_tokens if max_tokens is not None else 16, body.logprobs)
@@ -60,12 +59,13 @@ class OpenAIServingCompletion(OpenAIServing):
                              "choices": choices, "usage": usage(finals)})
 
     def _logprobs(self, body: CompletionRequest, final: RequestOutput, entries: list | None,
-                  token_ids: list[int], echo: str) -> dict | None:
+                  token_ids: list[int], echo: str, offset: int = 0) -> dict | None:
         """A choice's logprobs (None: not asked); an echoed prompt's first (`echo`: its text,
-        or "" where this part does not carry it)."""
+        or "" where this part does not carry it). `offset`: the characters of the choice
+        before these tokens (a stream's earlier chunks)."""
         if body.logprobs is None or entries is None:
             return None
-        output = lpf.completion(entries, token_ids, body.logprobs, len(echo))
+        output = lpf.completion(entries, token_ids, body.logprobs, offset + len(echo))
         if not echo or final.prompt_logprobs is None:
             return output
         first = self.tokenizer.decode(final.prompt_token_ids[:1], skip_special_tokens=False)
@@ -85,6 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "model": self.served_name(body.model)}
         tracker = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}  # per choice: where its next token's text_offset starts
         try:
             async for i, output in _merge([s.outputs() for s in streams]):
                 if body.echo_only:
@@ -98,9 +99,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     if delta is None:
                         continue
                     text, lps, ids = delta
+                    logprobs = self._logprobs(body, output, lps, ids, echo,
+                                              offsets.get(index, 0))
+                    if logprobs is not None and logprobs["tokens"]:
+                        offsets[index] = logprobs["text_offset"][-1] + len(
+                            logprobs["tokens"][-1])
                     yield sse({**base, "choices": [{
                         "index": index, "text": echo + text,
-                        "logprobs": self._logprobs(body, output, lps, ids, echo),
+                        "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                         **(self._prompt_field(body, output) if first else {})}]})
         except Exception as exc:

@@ -76,6 +76,7 @@ class OpenAIServing:
     def _check_common(self, body: _SamplingFields, logprobs: int | None,
                       logprobs_param: str = "logprobs") -> None:
         self._lora_request(body.model)  # an unknown model name is a 404 before anything else
+        body.check_supported()
         if not 1 <= body.n <= self.limits.max_n:
             raise OpenAIError(400, f"n must be between 1 and {self.limits.max_n}", "n")
         if body.stream_options is not None and not body.stream:

@@ -173,11 +173,14 @@ class ToolCallDeltas:
         for index, call in enumerate(found.calls):
             if call.name is None:
                 break
+            # One entry per call in a chunk: a client (the openai SDK's stream helper) makes
+            # a second call of a second entry with the same index.
             if index == len(self.calls_sent):
-                self.calls_sent.append((new_call_id(), 0))
-                call_id, _ = self.calls_sent[index]
+                call_id = new_call_id()
                 deltas.append({"index": index, "id": call_id, "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
+                               "function": {"name": call.name, "arguments": call.arguments}})
+                self.calls_sent.append((call_id, len(call.arguments)))
+                continue
             call_id, sent = self.calls_sent[index]
             if len(call.arguments) > sent:
                 deltas.append({"index": index,

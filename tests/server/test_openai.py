@@ -58,6 +58,14 @@ def test_completion_stream_joins_to_the_non_streamed_text(client):
                                        max_tokens=24, stream=True)
     assert "".join(c.choices[0].text for c in stream) == full.choices[0].text
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+    # logprobs' text_offset counts from the text's start in every chunk (it began at 0 in each)
+    kw = dict(model=full.model, prompt=PROMPT, temperature=0, max_tokens=8, logprobs=1)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [o for lp in chunks for o in lp.text_offset] == whole.text_offset
+    assert whole.text_offset[1:] == [whole.text_offset[i] + len(t)
+                                     for i, t in enumerate(whole.tokens[:-1])]
 
 
 def test_n_two_and_several_prompts(client):

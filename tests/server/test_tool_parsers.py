@@ -65,6 +65,9 @@ def _streamed(shaper: ChoiceShaper, text: str, cuts: list[int]
         delta = shaper.delta(text[:end], end == len(text))
         content += delta.get("content", "")
         reasoning += delta.get("reasoning_content", "")
+        indexes = [d["index"] for d in delta.get("tool_calls", [])]
+        # one entry per call a chunk: the openai SDK makes a second call of a second one
+        assert len(indexes) == len(set(indexes)), delta
         for d in delta.get("tool_calls", []):
             call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
             if "id" in d:

@@ -168,6 +168,34 @@ def test_completions_refuse_what_they_would_answer_differently(server: RunningSe
         assert _send(server, "/v1/completions", {**body, **served}).status_code == 200
 
 
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "guided_grammar", 'root ::= "yes" | "no"'),
+    ("/v1/completions", "guided_grammar", 'root ::= "yes" | "no"'),
+    ("/v1/chat/completions", "structural_tag", {"type": "structural_tag"}),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "length_penalty", 0.5),
+    ("/v1/chat/completions", "return_tokens_as_token_ids", True),
+    ("/v1/chat/completions", "logits_processors", ["mod.Processor"]),
+    ("/v1/completions", "priority", 5),
+    ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "stream_options", {"continuous_usage_stats": True}),
+])
+def test_vllm_fields_pkv_does_not_serve_are_refused_not_ignored(
+        server: RunningServer, path: str, field: str, value: object) -> None:
+    # a client that sent one would otherwise believe it was applied (a grammar ignored is
+    # free text under a 200)
+    body = ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            if path.endswith("chat/completions") else
+            {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    body["stream"] = field == "stream_options"
+    _assert_error(_send(server, path, {**body, field: value}), 400, field)
+    # the values that ask nothing are served
+    asks_nothing = {"length_penalty": 1, "priority": 0, "use_beam_search": False,
+                    "stream_options": {"continuous_usage_stats": False}}
+    if field in asks_nothing:
+        assert _send(server, path, {**body, field: asks_nothing[field]}).status_code == 200
+
+
 def test_an_assistant_message_with_tool_calls_needs_no_content(server: RunningServer) -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
