@@ -40,7 +40,10 @@ def completion(entries: list[_Entry] | None, token_ids: list[int], top_n: int,
         chosen = entry[token]
         tokens.append(chosen.decoded_token)
         values.append(chosen.logprob)
-        tops.append({lp.decoded_token: lp.logprob for lp in _top(entry, top_n)})
+        # the chosen token too, wherever it ranks (OpenAI's and vLLM's: a client reads
+        # top_logprobs[i][tokens[i]])
+        tops.append({**{lp.decoded_token: lp.logprob for lp in _top(entry, top_n)},
+                     chosen.decoded_token: chosen.logprob})
         offsets.append(offset)
         offset += len(chosen.decoded_token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

@@ -63,7 +63,8 @@ class OpenAIServingChat(OpenAIServing):
             message, finish = shapers[c.index].message(c.text, c.finish_reason)
             choices.append({"index": c.index, "message": message,
                             "logprobs": lpf.chat(c.logprobs, c.token_ids, top or 0)
-                            if body.logprobs else None, "finish_reason": finish})
+                            if body.logprobs else None, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         prompt = ({} if body.prompt_logprobs is None  # vLLM's, beside the choices
                   else {"prompt_logprobs": lpf.vllm_prompt(final.prompt_logprobs)})
         return JSONResponse({"id": prepared.request_id, "object": "chat.completion",
@@ -175,7 +176,8 @@ class OpenAIServingChat(OpenAIServing):
                               else c.finish_reason)
                     yield sse({**base, "choices": [{"index": c.index, "delta": delta,
                                                      "logprobs": logprobs,
-                                                     "finish_reason": finish}]})
+                                                     "finish_reason": finish,
+                                                     "stop_reason": c.stop_reason}]})
         except Exception as exc:
             yield sse(stream_error(exc))
         else:

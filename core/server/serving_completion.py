@@ -53,6 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "logprobs": self._logprobs(body, final, c.logprobs,
                                                            c.token_ids, prefix),
                                 "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
                                 **self._prompt_field(body, final)})
         return JSONResponse({"id": base_id, "object": "text_completion",
                              "created": int(time.time()), "model": self.served_name(body.model),
@@ -107,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse({**base, "choices": [{
                         "index": index, "text": echo + text,
                         "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                         **(self._prompt_field(body, output) if first else {})}]})
         except Exception as exc:
             yield sse(stream_error(exc))
