@@ -250,16 +250,15 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
+            if not body.messages:
+                raise OpenAIError(400, "messages must hold at least one message", "messages")
             check_messages(body.messages)
-            try:
-                text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
-            except Exception as exc:  # jinja errors from the model's own template
-                raise OpenAIError(400, f"cannot apply the chat template: {exc}",
-                                  "messages") from None
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = await serving_chat.prompt_ids(body.as_chat(), to_generate=False)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        strs = ({"token_strs": [tokenizer.id_to_token(t) for t in ids]}
+                if body.return_token_strs else {})
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, **strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:

@@ -317,12 +317,28 @@ class CompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or a conversation rendered as chat renders it (its tools,
+    generation prompt, prefilled answer and template variables included)."""
+
     model_config = STRICT
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request whose prompt these messages are."""
+        return ChatCompletionRequest(
+            model=self.model, messages=self.messages or [], tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs)
 
 
 class DetokenizeRequest(BaseModel):

@@ -101,11 +101,14 @@ class OpenAIServingChat(OpenAIServing):
         return prepared, stream, [ChoiceShaper(plan.extractor, self.reasoning_parser)
                                   for _ in prepared.children]
 
-    async def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(self, body: ChatCompletionRequest, to_generate: bool = True
+                         ) -> list[int]:
         """The token ids a chat request's conversation (tools included) is rendered to,
-        without queuing it; 404 for a model this server does not serve."""
+        without queuing it; 404 for a model this server does not serve, 400 for a pooling
+        model where the ids are `to_generate` from (/tokenize counts them for any model)."""
         self._lora_request(body.model)
-        self._check_generates()
+        if to_generate:
+            self._check_generates()
         return await self._prompt_ids(body, plan_tools(body, self.tool_parser))
 
     async def _prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:

@@ -161,6 +161,28 @@ def test_logprobs(client):
     assert "".join(lp.tokens) == comp.choices[0].text
 
 
+def test_tokenize_counts_what_chat_sends(client, server):
+    import httpx
+
+    def tokenize(**body) -> dict:
+        r = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, **body},
+                       headers=server.headers)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    for body in ({}, {"tools": [tool]}):
+        sent = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1",
+                                              messages=MESSAGES, max_tokens=1, **body)
+        assert tokenize(**body)["count"] == sent.usage.prompt_tokens, body
+    plain = tokenize()
+    assert tokenize(add_generation_prompt=False)["count"] < plain["count"]
+    strs = tokenize(return_token_strs=True)
+    assert strs["tokens"] == plain["tokens"] and len(strs["token_strs"]) == plain["count"]
+    assert strs["token_strs"][0] == "<|im_start|>"
+
+
 def test_echo_and_token_prompts(client, server):
     import httpx
 
