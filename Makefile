@@ -22,10 +22,14 @@ serve: $(STAMP)
 
 # Two workers, whole files each (module fixtures built once): servers, subprocesses and
 # compiles leave a core idle half the time in one process (19 -> 12 minutes on two cores).
+# Files in collection order (xdist would start with the files of most tests: those that run
+# every kernel flavour, which then wait on the flavours' builds; tests/conftest.py puts them
+# last).
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_ARGS)
 
 # Not part of `make test`: 10 minutes at capacity with aborts and invalid requests mixed in.
 soak: $(STAMP)

@@ -56,7 +56,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files that run a flavour other than the default go last, so that its build (started
-    at the session's start) is done before they ask for it instead of holding both workers."""
+    at the session's start) is done before they ask for it instead of holding both workers
+    (`make test` keeps this order: --no-loadscope-reorder)."""
     default = cpp_build.selected_flavour() if KERNEL_FLAVOURS else None
 
     def other_flavour(item: pytest.Item) -> bool:
