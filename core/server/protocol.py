@@ -278,7 +278,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo not in (None, False):
