@@ -313,8 +313,12 @@ def test_fma_peak_bounds_a_gemm_measured_beside_it():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core each: a neighbour test cannot skew one side only
     try:
-        peak = max(ext.fma_peak_gflops(2_000_000) for _ in range(3))
-        gemm = gemm_gflops()
+        # alternated, the best of each: a busy neighbour (the other worker, a sibling
+        # hyperthread) slows both sides alike, not the peak's runs alone
+        peak = gemm = 0.0
+        for _ in range(3):
+            peak = max(peak, ext.fma_peak_gflops(2_000_000))
+            gemm = max(gemm, gemm_gflops())
     finally:
         torch.set_num_threads(threads)
     assert gemm <= 1.25 * peak  # no float32 GEMM outruns the multiply-add peak
