@@ -153,11 +153,16 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
         if name not in known:
             raise ValueError(f"unknown option {key!r} in {config_file}")
         # a list option given one value (`lora_modules: a=/x`) is a list of one, as its flag
-        options[name] = [value] if name in _LIST_OPTIONS and isinstance(value, str) else value
+        options[name] = [value] if name in _list_options() and isinstance(value, str) else value
     return options
 
 
-_LIST_OPTIONS = ("lora_modules", "allowed_origins")
+def _list_options() -> set[str]:
+    """The options `pkv serve` takes as lists (its flags given more than once)."""
+    import inspect
+
+    return {name for name, p in inspect.signature(serve).parameters.items()
+            if "list[" in str(p.annotation)}
 
 
 def _config_path(value: Path) -> Path:
