@@ -170,7 +170,9 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         base = {"id": config.served_model_name, "object": "model", "created": created,
-                "owned_by": "pkv", "max_model_len": engine.max_model_len}
+                "owned_by": "pkv", "root": engine.config.model or engine.model_name,
+                "parent": None,
+                "max_model_len": engine.max_model_len}
         adapters = [{**base, "id": name, "root": adapter.path,
                      "parent": config.served_model_name}
                     for name, adapter in (engine.lora.adapters if engine.lora else {}).items()]

@@ -60,6 +60,8 @@ class AuthMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
+            if given[:7].lower() == b"bearer ":  # an auth scheme's name has no case (RFC 9110)
+                given = b"Bearer " + given[7:]
             if not given and b"x-api-key" in headers:  # Anthropic's clients send this
                 given = b"Bearer " + headers[b"x-api-key"]
             tenant = None

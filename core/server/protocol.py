@@ -284,6 +284,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise OpenAIError(400, "echo: chat does not repeat the prompt; a prefilled "
                               "answer (continue_final_message) is in the request already",
                               "echo")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
 
 class CompletionRequest(_SamplingFields):

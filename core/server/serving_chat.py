@@ -161,8 +161,11 @@ class OpenAIServingChat(OpenAIServing):
                                              "logprobs": None, "finish_reason": None}]})
         tracker = DeltaTracker()
         final = None
+        prompt: dict = {}  # vLLM's prompt_logprobs, on the first chunk that can carry them
         try:
             async for output in stream.outputs():
+                if final is None and body.prompt_logprobs is not None:
+                    prompt = {"prompt_logprobs": lpf.vllm_prompt(output.prompt_logprobs)}
                 final = output
                 for c in output.outputs:
                     new = tracker.advance(c.index, c)
@@ -180,7 +183,9 @@ class OpenAIServingChat(OpenAIServing):
                     yield sse({**base, "choices": [{"index": c.index, "delta": delta,
                                                      "logprobs": logprobs,
                                                      "finish_reason": finish,
-                                                     "stop_reason": c.stop_reason}]})
+                                                     "stop_reason": c.stop_reason}],
+                               **prompt})
+                    prompt = {}
         except Exception as exc:
             yield sse(stream_error(exc))
         else:

@@ -78,6 +78,10 @@ def test_every_route_but_health_needs_the_key(server: RunningServer, tiny_llama_
             assert r.status_code == 401, (method, path, auth, r.status_code)
             assert API_KEY not in r.text and "Traceback" not in r.text
     assert API_KEY not in server.log()  # never logged
+    for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name has no case (RFC 9110)
+        r = httpx.get(server.base_url + "/v1/models",
+                      headers={"Authorization": f"{scheme} {API_KEY}"}, timeout=10)
+        assert r.status_code == 200, scheme
 
 
 @pytest.mark.parametrize("host", ["evil.example/../admin", "x?y=1", "a/b?c#d"])

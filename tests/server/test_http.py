@@ -99,6 +99,9 @@ def test_chat_errors(server: RunningServer):
     _assert_error(_post(server, "/v1/chat/completions",
                         {"model": MODEL, "messages": msgs, "logprobs": True,
                          "top_logprobs": 25}), 400, "top_logprobs")
+    _assert_error(_post(server, "/v1/chat/completions",  # top_logprobs without logprobs
+                        {"model": MODEL, "messages": msgs, "top_logprobs": 2}), 400,
+                  "top_logprobs")
     _assert_error(_post(server, "/v1/chat/completions",
                         {"model": MODEL, "messages": msgs, "max_completion_tokens": 4000}),
                   400, "messages", "context_length_exceeded")

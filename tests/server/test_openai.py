@@ -17,6 +17,9 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 def test_models_list(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    card = models.data[0].model_dump()  # vLLM's card: the model it serves, its context
+    assert card["root"] == "SmolLM2-135M-Instruct.Q4_1" and card["parent"] is None
+    assert card["max_model_len"] > 0
 
 
 def test_chat_stream_joins_to_the_non_streamed_text(client):
@@ -234,9 +237,15 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     prompt_lps = raw["choices"][0]["prompt_logprobs"]
     assert prompt_lps[0] is None and len(prompt_lps) == raw["usage"]["prompt_tokens"]
     assert all(2 <= len(entry) <= 3 for entry in prompt_lps[1:])  # the token and the top 2
-    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "messages": [
-        {"role": "user", "content": "Hi"}]}, headers=server.headers, timeout=60).json()
+    chat_body = {**body, "messages": [{"role": "user", "content": "Hi"}]}
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat_body,
+                      headers=server.headers, timeout=60).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    lines = httpx.post(f"{server.base_url}/v1/chat/completions", json={
+        **chat_body, "stream": True}, headers=server.headers, timeout=60).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    carried = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+    assert carried == [chat["prompt_logprobs"]]  # once, as the whole answer has them
     bad = httpx.post(f"{server.base_url}/v1/completions", json={**body, "prompt": PROMPT,
                      "prompt_logprobs": 21}, headers=server.headers, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
