@@ -267,7 +267,9 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise OpenAIError(400, f"tokens must be in [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        # Special tokens kept (vLLM's, as transformers' decode): a rendered chat round-trips.
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens,
+                                                               skip_special_tokens=False)})
 
     # The last added is outermost: body limit, then CORS (preflights carry no key), then auth.
     if split_keys(config.api_key):

@@ -184,6 +184,10 @@ def test_tokenize_counts_what_chat_sends(client, server):
     strs = tokenize(return_token_strs=True)
     assert strs["tokens"] == plain["tokens"] and len(strs["token_strs"]) == plain["count"]
     assert strs["token_strs"][0] == "<|im_start|>"
+    back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": plain["tokens"]},
+                      headers=server.headers).json()["prompt"]
+    assert back.startswith("<|im_start|>") and back == "".join(strs["token_strs"]).replace(
+        "Ġ", " ").replace("Ċ", "\n")  # special tokens and all, as vLLM's /detokenize
 
 
 def test_echo_and_token_prompts(client, server):
