@@ -142,10 +142,17 @@ struct XRow {
 };
 
 // Bytes ahead of a step that its weight row is prefetched from where rows are read one at a
-// time, non-temporally: the hardware's prefetch alone left a row of 14336 inputs (the 8B down
-// projection) at 12-14 GB/s, where x's 14 KB and the weights share a 32 KB L1; with it 20-30
-// GB/s, as at every K (NTA over T0: 1.05-1.1x, in runs alternated on a noisy machine).
+// time: the hardware's prefetch alone left a row of 14336 inputs (the 8B down projection) at
+// 12-14 GB/s, where x's 14 KB and the weights share a 32 KB L1; with it 20-30 GB/s, as at
+// every K.
 constexpr int64_t kRowAhead = 2048;
+
+// The weight streams' prefetch hint (__builtin_prefetch's locality): T1, into L2, leaving L1
+// to x. Non-temporal prefetches had run 1.05-1.1x T0 on Zen and Ice Lake hosts, and on a
+// Sapphire Rapids VM 0.5-0.65x T1 (they stalled the loop: batch-1 decode of the bundled Q4_1
+// file, AVX2, int8, 108 against 209-215 tok/s; a Q4_K_M file 101 against 187; a 1B Q4_K_M
+// on AVX-512 19 against 28); T0 there ran 0.95-1.05x T1.
+constexpr int kRowHint = 2;
 
 // Weight rows are read side by side, W rows a step (kStep bytes of each: a block or a group of
 // blocks) at a time, panel after panel (rows are contiguous): a pattern the hardware
@@ -160,7 +167,7 @@ constexpr int64_t kStreamAhead = 4096, kStreamPanel = 64 << 10;
 
 // The prefetches of a part's panels of W weight rows, set up once a pass: a panel's are a few
 // instructions a step, whose bytes take ~10 ns to arrive. kLocality is the stream's hint
-// (__builtin_prefetch's: 3 is T0, 0 non-temporal); rows take theirs non-temporally.
+// (__builtin_prefetch's: 3 is T0, 0 non-temporal); rows take kRowHint's.
 template <int W, int kLocality, int64_t kStep>
 class Lookahead {
  public:
@@ -183,7 +190,7 @@ class Lookahead {
     const uint8_t* b = data_ + n * stride_ + kStep * s + kRowAhead +
                        (past_row ? (W - 1) * stride_ : 0);
     for (int w = 0; w < W; ++w, b += stride_)
-      for (int64_t l = 0; l <= kStep / 64; ++l) __builtin_prefetch(b + 64 * l, 0, 0);
+      for (int64_t l = 0; l <= kStep / 64; ++l) __builtin_prefetch(b + 64 * l, 0, kRowHint);
   }
 
  private:

@@ -78,7 +78,8 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
 }
 
 // A group's prefetches (see Lookahead), the stream's hint by flavour: T0 with AVX-512's VBMI
-// and VNNI (as before), non-temporal on AVX2 (its T0 stream ran 0.90-0.94x at 3-6 rows of x).
+// and VNNI (as before), kRowHint's on AVX2 (non-temporal there, T0 had run 0.90-0.94x at 3-6
+// rows of x on Zen; on a Sapphire Rapids VM non-temporal ran 0.5x: see kRowHint).
 // From memory, one row of x, against each row's own lookahead at every row length, Q4_0:
 // AVX2 576 x 1536 1.5-1.7x, 6144 x 3072 1.6-2.1x, 16384 x 2048 2.0x, 3072 x 576 level, the
 // stream on 18-32 KB panels 0.70-0.74x; AVX-512, whose panels all took the stream, 2048 x 8192
@@ -86,7 +87,7 @@ void group_q8(const Q8Rows& x, int64_t M, Q8Groups& g) {
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 constexpr int kGroupStreamHint = 3;
 #else
-constexpr int kGroupStreamHint = 0;
+constexpr int kGroupStreamHint = kRowHint;
 #endif
 template <int W, typename Codes>
 using Ahead = Lookahead<W, kGroupStreamHint, 4 * Codes::kBytes>;

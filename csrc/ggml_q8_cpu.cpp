@@ -262,7 +262,7 @@ inline void q8_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc) {
   const int64_t NB = x.K / kQ8Block;
   for (int64_t i = 0; i < NB; ++i, b += Codes::kBytes) {
     for (int64_t l = 0; l < Codes::kBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(b + kRowAhead + l), _MM_HINT_NTA);
+      __builtin_prefetch(b + kRowAhead + l, 0, kRowHint);
     const IntScales sc = Codes::scales(b);
     const int8_t* xq[M];
     __m256i isum[M];
@@ -365,7 +365,7 @@ inline void q8_0_dot(const uint8_t* b, const Q8Rows& x, int64_t m0, __m256* acc)
   const int64_t NB = x.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < NB; ++i, b += kQ8_0Bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + kRowAhead), _MM_HINT_NTA);
+    __builtin_prefetch(b + kRowAhead, 0, kRowHint);
     const __m256i c = load256(b + 2), magnitude = _mm256_sign_epi8(c, c);
     const float d = half(b);
     for (int m = 0; m < M; ++m) {
