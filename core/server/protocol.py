@@ -267,7 +267,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     # A cap on the thinking block (with a reasoning parser): an effort or a token count.
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
     thinking_token_budget: int | None = None
     # Named only to be refused: a request-supplied template would run the caller's code.
     chat_template: str | None = None

@@ -318,6 +318,10 @@ class OpenAIServingResponses:
             items = output_items(message, ResponseIds(base["id"]))
             if length and items:  # the item max_output_tokens cut short
                 items[-1]["status"] = "incomplete"
+        else:  # the stored turn keeps the call ids the stream showed, not fresh ones
+            calls = [item for item in items if item["type"] == "function_call"]
+            for call, item in zip(message.get("tool_calls") or [], calls):
+                call["id"] = item["call_id"]
         if body.logprobs:
             _attach_logprobs(items, c.logprobs, c.token_ids, body.top_logprobs or 0)
         response = {**base, "status": "incomplete" if length else "completed",
@@ -431,8 +435,11 @@ class _EventStream:
         out = self.close()
         self.items.append(item)
         self.open = key
+        # A message's part arrives in its own event (content_part.added), as OpenAI sends it:
+        # clients that add each part up would hold the empty one twice.
+        added = {**item, "content": []} if item["type"] == "message" else item
         out.append(self.emit("response.output_item.added", {"output_index": self._index,
-                                                            "item": item}))
+                                                            "item": added}))
         if item["type"] == "message":
             out.append(self.emit("response.content_part.added", {
                 "item_id": item["id"], "output_index": self._index, "content_index": 0,
@@ -499,7 +506,8 @@ class _EventStream:
                 "part": item["content"][0]}))
         elif item["type"] == "function_call":
             out.append(self.emit("response.function_call_arguments.done", {
-                "item_id": item["id"], "output_index": index, "arguments": item["arguments"]}))
+                "item_id": item["id"], "output_index": index, "name": item["name"],
+                "arguments": item["arguments"]}))
         if "status" in item:
             item["status"] = status
         out.append(self.emit("response.output_item.done", {"output_index": index,

@@ -6,6 +6,7 @@ that asks the same, and an assistant message as output items (`reasoning`, `mess
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal
 
@@ -19,7 +20,8 @@ from pkv.core.server.tools import json_object
 
 
 class ResponsesRequest(BaseModel):
-    """The body of POST /v1/responses (fields pkv does not use are accepted and ignored)."""
+    """The body of POST /v1/responses (fields pkv does not use are accepted and ignored, but
+    those whose meaning it does not serve are refused: `check_supported`)."""
 
     model_config = STRICT
     model: str | None = None
@@ -41,6 +43,18 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
+    # Named only to be refused: ignoring them would answer another question.
+    conversation: Any = None
+    prompt: Any = None
+
+    def check_supported(self) -> None:
+        """A 400 for a field that asks what pkv does not serve."""
+        if self.conversation is not None:
+            raise OpenAIError(400, "conversation: pkv has no Conversations API; continue a "
+                              "stored response with previous_response_id", "conversation")
+        if self.prompt is not None:
+            raise OpenAIError(400, "prompt: stored prompt templates are not served; send "
+                              "instructions and input", "prompt")
 
     @property
     def logprobs(self) -> bool:
@@ -118,7 +132,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # Chat fields by the Responses field that gave them (errors name what the client sent).
 CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text",
-                      "reasoning_effort": "reasoning", "messages": "input"}
+                      "reasoning_effort": "reasoning.effort", "messages": "input"}
 
 
 def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict[str, Any]]
@@ -161,6 +175,7 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]], drop:
     """The chat completion request that asks the same, after `history`; without the first
     `drop` messages of the conversation (and tool results their dropping leaves unasked),
     as `truncation: "auto"` shortens it."""
+    body.check_supported()
     check_call_outputs(body.input, history)
     check_include(body.include)
     conversation = (history + input_messages(body.input))[drop:]
@@ -198,7 +213,16 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]], drop:
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
-    return chat_request_from(chat, CHAT_TO_RESPONSES)
+    try:
+        return chat_request_from(chat, CHAT_TO_RESPONSES)
+    except OpenAIError as exc:  # a tool's field, named where a Responses tool holds it
+        if exc.param is not None and (tool := _TOOL_FIELD.match(exc.param)):
+            named = f"tools[{tool[1]}].{tool[2]}"
+            exc.message, exc.param = exc.message.replace(exc.param, named, 1), named
+        raise
+
+
+_TOOL_FIELD = re.compile(r"tools\.(\d+)\.function\.(\w+)")
 
 
 

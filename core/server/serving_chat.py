@@ -127,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(400, f"thinking_token_budget must be >= 0, got {budget}",
                               "thinking_token_budget")
         if budget is None and body.reasoning_effort is not None and self.reasoning_parser:
-            budget = EFFORT_BUDGETS[body.reasoning_effort]
+            budget = EFFORT_BUDGETS.get(body.reasoning_effort)  # (max: none)
         if budget is None or self.reasoning_parser is None:
             return  # (an effort without a reasoning parser has nothing to cap)
         encode = self.tokenizer.encode

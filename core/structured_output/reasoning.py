@@ -9,8 +9,10 @@ from pkv.core.structured_output.tool_calls import partial_marker
 
 START, END = "<think>", "</think>"
 
-# Thinking tokens each `reasoning_effort` allows (OpenAI names the efforts, not their sizes).
-EFFORT_BUDGETS = {"low": 512, "medium": 2048, "high": 8192}
+# Thinking tokens each `reasoning_effort` allows (OpenAI names the efforts, not their sizes;
+# "max" sets no cap).
+EFFORT_BUDGETS = {"none": 0, "minimal": 128, "low": 512, "medium": 2048, "high": 8192,
+                  "xhigh": 32768}
 
 
 @dataclass(frozen=True)

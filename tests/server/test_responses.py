@@ -44,6 +44,11 @@ def test_plain_and_streamed_agree(client: openai.OpenAI):
         "response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert final.output_text == plain.output_text and final.status == plain.status
     assert final.usage.output_tokens == plain.usage.output_tokens
+    # The message opens without parts; its part comes in content_part.added (as OpenAI's:
+    # clients that add up the parts of a stream would otherwise hold two).
+    added = [e for e in client.responses.create(**kw, stream=True)
+             if e.type == "response.output_item.added"]
+    assert [e.item.content for e in added] == [[]]
 
 
 def test_logprobs_come_with_the_text_streamed_or_not(client: openai.OpenAI):
@@ -126,15 +131,26 @@ def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
     [call] = [item for item in called.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
-    streamed_args, kinds = "", []
+    streamed_args, kinds, done, streamed = "", [], None, None
     for event in client.responses.create(model=MODEL, input=ask, tools=[WEATHER],
                                          tool_choice="required", temperature=0,
                                          max_output_tokens=48, stream=True):
         kinds.append(event.type)
         if event.type == "response.function_call_arguments.delta":
             streamed_args += event.delta
-    assert "response.function_call_arguments.done" in kinds
+        elif event.type == "response.function_call_arguments.done":
+            done = event
+        elif event.type == "response.completed":
+            streamed = event.response
+    assert done is not None and done.name == "get_weather" and done.arguments == streamed_args
     jsonschema.validate(json.loads(streamed_args), WEATHER["parameters"])
+    # A streamed call is answered by its id as the stream gave it.
+    [streamed_call] = [item for item in streamed.output if item.type == "function_call"]
+    after_stream = client.responses.create(
+        model=MODEL, previous_response_id=streamed.id, tools=[WEATHER], temperature=0,
+        max_output_tokens=4, input=[{"type": "function_call_output",
+                                     "call_id": streamed_call.call_id, "output": "Sunny."}])
+    assert after_stream.previous_response_id == streamed.id
 
     # The result goes back by previous_response_id: the stored turn is the history.
     answer = client.responses.create(
@@ -191,10 +207,17 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                         ({**base, "include": ["bogus"]}, "include[0]"),
                         ({**base, "input": [{"type": "function_call", "call_id": "c1",
                                              "name": "f", "arguments": "{oops"}]},
-                         "input[0].arguments")]:
+                         "input[0].arguments"),
+                        ({**base, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+                        ({**base, "conversation": "conv_1"}, "conversation"),
+                        ({**base, "prompt": {"id": "pmpt_1"}}, "prompt"),
+                        ({**base, "tools": [{**WEATHER, "name": "a b!"}]}, "tools[0].name")]:
         response = _post(server, "/v1/responses", body)
         error = _assert_error(response, 404 if param == "previous_response_id" else 400, param)
         assert "max_tokens" not in error["message"]  # the field as this API calls it
+    for effort in ("none", "minimal", "xhigh", "max"):  # every effort OpenAI names
+        assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=1,
+                                       reasoning={"effort": effort}).status
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_unknown")
     unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
