@@ -57,7 +57,8 @@ class AnthropicThinking(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    """The body of POST /v1/messages (fields pkv does not use are accepted and ignored)."""
+    """The body of POST /v1/messages (fields pkv does not use are accepted and ignored, but
+    remote MCP servers, which would change what the model can do, are refused)."""
 
     model_config = STRICT
     model: str | None = None  # optional, as the OpenAI endpoints' (llama.cpp's too)
@@ -72,6 +73,23 @@ class MessagesRequest(BaseModel):
     top_k: int | None = None
     stream: bool = False
     thinking: AnthropicThinking | None = None
+    # Structured outputs: output_config.format, or the beta's output_format.
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
+    mcp_servers: Any = None  # named only to be refused
+
+    def output_schema(self) -> tuple[dict[str, Any], str] | None:
+        """The JSON schema the answer must follow, and the field that gave it."""
+        for field, fmt in (("output_config.format", (self.output_config or {}).get("format")),
+                           ("output_format", self.output_format)):
+            if fmt is None:
+                continue
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
+                    or not isinstance(fmt.get("schema"), dict):
+                raise OpenAIError(400, f"{field}: expected {{\"type\": \"json_schema\", "
+                                  "\"schema\": {...}}", field)
+            return fmt["schema"], field
+        return None
 
 
 class CountTokensRequest(BaseModel):
@@ -164,7 +182,8 @@ def _assistant_message(content: list[dict[str, Any]], where: str) -> dict[str, A
 
 
 # Chat fields by the Messages field that gave them (errors name what the client sent).
-CHAT_TO_MESSAGES = {"stop": "stop_sequences", "thinking_token_budget": "thinking.budget_tokens"}
+CHAT_TO_MESSAGES = {"stop": "stop_sequences", "thinking_token_budget": "thinking.budget_tokens",
+                    "response_format": "output_config.format"}
 
 
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
@@ -185,6 +204,9 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
             messages.append(_assistant_message(turn.content, where))
         asked = {call["id"] for call in messages[-1].get("tool_calls") or []} \
             if turn.role == "assistant" else set()
+    if body.mcp_servers:
+        raise OpenAIError(400, "mcp_servers: remote MCP servers are not served; give their "
+                          "tools as tools", "mcp_servers")
     # A final assistant turn is a prefill: the answer goes on from its text, as Anthropic's.
     prefill = body.messages[-1].role == "assistant"
     chat: dict[str, Any] = {
@@ -204,6 +226,10 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                                if choice.type == "tool"
                                else {"any": "required"}.get(choice.type, choice.type))
         chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    schema = body.output_schema()
+    if schema is not None:
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": schema[0]}}
     if body.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
         budget = body.thinking.budget_tokens
@@ -248,7 +274,11 @@ def tool_use_id(call_id: str) -> str:
 
 
 def _usage(final: RequestOutput) -> dict[str, int]:
-    return {"input_tokens": len(final.prompt_token_ids or []),
+    """Anthropic's usage: the prompt's tokens read from the prefix cache apart from the rest
+    (input_tokens), as its prompt caching counts them."""
+    cached = max(0, final.num_cached_tokens)
+    return {"input_tokens": len(final.prompt_token_ids or []) - cached,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
             "output_tokens": sum(len(c.token_ids) for c in final.outputs)}
 
 
@@ -296,6 +326,7 @@ class AnthropicServingMessages:
         yield _event("message_start", {"message": {
             **base, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+        yield _event("ping", {})  # (Anthropic's stream sends one here)
         blocks = _BlockStream()
         final = None
         try:

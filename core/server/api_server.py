@@ -115,7 +115,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return await serving_responses.create(body, raw)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, raw: Request) -> dict:
+    async def get_response(response_id: str, raw: Request, stream: bool = False) -> dict:
+        if stream:  # (OpenAI replays a background response's events)
+            raise OpenAIError(400, "stream: a stored response is not streamed again; GET it "
+                              "whole", "stream")
         return serving_responses.retrieve(response_id, raw)
 
     @app.get("/v1/responses/{response_id}/input_items")

@@ -48,6 +48,32 @@ def test_plain_and_streamed_agree(claude: anthropic.Anthropic):
     assert [b.text for b in final.content] == [block.text]
     assert final.stop_reason == message.stop_reason
     assert final.usage.output_tokens == message.usage.output_tokens
+    # The same prompt again: read from the prefix cache, counted as Anthropic counts it.
+    again = claude.messages.create(model=MODEL, max_tokens=1, extra_body=GREEDY,
+                                   system="Answer in one short sentence.", messages=ASK).usage
+    assert again.cache_read_input_tokens > 0 and again.cache_creation_input_tokens == 0
+    assert _prompt(again) == _prompt(message.usage)
+    raw = httpx.post(f"{claude.base_url}".rstrip("/") + "/v1/messages", headers={
+        "x-api-key": claude.api_key or ""}, json={
+        "model": MODEL, "max_tokens": 2, "messages": ASK, "stream": True}, timeout=60).text
+    names = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]  # as Anthropic's
+
+
+def _prompt(usage: anthropic.types.Usage) -> int:
+    """A prompt's tokens: those read from the prefix cache are counted apart."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def test_output_config_format_constrains_the_answer(claude: anthropic.Anthropic):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    for field in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                  {"output_format": {"type": "json_schema", "schema": schema}}):  # (the beta's)
+        message = claude.messages.create(
+            model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "Name a city."}],
+            extra_body={**GREEDY, **field})
+        jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
 def test_a_final_assistant_turn_is_a_prefill(claude: anthropic.Anthropic):
@@ -59,7 +85,7 @@ def test_a_final_assistant_turn_is_a_prefill(claude: anthropic.Anthropic):
                                   messages=prefilled)
     assert start + rest.content[0].text == whole  # the answer goes on, no new turn
     counted = claude.messages.count_tokens(model=MODEL, messages=prefilled).input_tokens
-    assert rest.usage.input_tokens == counted
+    assert _prompt(rest.usage) == counted
 
 
 def test_stop_sequence_is_reported(claude: anthropic.Anthropic):
@@ -104,7 +130,7 @@ def test_tool_use_round_trip(claude: anthropic.Anthropic):
                        "content": "Sunny, 24 degrees."},
                       {"type": "text", "text": "Tell me in a sentence."}]}])
     assert answer.content and answer.content[0].type == "text"
-    assert answer.usage.input_tokens > called.usage.input_tokens  # the result was read
+    assert _prompt(answer.usage) > _prompt(called.usage)  # the result was read
 
 
 def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
@@ -141,7 +167,10 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
               "thinking.budget_tokens"),
              ({**body, "messages": [*ASK, {"role": "assistant", "content": [
                  {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
-                 {"role": "user", "content": "and now?"}]}, "messages[2].content")]
+                 {"role": "user", "content": "and now?"}]}, "messages[2].content"),
+             ({**body, "output_config": {"format": {"type": "json"}}}, "output_config.format"),
+             ({**body, "mcp_servers": [{"type": "url", "url": "https://x.example/mcp",
+                                        "name": "x"}]}, "mcp_servers")]
     for bad, param in cases:
         response = _post(server, "/v1/messages", bad)
         assert response.status_code == 400, response.text
@@ -169,8 +198,9 @@ def test_the_client_raises_on_a_bad_request(claude: anthropic.Anthropic):
 
 
 def test_count_tokens_is_the_prompt_a_message_takes(claude: anthropic.Anthropic):
-    # What Anthropic-SDK agents ask before sending: the count equals usage.input_tokens of the
-    # same conversation sent, with a system prompt, a tool and a tool_use round trip in it.
+    # What Anthropic-SDK agents ask before sending: the count equals the prompt's tokens (usage's
+    # input_tokens and cache_read_input_tokens) of the same conversation sent, with a system
+    # prompt, a tool and a tool_use round trip in it.
     turns = [*ASK, {"role": "assistant", "content": [
                  {"type": "text", "text": "Let me look."},
                  {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
@@ -181,7 +211,7 @@ def test_count_tokens_is_the_prompt_a_message_takes(claude: anthropic.Anthropic)
                    {"messages": turns, "system": "Be brief.", "tools": [WEATHER]}):
         counted = claude.messages.count_tokens(model=MODEL, **kwargs)
         sent = claude.messages.create(model=MODEL, max_tokens=2, **kwargs)
-        assert counted.input_tokens == sent.usage.input_tokens > 0
+        assert counted.input_tokens == _prompt(sent.usage) > 0
     without_system = claude.messages.count_tokens(model=MODEL, messages=turns, tools=[WEATHER])
     assert without_system.input_tokens < counted.input_tokens  # the system prompt counted
     with pytest.raises(anthropic.NotFoundError) as unknown:

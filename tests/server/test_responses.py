@@ -220,6 +220,10 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                                        reasoning={"effort": effort}).status
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_unknown")
+    stored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    replay = httpx.get(f"{server.base_url}/v1/responses/{stored.id}?stream=true",
+                       headers=server.headers, timeout=30)
+    _assert_error(replay, 400, "stream")  # not replayed: a 400, not JSON where SSE was asked
     unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
                                        store=False)
     with pytest.raises(openai.NotFoundError):
