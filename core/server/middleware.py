@@ -70,7 +70,7 @@ class AuthMiddleware:
                     tenant = tid
             if tenant is None:
                 await send_error(send, scope, 401,
-                                 "invalid or missing API key (Authorization: Bearer)",
+                                 "invalid or missing API key (Authorization: Bearer, or x-api-key)",
                                  headers=[(b"www-authenticate", b"Bearer")])
                 return
             scope.setdefault("state", {})["pkv_tenant"] = tenant

@@ -291,6 +291,7 @@ class OpenAIServingResponses:
 
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         return {"id": response_id, "object": "response", "created_at": int(time.time()),
+                "completed_at": None,
                 "status": "in_progress", "model": self.chat.served_name(body.model), "output": [],
                 "instructions": body.instructions, "tools": body.tools or [],
                 "tool_choice": body.tool_choice or "auto",
@@ -325,6 +326,7 @@ class OpenAIServingResponses:
         if body.logprobs:
             _attach_logprobs(items, c.logprobs, c.token_ids, body.top_logprobs or 0)
         response = {**base, "status": "incomplete" if length else "completed",
+                    "completed_at": None if length else int(time.time()),
                     "incomplete_details": {"reason": "max_output_tokens"} if length else None,
                     "output": items, "usage": response_usage(final)}
         if body.store:

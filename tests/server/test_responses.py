@@ -26,6 +26,7 @@ def test_plain_and_streamed_agree(client: openai.OpenAI):
               max_output_tokens=16, instructions="Answer in one short sentence.")
     plain = client.responses.create(**kw)
     assert plain.object == "response" and plain.id.startswith("resp_")
+    assert (plain.completed_at is not None) == (plain.status == "completed")
     assert plain.status in ("completed", "incomplete") and plain.output_text.strip()
     assert plain.usage.input_tokens > 10 and 0 < plain.usage.output_tokens <= 16
     assert plain.temperature == 0 and client.responses.create(
