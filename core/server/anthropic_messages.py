@@ -78,8 +78,8 @@ class MessagesRequest(BaseModel):
     output_format: dict[str, Any] | None = None
     mcp_servers: Any = None  # named only to be refused
 
-    def output_schema(self) -> tuple[dict[str, Any], str] | None:
-        """The JSON schema the answer must follow, and the field that gave it."""
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow, if any."""
         for field, fmt in (("output_config.format", (self.output_config or {}).get("format")),
                            ("output_format", self.output_format)):
             if fmt is None:
@@ -88,7 +88,7 @@ class MessagesRequest(BaseModel):
                     or not isinstance(fmt.get("schema"), dict):
                 raise OpenAIError(400, f"{field}: expected {{\"type\": \"json_schema\", "
                                   "\"schema\": {...}}", field)
-            return fmt["schema"], field
+            return fmt["schema"]
         return None
 
 
@@ -229,7 +229,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     schema = body.output_schema()
     if schema is not None:
         chat["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "output", "schema": schema[0]}}
+                                   "json_schema": {"name": "output", "schema": schema}}
     if body.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
         budget = body.thinking.budget_tokens

@@ -133,6 +133,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 # Chat fields by the Responses field that gave them (errors name what the client sent).
 CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text",
                       "reasoning_effort": "reasoning.effort", "messages": "input"}
+# A chat tool's field in an error's param (a Responses tool holds it at tools[i].field).
+_TOOL_FIELD = re.compile(r"tools\.(\d+)\.function\.(\w+)")
 
 
 def check_call_outputs(items: str | list[dict[str, Any]], history: list[dict[str, Any]]
@@ -220,10 +222,6 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]], drop:
             named = f"tools[{tool[1]}].{tool[2]}"
             exc.message, exc.param = exc.message.replace(exc.param, named, 1), named
         raise
-
-
-_TOOL_FIELD = re.compile(r"tools\.(\d+)\.function\.(\w+)")
-
 
 
 def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
