@@ -263,8 +263,18 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     for call in message.get("tool_calls") or []:
         blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]),
                        "name": call["function"]["name"],
-                       "input": json.loads(call["function"]["arguments"])})
+                       "input": _tool_input(call["function"]["arguments"])})
     return blocks
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input: the call's arguments, or {} for those max_tokens cut off
+    (its stop_reason says so; a stream has sent what they held)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def tool_use_id(call_id: str) -> str:

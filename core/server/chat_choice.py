@@ -30,7 +30,7 @@ class ChoiceShaper:
         message: dict[str, Any] = {"role": "assistant", "content": rest}
         if self.reasoning:
             message["reasoning_content"] = reasoning or None
-        calls = self._final_calls(rest)
+        calls = self._final_calls(rest, cut=finish_reason == "length")
         if calls:
             content = self.extract(rest, True).content  # type: ignore[misc]
             message.update(content=content if content.strip() else None,
@@ -60,15 +60,18 @@ class ChoiceShaper:
     def called(self) -> bool:
         return bool(self.calls and self.calls.call_ids)
 
-    def _final_calls(self, text: str) -> list[ToolCall]:
-        """The whole calls of the finished text (one cut off by max_tokens is left out), if
-        each has a name and a JSON object for arguments; else none, and the text stays
-        content."""
+    def _final_calls(self, text: str, cut: bool) -> list[ToolCall]:
+        """The whole calls of the finished text, if each has a name and a JSON object for
+        arguments (else none, and the text stays content); where max_tokens `cut` the text,
+        the call it cut off too, its arguments as far as they got, as a stream gives it (and
+        OpenAI's API, its finish_reason `length`)."""
         if self.extract is None:
             return []
-        calls = [c for c in self.extract(text, True).calls if c.complete]
+        found = self.extract(text, True).calls
+        last = found[-1:] if cut and found and found[-1].name else []  # (however far it got)
+        calls = [c for c in found[:len(found) - len(last)] if c.complete]
         try:
             valid = all(c.name and isinstance(json.loads(c.arguments), dict) for c in calls)
         except ValueError:
             valid = False
-        return calls if valid else []
+        return calls + last if valid else []

@@ -131,6 +131,12 @@ def test_tool_use_round_trip(claude: anthropic.Anthropic):
                       {"type": "text", "text": "Tell me in a sentence."}]}])
     assert answer.content and answer.content[0].type == "text"
     assert _prompt(answer.usage) > _prompt(called.usage)  # the result was read
+    # A call max_tokens cuts off is still a tool_use block, as a stream gives it.
+    cut = claude.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, tools=[WEATHER],
+                                 tool_choice={"type": "tool", "name": "get_weather"},
+                                 messages=ask)
+    assert cut.stop_reason == "max_tokens"
+    assert [(b.type, b.name) for b in cut.content] == [("tool_use", "get_weather")]
 
 
 def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):

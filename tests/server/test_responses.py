@@ -144,6 +144,11 @@ def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
         elif event.type == "response.completed":
             streamed = event.response
     assert done is not None and done.name == "get_weather" and done.arguments == streamed_args
+    cut = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], temperature=0,
+                                  tool_choice={"type": "function", "name": "get_weather"},
+                                  max_output_tokens=4)  # a call cut off: still a call
+    assert [(i.type, i.status, i.name) for i in cut.output] == [
+        ("function_call", "incomplete", "get_weather")]
     jsonschema.validate(json.loads(streamed_args), WEATHER["parameters"])
     # A streamed call is answered by its id as the stream gave it.
     [streamed_call] = [item for item in streamed.output if item.type == "function_call"]

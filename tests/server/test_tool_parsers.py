@@ -132,6 +132,29 @@ def test_reasoning_then_a_tool_call() -> None:
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
+def test_a_call_max_tokens_cut_off_is_a_call_whole_as_streamed() -> None:
+    # Whole, as a stream has sent it: the call with its arguments so far, finish_reason length
+    # (OpenAI's); the same text ended by the model itself stays content.
+    parser = select_tool_parser("hermes", None)
+    text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    message, finish = ChoiceShaper(parser.extract, None).message(text, "length")
+    [call] = message["tool_calls"]
+    assert finish == "length" and message["content"] == "Checking.\n"
+    assert call["function"]["name"] == "get_weather"
+    streamed = _streamed_calls(ChoiceShaper(parser.extract, None), text)
+    assert streamed == [("get_weather", call["function"]["arguments"])]
+    assert "tool_calls" not in ChoiceShaper(parser.extract, None).message(text, "stop")[0]
+
+
+def _streamed_calls(shaper: ChoiceShaper, text: str) -> list[tuple[str, str]]:
+    """(name, arguments) of the calls a stream of `text` in one chunk sends."""
+    calls: dict[int, list] = {}
+    for d in shaper.delta(text, True).get("tool_calls", []):
+        call = calls.setdefault(d["index"], [d["function"].get("name"), ""])
+        call[1] += d["function"]["arguments"]
+    return [tuple(c) for c in calls.values()]
+
+
 def test_forced_outputs_are_read_whole_and_streamed() -> None:
     named = '{"city": "Paris", "unit": "celsius"}'
     required = ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
@@ -141,6 +164,7 @@ def test_forced_outputs_are_read_whole_and_streamed() -> None:
         assert _whole(ChoiceShaper(extract, None), text) == (None, calls)
         for cut in range(len(text) + 1):
             assert _streamed(ChoiceShaper(extract, None), text, [cut])[1] == calls
-    # Cut off by max_tokens: no call, the text stays content.
+    # Cut off by max_tokens: the call as far as it got, as a stream sent it.
     message, finish = ChoiceShaper(forced_named("f"), None).message('{"city": "Pa', "length")
-    assert "tool_calls" not in message and finish == "length"
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "f", "arguments": '{"city": "Pa'}] and finish == "length"
