@@ -50,6 +50,7 @@ from pkv.core.server.responses_items import (CHAT_TO_RESPONSES, ResponseIds, Res
 from pkv.core.server.serving_chat import OpenAIServingChat, named_as
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
+from pkv.core.server.tools import json_object
 
 
 @dataclass
@@ -330,8 +331,7 @@ class OpenAIServingResponses:
                     "incomplete_details": {"reason": "max_output_tokens"} if length else None,
                     "output": items, "usage": response_usage(final)}
         if body.store:
-            answer = {k: v for k, v in message.items() if k != "reasoning_content"}
-            self.store.put(tenant, _Stored(response, _Turn(turn.messages + [answer],
+            self.store.put(tenant, _Stored(response, _Turn(turn.messages + [_answer(message)],
                                                            turn.inputs), time.time()))
         return response
 
@@ -515,6 +515,19 @@ class _EventStream:
         out.append(self.emit("response.output_item.done", {"output_index": index,
                                                            "item": item}))
         return out
+
+
+def _answer(message: dict[str, Any]) -> dict[str, Any]:
+    """The assistant turn a follow-up's history holds: without its thinking, and without a
+    call max_tokens cut off (no JSON object to render: the conversation goes on from the
+    whole ones, or from the text)."""
+    answer = {k: v for k, v in message.items() if k != "reasoning_content"}
+    calls = [c for c in answer.get("tool_calls") or [] if json_object(c["function"]["arguments"])]
+    if len(calls) < len(answer.get("tool_calls") or []):
+        answer["tool_calls"] = calls or None
+        if not calls and answer.get("content") is None:
+            answer["content"] = ""
+    return answer
 
 
 def _logprobs(entries: list | None, token_ids: list[int], top_n: int) -> list[dict[str, Any]]:

@@ -149,6 +149,9 @@ def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
                                   max_output_tokens=4)  # a call cut off: still a call
     assert [(i.type, i.status, i.name) for i in cut.output] == [
         ("function_call", "incomplete", "get_weather")]
+    after_cut = client.responses.create(model=MODEL, previous_response_id=cut.id,
+                                        input="Never mind.", max_output_tokens=2)
+    assert after_cut.previous_response_id == cut.id  # the conversation goes on
     jsonschema.validate(json.loads(streamed_args), WEATHER["parameters"])
     # A streamed call is answered by its id as the stream gave it.
     [streamed_call] = [item for item in streamed.output if item.type == "function_call"]
