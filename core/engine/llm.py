@@ -154,6 +154,9 @@ class LLM:
         model's (task=embed). `pooling_params`: one for every prompt, or one per prompt.
         `lora_request`: one adapter for every prompt, or one (or None)
         per prompt (a decoder embedding model's)."""
+        if self.llm_engine.task == "classify":  # (its score would come back as a "vector")
+            raise ValueError("embed needs an embedding model (task=embed); this model is a "
+                             "classifier (task=classify): use score or classify")
         bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
         params = self._params_per_prompt(pooling_params, len(bodies), PoolingParams)
         loras = self._per_prompt(lora_request, len(bodies), "LoRA requests")

@@ -11,8 +11,9 @@ from pkv.core.sample.sampling_params import check_truncate_prompt_tokens
 class PoolingParams:
     """`dimensions`: keep the first N values of the embedding and renormalize (Matryoshka
     models only); `normalize`: None follows the model (sentence-transformers' Normalize
-    module); `activation`: apply the classifier's activation (sigmoid for one label,
-    softmax for several) to a cross-encoder's logits."""
+    module; with `dimensions`, normalized), True or False as asked; `activation`: apply the
+    classifier's activation (sigmoid for one label, softmax for several) to a
+    cross-encoder's logits."""
 
     dimensions: int | None = None
     normalize: bool | None = None

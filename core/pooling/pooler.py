@@ -137,9 +137,11 @@ class Pooler:
     def _finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
-        normalize = self.config.normalize if params.normalize is None else params.normalize
-        # A truncated Matryoshka vector is renormalized whatever the model says.
-        if normalize or params.dimensions is not None:
+        # A truncated Matryoshka vector is renormalized whatever the model says, unless the
+        # request says normalize=False.
+        normalize = (self.config.normalize or params.dimensions is not None
+                     if params.normalize is None else params.normalize)
+        if normalize:
             vector = F.normalize(vector, dim=-1)
         return vector
 

@@ -128,10 +128,13 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(OpenAIError(
                 400, f"the request body is not valid JSON: {reason} (character {where})"),
                 request)
-        param = _param([p for p in first.get("loc", ()) if p not in ("body", "query")])
+        loc = tuple(first.get("loc", ()))
+        # The location's first name says where (the body, the URL's query); a field may be
+        # named `query` too (/v1/rerank's).
+        param = _param(list(loc[1:] if loc[:1] in (("body",), ("query",)) else loc))
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
             first.get("msg", "invalid request body"))
-        if not param and first.get("loc", ())[:1] == ("body",):  # the body as a whole
+        if not param and loc[:1] == ("body",):  # the body as a whole
             kind = request.headers.get("content-type", "none")
             message = ("the request body is empty: send a JSON object"
                        if first.get("type") == "missing" else

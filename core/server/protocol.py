@@ -381,6 +381,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True  # vLLM's: a text's BOS / [CLS] and [SEP]
     user: str | None = None
 
 
@@ -411,6 +412,7 @@ class RerankRequest(BaseModel):
     documents: list[str | RerankDocument]
     top_n: int | None = None
     return_documents: bool = True
+    truncate_prompt_tokens: int | None = None  # vLLM's: each text's last N (embedding models)
 
 
 class ScoreRequest(BaseModel):
@@ -421,3 +423,4 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None  # vLLM's: each text's last N (embedding models)

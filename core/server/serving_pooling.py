@@ -41,7 +41,12 @@ class OpenAIServingPooling(OpenAIServing):
         lora = self._check_model(body.model, "embed")
         params = _params(dimensions=body.dimensions, normalize=body.normalize,
                          truncate_prompt_tokens=body.truncate_prompt_tokens)
-        finals = await self._run(_inputs(body.input), params, "input", raw, lora)
+        inputs = _inputs(body.input)
+        if not body.add_special_tokens:  # texts as ids without them (ids stay as sent)
+            encode = self.llm.engine.tokenizer.encode
+            inputs = [encode(t, add_special_tokens=False) if isinstance(t, str) and t else t
+                      for t in inputs]
+        finals = await self._run(inputs, params, "input", raw, lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(f.outputs.data, body.encoding_format)}
                 for i, f in enumerate(finals)]
@@ -75,7 +80,7 @@ class OpenAIServingPooling(OpenAIServing):
         scores, finals = await self._scores(
             [(body.query, d) for d in documents],
             [("query", f"documents[{i}]") for i in range(len(documents))], "documents", raw,
-            lora)
+            lora, _params(truncate_prompt_tokens=body.truncate_prompt_tokens))
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n or None]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": documents[i]}} if body.return_documents else {})}
@@ -91,7 +96,8 @@ class OpenAIServingPooling(OpenAIServing):
             raise OpenAIError(400, str(exc), "text_2" if "text_2" in str(exc) else "text_1"
                               ) from None
         scores, finals = await self._scores(pairs, _score_names(body.text_1, body.text_2),
-                                            "text_2", raw, lora)
+                                            "text_2", raw, lora,
+                                            _params(truncate_prompt_tokens=body.truncate_prompt_tokens))
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.served_name(body.model), "data": data, "usage": _usage(finals)}
@@ -112,20 +118,19 @@ class OpenAIServingPooling(OpenAIServing):
         return lora
 
     async def _scores(self, pairs: list[tuple[str, str]], names: list[tuple[str, str]],
-                      param: str, raw: Request, lora: LoRARequest | None
-                      ) -> tuple[list[float], list[PoolingRequestOutput]]:
+                      param: str, raw: Request, lora: LoRARequest | None,
+                      params: PoolingParams) -> tuple[list[float], list[PoolingRequestOutput]]:
         """Each pair's score: a cross-encoder's, or the cosine of the texts' embeddings.
         `names` holds each pair's two fields, for errors."""
         if self.llm.engine.task == "classify":
-            finals = await self._run(list(pairs), PoolingParams(), param, raw, lora,
-                                     list(names))
+            finals = await self._run(list(pairs), params, param, raw, lora, list(names))
             return [_one_score(f) for f in finals], finals
         named: dict[str, str] = {}  # each text once, named by the first field it is in
         for pair, pair_names in zip(pairs, names):
             for text, name in zip(pair, pair_names):
                 named.setdefault(text, name)
         texts = sorted(named)
-        finals = await self._run(list(texts), PoolingParams(), param, raw, lora,
+        finals = await self._run(list(texts), params, param, raw, lora,
                                  [named[t] for t in texts])
         vectors = {t: f.outputs.data for t, f in zip(texts, finals)}
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], finals
@@ -168,8 +173,10 @@ class OpenAIServingPooling(OpenAIServing):
                                   "context_length_exceeded") from None
             except ValueError as exc:
                 field = next((f for f in ("dimensions", "truncate_prompt_tokens")
-                              if str(exc).startswith(f)), param)
-                raise OpenAIError(400, str(exc), field) from None
+                              if str(exc).startswith(f)), None)
+                if field is None and isinstance(names[i], str):  # this input's own fault
+                    raise OpenAIError(400, f"{names[i]}: {exc}", _field(names[i])) from None
+                raise OpenAIError(400, str(exc), field or param) from None
         return prepared
 
     def _too_long(self, text: PoolingInput, params: PoolingParams,

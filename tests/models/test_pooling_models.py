@@ -121,6 +121,8 @@ def test_cross_encoder_scores_equal_transformers(bert_dirs: dict[str, Path]):
     folder = bert_dirs["cross"]
     llm = LLM(str(folder), show_progress=False)
     assert llm.llm_engine.task == "classify"
+    with pytest.raises(ValueError, match="embed needs an embedding model"):
+        llm.embed("w1")  # (its score is no embedding)
     query, docs = "what is w5", ["w5 is a word", "nothing here", "w5 w5 w5, again w5"]
     scores = [o.outputs.score for o in llm.score(query, docs)]
     tok = transformers.AutoTokenizer.from_pretrained(folder)

@@ -233,6 +233,12 @@ def test_rerank_and_score_on_a_cross_encoder(cross_server: RunningServer,
     assert len(every.json()["results"]) == len(DOCS)  # vLLM's 0: every document
     r = _post(cross_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"
+    for body, param in [({"documents": DOCS}, "query"), ({"query": 5, "documents": DOCS}, "query"),
+                        ({"query": QUERY, "documents": DOCS, "truncate_prompt_tokens": 8},
+                         "truncate_prompt_tokens")]:  # (a pair is not truncated)
+        r = _post(cross_server, "/v1/rerank", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(param)
 
 
 @pytest.mark.parametrize("server_name", ["cross", "embed"])
@@ -288,6 +294,29 @@ def test_rerank_on_an_embedding_model_is_cosine(embed_server: RunningServer,
     body = _post(embed_server, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()
     assert {r["index"]: r["relevance_score"] for r in body["results"]} == pytest.approx(
         dict(enumerate(expected)), abs=1e-4)
+    # truncate_prompt_tokens cuts each text (vLLM's), in rerank and in score alike
+    cut = {"truncate_prompt_tokens": 3}
+    short = _post(embed_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, **cut}).json()
+    scored = _post(embed_server, "/score", {"text_1": QUERY, "text_2": DOCS, **cut}).json()
+    assert short["usage"]["total_tokens"] == 3 * (1 + len(DOCS)) < body["usage"]["total_tokens"]
+    assert sorted(r["relevance_score"] for r in short["results"]) == pytest.approx(
+        sorted(d["score"] for d in scored["data"]), abs=1e-6)
+    r = _post(embed_server, "/v1/rerank", {"query": "", "documents": DOCS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query"  # not documents
+
+
+def test_special_tokens_and_normalize_as_asked(embed_server: RunningServer):
+    plain = _post(embed_server, "/v1/embeddings", {"input": TEXTS[1]}).json()
+    bare = _post(embed_server, "/v1/embeddings", {"input": TEXTS[1],
+                                                  "add_special_tokens": False}).json()
+    assert bare["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] - 2  # [CLS], [SEP]
+    raw = _post(embed_server, "/v1/embeddings", {"input": TEXTS[1], "dimensions": 16,
+                                                 "normalize": False}).json()["data"][0]
+    unit = _post(embed_server, "/v1/embeddings", {"input": TEXTS[1],
+                                                  "dimensions": 16}).json()["data"][0]
+    assert abs(float(np.linalg.norm(unit["embedding"])) - 1) < 1e-5
+    assert abs(float(np.linalg.norm(raw["embedding"])) - 1) > 1e-3  # normalize=False wins
+    assert _cos(raw["embedding"], torch.tensor(unit["embedding"])) > 0.99999
 
 
 def test_a_decoder_embeds_under_an_adapter_named_as_the_model(tiny_llama_dir: Path,
