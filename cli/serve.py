@@ -78,7 +78,7 @@ def serve(
     max_loras: Annotated[int, typer.Option(help="Adapters resident at once (slots, LRU).")] = 4,
     max_lora_rank: Annotated[int, typer.Option(help="Highest adapter rank.")] = 16,
     lora_modules: Annotated[Optional[list[str]], typer.Option(help="NAME=PATH of a PEFT LoRA adapter; clients pick it with \"model\": NAME (repeat the flag for more).")] = None,
-    enable_runtime_lora: Annotated[bool, typer.Option(help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).")] = False,
+    enable_runtime_lora: Annotated[bool, typer.Option("--enable-runtime-lora", "--allow-runtime-lora", help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).")] = False,
     lora_dir: Annotated[Optional[str], typer.Option(help="Load adapters only from under this folder.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
     config: Annotated[Optional[Path], typer.Option(help="YAML file, or a shipped recipe's name (smollm2-cpu); any flag as a key.")] = None,

@@ -173,6 +173,9 @@ def test_config_files_that_are_folders_bytes_or_scalars_for_lists(tmp_path: Path
     binary.write_text("lora-modules: a=/adapters/a\n")
     result = _serve("--config", str(binary), "--check")
     assert result.exit_code == 2 and "need --enable-lora" in result.stderr
+    # --allow-runtime-lora: --enable-runtime-lora's other name
+    result = _serve("--allow-runtime-lora", "--check")
+    assert result.exit_code == 2 and "need --enable-lora" in result.stderr
 
 
 def test_version_and_output_files_whose_folder_is_missing(tmp_path: Path) -> None:
