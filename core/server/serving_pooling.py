@@ -95,9 +95,9 @@ class OpenAIServingPooling(OpenAIServing):
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "text_2" if "text_2" in str(exc) else "text_1"
                               ) from None
+        truncate = _params(truncate_prompt_tokens=body.truncate_prompt_tokens)
         scores, finals = await self._scores(pairs, _score_names(body.text_1, body.text_2),
-                                            "text_2", raw, lora,
-                                            _params(truncate_prompt_tokens=body.truncate_prompt_tokens))
+                                            "text_2", raw, lora, truncate)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.served_name(body.model), "data": data, "usage": _usage(finals)}
