@@ -10,7 +10,7 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pkv.core.engine.outputs import RequestOutput
 from pkv.core.server.errors import OpenAIError
@@ -39,13 +39,22 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     background: bool = False
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)  # OpenAI's limits
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
     # Named only to be refused: ignoring them would answer another question.
     conversation: Any = None
     prompt: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_fits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (metadata or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError(f"key {key[:64]!r}: keys hold at most 64 characters and "
+                                 "values 512")
+        return metadata
 
     def check_supported(self) -> None:
         """A 400 for a field that asks what pkv does not serve."""
@@ -119,6 +128,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
             output = item.get("output")
+            if isinstance(output, list):  # input_text parts (the newer form): their text
+                output = _item_text(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str)
                              else json.dumps(output)})
@@ -169,6 +180,9 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
     if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
         raise OpenAIError(400, "text.format.schema: a json_schema format needs a schema object",
                           "text.format.schema")
+    if fmt["type"] == "json_schema" and not isinstance(fmt.get("name"), str):
+        raise OpenAIError(400, "text.format.name: a json_schema format needs a name (as "
+                          "OpenAI's)", "text.format.name")
     return fmt
 
 

@@ -160,6 +160,13 @@ def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
         max_output_tokens=4, input=[{"type": "function_call_output",
                                      "call_id": streamed_call.call_id, "output": "Sunny."}])
     assert after_stream.previous_response_id == streamed.id
+    as_parts = client.responses.create(  # the output as input_text parts: the same text
+        model=MODEL, previous_response_id=streamed.id, tools=[WEATHER], temperature=0,
+        max_output_tokens=4, input=[{"type": "function_call_output",
+                                     "call_id": streamed_call.call_id,
+                                     "output": [{"type": "input_text", "text": "Sunny."}]}])
+    assert as_parts.usage.input_tokens == after_stream.usage.input_tokens
+    assert as_parts.output_text == after_stream.output_text
 
     # The result goes back by previous_response_id: the stored turn is the history.
     answer = client.responses.create(
@@ -220,7 +227,12 @@ def test_bad_requests_name_the_field(server: RunningServer, client: openai.OpenA
                         ({**base, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
                         ({**base, "conversation": "conv_1"}, "conversation"),
                         ({**base, "prompt": {"id": "pmpt_1"}}, "prompt"),
-                        ({**base, "tools": [{**WEATHER, "name": "a b!"}]}, "tools[0].name")]:
+                        ({**base, "tools": [{**WEATHER, "name": "a b!"}]}, "tools[0].name"),
+                        ({**base, "text": {"format": {"type": "json_schema",
+                                                      "schema": {"type": "object"}}}},
+                         "text.format.name"),
+                        ({**base, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                        ({**base, "metadata": {"k": "v" * 513}}, "metadata")]:
         response = _post(server, "/v1/responses", body)
         error = _assert_error(response, 404 if param == "previous_response_id" else 400, param)
         assert "max_tokens" not in error["message"]  # the field as this API calls it
