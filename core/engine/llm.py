@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
@@ -148,17 +149,19 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool | None = None,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-              ) -> list[PoolingRequestOutput]:
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """One embedding per prompt (`outputs.embedding`), in prompt order; an embedding
         model's (task=embed). `pooling_params`: one for every prompt, or one per prompt.
         `lora_request`: one adapter for every prompt, or one (or None)
-        per prompt (a decoder embedding model's)."""
+        per prompt (a decoder embedding model's). `truncate_prompt_tokens` (vLLM's keyword):
+        each prompt's last N tokens, for pooling params that say nothing of it."""
         if self.llm_engine.task == "classify":  # (its score would come back as a "vector")
             raise ValueError("embed needs an embedding model (task=embed); this model is a "
                              "classifier (task=classify): use score or classify")
         bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
         params = self._params_per_prompt(pooling_params, len(bodies), PoolingParams)
+        params = [_truncated(p, truncate_prompt_tokens) for p in params]
         loras = self._per_prompt(lora_request, len(bodies), "LoRA requests")
         return self._pool(bodies, params, use_tqdm, loras)
 
@@ -173,15 +176,20 @@ class LLM:
         return self._pool(bodies, [PoolingParams()] * len(bodies), use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+              use_tqdm: bool | None = None, *, pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """`outputs.score` of each pair: one text_1 against every text_2, or pair by pair.
         A cross-encoder reads each pair whole; an embedding model scores the cosine of the
-        two texts' embeddings."""
+        two texts' embeddings (each text cut to `truncate_prompt_tokens`, as vLLM's; a pair
+        refuses it). `lora_request`: the adapter every pair runs under."""
         pairs = score_pairs(text_1, text_2)
+        params = _truncated(pooling_params or PoolingParams(), truncate_prompt_tokens)
         if self.llm_engine.task == "classify":
-            return self._pool(list(pairs), [PoolingParams()] * len(pairs), use_tqdm)
+            return self._pool(list(pairs), [params] * len(pairs), use_tqdm,
+                              [lora_request] * len(pairs))
         texts = sorted({t for pair in pairs for t in pair})
-        vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm)))
+        vectors = dict(zip(texts, self.embed(texts, params, use_tqdm, lora_request)))
         outputs = []
         for i, (a, b) in enumerate(pairs):
             va, vb = vectors[a], vectors[b]
@@ -293,3 +301,10 @@ def _conversations(messages: Any) -> list[Conversation]:
                 raise ValueError(f"{where}, message {j}: {problem}")
         out.append([template_message(m) for m in conversation])
     return out
+
+
+def _truncated(params: PoolingParams, truncate_prompt_tokens: int | None) -> PoolingParams:
+    """`params` with the keyword's truncation where they set none of their own."""
+    if truncate_prompt_tokens is None or params.truncate_prompt_tokens is not None:
+        return params
+    return dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)

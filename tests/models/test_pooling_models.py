@@ -134,6 +134,8 @@ def test_cross_encoder_scores_equal_transformers(bert_dirs: dict[str, Path]):
     assert pair.children[0].token_type_ids == tok(query, docs[0])["token_type_ids"]
     probs = llm.classify(docs)
     assert [len(o.outputs.probs) for o in probs] == [1, 1, 1]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens applies to one text"):
+        llm.score(query, docs, truncate_prompt_tokens=4)  # a pair is not cut
 
 
 def test_embedding_model_scores_by_cosine(bert_dirs: dict[str, Path]):
@@ -147,6 +149,13 @@ def test_embedding_model_scores_by_cosine(bert_dirs: dict[str, Path]):
         llm.score(["w1", "w2"], ["w3", "w4", "w5"])
     with pytest.raises(ValueError, match="classify needs a classifier"):
         llm.classify("w1 w2")  # (an embedding model's vectors are not label scores)
+    # vLLM's keywords: truncate_prompt_tokens cuts each text, in score and in embed alike
+    long_a, long_b = "w9 w8 w7 w1 w2", "w6 w5 w3 w4"
+    [cut] = llm.score(long_a, long_b, truncate_prompt_tokens=4)
+    [short] = llm.score("w1 w2", "w3 w4")
+    assert cut.outputs.score == pytest.approx(short.outputs.score, abs=1e-6)  # [CLS] + 2 + [SEP]
+    [embedded] = llm.embed(long_a, truncate_prompt_tokens=4)
+    assert torch.allclose(embedded.outputs.data, a.outputs.data, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +240,14 @@ def test_a_decoder_embeds_under_adapters(tiny_llama_dir: Path, tmp_path: Path):
     want = [refs[n][i % 3] for i, n in enumerate(names)]
     assert min(_cosines([o.outputs.data for o in outs], want)) >= 0.9999
     assert max(_cosines(refs["a"], refs[None])) < 0.999  # the adapters matter
+    # score under an adapter: the cosine of the adapter's vectors
+    texts = ["the weather in Paris", "a cat sat on the mat"]
+    [under_a] = llm.score(texts[0], texts[1], lora_request=requests["a"])
+    a0, a1 = llm.embed(texts, lora_request=requests["a"])
+    [plain] = llm.score(texts[0], texts[1])
+    assert under_a.outputs.score == pytest.approx(
+        float(F.cosine_similarity(a0.outputs.data, a1.outputs.data, dim=0)), abs=1e-5)
+    assert abs(under_a.outputs.score - plain.outputs.score) > 1e-4
     assert llm.llm_engine.get_stats().num_blocks_used == 0
 
 
