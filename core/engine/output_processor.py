@@ -29,7 +29,8 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Stop strings count where they end past this much text: that of the first min_tokens
-    # tokens (vLLM's rule: none ends the output before it has min_tokens tokens).
+    # tokens (vLLM's rule: none ends the output before it has min_tokens tokens), then all
+    # the text already searched (the text only grows: each token's search is its tail's).
     stop_from: int = 0
 
 
@@ -134,6 +135,7 @@ class OutputProcessor:
                 sample.stop_from = len(sample.detokenizer.output_text)
                 continue
             stop = self._find_stop(sample.detokenizer.output_text, params, sample.stop_from)
+            sample.stop_from = len(sample.detokenizer.output_text)
             if stop is not None:
                 end = stop[0] + (len(stop[1]) if params.include_stop_str_in_output else 0)
                 sample.text = sample.detokenizer.output_text[:end]
