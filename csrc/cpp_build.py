@@ -1,8 +1,9 @@
 """Build the C++ kernels in csrc/ with torch.utils.cpp_extension: one module per ISA flavour.
 
-Every kernel is compiled into one module (`csrc/kernels_cpu.cpp`), for one of three ISA
-flavours: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (SSE2 on
-x86-64, NEON on aarch64). By default the best flavour this CPU runs is built; `PKV_CPU_ISA`
+Every kernel is compiled into one module (`csrc/kernels_cpu.cpp`), for one of four ISA
+flavours: `avx512` (x86-64-v4), `avxvnni` (x86-64-v3 with AVX-VNNI's 256-bit byte dot products:
+Intel's cores since Alder Lake and Sapphire Rapids, Xeon 6 E-cores without AVX-512),
+`avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (SSE2 on x86-64, NEON on aarch64). By default the best flavour this CPU runs is built; `PKV_CPU_ISA`
 picks another (AVX2 code runs on AVX-512 hardware), which is how one machine measures and tests
 what another runs. Builds are cached by torch in its extensions directory, under a name that
 carries the flavour and a hash of the csrc/ files (torch rebuilds when the source changes, but
@@ -23,11 +24,12 @@ from typing import Any
 
 CSRC = Path(__file__).resolve().parent
 SOURCE = CSRC / "kernels_cpu.cpp"
-FLAVOURS = ("avx512", "avx2", "generic")
+FLAVOURS = ("avx512", "avxvnni", "avx2", "generic")
 
 # What /proc/cpuinfo must list for a flavour's -march (x86-64-v4 and v3 as GCC defines them).
 _X86_NEEDS = {
     "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"),
+    "avxvnni": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx_vnni"),
     "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
     "generic": (),
 }
@@ -75,8 +77,11 @@ def compile_flags(flavour: str) -> list[str]:
     """The code-generation flags of a flavour on this machine's architecture."""
     if not _is_x86():
         return ["-march=armv8-a"] if platform.machine().lower() in ("aarch64", "arm64") else []
-    march = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64"}[flavour]
+    march = {"avx512": "x86-64-v4", "avxvnni": "x86-64-v3", "avx2": "x86-64-v3",
+             "generic": "x86-64"}[flavour]
     flags = [f"-march={march}", "-mtune=native"]
+    if flavour == "avxvnni":
+        flags.append("-mavxvnni")
     if flavour == "avx512":
         # GCC's tuning for Sapphire Rapids and Ice Lake servers prefers 256-bit vectors for
         # the loops it vectorizes itself (paged attention's came out in ymm there); the

@@ -33,8 +33,9 @@
 //   and the scales (Q4_1 its m too); Q5_1 (96 bytes) a third its m's.
 //   AVX2 (and AVX-512 without VBMI): a pair of blocks a register (two 16-byte loads each for
 //   the nibbles and for the scale and fifth bits), the fifth bits by a byte shuffle and compare,
-//   vpmaddubsw / vpmaddwd for the products. About fourteen a block (Q4_0 / Q4_1 without the
-//   fifth bits). A pair of a short group that holds one block loads only that one.
+//   vpmaddubsw / vpmaddwd for the products (with AVX-VNNI two vpdpbusd, which add the offset
+//   too). About fourteen a block (Q4_0 / Q4_1 without the fifth bits). A pair of a short group
+//   that holds one block loads only that one.
 
 namespace ggml {
 
@@ -331,11 +332,18 @@ inline void pair_rows(const Part& p, int64_t n, const Q8Groups& x, int64_t g, in
     if constexpr (Codes::kMin) mins = pair_halves<2>(meta);
     for (int m = 0; m < R; ++m) {
       const int64_t at = 64 * (g * R + m) + 32 * pair;
+#if defined(__AVXVNNI__)
+      const __m256i sums = _mm256_dpbusd_avx_epi32(
+          _mm256_dpbusd_avx_epi32(Codes::offset(x.offset16.data() + at / 4), lo,
+                                  load256(x.lo.data() + at)),
+          hi, load256(x.hi.data() + at));
+#else
       const __m256i pairs = _mm256_add_epi16(
           _mm256_maddubs_epi16(lo, load256(x.lo.data() + at)),
           _mm256_maddubs_epi16(hi, load256(x.hi.data() + at)));  // (< 2 x 2 x 31 x 127)
       const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)),
                                             Codes::offset(x.offset16.data() + at / 4));
+#endif
       acc[w][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                   _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + at / 4)),
                                   acc[w][m]);

@@ -10,8 +10,8 @@
 // is transposed once per pass (one vector holds four inputs of every row, a 32-bit lane a
 // row), and per four inputs a broadcast of a weight row's four codes meets each vector of x
 // in one byte dot product: vpdpbusd with AVX512-VNNI, 64 multiply-adds an instruction against
-// the float kernel's 16; elsewhere vpmaddubsw, its pairs summed in int16 over 16 inputs
-// before vpmaddwd widens them.
+// the float kernel's 16 (AVX-VNNI's, in the avxvnni flavour: 32 against 8); elsewhere
+// vpmaddubsw, its pairs summed in int16 over up to 32 inputs before vpmaddwd widens them.
 //
 // Every type reads as unsigned byte codes c with a scale and an offset per S values (S = 32;
 // Q6_K 16): w = dw c + mw. Against x quantized per 32 inputs (x ~ dx q, llama.cpp's Q8_0
@@ -25,7 +25,10 @@
 
 namespace ggml {
 
-#if defined(__AVX512VNNI__)
+// Byte dot products in one instruction: AVX512-VNNI's, or AVX-VNNI's at 256 bits (the avxvnni
+// flavour).
+#if defined(__AVX512VNNI__) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+#define PKV_TILE_VNNI 1
 constexpr bool kTileVnni = true;
 #else
 constexpr bool kTileVnni = false;
@@ -54,6 +57,17 @@ inline vin widen(vsn pairs) {
 // One vector of x^T a pass: two, with two weight rows a tile, ran 0.95x.
 constexpr int64_t kTilePassRows = kLanes;
 constexpr int kTileP1 = 6, kTileP2 = 2;
+#endif
+
+// acc + the sums of each 32-bit lane's four products of w's unsigned bytes and x's signed ones.
+#if defined(PKV_TILE_VNNI) && defined(__AVX512F__)
+inline vin dpbusd(vin acc, vin w, vin x) {
+  return (vin)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+}
+#elif defined(PKV_TILE_VNNI)
+inline vin dpbusd(vin acc, vin w, vin x) {
+  return (vin)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
+}
 #endif
 
 // x's bytes with the signs of w's: vpmaddubsw of |w| (unsigned) and these is w x.
@@ -260,18 +274,17 @@ __attribute__((always_inline)) inline void tile_dots(const uint8_t* codes, const
   for (int i = 0; i < P; ++i)
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) dots[i][v] = vin{};
-#if defined(__AVX512VNNI__)
+#if defined(PKV_TILE_VNNI)
 #pragma GCC unroll 8
   for (int g = 0; g < S / 4; ++g) {
-    __m512i xv[V];
+    vin xv[V];
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) xv[v] = (__m512i)loadi(xq + (g * V + v) * kLanes);
+    for (int v = 0; v < V; ++v) xv[v] = loadi(xq + (g * V + v) * kLanes);
 #pragma GCC unroll 12
     for (int i = 0; i < P; ++i) {
-      const __m512i wb = (__m512i)broadcast_codes(codes + i * kChunk + 4 * g);
+      const vin wb = broadcast_codes(codes + i * kChunk + 4 * g);
 #pragma GCC unroll 2
-      for (int v = 0; v < V; ++v)
-        dots[i][v] = (vin)_mm512_dpbusd_epi32((__m512i)dots[i][v], wb, xv[v]);
+      for (int v = 0; v < V; ++v) dots[i][v] = dpbusd(dots[i][v], wb, xv[v]);
     }
   }
 #else

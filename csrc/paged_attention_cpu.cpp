@@ -129,8 +129,8 @@ static inline void key_scores(const vf16* q, const Reader& K, int64_t j0, int64_
 
 #if defined(PKV_KV_READS_AVX2)
 // acc += the products of 2 * kLanes int8 codes k (sign-extended to int16) and int16s q, in
-// pairs summed into acc's int32 lanes: vpdpwssd with AVX512-VNNI, elsewhere vpmaddwd and an
-// add.
+// pairs summed into acc's int32 lanes: vpdpwssd with AVX512-VNNI or AVX-VNNI, elsewhere
+// vpmaddwd and an add.
 static inline vin madd_codes(vin acc, const uint8_t* k, const int16_t* q) {
 #if defined(__AVX512F__)
   const __m512i kv =
@@ -144,8 +144,12 @@ static inline vin madd_codes(vin acc, const uint8_t* k, const int16_t* q) {
 #else
   const __m256i kv =
       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
-  return acc + reinterpret_cast<vin>(
-                   _mm256_madd_epi16(kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+  const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+#if defined(__AVXVNNI__)
+  return reinterpret_cast<vin>(_mm256_dpwssd_avx_epi32(reinterpret_cast<__m256i>(acc), kv, qv));
+#else
+  return acc + reinterpret_cast<vin>(_mm256_madd_epi16(kv, qv));
+#endif
 #endif
 }
 

@@ -32,6 +32,8 @@ typedef uint32_t vun __attribute__((vector_size(kLanes * 4)));
 // The name of the ISA flavour this translation unit is built for (pkv plugins prints it).
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+constexpr const char* kIsa = "avxvnni";
 #elif defined(__AVX2__)
 constexpr const char* kIsa = "avx2";
 #elif defined(__aarch64__)

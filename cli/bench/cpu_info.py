@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 # The flags that decide which kernel code runs.
-_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni",
-          "avx512_bf16", "amx_tile", "asimd", "sve")
+_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512vbmi",
+          "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
 
 
 def cpu_summary() -> str:

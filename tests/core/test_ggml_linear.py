@@ -201,7 +201,7 @@ def q8_0_in_int8(kernels: Any, rows: int) -> bool:
     if kernels.isa == "generic":
         return False
     grouped = kernels.ggml_q8_0_groups and 3 <= rows <= 6
-    one_row = rows == 1 and kernels.isa == "avx2"
+    one_row = rows == 1 and kernels.isa in ("avx2", "avxvnni")
     return rows == 2 or one_row or grouped or tiled(kernels, ("Q8_0",), rows)
 
 

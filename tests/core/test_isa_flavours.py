@@ -21,6 +21,7 @@ from pkv.tests.helpers import check_matches_transformers, parity_prompts
 AVX512_CPU = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c",
               "bmi1", "bmi2", "movbe", "abm"}
 ZEN3_CPU = AVX512_CPU - {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+ALDER_LAKE_CPU = ZEN3_CPU | {"avx_vnni"}  # AVX-VNNI's 256-bit byte dot products, no AVX-512
 
 
 @pytest.mark.skipif(not cpp_build._is_x86(), reason="x86 flags; other CPUs run generic only")
@@ -28,6 +29,9 @@ def test_runnable_flavours_follow_the_cpu_flags():
     assert cpp_build.runnable_flavours(AVX512_CPU) == ["avx512", "avx2", "generic"]
     assert cpp_build.runnable_flavours(ZEN3_CPU) == ["avx2", "generic"]
     assert cpp_build.runnable_flavours(ZEN3_CPU - {"fma"}) == ["generic"]
+    assert cpp_build.runnable_flavours(ALDER_LAKE_CPU) == ["avxvnni", "avx2", "generic"]
+    sapphire_rapids = AVX512_CPU | {"avx_vnni"}
+    assert cpp_build.runnable_flavours(sapphire_rapids) == ["avx512", "avxvnni", "avx2", "generic"]
 
 
 def test_pkv_cpu_isa_picks_a_flavour_the_cpu_runs(monkeypatch: pytest.MonkeyPatch):
@@ -39,13 +43,13 @@ def test_pkv_cpu_isa_picks_a_flavour_the_cpu_runs(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError, match="cannot run it .it runs avx2, generic"):
         cpp_build.selected_flavour(["avx2", "generic"])
     monkeypatch.setenv("PKV_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match="choose one of auto, avx512, avx2, generic"):
+    with pytest.raises(ValueError, match="choose one of auto, avx512, avxvnni, avx2, generic"):
         cpp_build.selected_flavour()
 
 
 def test_flavours_build_apart_and_name_themselves(cpu_kernels, isa: str):
     assert cpu_kernels.isa.startswith(isa)
-    assert cpu_kernels.lanes == {"avx512": 16, "avx2": 8, "generic": 4}[isa]
+    assert cpu_kernels.lanes == {"avx512": 16, "avxvnni": 8, "avx2": 8, "generic": 4}[isa]
     assert f"kernels: {isa}" in cpu_summary()
 
 
@@ -75,7 +79,7 @@ def test_greedy_parity_with_transformers_under_each_flavour(tiny_llama_dir: Path
 # must run on CPUs without AVX-512 (the test machines have it, so running alone proves
 # nothing), and the kernels must really use the flavour's vector width.
 _LEGACY_PREFIXES = {0x26, 0x2E, 0x36, 0x3E, 0x64, 0x65, 0x67}  # the ones VEX/EVEX may follow
-_WIDEST = {"avx512": "zmm", "avx2": "ymm", "generic": "xmm"}
+_WIDEST = {"avx512": "zmm", "avxvnni": "ymm", "avx2": "ymm", "generic": "xmm"}
 
 
 def _disassembly(library: str) -> dict[str, list[tuple[int, str]]]:
@@ -108,6 +112,15 @@ def test_each_flavour_holds_only_its_instruction_set(cpu_kernels, isa: str):
         assert not any(re.search(r"%zmm|%k[0-7]\b", text) for _, text in code)
     if isa == "generic":
         assert not vex, f"generic build holds AVX instructions: {vex[:5]}"
+    # AVX-VNNI's byte and word dot products (VEX-encoded) are the avxvnni flavour's alone:
+    # an AVX2-only CPU traps on them.
+    vnni = [text for text in vex if re.search(r"vpdp(bu|ws)sd", text)]
+    if isa == "avxvnni":
+        tiles = [text for name, body in functions.items() if "tile_rows<" in name
+                 for _, text in body]
+        assert any(re.search(r"vpdpbusd .*%ymm", text) for text in tiles)
+    else:
+        assert not vnni, f"{isa} build holds AVX-VNNI instructions: {vnni[:5]}"
     # The batch-1 hot loops (AWQ GEMV, int8 LM head, decode attention) at the flavour's width.
     for kernel in ("::tile_rows<1l>(", "int8::(anonymous namespace)::gemv_rows<1l>(",
                    "paged_attention", "ggml::(anonymous namespace)::gemv_rows<"):
