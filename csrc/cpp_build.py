@@ -1,13 +1,14 @@
 """Build the C++ kernels in csrc/ with torch.utils.cpp_extension: one module per ISA flavour.
 
 Every kernel is compiled into one module (`csrc/kernels_cpu.cpp`), for one of four ISA
-flavours: `avx512` (x86-64-v4), `avxvnni` (x86-64-v3 with AVX-VNNI's 256-bit byte dot products:
-Intel's cores since Alder Lake and Sapphire Rapids, Xeon 6 E-cores without AVX-512),
-`avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (SSE2 on x86-64, NEON on aarch64). By default the best flavour this CPU runs is built; `PKV_CPU_ISA`
-picks another (AVX2 code runs on AVX-512 hardware), which is how one machine measures and tests
-what another runs. Builds are cached by torch in its extensions directory, under a name that
-carries the flavour and a hash of the csrc/ files (torch rebuilds when the source changes, but
-does not look at what it includes).
+flavours: `avx512` (x86-64-v4), `avxvnni` (x86-64-v3 with AVX-VNNI's 256-bit byte dot
+products: Intel's cores since Alder Lake and Sapphire Rapids, Xeon 6 E-cores without
+AVX-512), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (SSE2 on x86-64, NEON on aarch64).
+By default the best flavour this CPU runs is built; `PKV_CPU_ISA` picks another (AVX2 code
+runs on AVX-512 hardware), which is how one machine measures and tests what another runs.
+Builds are cached by torch in its extensions directory, under a name that carries the flavour
+and a hash of the csrc/ files (torch rebuilds when the source changes, but does not look at
+what it includes).
 """
 
 from __future__ import annotations
