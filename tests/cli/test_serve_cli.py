@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
@@ -156,6 +157,30 @@ def test_a_taken_port_or_a_foreign_host_is_refused_before_the_model_loads() -> N
     assert "pkv serve" not in result.output  # (the summary printed once the model is up)
     result = _serve("--host", "999.1.1.1", "--port", "0")
     assert result.exit_code == 2 and "cannot listen on 999.1.1.1:0" in result.stderr
+
+
+def test_accepted_connections_send_without_waiting_for_acks() -> None:
+    # asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets that name TCP; those
+    # accepted from a listening socket made without it held a response's body back until the
+    # client's delayed ACK came: ~40 ms on every request of a kept-alive connection.
+    from pkv.cli.serve import _listening_socket
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        sock = _listening_socket("127.0.0.1", 0)
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connection = writer.get_extra_info("socket")
+            accepted.set_result(connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        async with await asyncio.start_server(handle, sock=sock):
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            nodelay = await asyncio.wait_for(accepted, 10)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
     result = _serve("--port", "0", "--enable-lora", "--lora-dir", "/nonexistent/adapters")
     assert result.exit_code == 2 and "--lora-dir /nonexistent/adapters is not a folder" in \
         result.stderr
