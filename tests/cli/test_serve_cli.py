@@ -157,6 +157,9 @@ def test_a_taken_port_or_a_foreign_host_is_refused_before_the_model_loads() -> N
     assert "pkv serve" not in result.output  # (the summary printed once the model is up)
     result = _serve("--host", "999.1.1.1", "--port", "0")
     assert result.exit_code == 2 and "cannot listen on 999.1.1.1:0" in result.stderr
+    result = _serve("--port", "0", "--enable-lora", "--lora-dir", "/nonexistent/adapters")
+    assert result.exit_code == 2 and "--lora-dir /nonexistent/adapters is not a folder" in \
+        result.stderr
 
 
 def test_accepted_connections_send_without_waiting_for_acks() -> None:
@@ -181,9 +184,6 @@ def test_accepted_connections_send_without_waiting_for_acks() -> None:
         return nodelay
 
     assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
-    result = _serve("--port", "0", "--enable-lora", "--lora-dir", "/nonexistent/adapters")
-    assert result.exit_code == 2 and "--lora-dir /nonexistent/adapters is not a folder" in \
-        result.stderr
 
 
 def test_config_files_that_are_folders_bytes_or_scalars_for_lists(tmp_path: Path) -> None:

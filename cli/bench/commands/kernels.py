@@ -13,8 +13,9 @@ from pkv.cli.errors import user_errors
 
 def kernels(
     rows: Annotated[str, typer.Option(help="Rows (tokens) per call; a list sweeps.")] = "1,16,64",
-    isa: Annotated[str, typer.Option(help="Kernel flavours, comma-separated (avx512, "
-                                          "avxvnni, avx2, generic); default: every one this CPU runs.")] = "",
+    isa: Annotated[str, typer.Option(help="Kernel flavours, comma-separated (avx512, avxvnni, "
+                                          "avx2, generic); default: every one this CPU "
+                                          "runs.")] = "",
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 576,
     intermediate: Annotated[int, typer.Option(help="MLP width.")] = 1536,
     qkv: Annotated[int, typer.Option(help="qkv output width: (heads + 2 kv heads) x head "
