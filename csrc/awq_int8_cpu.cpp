@@ -22,8 +22,7 @@
 // rotated right by 3, input i sits at bits 4i, so byte j holds inputs 2j (low nibble) and
 // 2j + 1 (high nibble).
 //
-// AVX2 and AVX-512 builds (256-bit code: one vpmaddubsw takes eight columns' words); the
-// avxvnni flavour takes the products in vpdpbusd, which adds them into int32 sums itself. The
+// AVX2 and AVX-512 builds (256-bit code: one vpmaddubsw takes eight columns' words). The
 // generic flavour has no vpmaddubsw; `awq_gemv_has_integer()` says so.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,12 +105,11 @@ template <int64_t M>
 void int8_group(const Int8View& xr, const int32_t* stream, const GroupScales& gs,
                 int64_t tile_group, int64_t g, int64_t c, const Shape& s, float* out) {
   const int64_t NG = s.K / s.G, NB = s.K / kInt8Block, words = kInt8Block / 8;
-  const __m256i nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[M];
   for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t blk = g * s.G / kInt8Block; blk < (g + 1) * s.G / kInt8Block; ++blk) {
-    // int16 pairs: 32 products of at most 127 x 15 per lane pair (int32 sums with AVX-VNNI).
-    __m256i dot[M];
+    __m256i dot[M];  // int16: 32 products of at most 127 x 15 per lane pair
     for (int64_t m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
     for (int64_t w = blk * words; w < (blk + 1) * words; ++w) {
       const int32_t* word = stream + w * kTile + c * 8;
@@ -122,26 +120,14 @@ void int8_group(const Int8View& xr, const int32_t* stream, const GroupScales& gs
       const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(r, 4), nibbles);
       for (int64_t m = 0; m < M; ++m) {
         const int32_t* xq = xr.bytes + m * s.K / 4 + 2 * w;
-#if defined(__AVXVNNI__)
-        dot[m] = _mm256_dpbusd_avx_epi32(
-            _mm256_dpbusd_avx_epi32(dot[m], even, _mm256_set1_epi32(xq[0])), odd,
-            _mm256_set1_epi32(xq[1]));
-#else
         const __m256i pe = _mm256_maddubs_epi16(even, _mm256_set1_epi32(xq[0]));
         const __m256i po = _mm256_maddubs_epi16(odd, _mm256_set1_epi32(xq[1]));
         dot[m] = _mm256_add_epi16(dot[m], _mm256_add_epi16(pe, po));
-#endif
       }
     }
-    for (int64_t m = 0; m < M; ++m) {
-#if defined(__AVXVNNI__)
-      const __m256i sums = dot[m];
-#else
-      const __m256i sums = _mm256_madd_epi16(dot[m], _mm256_set1_epi16(1));
-#endif
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xr.xb[m * NB + blk]),
-                               acc[m]);
-    }
+    for (int64_t m = 0; m < M; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)),
+                               _mm256_set1_ps(xr.xb[m * NB + blk]), acc[m]);
   }
   __m256 sv, zv;
   gs.group8(tile_group, c * 8, sv, zv);
