@@ -316,7 +316,7 @@ def test_fma_peak_bounds_a_gemm_measured_beside_it():
         # alternated, the best of each: a busy neighbour (the other worker, a sibling
         # hyperthread) slows both sides alike, not the peak's runs alone; seven rounds, as
         # three once left every peak run under the neighbour (98 GFLOP/s against the GEMM's
-        # 154 on a Sapphire Rapids VM whose two vCPUs share a core's FMA ports)
+        # 154 on a two-vCPU Sapphire Rapids VM)
         peak = gemm = 0.0
         for _ in range(7):
             peak = max(peak, ext.fma_peak_gflops(2_000_000))
