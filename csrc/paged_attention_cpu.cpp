@@ -212,6 +212,25 @@ static inline void prefetch_rows(const kv_rows::Rows& R, int64_t slot0, int64_t 
   }
 }
 
+// exp(x) for a softmax term (x <= 0: a score less the running max), or 0 where the term is
+// below 2^-64. Against a sum of at least 1 (the max's own term) such a term changes nothing a
+// float holds; kept, it is the seed of subnormal floats: vexp clamps at e^-87.3, and that
+// times an int8 row's scale is subnormal, and on Intel every multiply-add with a subnormal
+// operand takes a microcode assist of ~100 cycles. A random-weight 1B model's peaked scores
+// ran int8-KV decode attention ~6x slower than float32 that way (64 sequences).
+constexpr float kNegligibleTerm = 0x1p-64f;
+
+static inline float softmax_term(float x) {
+  const float p = std::exp(x);
+  return p < kNegligibleTerm ? 0.f : p;
+}
+
+static inline vf16 softmax_terms(vf16 x) {
+  vf16 p = vexp(x);
+  for (int i = 0; i < kParts; ++i) p.p[i] = p.p[i] < kNegligibleTerm ? 0.f : p.p[i];
+  return p;
+}
+
 // The sum of s[0, n), s padded to a multiple of 16 (the padding is zeroed here): in vectors,
 // then a tree across the lanes. One add after another, 16 keys' terms took one head's softmax
 // ~64 cycles of latency a block.
@@ -318,10 +337,8 @@ static void attend_vec(const float* qt, const kv_rows::Rows& K, const kv_rows::R
       float block_max = sc[j0];
       for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
       const float m_new = std::max(st.m[h], block_max);
-      const float correction = std::exp(st.m[h] - m_new);
-      for (int64_t c = 0; c < n; c += 16) {
-        store16(sc + c, vexp(load16(sc + c) - m_new));
-      }
+      const float correction = softmax_term(st.m[h] - m_new);
+      for (int64_t c = 0; c < n; c += 16) store16(sc + c, softmax_terms(load16(sc + c) - m_new));
       for (int64_t j = 0; j < j0; ++j) sc[j] = 0.f;  // keys before the window
       st.l[h] = st.l[h] * correction + block_sum(sc, n);
       for (int64_t c = 0; c < DC; ++c) acc[h * DC + c] *= correction;
@@ -350,7 +367,7 @@ static void finish(const VecState* parts, int64_t count, int64_t h0, int64_t hea
     std::fill(o, o + D, 0.f);
     for (int64_t p = 0; p < count; ++p) {
       const VecState& part = parts[p];
-      const float w = std::exp(part.m[h] - m);
+      const float w = softmax_term(part.m[h] - m);
       l += part.l[h] * w;
       const float* acc = reinterpret_cast<const float*>(part.acc.data()) + h * D;
       for (int64_t d = 0; d < D; ++d) o[d] += acc[d] * w;
@@ -604,13 +621,13 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
             block_max = std::max(block_max, s[j]);
           }
           const float m_new = std::max(m[g], block_max);
-          const float correction = std::exp(m[g] - m_new);
+          const float correction = softmax_term(m[g] - m_new);
           float* a = acc.data() + g * D;
           l[g] *= correction;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
           for (int64_t j = j0; j < n; ++j) {
-            const float p = std::exp(s[j] - m_new);
+            const float p = softmax_term(s[j] - m_new);
             l[g] += p;
             const float* vj = vr.p + j * vr.row;
 #pragma omp simd
