@@ -120,6 +120,36 @@ def test_cpu_decode_of_long_sequences_in_parts(head_dim: int, seqs: list[tuple[i
     assert torch.equal(alone, out[:1])
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler: the cpu backend is absent")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_cpu_decode_drops_softmax_terms_below_2_to_the_minus_64(cache_dtype: torch.dtype,
+                                                                isa: str):
+    # Kept, such terms seed subnormal floats (an int8 row's scale times vexp's e^-87.3 floor),
+    # and each multiply-add on one takes a microcode assist on Intel. One decode over 48 keys
+    # in three blocks, scores set through the first dimension alone (exact in int8): e^-60
+    # before the max (dropped by the rescaling), the max 0, e^-40 after it (kept), the rest
+    # -200. Values large enough that each term would show: 1e24 x e^-60 = 8.8e-3.
+    backend = select_attention_backend("cpu", "cpu")
+    q, k, v, k_cache, v_cache, meta = random_paged_layout([(47, 1)], 16, 1, 1, 64, seed=3)
+    scores, values = torch.full((48,), -200.0), torch.ones(48)
+    scores[[3, 20, 33]] = torch.tensor([-60.0, 0.0, -40.0])
+    values[[3, 33]] = torch.tensor([1e24, 1e15])
+    q.zero_()[0, 0, 0] = 8.0  # times the scale 1/8: a key's first value is its score
+    table = meta.block_tables[0].long()
+    slots = table[torch.arange(48) // 16] * 16 + torch.arange(48) % 16
+    rows_k, rows_v = torch.zeros(48, 1, 64), values.view(48, 1, 1).expand(48, 1, 64)
+    rows_k[:, 0, 0] = scores
+    k_cache.view(-1, 1, 64)[slots] = rows_k
+    v_cache.view(-1, 1, 64)[slots] = rows_v.contiguous()
+    k.copy_(rows_k[47:]), v.copy_(rows_v[47:])
+    k_cache, v_cache = quantize_rows(k_cache, cache_dtype), quantize_rows(v_cache, cache_dtype)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    kept = (1 + 1e15 * torch.tensor(-40.0, dtype=torch.float64).exp()) / (
+        1 + torch.tensor(-40.0, dtype=torch.float64).exp())
+    torch.testing.assert_close(out, torch.full_like(out, float(kept)), rtol=1e-5, atol=0)
+    assert float(kept) - 1 > 4e-3  # the e^-40 term shows; the e^-60 one would add 8.8e-3
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_backend_reads_q_k_v_as_views_of_one_fused_qkv(backend_name: str):
     # The model passes split views of its qkv projection (strided rows), not copies.
