@@ -22,7 +22,8 @@ from pkv.core.server.errors import OpenAIError, install_error_handlers
 from pkv.core.server.memory_report import CacheSize, HeapTracer, engine_caches
 from pkv.core.server.metrics import ServerMetrics
 from pkv.core.server.middleware import (AuthMiddleware, BodyLimitMiddleware,
-                                        EndpointCounterMiddleware, split_keys)
+                                        EndpointCounterMiddleware, RequestIdMiddleware,
+                                        split_keys)
 from pkv.core.server.protocol import (ChatCompletionRequest, ClassificationRequest,
                                       CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                       LoadLoRAAdapterRequest, RerankRequest, ScoreRequest,
@@ -288,4 +289,5 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.add_middleware(EndpointCounterMiddleware, endpoints=routes,
                        count=lambda endpoint, status: metrics.http.labels(endpoint,
                                                                           str(status)).inc())
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its id
     return app

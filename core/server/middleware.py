@@ -1,5 +1,5 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it hides client disconnects): Bearer
-authentication and a request body size limit."""
+authentication, a request body size limit, per-endpoint counters and request ids."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import hmac
 import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -169,3 +170,35 @@ class EndpointCounterMiddleware:
             await self.app(scope, receive, send_and_note)
         finally:
             self.count(endpoint, status)
+
+
+def _client_request_id(value: bytes | None) -> bytes | None:
+    """A request id the client sent, if it is one to repeat: 1-128 visible ASCII characters."""
+    if value and len(value) <= 128 and all(33 <= c <= 126 for c in value):
+        return value
+    return None
+
+
+class RequestIdMiddleware:
+    """Answer every request with its id in `x-request-id` (OpenAI's header) and `request-id`
+    (Anthropic's): the one the client or a proxy sent in `x-request-id`, else a fresh one. The
+    `openai` and `anthropic` clients show it as a response's `_request_id`, so a user's report
+    and the server's log name the same request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _client_request_id(dict(scope["headers"]).get(b"x-request-id"))
+        request_id = given or f"req_{uuid.uuid4().hex}".encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id), (b"request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -65,6 +65,11 @@ def _prompt(usage: anthropic.types.Usage) -> int:
     return usage.input_tokens + (usage.cache_read_input_tokens or 0)
 
 
+def test_a_message_carries_its_request_id(claude: anthropic.Anthropic):
+    message = claude.messages.create(model=MODEL, max_tokens=2, messages=ASK, extra_body=GREEDY)
+    assert message._request_id and message._request_id.startswith("req_")
+
+
 def test_output_config_format_constrains_the_answer(claude: anthropic.Anthropic):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
               "required": ["city"], "additionalProperties": False}

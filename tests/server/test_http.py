@@ -52,6 +52,24 @@ def test_health_version_and_metrics_names(server: RunningServer):
             in text), text
 
 
+def test_every_answer_carries_a_request_id(server: RunningServer, client):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    ok, unauthorized = _post(server, "/v1/completions", body), httpx.post(
+        f"{server.base_url}/v1/completions", json=body)
+    ids = [r.headers["x-request-id"] for r in (ok, unauthorized)]
+    assert all(i.startswith("req_") for i in ids) and ids[0] != ids[1]
+    assert ok.headers["request-id"] == ids[0]  # Anthropic's name for it
+    # A caller's own id (a proxy's trace id) comes back; one that is not a token does not.
+    traced = _post(server, "/v1/completions", body, headers={"X-Request-Id": "trace-42"})
+    assert traced.headers["x-request-id"] == "trace-42"
+    bad = _post(server, "/v1/completions", body, headers={"X-Request-Id": "a b"})
+    assert bad.headers["x-request-id"].startswith("req_")
+    # The openai client shows it on what it returns.
+    completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_headers={"X-Request-Id": "trace-43"})
+    assert completion._request_id == "trace-43"
+
+
 def test_auth_is_required_and_compared(server: RunningServer):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key-123"}):
