@@ -51,9 +51,14 @@ class AnthropicMessage(BaseModel):
 
 
 class AnthropicThinking(BaseModel):
+    """`enabled` (with a budget), `adaptive` (the model decides how long: no budget) or
+    `disabled`; `display: omitted` keeps the thinking blocks but not their text."""
+
     model_config = STRICT
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
 
 
 class MessagesRequest(BaseModel):
@@ -186,6 +191,11 @@ CHAT_TO_MESSAGES = {"stop": "stop_sequences", "thinking_token_budget": "thinking
                     "response_format": "output_config.format"}
 
 
+def shows_thinking(body: MessagesRequest) -> bool:
+    """Whether thinking blocks carry their text (all but `display: omitted`)."""
+    return body.thinking is None or body.thinking.display != "omitted"
+
+
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request that asks the same."""
     messages: list[dict[str, Any]] = []
@@ -231,7 +241,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": schema}}
     if body.thinking is not None:
-        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
         budget = body.thinking.budget_tokens
         if body.thinking.type == "enabled" and budget is not None:
             if budget >= body.max_tokens:  # the answer would have no room
@@ -252,12 +262,13 @@ def stop_reason(finish: str | None, c: CompletionOutput) -> tuple[str, str | Non
     return "end_turn", None
 
 
-def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An OpenAI assistant message as Anthropic content blocks."""
+def content_blocks(message: dict[str, Any], show_thinking: bool = True) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Anthropic content blocks (a thinking block's text left
+    out unless `show_thinking`)."""
     blocks: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": message["reasoning_content"],
-                       "signature": ""})
+        blocks.append({"type": "thinking", "signature": "",
+                       "thinking": message["reasoning_content"] if show_thinking else ""})
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
@@ -313,13 +324,15 @@ class AnthropicServingMessages:
                 "model": self.chat.served_name(body.model)}
         if body.stream:
             prompt_tokens = prepared.children[0].num_prompt_tokens
-            return EngineStreamingResponse(self._stream(base, prompt_tokens, stream, shaper),
-                                            [stream])
+            blocks = _BlockStream(shows_thinking(body))
+            return EngineStreamingResponse(
+                self._stream(base, prompt_tokens, stream, shaper, blocks), [stream])
         final = await self.chat.collect(stream, raw)
         c = final.outputs[0]
         message, finish = shaper.message(c.text, c.finish_reason)
         reason, sequence = stop_reason(finish, c)
-        return JSONResponse({**base, "content": content_blocks(message), "stop_reason": reason,
+        return JSONResponse({**base, "content": content_blocks(message, shows_thinking(body)),
+                             "stop_reason": reason,
                              "stop_sequence": sequence, "usage": _usage(final)})
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
@@ -332,12 +345,11 @@ class AnthropicServingMessages:
             raise named_as(exc, CHAT_TO_MESSAGES) from None
 
     async def _stream(self, base: dict[str, Any], prompt_tokens: int, stream: RequestStream,
-                      shaper: ChoiceShaper) -> AsyncIterator[bytes]:
+                      shaper: ChoiceShaper, blocks: _BlockStream) -> AsyncIterator[bytes]:
         yield _event("message_start", {"message": {
             **base, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
         yield _event("ping", {})  # (Anthropic's stream sends one here)
-        blocks = _BlockStream()
         final = None
         try:
             async for final, delta in single_choice_deltas(stream, shaper):
@@ -361,11 +373,13 @@ class AnthropicServingMessages:
 
 class _BlockStream:
     """OpenAI chat deltas in, Anthropic content-block events out: a new block opens when
-    the kind of delta changes (thinking, text, each tool call)."""
+    the kind of delta changes (thinking, text, each tool call). Without `show_thinking` a
+    thinking block opens and closes with no text in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, show_thinking: bool = True) -> None:
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or a tool call's index
+        self.show_thinking = show_thinking
 
     def _start(self, key: str, block: dict[str, Any]) -> list[bytes]:
         out = self.close()
@@ -382,8 +396,9 @@ class _BlockStream:
         if delta.get("reasoning_content"):
             if self.open != "thinking":
                 out += self._start("thinking", {"type": "thinking", "thinking": ""})
-            out.append(self._delta({"type": "thinking_delta",
-                                    "thinking": delta["reasoning_content"]}))
+            if self.show_thinking:
+                out.append(self._delta({"type": "thinking_delta",
+                                        "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.open != "text":
                 out += self._start("text", {"type": "text", "text": ""})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anthropic
 import openai
 import pytest
 
@@ -52,6 +53,23 @@ def test_the_budget_ends_thinking_streamed_or_not(thinking_server: RunningServer
     assert [b["type"] for b in blocks] == ["thinking", "text"]
     assert (blocks[0]["thinking"], blocks[1]["text"]) == (message.reasoning_content,
                                                           message.content)
+
+
+def test_adaptive_thinking_and_its_omitted_display(thinking_server: RunningServer):
+    claude = anthropic.Anthropic(base_url=thinking_server.base_url,
+                                 api_key=thinking_server.api_key, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, max_tokens=24, messages=ASK, extra_body={"temperature": 0})
+    # Adaptive: thinking on, no budget (this model never closes the block on its own).
+    adaptive = claude.messages.create(**kw, thinking={"type": "adaptive"})
+    assert [b.type for b in adaptive.content] == ["thinking"] and adaptive.content[0].thinking
+    omitted = {"type": "adaptive", "display": "omitted"}
+    hidden = claude.messages.create(**kw, thinking=omitted)
+    assert [(b.type, b.thinking) for b in hidden.content] == [("thinking", "")]
+    with claude.messages.stream(**kw, thinking=omitted) as stream:
+        events = list(stream)
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert starts == ["thinking"] and deltas == []
 
 
 def test_a_budget_needs_a_reasoning_parser(server: RunningServer):
