@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkv.core.sample.prompt_logprobs import LogprobEntry
-from pkv.core.sample.sampler import Sampler, SamplingRow
+from pkv.core.sample.sampler import Sampler, SamplingRow, draw
 
 
 @dataclass(slots=True)
@@ -86,8 +86,7 @@ class RejectionSampler:
                 return proposed
             p = p.clone()
             p[proposed] = 0
-        q = torch.empty_like(p).exponential_(generator=generator)
-        return int(p.div_(q).argmax())
+        return int(draw(p.unsqueeze(0), [generator])[0])
 
     @staticmethod
     def _group(entries: list[LogprobEntry | None], drafts: list[list[int]],

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pkv.core.sample.sampler import Sampler, SamplingRow
+from pkv.core.sample.sampler import Sampler, SamplingRow, _top_k_top_p, draw
 from pkv.core.sample.sampling_params import SamplingParams
 
 
@@ -116,6 +116,42 @@ def test_top_p_keeps_only_the_nucleus():
     rows = [_row(SamplingParams(temperature=1.0, top_p=0.6), seed=s) for s in range(200)]
     seen = set(_sampler()(logits, rows).token_ids)
     assert seen == {0, 1}
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """The definition, on each row sorted whole: the top-k best, then the smallest prefix of
+    them whose probability (over the kept top-k) reaches top_p."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, logits.shape[1])
+    ordered = ordered.masked_fill(torch.arange(logits.shape[1]) >= k.unsqueeze(1), -math.inf)
+    probs = ordered.softmax(dim=-1)
+    ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p.unsqueeze(1), -math.inf)
+    return torch.full_like(logits, -math.inf).scatter(1, order, ordered)
+
+
+def test_top_k_top_p_among_candidates_keeps_what_a_full_sort_keeps():
+    # A 5,000-token vocabulary: nuclei among the best 1,024 tokens, one wider (a flat row, sorted
+    # whole), top-k alone, both, a top-k past the candidates, and a row left as it is.
+    torch.manual_seed(3)
+    logits = torch.randn(7, 5000) * torch.tensor([[8.0], [8.0], [0.1], [8.0], [2.0], [3.0], [1.0]])
+    top_k = torch.tensor([0, 0, 0, 40, 30, 2000, 0])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.8, 0.9, 1.0])
+    got, expected = _top_k_top_p(logits, top_k, top_p), _sorted_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(expected)])
+    kept = (~torch.isinf(got)).sum(dim=-1)
+    assert int(kept[2]) > 1024 and int(kept[6]) == 5000 and int(kept[3]) == 40
+
+
+def test_draw_never_lands_on_a_zero_and_follows_the_row():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]]).repeat(4000, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens = draw(probs * 3, [generator] * 4000)  # unnormalized rows draw the same
+    freq = torch.bincount(tokens, minlength=5).float() / 4000
+    assert set(tokens.tolist()) == {1, 3} and abs(float(freq[3]) - 0.75) < 0.03
+    # Nothing to draw from: the row's argmax, not an index past its end.
+    assert draw(torch.tensor([[0.0, 0.0], [math.nan, 1.0]]), [generator] * 2).tolist() == [0, 0]
 
 
 def test_min_p_drops_unlikely_tokens():
