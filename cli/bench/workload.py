@@ -170,13 +170,16 @@ def workload_prompts(engine: Any, workload: str, num_prompts: int, o: dict[str, 
 
 def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
             long_prompt: list[int] | None = None, profile: bool = False,
-            lora_requests: list[Any] | None = None) -> BenchResult:
+            lora_requests: list[Any] | None = None,
+            sampling: dict[str, float] | None = None) -> BenchResult:
     """Run the prompts; with `long_prompt`, it arrives once the batch is decoding. With
     `profile`, time every phase of every step (engine.timer). `lora_requests`: an adapter
-    (or None) per prompt."""
+    (or None) per prompt. `sampling`: SamplingParams' temperature / top_p / top_k (default
+    greedy)."""
     from pkv.core.sample.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=output_len,
+                            ignore_eos=True)
     # One engine serves every batch size of a sweep; the long prompt joins the full batch.
     engine.scheduler.max_num_seqs = batch + (long_prompt is not None)
     engine.kv_cache.pool.reset_prefix_cache()  # runs of a sweep share prompts: no reuse

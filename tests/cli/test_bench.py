@@ -87,12 +87,23 @@ def test_dataset_prompts(tmp_path: Path, tiny_llama_dir: Path):
     assert json.loads((tmp_path / "d.json").read_text())["num_requests"] == 3
 
 
+def test_sampled_requests(tmp_path: Path, tiny_llama_dir: Path):
+    result = _bench(str(tiny_llama_dir), "--batch", "2", "--num-prompts", "2", "--input-len",
+                    "5", "--output-len", "3", "--warmup", "0", "--kv-cache-memory", "8MiB",
+                    "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
+                    "--json", str(tmp_path / "s.json"))
+    assert result.exit_code == 0, result.output
+    assert "sampled at temperature 0.8, top-p 0.9, top-k 20" in " ".join(result.output.split())
+    assert json.loads((tmp_path / "s.json").read_text())["runs"][0]["output_throughput"] > 0
+
+
 @pytest.mark.parametrize("args,message", [
     (["--batch", "0"], "--batch must be >= 1"),
     (["--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
     (["--baseline", "openai", "--url", "http://127.0.0.1:9"], "cannot reach"),
     (["--baseline", "vllm"], "--baseline must be"),
     (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--top-p", "1.5"], "top_p must be in"),
     (["--num-prompts", "-1"], "Invalid value for '--num-prompts'"),
     (["--json", "/"], "is a directory"),
 ])

@@ -28,6 +28,9 @@ def run(
     num_prompts: Annotated[Optional[int], typer.Option(min=1, help="Requests (default 2 x batch).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic prompts).")] = 32,
     output_len: Annotated[int, typer.Option(help="New tokens per request.")] = 128,
+    temperature: Annotated[float, typer.Option(help="Every request's sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Every request's top-p (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Every request's top-k (0: off).")] = 0,
     shared_prefix_len: Annotated[int, typer.Option(help="Tokens all synthetic prompts share first.")] = 0,
     long_prompt_len: Annotated[int, typer.Option(help="Add one prompt this long once decoding runs (0: none).")] = 0,
     dataset: Annotated[Optional[Path], typer.Option(dir_okay=False, help="JSONL file of prompts.")] = None,
@@ -79,7 +82,28 @@ def run(
             raise ValueError(f"--rounds must be >= 1, got {rounds}")
         if workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
-        _run_offline(locals() | {"batches": batches})
+        sampling = sampling_options(temperature, top_p, top_k)
+        _run_offline(locals() | {"batches": batches, "sampling": sampling})
+
+
+def sampling_line(sampling: dict[str, float]) -> str:
+    """How the requests pick their tokens, for the batch line."""
+    if sampling["temperature"] == 0:
+        return "greedy"
+    return "sampled at temperature {temperature:g}, top-p {top_p:g}, top-k {top_k}".format(
+        **sampling)
+
+
+def sampling_options(temperature: float, top_p: float, top_k: int) -> dict[str, float]:
+    """The requests' sampling settings, checked as a request's would be (ValueError)."""
+    from pkv.core.sample.sampling_params import SamplingParams
+
+    options = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    try:
+        SamplingParams(**options)
+    except ValueError as exc:
+        raise ValueError(f"--temperature / --top-p / --top-k: {exc}") from None
+    return options
 
 
 def _run_offline(o: dict[str, Any]) -> None:
@@ -146,7 +170,8 @@ def _run_offline(o: dict[str, Any]) -> None:
         long_prompt = (off.make_prompts(vocab_ids, 1, o["long_prompt_len"], o["seed"] + 2, None,
                                         tok.encode)[0] if o["long_prompt_len"] else None)
         console.print(f"[bold]batch {b}[/]: {len(prompts)} prompts, ~{o['input_len']} tokens "
-                      f"in, {o['output_len']} out, {engine.runner.dtype}, attention "
+                      f"in, {o['output_len']} out, {sampling_line(o['sampling'])}, "
+                      f"{engine.runner.dtype}, attention "
                       f"{engine.attention_backend}, {engine.runner.num_blocks} KV blocks "
                       f"({engine.runner.kv_format.name}), "
                       f"weights {engine.quantization or 'float'} "
@@ -157,7 +182,7 @@ def _run_offline(o: dict[str, Any]) -> None:
                  if lora_requests else None)
         def ours() -> Any:
             return off.run_pkv(engine, prompts, o["output_len"], b, long_prompt, o["profile"],
-                               loras)
+                               loras, o["sampling"])
 
         theirs = None
         if hf_model is not None:
