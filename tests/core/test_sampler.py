@@ -132,7 +132,7 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 def test_top_k_top_p_among_candidates_keeps_what_a_full_sort_keeps():
     # A 5,000-token vocabulary: nuclei among the best 1,024 tokens, one wider (a flat row, sorted
-    # whole), top-k alone, both, a top-k past the candidates, and a row left as it is.
+    # whole), top-k alone, both, a top-k past 1,024 (the candidates grow to it), a row left be.
     torch.manual_seed(3)
     logits = torch.randn(7, 5000) * torch.tensor([[8.0], [8.0], [0.1], [8.0], [2.0], [3.0], [1.0]])
     top_k = torch.tensor([0, 0, 0, 40, 30, 2000, 0])
