@@ -60,7 +60,6 @@ class AnthropicThinking(BaseModel):
     display: Literal["summarized", "omitted"] | None = None
 
 
-
 class MessagesRequest(BaseModel):
     """The body of POST /v1/messages (fields pkv does not use are accepted and ignored, but
     remote MCP servers, which would change what the model can do, are refused)."""
@@ -262,7 +261,7 @@ def stop_reason(finish: str | None, c: CompletionOutput) -> tuple[str, str | Non
     return "end_turn", None
 
 
-def content_blocks(message: dict[str, Any], show_thinking: bool = True) -> list[dict[str, Any]]:
+def content_blocks(message: dict[str, Any], show_thinking: bool) -> list[dict[str, Any]]:
     """An OpenAI assistant message as Anthropic content blocks (a thinking block's text left
     out unless `show_thinking`)."""
     blocks: list[dict[str, Any]] = []
@@ -376,7 +375,7 @@ class _BlockStream:
     the kind of delta changes (thinking, text, each tool call). Without `show_thinking` a
     thinking block opens and closes with no text in it."""
 
-    def __init__(self, show_thinking: bool = True) -> None:
+    def __init__(self, show_thinking: bool) -> None:
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or a tool call's index
         self.show_thinking = show_thinking
