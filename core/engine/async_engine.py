@@ -372,8 +372,11 @@ class AsyncLLM:
                 self._queued -= len(prepared.children)
 
     def _fail_in_flight(self, error: Exception) -> None:
+        # Unregistered as they fail, so that an "add" still queued for one of them finds no
+        # stream and is dropped, not run for a client that already has its error.
         with self._lock:
             streams = dict(self._streams)
+            self._streams.clear()
         try:
             self.engine.abort_request(list(self.engine.output_processor.parents))
         except Exception as exc:  # the engine's own state is broken: stop serving

@@ -227,8 +227,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
-        if self.micro_batches is not None:
-            return self._pipelined_step(self.micro_batches)
+        try:
+            if self.micro_batches is not None:
+                return self._pipelined_step(self.micro_batches)
+            return self._step()
+        except BaseException:
+            # Scheduling registered the step's full blocks in the prefix cache before their
+            # K/V were written; a later request must not find them (callers may serve on).
+            for request in list(self.scheduler.requests.values()):
+                self.kv_cache.forget_unwritten(request)
+            raise
+
+    def _step(self) -> list[RequestOutput | PoolingRequestOutput]:
         if self.workers is not None:
             self.workers.check()  # a dead rank would make the step wait forever
         self.timer.start()

@@ -140,11 +140,14 @@ class Sampler:
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Probabilities after temperature, top-k, top-p and min-p (rows not normalized
-        again after min-p: sampling by `argmax(p / q)` does not need it)."""
+        again after min-p: `draw` scales its uniform by each row's total)."""
         device = logits.device
         temp = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         logits = logits / temp
-        top_k = torch.tensor([p.top_k for p in params], device=device)
+        # A top_k past the vocabulary keeps every token; clamped here, as one past int64 would
+        # not fit the tensor and fail the whole step.
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any()) or bool((top_p < 1).any()):
             logits = _top_k_top_p(logits, top_k, top_p)

@@ -104,6 +104,12 @@ class BlockPool:
             block.block_hash, block.key = block_hash, key
             self._cached[block_hash] = block
 
+    def forget(self, block: KVBlock) -> None:
+        """Make a block unfindable by its hash: its K/V were never written (not an eviction)."""
+        if block.block_hash is not None:
+            self._evict(block)
+            self.num_evictions -= 1
+
     def free_cached_blocks(self) -> list[KVBlock]:
         """The free blocks still findable by hash, least recently used first."""
         return [b for b in self._free.values() if b.block_hash is not None]
@@ -112,8 +118,7 @@ class BlockPool:
         """Forget every hash of a free block; returns how many were dropped."""
         dropped = self.free_cached_blocks()
         for block in dropped:
-            self._evict(block)
-        self.num_evictions -= len(dropped)  # a reset is not pressure on the pool
+            self.forget(block)  # a reset is not pressure on the pool
         return len(dropped)
 
     def _evict(self, block: KVBlock) -> None:

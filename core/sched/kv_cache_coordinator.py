@@ -224,6 +224,11 @@ class KVCacheCoordinator:
         for group in self.groups:
             group.free(request)
 
+    def forget_unwritten(self, request: Request) -> None:
+        """After a failed step: no hash may find a block whose K/V it did not write."""
+        for group in self.groups:
+            group.forget_unwritten(request)
+
     def take_loads(self) -> list[tuple[int, torch.Tensor]]:
         """The (block id, bytes) read from disk that must be in the pool before the next
         forward; the caller copies them in."""

@@ -158,6 +158,18 @@ class KVCacheManager:
             self.pool.cache(blocks[i], *self.cache_key(request, i))
         self._num_cached_blocks[request.request_id] = max(start, end)
 
+    def forget_unwritten(self, request: Request) -> None:
+        """Drop the hashes of the request's blocks from its first token without K/V on: a
+        step that registered them (`_cache_full_blocks`) failed before writing them."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        for block in blocks[first:]:
+            if block is not None and block is not self.null_block:
+                self.pool.forget(block)
+        if request.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = min(
+                self._num_cached_blocks[request.request_id], first)
+
     def free(self, request: Request) -> None:
         """Return a request's blocks to the pool, tail first (tails are evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])

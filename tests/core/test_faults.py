@@ -5,6 +5,7 @@ three in a row) turn the engine unhealthy. Faults are injected into a real engin
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +66,28 @@ def test_one_request_failing_ends_only_that_request(engine: LLMEngine, where: st
     assert _solo(engine, PROMPTS["a"]) == solo["a"]  # and the engine serves on
 
 
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(engine: LLMEngine):
+    prompt = list(range(10, 50))  # two full blocks, registered when the step is scheduled
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected fault: out of memory")
+
+    engine.add_request("a", prompt, GREEDY)
+    engine.runner.execute_model = out_of_memory
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.step()
+    finally:
+        del engine.runner.execute_model
+    engine.abort_request("a")
+    assert engine.kv_cache.pool.num_cached_blocks == 0
+    # The same prompt is computed, not read from the blocks the failed step never wrote.
+    first = _solo(engine, prompt)
+    engine.kv_cache.pool.reset_prefix_cache()
+    assert _solo(engine, prompt) == first
+    assert engine.get_stats().num_blocks_used == 0
+
+
 def _async(engine: LLMEngine, **kwargs: float) -> AsyncLLM:
     llm = AsyncLLM(engine, **kwargs)
     llm.start()
@@ -92,6 +115,32 @@ def test_async_request_failure_reaches_only_its_stream(engine: LLMEngine):
         ok, failed = asyncio.run(main())
         assert isinstance(failed, EngineStepError) and "injected fault" in str(failed)
         assert isinstance(ok, list) and len(ok) == 30 and llm.is_alive
+    finally:
+        llm.shutdown()
+
+
+def test_a_request_queued_when_a_step_fails_gets_the_error_and_never_runs(engine: LLMEngine):
+    llm = _async(engine)
+    submitted = threading.Event()
+
+    def fail_once_submitted(_: LLMEngine) -> None:  # on the engine thread, ahead of the "add"
+        submitted.wait(10)
+        llm._fail_in_flight(EngineStepError("internal error during generation"))
+
+    try:
+        async def main() -> bool:
+            prepared = await llm.prepare("late", [1, 2, 3], GREEDY)
+            failing = asyncio.ensure_future(llm.call_in_engine(fail_once_submitted))
+            await asyncio.sleep(0.1)  # the call is queued first
+            [stream] = llm.submit([prepared])
+            submitted.set()
+            await failing
+            with pytest.raises(EngineStepError):
+                async for _ in stream.outputs():
+                    pass
+            return await llm.call_in_engine(lambda e: e.has_unfinished_requests())
+
+        assert asyncio.run(main()) is False  # the "add" read after the failure was dropped
     finally:
         llm.shutdown()
 

@@ -111,6 +111,14 @@ def test_top_k_one_is_greedy_whatever_the_seed():
     assert _sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
+def test_a_top_k_past_int64_keeps_every_token_as_top_k_off_does():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100)
+    huge = [_row(SamplingParams(temperature=1.0, top_k=2**70), seed=s) for s in range(8)]
+    off = [_row(SamplingParams(temperature=1.0, top_k=0), seed=s) for s in range(8)]
+    assert _sampler()(logits, huge).token_ids == _sampler()(logits, off).token_ids
+
+
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200, 1)
     rows = [_row(SamplingParams(temperature=1.0, top_p=0.6), seed=s) for s in range(200)]
