@@ -31,6 +31,7 @@ def run_batch(
     from pkv.cli.serve import serve_options, start_app
     from pkv.core.progress import make_progress
     from pkv.core.server.batch import answer_batch, parse_batch
+    from pkv.core.server.middleware import split_keys
 
     with user_errors():
         options = serve_options(config)
@@ -54,7 +55,9 @@ def run_batch(
                     failed += result["error"] is not None or response["status_code"] != 200
                     progress.update(task, advance=1, info=f"{failed} failed" if failed else "")
 
-                results = asyncio.run(answer_batch(app, lines, max_concurrency, done))
+                # as the first tenant, where the config names keys
+                key = next(iter(split_keys(options.get("api_key"))), None)
+                results = asyncio.run(answer_batch(app, lines, max_concurrency, done, key))
         finally:
             async_llm.shutdown()
         _write_jsonl(output_file, results)

@@ -337,7 +337,9 @@ class AnthropicServingMessages:
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """The tokens a Messages request with this conversation takes as its prompt (its
         usage.input_tokens), counted without running it."""
-        request = to_chat_request(MessagesRequest(**dict(body), max_tokens=1))
+        # max_tokens does not change the prompt; it only has to leave a thinking budget room
+        budget = body.thinking.budget_tokens if body.thinking is not None else None
+        request = to_chat_request(MessagesRequest(**dict(body), max_tokens=(budget or 0) + 1))
         try:
             return {"input_tokens": len(await self.chat.prompt_ids(request))}
         except OpenAIError as exc:

@@ -261,7 +261,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             check_messages(body.messages)
             ids = await serving_chat.prompt_ids(body.as_chat(), to_generate=False)
         else:
-            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "",
+                                          add_special_tokens=body.add_special_tokens)
         strs = ({"token_strs": [tokenizer.id_to_token(t) for t in ids]}
                 if body.return_token_strs else {})
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, **strs}

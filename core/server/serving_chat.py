@@ -112,9 +112,11 @@ class OpenAIServingChat(OpenAIServing):
         return await self._prompt_ids(body, plan_tools(body, self.tool_parser))
 
     async def _prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-        self._check_tools_fit(plan)
+        # Off the event loop, as the render: a long conversation takes long enough to stall
+        # every stream this server sends meanwhile.
+        await asyncio.to_thread(self._check_tools_fit, plan)
         text = await self._render_chat(body, plan.tools)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
     def _cap_thinking(self, body: ChatCompletionRequest, params: SamplingParams) -> None:
         """`thinking_token_budget`, or `reasoning_effort`'s budget, as the end-of-thinking

@@ -44,8 +44,9 @@ class OpenAIServingPooling(OpenAIServing):
         inputs = _inputs(body.input)
         if not body.add_special_tokens:  # texts as ids without them (ids stay as sent)
             encode = self.llm.engine.tokenizer.encode
-            inputs = [encode(t, add_special_tokens=False) if isinstance(t, str) and t else t
-                      for t in inputs]
+            inputs = await asyncio.to_thread(
+                lambda: [encode(t, add_special_tokens=False) if isinstance(t, str) and t else t
+                         for t in inputs])
         finals = await self._run(inputs, params, "input", raw, lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(f.outputs.data, body.encoding_format)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,25 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters, which templates do not expect
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:  # Granite's, SmolLM3's, Mistral's date lines
+    return datetime.now().strftime(format)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """Where chat templates render: sandboxed, with the globals and filters that
     transformers gives them."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent,
-                                                              ensure_ascii=False)
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env
 
 

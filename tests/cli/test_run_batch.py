@@ -25,9 +25,11 @@ def answered(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
              ) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("batch")
     # One sequence at a time and one waiting, four requests sent at once: the full queue
-    # turns requests away (503), and the batch waits and sends them again.
+    # turns requests away (503), and the batch waits and sends them again. The config's API
+    # key is the one the batch's requests carry.
     (folder / "serve.yaml").write_text("kv-cache-memory: 16MiB\nmax-model-len: 256\n"
-                                       "max-num-seqs: 1\nmax-waiting-requests: 1\n")
+                                       "max-num-seqs: 1\nmax-waiting-requests: 1\n"
+                                       "api-key: sk-first,sk-second\n")
     lines = [_line("chat", "/v1/chat/completions",
                    {"messages": ASK, "max_tokens": 6, "temperature": 0}),
              *(_line(f"text{i}", "/v1/completions",
@@ -88,5 +90,6 @@ def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "holds no requests" in result.stderr
     result = CliRunner().invoke(app, ["run-batch", "-i", str(empty),
                                       "-o", str(tmp_path / "no" / "out.jsonl")])
-    assert result.exit_code == 2 and "does not exist" in result.stderr
+    shown = " ".join(result.stderr.replace("│", " ").split())  # (the box wraps long paths)
+    assert result.exit_code == 2 and "does not exist" in shown
     assert not (tmp_path / "out.jsonl").exists()

@@ -266,3 +266,24 @@ def test_llm_chat_takes_tools_and_continues_a_message(tmp_path: Path, tiny_llama
                         continue_final_message=True)[0]
     assert theirs.decode(going_on.prompt_token_ids).endswith("Hello, I")
     llm.shutdown()
+
+
+DATED_TEMPLATE = """{%- set today = strftime_now("%d %B %Y") %}
+{{- 'Today is ' + today + '.\n' }}
+{%- for message in messages %}
+    {{- message.role + ': ' + message | tojson(ensure_ascii=True, sort_keys=True,
+                                               separators=(',', ':')) + '\n' }}
+{%- endfor %}"""
+
+
+def test_templates_get_transformers_strftime_now_and_tojson_options(tmp_path: Path,
+                                                                     tiny_llama_dir: Path):
+    from transformers import AutoTokenizer
+
+    folder = _model_folder(tmp_path / "m", tiny_llama_dir, DATED_TEMPLATE, in_config=True)
+    chat = [{"role": "user", "content": "Café? 日本"}]
+    ours = Tokenizer.from_folder(folder).apply_chat_template(chat, add_generation_prompt=False)
+    theirs = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False)
+    assert ours == theirs
+    assert "\\u00e9" in ours and '{"content":' in ours

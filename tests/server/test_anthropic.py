@@ -223,6 +223,11 @@ def test_count_tokens_is_the_prompt_a_message_takes(claude: anthropic.Anthropic)
         counted = claude.messages.count_tokens(model=MODEL, **kwargs)
         sent = claude.messages.create(model=MODEL, max_tokens=2, **kwargs)
         assert counted.input_tokens == _prompt(sent.usage) > 0
+    # A thinking budget (Anthropic's least is 1,024) is no reason to refuse the count; this
+    # model's template takes no thinking switch, so the prompt is the same.
+    thinking = claude.messages.count_tokens(
+        model=MODEL, thinking={"type": "enabled", "budget_tokens": 1024}, **kwargs)
+    assert thinking.input_tokens == counted.input_tokens
     without_system = claude.messages.count_tokens(model=MODEL, messages=turns, tools=[WEATHER])
     assert without_system.input_tokens < counted.input_tokens  # the system prompt counted
     with pytest.raises(anthropic.NotFoundError) as unknown:
