@@ -63,10 +63,14 @@ class Tokenizer:
 
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None,
                  eos_token_ids: set[int], add_bos_token: bool,
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, appended_eos_id: int | None = None) -> None:
+        """`appended_eos_id`: a token `encode` ends a text with where special tokens are
+        added (a GGUF's add_eos_token: last-token-pooled embedding models pool on it); a
+        tokenizer.json's post-processor does this for a model folder."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
+        self.appended_eos_id = appended_eos_id
         self.chat_template = chat_template
         # End-of-turn tokens the template uses count as EOS (SmolLM2's <|im_end|>, ...).
         self.eos_token_ids = set(eos_token_ids)
@@ -96,6 +100,9 @@ class Tokenizer:
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
+        if (add_special_tokens and self.appended_eos_id is not None
+                and (not ids or ids[-1] != self.appended_eos_id)):
+            ids = [*ids, self.appended_eos_id]
         return ids
 
     def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:

@@ -31,12 +31,14 @@ Token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. U
 control tokens are special (matched in text, dropped by skip_special_tokens); user-defined ones
 are matched whole in the raw text, as llama.cpp does (its converter stores their ▁ as a space).
 
-Not built: Unigram SentencePiece (`t5`), RWKV and others are refused in one line;
-`tokenizer.ggml.add_eos_token` is not honoured. Pre-tokenizer names llama.cpp knows but the
-table lacks are refused too: custom splitters (`kimi-k2`, `afmoe`, `superbpe`),
-SentencePiece-style BPE (`gemma4`, `sarvam-moe`), encoders that add SEP (`roberta-bpe`,
-`jina-v1-en`, `jina-v2-code`) and newer or rarer ones (`seed-coder`, `bailingmoe`, `youtu`,
-...). Decoding does not apply llama.cpp's `clean_spaces`.
+`tokenizer.ggml.add_eos_token` ends an encoded text with EOS where special tokens are added
+(Qwen3-Embedding's files), as llama.cpp does.
+
+Not built: Unigram SentencePiece (`t5`), RWKV and others are refused in one line. Pre-tokenizer
+names llama.cpp knows but the table lacks are refused too: custom splitters (`kimi-k2`,
+`afmoe`, `superbpe`), SentencePiece-style BPE (`gemma4`, `sarvam-moe`), encoders that add SEP
+(`roberta-bpe`, `jina-v1-en`, `jina-v2-code`) and newer or rarer ones (`seed-coder`,
+`bailingmoe`, `youtu`, ...). Decoding does not apply llama.cpp's `clean_spaces`.
 """
 
 from __future__ import annotations
@@ -77,9 +79,14 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
     # Tekken), that do not say otherwise; WordPiece's [CLS] comes from its post-processor.
     add_bos = kind != "bert" and field("tokenizer.ggml.add_bos_token", kind == "llama"
                                        or field("tokenizer.ggml.pre") in _ADD_BOS)
+    # EOS after the text where the file says so, as llama.cpp (Qwen3-Embedding's files: their
+    # last-token pooling reads the EOS)
+    appended_eos = (field("tokenizer.ggml.eos_token_id")
+                    if kind != "bert" and field("tokenizer.ggml.add_eos_token", False) else None)
     return Tokenizer(backend, bos_token_id=field("tokenizer.ggml.bos_token_id"),
                      eos_token_ids=eos, add_bos_token=bool(add_bos),
-                     chat_template=field("tokenizer.chat_template"))
+                     chat_template=field("tokenizer.chat_template"),
+                     appended_eos_id=appended_eos)
 
 
 def _byte_level_bpe(field: Field, tokens: list[str], types: list[int]) -> HFTokenizer:

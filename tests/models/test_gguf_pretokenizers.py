@@ -265,3 +265,14 @@ def test_bos_when_the_file_does_not_say(name: str, written: bool | None, adds: b
     tok = fields_tokenizer(vocab, name, **{"tokenizer.ggml.bos_token_id": len(vocab.tokens) - 1},
                            **fields)
     assert (tok.encode("hi")[:1] == [len(vocab.tokens) - 1]) == adds
+
+
+@pytest.mark.parametrize("written", [None, False, True])
+def test_eos_where_the_file_says(written: bool | None, vocab: ByteLevelVocab):
+    # Qwen3-Embedding's files say add_eos_token: last-token pooling reads the EOS.
+    eos = len(vocab.tokens) - 1
+    fields = {} if written is None else {"tokenizer.ggml.add_eos_token": written}
+    tok = fields_tokenizer(vocab, "qwen2", **{"tokenizer.ggml.eos_token_id": eos}, **fields)
+    plain = tok.encode("hi there", add_special_tokens=False)
+    assert eos not in plain
+    assert tok.encode("hi there") == (plain + [eos] if written else plain)
