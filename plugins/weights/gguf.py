@@ -19,6 +19,7 @@ model file serves both formats:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,7 +110,7 @@ def _tensor_bytes(tensor: TensorInfo) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.type_id)]
-    return int(np.prod(tensor.dims, dtype=np.int64)) // block * size
+    return math.prod(int(d) for d in tensor.dims) // block * size  # (int64 would wrap)
 
 
 class GGUFFile:
@@ -118,6 +119,11 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.header = _checked_header(path)
+        parts = self.field("split.count")
+        if isinstance(parts, int) and parts > 1:
+            raise ValueError(f"{path.name} is one of {parts} parts of a split GGUF; pkv reads "
+                             "a whole file (join the parts with llama.cpp's `llama-gguf-split "
+                             "--merge FIRST-PART OUT.gguf`)")
         self.arch = str(self.field("general.architecture"))
         if self.arch not in ARCHS:
             raise ValueError(f"GGUF architecture {self.arch!r} is not supported; pkv runs "
@@ -139,7 +145,12 @@ class GGUFFile:
         if self._config is None:
             cfg = self._common_config()
             if self.spec.fields is not None:
-                self.spec.fields(self, cfg)
+                try:
+                    self.spec.fields(self, cfg)
+                except (TypeError, ArithmeticError, IndexError, KeyError) as exc:
+                    # a field of the wrong kind, or one of two that go together left out
+                    raise ValueError(f"{self.path.name}: its {self.arch!r} metadata cannot "
+                                     f"be read ({type(exc).__name__}: {exc})") from None
             pooling_fields(self, cfg)
             self._config = cfg
         return self._config
@@ -150,11 +161,14 @@ class GGUFFile:
         if value is None:
             raise ValueError(f"{self.path.name} lacks {self.arch}.{name}: not a complete "
                              f"{self.arch!r} GGUF")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{self.path.name}: {self.arch}.{name} is {value!r}, not one "
+                             "number (pkv reads one value for every layer)")
         return int(value)
 
     def positive(self, name: str, default: Any = None) -> int:
         """A count that must be above zero (`default` where the file may leave it out)."""
-        value = self.needed(name) if default is None else int(self.key(name, default))
+        value = default if default is not None and self.key(name) is None else self.needed(name)
         if value < 1:
             raise ValueError(f"{self.path.name}: {self.arch}.{name} is {value}; not a "
                              "readable GGUF")

@@ -27,6 +27,10 @@ class GGUFFile(Protocol):
     def key(self, name: str, default: Any = None) -> Any:
         """The architecture's field `{arch}.{name}`."""
 
+    def positive(self, name: str, default: Any = None) -> int:
+        """A count above zero (`default` where the file may leave it out); else a ValueError
+        naming the field."""
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape in PyTorch order, by GGUF name."""
 
@@ -63,8 +67,9 @@ def _llama_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
     runs it."""
     window = g.key("attention.sliding_window")
     if experts := g.key("expert_count"):
-        cfg.update(architectures=["MixtralForCausalLM"], num_local_experts=int(experts),
-                   num_experts_per_tok=int(g.key("expert_used_count")))
+        cfg.update(architectures=["MixtralForCausalLM"],
+                   num_local_experts=g.positive("expert_count"),
+                   num_experts_per_tok=g.positive("expert_used_count"))
     elif window:
         cfg["architectures"] = ["MistralForCausalLM"]
     if window:
@@ -74,7 +79,7 @@ def _llama_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
 def _qwen3moe_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
     """Every layer is MoE (gguf-py names no dense qwen3moe MLP) and llama.cpp always
     renormalizes the top-k weights."""
-    experts, used = int(g.key("expert_count")), int(g.key("expert_used_count"))
+    experts, used = g.positive("expert_count"), g.positive("expert_used_count")
     width = g.key("expert_feed_forward_length") or cfg["intermediate_size"] // used
     cfg.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=int(width),
                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -85,9 +90,12 @@ def _gemma_fields(g: GGUFFile, cfg: dict[str, Any], pattern: int, large_layers: 
     (a window on all layers but every `pattern`-th; scale 1/sqrt(head_dim), except for the
     27B models, whose query_pre_attn_scalar is hidden / heads)."""
     cfg["sliding_window"] = int(g.key("attention.sliding_window", 4096))
-    swa = g.key("attention.sliding_window_pattern", pattern)
-    is_sliding = (list(swa) if isinstance(swa, list) else
-                  [(i + 1) % int(swa) != 0 for i in range(cfg["num_hidden_layers"])])
+    swa = g.key("attention.sliding_window_pattern")
+    if isinstance(swa, list):
+        is_sliding = list(swa)
+    else:
+        every = g.positive("attention.sliding_window_pattern", pattern)
+        is_sliding = [(i + 1) % every != 0 for i in range(cfg["num_hidden_layers"])]
     cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in is_sliding]
     cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"]
                                     if cfg["num_hidden_layers"] == large_layers
@@ -123,6 +131,10 @@ def _phi3_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
         cfg["original_max_position_embeddings"] = int(original)
     if "rope_factors_long.weight" not in g.names:
         return
+    original = g.positive("rope.scaling.original_context_length")  # LongRoPE's, needed
+    if original < 2:
+        raise ValueError(f"{g.arch}.rope.scaling.original_context_length is {original}: "
+                         "LongRoPE needs a context of at least 2")
     rope = cfg["rope_parameters"]
     rope.update(rope_type="longrope", original_max_position_embeddings=int(original),
                 long_factor=[decimal(x) for x in g.read("rope_factors_long.weight").tolist()],

@@ -89,6 +89,14 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
                      appended_eos_id=appended_eos)
 
 
+def _token_at(tokens: list[str], token_id: Any, key: str) -> str:
+    """The token `tokenizer.ggml.{key}` names; a ValueError if it names none."""
+    if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
+        raise ValueError(f"GGUF tokenizer.ggml.{key} is {token_id!r}, not a token of the "
+                         f"{len(tokens)} in the vocabulary")
+    return tokens[token_id]
+
+
 def _byte_level_bpe(field: Field, tokens: list[str], types: list[int]) -> HFTokenizer:
     pre = field("tokenizer.ggml.pre") or "default"  # llama.cpp's choice for a file without one
     listed = field("tokenizer.ggml.merges")
@@ -141,7 +149,8 @@ def _sentencepiece_bpe(field: Field, tokens: list[str], types: list[int]) -> HFT
     if unk_id is None:
         unk_id = next((i for i, k in enumerate(types) if k == _UNKNOWN), None)
     backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True,
-                                     unk_token=None if unk_id is None else tokens[unk_id]))
+                                     unk_token=None if unk_id is None
+                                     else _token_at(tokens, unk_id, "unknown_token_id")))
     prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
     backend.normalizer = normalizers.Sequence(
         ([normalizers.Prepend(_SPACE)] if prefix else []) + [normalizers.Replace(" ", _SPACE)])
@@ -188,7 +197,9 @@ def _wordpiece(field: Field, tokens: list[str], types: list[int]) -> HFTokenizer
             else "##" + token
         vocab.setdefault(piece, token_id)
     unk_id = field("tokenizer.ggml.unknown_token_id", vocab.get("[UNK]", 100))
-    backend = HFTokenizer(models.WordPiece(vocab, unk_token=tokens[unk_id],
+    backend = HFTokenizer(models.WordPiece(vocab,
+                                           unk_token=_token_at(tokens, unk_id,
+                                                               "unknown_token_id"),
                                            max_input_chars_per_word=100))
     cased = any(c.isupper() for t, k in zip(tokens, types) if k != _CONTROL for c in t)
     lowercase = bool(field("tokenizer.ggml.normalizer.lowercase", not cased))

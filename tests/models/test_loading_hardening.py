@@ -89,6 +89,57 @@ def test_a_zero_count_in_a_gguf_is_a_clear_error(tmp_path: Path, field: str, met
     assert "\n" not in str(caught.value)
 
 
+_SMALL_LLAMA = {"add_block_count": 1, "add_context_length": 128, "add_embedding_length": 64,
+                "add_feed_forward_length": 128, "add_head_count": 4, "add_head_count_kv": 2}
+
+
+def _llama_metadata_gguf(path: Path, **fields: object) -> Path:
+    """A llama GGUF of `_SMALL_LLAMA`'s fields and `fields` (raw key: value), with a token
+    embedding so that its config reads as far as the architecture's own fields."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for method, value in _SMALL_LLAMA.items():
+        getattr(writer, method)(value)
+    for key, value in fields.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value),
+                             sub_type=gguf.GGUFValueType.UINT32 if isinstance(value, list)
+                             else None)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"llama.expert_count": 4}, "lacks llama.expert_used_count"),  # a Mixtral half written
+    ({"llama.attention.head_count_kv": [2]}, r"head_count_kv is \[2\], not one number"),
+    ({"split.count": 3}, "one of 3 parts of a split GGUF"),
+])
+def test_odd_metadata_is_a_one_line_error(tmp_path: Path, fields: dict, message: str) -> None:
+    path = _llama_metadata_gguf(tmp_path / "odd.gguf", **fields)
+    with pytest.raises(ValueError, match=message) as caught:
+        open_model(str(path)).config  # noqa: B018 - reading it is the check
+    assert "\n" not in str(caught.value)
+
+
+def test_a_shape_past_int64_is_named_not_wrapped(tmp_path: Path, tiny_llama_dir: Path,
+                                                 smol_gguf: Path) -> None:
+    from pkv.tests.gguf_writer import write_gguf
+
+    written = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", "Q8_0", smol_gguf)
+    raw = bytearray(written.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # its n_dims
+    struct.pack_into("<Q", raw, at + 4 + 8, 2**62)  # rows x 2^62 values: 0 bytes in int64
+    (tmp_path / "huge.gguf").write_bytes(raw)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight .* past the file's end"):
+        open_model(str(tmp_path / "huge.gguf"))
+
+
 def test_remote_code_is_never_run(tmp_path: Path, tiny_llama_dir: Path) -> None:
     folder = tmp_path / "remote"
     shutil.copytree(tiny_llama_dir, folder)
