@@ -66,7 +66,7 @@ def _llama_fields(g: GGUFFile, cfg: dict[str, Any]) -> None:
     converter writes no window for them; a file that has `llama.attention.sliding_window`
     runs it."""
     window = g.key("attention.sliding_window")
-    if experts := g.key("expert_count"):
+    if g.key("expert_count"):
         cfg.update(architectures=["MixtralForCausalLM"],
                    num_local_experts=g.positive("expert_count"),
                    num_experts_per_tok=g.positive("expert_used_count"))
