@@ -46,7 +46,18 @@ class LoRASlotTable:
                 return slot
         return None
 
+    def pins(self, key: int) -> int:
+        """How many running requests pin adapter `key`."""
+        return self._pins.get(key, 0)
+
     def release(self, key: int) -> None:
         """Unpin once (a request with this adapter finished or was preempted)."""
         if self._pins.get(key):
             self._pins[key] -= 1
+
+    def unassign(self, key: int) -> None:
+        """Free an unpinned adapter's slot whose weights were never loaded (its acquire's
+        request did not start): the next acquire loads it again."""
+        if not self._pins.get(key):
+            self._slots.pop(key, None)
+            self._pins.pop(key, None)

@@ -160,10 +160,12 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < self._step_seqs):
             request = self.waiting[0]
-            if not self._acquire_lora(request, out):
+            newly = self._acquire_lora(request, out)
+            if newly is None:
                 break  # every LoRA slot is pinned by running requests of other adapters
             if request.pooling is not None and not request.pool_in_chunks:
                 if request.num_tokens > budget:
+                    self._unacquire_lora(request, out, newly)
                     break  # whole, in a later step (it fits a step: the engine checked)
                 computed, num_cached = None, 0  # (the pooler reads every row)
             elif request.sampling_params.prompt_logprobs is not None:
@@ -172,7 +174,7 @@ class Scheduler:
                 computed, num_cached = self.kv_cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, n, computed):
-                self._release_lora(request)
+                self._unacquire_lora(request, out, newly)
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -184,18 +186,30 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
 
-    def _acquire_lora(self, request: Request, out: SchedulerOutput) -> bool:
+    def _acquire_lora(self, request: Request, out: SchedulerOutput) -> bool | None:
+        """Pin the request's adapter into a slot: whether its weights load this step, or
+        None when no slot is free of other adapters' running requests."""
         if request.lora is None:
-            return True
+            return False
         if self.lora_slots is None:
             raise ValueError("a LoRA request reached a scheduler without LoRA slots")
         got = self.lora_slots.acquire(request.lora.uid)
         if got is None:
-            return False
+            return None
         request.lora_slot, newly = got
         if newly:  # the runner copies its weights in before this step's forward
             out.lora_loads.append((request.lora_slot, request.lora))
-        return True
+        return newly
+
+    def _unacquire_lora(self, request: Request, out: SchedulerOutput, newly: bool) -> None:
+        """Undo `_acquire_lora` for a request that does not start this step. A slot taken
+        for it (`newly`) is given back with its load: a step that never runs (nothing else
+        scheduled) would drop the load and leave the adapter "resident" in a slot holding
+        another adapter's weights."""
+        self._release_lora(request)
+        if newly and request.lora is not None and self.lora_slots is not None:
+            out.lora_loads.pop()  # (the last: this request's, appended by _acquire_lora)
+            self.lora_slots.unassign(request.lora.uid)
 
     def _release_lora(self, request: Request) -> None:
         if request.lora is not None and self.lora_slots is not None:

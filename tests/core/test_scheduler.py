@@ -149,3 +149,46 @@ def test_lookahead_stops_at_max_tokens_and_for_guided_requests():
     assert out.spec_lookahead == {"short": 1}  # 1 output so far, 2 more at most: 1 draft
     assert short.num_output_tokens == 1
 
+
+
+def test_an_adapter_load_is_not_lost_with_a_step_that_never_runs():
+    # Pipeline parallelism: "big" is in flight and holds the pool, so "b" (adapter B) cannot
+    # start and nothing is scheduled. The slot B took from A (idle) must load B when "b"
+    # does start, not keep A's weights under B's name.
+    from types import SimpleNamespace
+
+    from pkv.core.lora.slots import LoRASlotTable
+
+    s = Scheduler(KVCacheManager(4, 4, False), 8, 64, max_model_len=256,
+                  lora_slots=LoRASlotTable(1))
+    adapter_a, adapter_b = SimpleNamespace(uid=1), SimpleNamespace(uid=2)
+    a = _add(s, "a", 3, max_tokens=1)
+    a.lora = adapter_a
+    assert _step(s).lora_loads == [(0, adapter_a)]  # "a" ran and finished: A idle in slot 0
+    _add(s, "big", 12, max_tokens=2)
+    _step(s)  # "big" holds 3 of the 4 blocks
+    b = _add(s, "b", 6, max_tokens=1)
+    b.lora = adapter_b
+    stalled = s.schedule(in_flight={"big"})
+    assert not stalled.scheduled and not stalled.lora_loads
+    _step(s)  # "big" decodes its last token and leaves
+    started = s.schedule()
+    assert started.scheduled == [b] and started.lora_loads == [(0, adapter_b)]
+
+
+def test_a_pooling_request_waiting_for_budget_leaves_its_adapter_unpinned():
+    from types import SimpleNamespace
+
+    from pkv.core.lora.slots import LoRASlotTable
+    from pkv.core.pooling.params import PoolingParams
+
+    slots = LoRASlotTable(1)
+    s = Scheduler(KVCacheManager(64, 4, False), 8, 16, max_model_len=256, lora_slots=slots)
+    _add(s, "first", 10, max_tokens=3)
+    embed = _add(s, "embed", 12)
+    embed.pooling, embed.lora = PoolingParams(), SimpleNamespace(uid=1)
+    out = _step(s)  # 10 of the 16 tokens go to "first": "embed" waits, whole
+    assert embed not in out.scheduled and not slots.pins(1)
+    while s.has_unfinished_requests():
+        _step(s)
+    assert not slots.pins(1)  # (a pin left behind would make other adapters wait)
