@@ -13,9 +13,12 @@ collision can never hand a request the KV of other tokens.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -68,7 +71,11 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None and self.on_evict is not None:
-                self.on_evict(block)
+                try:
+                    self.on_evict(block)
+                except Exception:  # a save that fails loses a disk copy, not the pool's books
+                    logger.exception("offering evicted block %d to the disk tier failed",
+                                     block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             self.high_watermark = max(self.high_watermark, block.block_id + 1)

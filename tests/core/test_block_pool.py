@@ -46,6 +46,24 @@ def test_cached_blocks_are_evicted_least_recently_used_first():
     assert pool.lookup(bytes([1]), key(1)) is blocks[1] and blocks[1].ref_cnt == 1
 
 
+def test_an_eviction_callback_that_fails_leaves_the_pool_whole():
+    # The disk tier saves each evicted block; a save that raises (no memory to stage it)
+    # must not leave the block half evicted: in the hash map, out of the free queue.
+    pool = BlockPool(2, enable_caching=True)
+    block = pool.allocate(1)[0]
+    pool.cache(block, b"h", (None, (1,), b""))
+    pool.free([block])
+
+    def fail(_: object) -> None:
+        raise MemoryError("no pinned memory to stage the block")
+
+    pool.on_evict = fail
+    taken = pool.allocate(2)
+    assert block in taken and pool.lookup(b"h", (None, (1,), b"")) is None
+    pool.free(taken)
+    assert pool.num_free_blocks == 2 and pool.num_cached_blocks == 0
+
+
 def test_a_hash_hit_is_confirmed_by_its_key():
     pool = BlockPool(2, enable_caching=True)
     block = pool.allocate(1)[0]
