@@ -233,7 +233,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         (PKV_TRACEMALLOC=1); behind the API key."""
         caches = await async_llm.call_in_engine(engine_caches)
         store = serving_responses.store
-        caches["stored responses"] = CacheSize(len(store), store.max_items, "responses")
+        caches["stored responses"] = CacheSize(len(store), store.capacity, "responses")
         heap = native_heap()
         process = psutil.Process()
         return {"rss_bytes": process.memory_info().rss,

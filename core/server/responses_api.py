@@ -97,39 +97,49 @@ class _Running:
 
 
 class ResponseStore:
-    """Responses by (tenant, id): at most `max_items`, each for `ttl` seconds."""
+    """Responses by tenant and id: each tenant's own `max_items` at most (least recently
+    used out first: one API key's traffic never evicts another's), each for `ttl` seconds."""
 
     def __init__(self, max_items: int = 1024, ttl: float = 3600.0) -> None:
         self.max_items, self.ttl = max_items, ttl
-        self._items: OrderedDict[tuple[str | None, str], _Stored] = OrderedDict()
+        self._tenants: dict[str | None, OrderedDict[str, _Stored]] = {}
 
     def put(self, tenant: str | None, stored: _Stored) -> None:
-        self._drop_expired()
-        key = (tenant, stored.response["id"])
-        self._items[key] = stored
-        self._items.move_to_end(key)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+        items = self._tenants.setdefault(tenant, OrderedDict())
+        self._drop_expired(items)
+        items[stored.response["id"]] = stored
+        items.move_to_end(stored.response["id"])
+        while len(items) > self.max_items:
+            items.popitem(last=False)
 
     def __len__(self) -> int:
-        self._drop_expired()
-        return len(self._items)
+        for items in self._tenants.values():
+            self._drop_expired(items)
+        return sum(len(items) for items in self._tenants.values())
 
-    def _drop_expired(self) -> None:
+    @property
+    def capacity(self) -> int:
+        """Responses the tenants seen so far may hold together."""
+        return self.max_items * max(1, len(self._tenants))
+
+    def _drop_expired(self, items: OrderedDict[str, _Stored]) -> None:
         # A scan of at most max_items: the order is by use, not by age.
         now = time.time()
-        for key in [k for k, s in self._items.items() if now - s.created > self.ttl]:
-            del self._items[key]
+        for key in [k for k, s in items.items() if now - s.created > self.ttl]:
+            del items[key]
 
     def delete(self, tenant: str | None, response_id: str) -> bool:
-        return self._items.pop((tenant, response_id), None) is not None
+        return self._tenants.get(tenant, {}).pop(response_id, None) is not None
 
     def get(self, tenant: str | None, response_id: str) -> _Stored | None:
-        stored = self._items.get((tenant, response_id))
-        if stored is None or time.time() - stored.created > self.ttl:
-            self._items.pop((tenant, response_id), None)
+        items = self._tenants.get(tenant)
+        stored = None if items is None else items.get(response_id)
+        if stored is None:
             return None
-        self._items.move_to_end((tenant, response_id))
+        if time.time() - stored.created > self.ttl:
+            del items[response_id]  # type: ignore[union-attr]
+            return None
+        items.move_to_end(response_id)  # type: ignore[union-attr]
         return stored
 
 

@@ -25,6 +25,9 @@ def test_the_least_recently_used_goes_first_and_tenants_stay_apart():
     store.put("a", _stored("r1"))
     store.put("a", _stored("r2"))
     assert store.get("a", "r1") is not None  # r1 used: r2 is now the oldest
-    store.put("b", _stored("r3"))
-    assert store.get("a", "r2") is None and store.get("a", "r1") is not None
+    store.put("b", _stored("r3"))  # another tenant's: evicts nothing of a's
+    assert store.get("a", "r2") is not None and store.get("a", "r1") is not None
     assert store.get("a", "r3") is None and store.get("b", "r3") is not None
+    store.put("a", _stored("r4"))  # a's third: a's least recently used goes (r2: r1 read last)
+    assert store.get("a", "r2") is None and store.get("a", "r1") is not None
+    assert store.get("b", "r3") is not None and len(store) == 3 and store.capacity == 4
