@@ -157,11 +157,18 @@ def _sentencepiece_bpe(field: Field, tokens: list[str], types: list[int]) -> HFT
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(
         steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL) and t])
+    # Phi-3's own tokenizer takes the whitespace after its chat markers (rstrip) and llama.cpp
+    # does the same for its files; Phi-4 (arch phi3 too) has a byte-level vocabulary.
+    rstrip = field("general.architecture") == "phi3"
+    backend.add_special_tokens([
+        AddedToken(t, special=True, normalized=False, rstrip=rstrip and t not in _NO_RSTRIP)
+        for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL) and t])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, k in zip(tokens, types) if k == _USER_DEFINED and t])
     return backend
+
+
+_NO_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")  # Phi-3's special tokens without it
 
 
 def merges_from_scores(tokens: list[str], scores: list[float],

@@ -98,8 +98,9 @@ def scored_merges(spm: SentencePieceVocab) -> list[tuple[str, str]]:
 
 
 def reference(spm: SentencePieceVocab, merges: list[tuple[str, str]],
-              prefix: bool) -> HFTokenizer:
-    """A tokenizer.json as Hugging Face's converter writes one for a SentencePiece BPE model."""
+              prefix: bool, rstrip: frozenset[str] = frozenset()) -> HFTokenizer:
+    """A tokenizer.json as Hugging Face's converter writes one for a SentencePiece BPE model
+    (`rstrip`: special tokens that take the whitespace after them, as Phi-3's)."""
     tok = HFTokenizer(models.BPE(spm.ids(), merges, unk_token="<unk>", fuse_unk=True,
                                  byte_fallback=True))
     tok.normalizer = normalizers.Sequence(
@@ -107,7 +108,7 @@ def reference(spm: SentencePieceVocab, merges: list[tuple[str, str]],
     tok.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + [decoders.Strip(content=" ", left=1, right=0)] * prefix)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
                             for t, k in zip(spm.tokens, spm.types) if k in (UNKNOWN, CONTROL)])
     tok.add_tokens([AddedToken(t, normalized=False)
                     for t, k in zip(spm.tokens, spm.types) if k == USER_DEFINED])
@@ -135,6 +136,20 @@ def gguf_fields(spm: SentencePieceVocab, prefix: bool | None, model: str = "llam
 def gguf_tokenizer(path: Path, fields: dict[str, Any]) -> Tokenizer:
     """pkv's tokenizer of a GGUF holding only tokenizer metadata."""
     return GGUFFile(write_fields_gguf(path, "llama", fields)).tokenizer()
+
+
+def test_phi3_chat_markers_take_the_whitespace_after_them(tmp_path: Path,
+                                                         spm: SentencePieceVocab):
+    # Phi-3's tokenizer.json: every special token but <unk>, <s> and <|endoftext|> rstrips
+    markers = frozenset({"</s>", "<start_of_turn>", "<end_of_turn>"})
+    ref = reference(spm, scored_merges(spm), True, rstrip=markers)
+    path = write_fields_gguf(tmp_path / "phi3.gguf", "phi3", gguf_fields(spm, True))
+    tok = GGUFFile(path).tokenizer()
+    texts = SPECIAL_TEXTS + ["<start_of_turn>user\n  Hi<end_of_turn>\n\n<start_of_turn>model"]
+    for text in texts:
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text).ids, text
+    plain = reference(spm, scored_merges(spm), True)
+    assert any(plain.encode(t).ids != ref.encode(t).ids for t in texts)  # (it tells them apart)
 
 
 def test_merges_from_scores_are_the_hf_converters(spm: SentencePieceVocab):
