@@ -21,6 +21,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Everything needs the key except these: a route added later is protected by default.
 OPEN_PATHS = frozenset({"/health"})
+# What shows or changes every tenant's state needs the first key (the operator's) where
+# there are several: /admin/* (other tenants' requests) and the runtime adapter endpoints.
+OPERATOR_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def operator_only(path: str) -> bool:
+    return path.startswith("/admin/") or path in OPERATOR_PATHS
 
 
 async def send_error(send: Send, scope: Scope, status: int, message: str,
@@ -51,11 +58,12 @@ def request_tenant(scope: Scope) -> str | None:
 class AuthMiddleware:
     """Require `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every
     path but /health, for any of the keys; the request is then its key's tenant (prefix-cache
-    blocks are never shared across tenants)."""
+    blocks are never shared across tenants). The operator's paths take the first key only."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
         self.expected = [(f"Bearer {key}".encode(), tenant_id(key)) for key in api_keys]
+        self.operator = self.expected[0][1]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
@@ -73,6 +81,10 @@ class AuthMiddleware:
                 await send_error(send, scope, 401,
                                  "invalid or missing API key (Authorization: Bearer, or x-api-key)",
                                  headers=[(b"www-authenticate", b"Bearer")])
+                return
+            if tenant != self.operator and operator_only(scope["path"]):
+                await send_error(send, scope, 403, f"{scope['path']} shows or changes every "
+                                 "tenant's state: it takes the server's first API key")
                 return
             scope.setdefault("state", {})["pkv_tenant"] = tenant
         await self.app(scope, receive, send)

@@ -52,6 +52,23 @@ def test_tenants_never_share_prefix_blocks(tenant_server: RunningServer, salt: s
     assert _hits(tenant_server) >= hits + 32
 
 
+def test_the_operators_paths_take_the_first_key(tenant_server: RunningServer):
+    # /admin/cache lists every tenant's requests; adapters serve every tenant
+    def get(path: str, key: str) -> httpx.Response:
+        return httpx.get(f"{tenant_server.base_url}{path}", timeout=60,
+                         headers={"Authorization": f"Bearer {key}"})
+
+    operator, tenant = KEYS
+    for path in ("/admin/cache", "/admin/memory"):
+        assert get(path, operator).status_code == 200
+        refused = get(path, tenant)
+        assert refused.status_code == 403 and "first API key" in refused.json()["error"]["message"]
+    unload = httpx.post(f"{tenant_server.base_url}/v1/unload_lora_adapter", timeout=60,
+                        json={"lora_name": "any"}, headers={"Authorization": f"Bearer {tenant}"})
+    assert unload.status_code == 403
+    assert get("/v1/models", tenant).status_code == 200  # the rest is every tenant's
+
+
 def test_only_the_configured_keys_get_in(tenant_server: RunningServer):
     assert _complete(tenant_server, "tenant-c-key").status_code == 401
     assert _complete(tenant_server, ",".join(KEYS)).status_code == 401
