@@ -35,10 +35,13 @@ class MixtralForCausalLM(MistralForCausalLM):
     """Mistral with a sparse MoE block as every layer's MLP."""
 
     required_fields = ("intermediate_size", "num_local_experts", "num_experts_per_tok")
+    default_rope_theta = 1e6  # transformers' MixtralConfig defaults, where config.json is silent
 
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
         super().configure(config, hf)
+        if "rms_norm_eps" not in hf:
+            config.rms_norm_eps = 1e-5
         if hf["num_local_experts"] < 1:
             raise ValueError(f"config field num_local_experts={hf['num_local_experts']} "
                              "must be >= 1")

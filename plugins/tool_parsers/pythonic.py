@@ -28,7 +28,7 @@ class PythonicToolParser:
 def _calls(body: str) -> list[ToolCall] | None:
     try:
         tree = ast.parse(body, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # (NUL bytes, deep nests)
         return None
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
@@ -38,8 +38,9 @@ def _calls(body: str) -> list[ToolCall] | None:
             return None
         try:
             kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        except ValueError:
+            # (a set, bytes or a complex number is a Python literal but no JSON value)
+            arguments = json.dumps(kwargs, ensure_ascii=False)
+        except (ValueError, TypeError, RecursionError):
             return None
-        calls.append(ToolCall(node.func.id, json.dumps(kwargs, ensure_ascii=False),
-                              complete=True))
+        calls.append(ToolCall(node.func.id, arguments, complete=True))
     return calls

@@ -137,3 +137,17 @@ def test_quantized_experts_are_refused(tmp_path: Path, smol_hf_dir: Path) -> Non
     with pytest.raises(ValueError, match="^MixtralForCausalLM experts do not run with fp8 "
                                          "weights: .*float only$"):
         LLM(str(model_dir), quantization="fp8", show_progress=False)
+
+
+def test_mixtral_fields_a_config_leaves_out_are_transformers_defaults():
+    from transformers import MixtralConfig
+
+    from pkv.core.models.config import ModelConfig
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                 num_experts_per_tok=2)  # no rope_theta, no rms_norm_eps
+    ours = ModelConfig.from_hf_dict({"architectures": ["MixtralForCausalLM"], **shape})
+    theirs = MixtralConfig(**shape)
+    assert (ours.rms_norm_eps, ours.rope_theta) == (theirs.rms_norm_eps,
+                                                    theirs.rope_parameters["rope_theta"])

@@ -45,6 +45,8 @@ CASES = {
         ('[get_weather(city="Paris", unit="celsius"), get_time(tz="Europe/Paris")]', "", CALLS),
         ("[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
         ("Hello there", "Hello there", []),
+        # Python literals that are no JSON value: text, not a failed request
+        ("[f(x={1, 2})]", "[f(x={1, 2})]", []), ("[f(x=b'a', y=1j)]", "[f(x=b'a', y=1j)]", []),
     ],
 }
 
