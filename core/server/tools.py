@@ -113,12 +113,44 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each a known name with arguments matching its schema."""
+    """A JSON array of calls, each a known name with arguments matching its schema. Each
+    tool's parameters sit in the array's `$defs` (their own definitions beside them, renamed
+    apart), so that their `$ref`s still point where they did."""
+    defs: dict[str, Any] = {}
     call = [{"type": "object", "properties": {"name": {"enum": [t.function.name]},
-                                              "parameters": _parameters(t)},
-             "required": ["name", "parameters"]} for t in tools]
+                                              "parameters": _lifted(_parameters(t), f"tool{i}",
+                                                                    defs)},
+             "required": ["name", "parameters"]} for i, t in enumerate(tools)]
     return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
-            "items": call[0] if len(call) == 1 else {"anyOf": call}}
+            "items": call[0] if len(call) == 1 else {"anyOf": call},
+            **({"$defs": defs} if defs else {})}
+
+
+def _lifted(schema: dict[str, Any], name: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """`schema` as it goes into a larger one: as it is without references; else a reference
+    to `defs[name]`, its definitions (`$defs`, `definitions`) beside it as `{name}_X`, every
+    `$ref` in it rewritten to match."""
+    if '"$ref"' not in json.dumps(schema):
+        return schema
+
+    def moved(ref: str) -> str:
+        for key in ("/$defs/", "/definitions/"):
+            if ref.startswith("#" + key):
+                return f"#/$defs/{name}_{ref[len(key) + 1:]}"
+        return f"#/$defs/{name}{ref[1:]}" if ref.startswith("#") else ref
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: moved(v) if k == "$ref" and isinstance(v, str) else rewrite(v)
+                    for k, v in node.items()}
+        return [rewrite(v) for v in node] if isinstance(node, list) else node
+
+    body = rewrite(schema)
+    for key in ("$defs", "definitions"):
+        for def_name, definition in (body.pop(key, None) or {}).items():
+            defs[f"{name}_{def_name}"] = definition
+    defs[name] = body
+    return {"$ref": f"#/$defs/{name}"}
 
 
 def template_knows_tools(template: str) -> bool:

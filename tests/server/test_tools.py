@@ -70,6 +70,28 @@ def test_forced_calls_validate_and_stream_the_same(client: openai.OpenAI,
     assert _streamed_calls(client, **kw) == (calls, "tool_calls")
 
 
+def test_a_required_call_of_a_tool_with_definitions_validates(client: openai.OpenAI) -> None:
+    # Pydantic models as tools (openai.pydantic_function_tool) reference their $defs: inside
+    # the array of calls that tool_choice "required" builds, the references still resolve.
+    address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+               "required": ["city", "zip"], "additionalProperties": False}
+    parameters = {"type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+                  "required": ["to"], "additionalProperties": False,
+                  "$defs": {"Address": address}}
+    tools = [*TOOLS, {"type": "function", "function": {"name": "send_letter",
+                                                       "parameters": parameters}}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Send a letter to Paris."}],
+        tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+        temperature=0)
+    calls = out.choices[0].message.tool_calls
+    assert calls and out.choices[0].finish_reason == "tool_calls"
+    schemas = {**SCHEMAS, "send_letter": parameters}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
 def test_n_2_sampled_calls_all_validate(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, n=2,
                                          tool_choice="required", max_tokens=60, temperature=0.8,
