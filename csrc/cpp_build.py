@@ -110,9 +110,15 @@ def unusable_reasons() -> list[str]:
     return reasons
 
 
-def _source_hash(flags: list[str]) -> str:
+def _source_hash(flags: list[str], csrc: Path = CSRC) -> str:
+    """Names the build: its flags, its sources, and where they and torch's headers are. The
+    build folder's ninja file holds those paths, so two installs of the same source (two
+    clones, two venvs) sharing one folder would rebuild it in turn at every start."""
+    import torch
+
     digest = hashlib.sha256(" ".join(flags).encode())
-    for path in sorted(CSRC.iterdir()):
+    digest.update(f"{csrc.resolve()}|{Path(torch.__file__).resolve().parent}".encode())
+    for path in sorted(csrc.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:10]

@@ -165,3 +165,14 @@ def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path: Path):
     old = time.time() - 3600
     os.utime(lock, (old, old))
     assert cpp_build.clear_stale_lock(tmp_path) and not lock.exists()
+
+
+def test_two_copies_of_the_sources_build_apart(tmp_path: Path):
+    # The build folder's ninja file names the sources' path: two clones (or venvs) sharing
+    # one folder rebuilt it in turn at every start.
+    import shutil
+
+    copy = shutil.copytree(cpp_build.CSRC, tmp_path / "csrc")
+    flags = cpp_build.compile_flags("generic")
+    assert cpp_build._source_hash(flags) == cpp_build._source_hash(flags)
+    assert cpp_build._source_hash(flags, copy) != cpp_build._source_hash(flags)
