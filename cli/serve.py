@@ -153,8 +153,47 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
         if name not in known:
             raise ValueError(f"unknown option {key!r} in {config_file}")
         # a list option given one value (`lora_modules: a=/x`) is a list of one, as its flag
-        options[name] = [value] if name in _list_options() and isinstance(value, str) else value
+        value = [value] if name in _list_options() and isinstance(value, str) else value
+        # the engine's options are checked by EngineConfig, port and api_key by their own rules
+        typed = name in SERVER_OPTIONS and name not in ("port", "api_key")
+        options[name] = _typed(name, value, _option_types()[name]) if typed else value
     return options
+
+
+def _option_types() -> dict[str, Any]:
+    """Each `pkv serve` option's type, as its flag parses it (Optional[T] kept)."""
+    import typing
+
+    hints = typing.get_type_hints(serve, include_extras=True)
+    return {name: typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+            for name, hint in hints.items()}
+
+
+def _typed(name: str, value: Any, kind: Any) -> Any:
+    """A YAML value of a server option as its flag would have read it; a ValueError naming
+    the option where it cannot be (a string for a number, a number for a list, ...)."""
+    import typing
+
+    unset = ""
+    args = typing.get_args(kind)
+    if type(None) in args:  # Optional[T]
+        if value is None:
+            return None
+        kind, unset = next(a for a in args if a is not type(None)), " or unset"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    checks = {bool: (isinstance(value, bool), "true or false"),
+              int: (number and isinstance(value, int), "an integer"),
+              float: (number, "a number"),
+              str: (isinstance(value, str), "a string")}
+    if typing.get_origin(kind) is list:
+        checks[kind] = (isinstance(value, list) and all(isinstance(v, str) for v in value),
+                        "a list of strings")
+    if kind not in checks:
+        return value
+    ok, expected = checks[kind]
+    if not ok:
+        raise ValueError(f"{name} must be {expected}{unset}, got {value!r}")
+    return float(value) if kind is float else value
 
 
 def _list_options() -> set[str]:
@@ -358,13 +397,26 @@ def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
             ("max concurrency", f"{engine.config.max_num_seqs} sequences; "
                                 f"{runner.num_blocks / per_seq:.1f}x at max_model_len "
                                 f"{engine.max_model_len}"),
-            ("auth", "Bearer key required" if server.api_key else "none (loopback default)"),
+            ("auth", "Bearer key required" if server.api_key else _open_auth(options["host"])),
             ("LoRA", ", ".join(engine.lora.adapters) or "enabled, no adapters yet"
              if engine.lora is not None else "off"),
             ("url", f"http://{options['host']}:{options['port']}/v1")]
     for key, value in rows:
         table.add_row(f"[bold]{key}[/]", value)
     console.print(Panel(table, title="pkv serve", expand=False))
+
+
+def _open_auth(host: str) -> str:
+    """The auth line of a server without a key: fine on loopback, a warning elsewhere."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    return ("none (loopback only)" if loopback else
+            f"[bold red]none, and bound to {escape(host)}: anyone who reaches it can use it "
+            "(set --api-key)[/]")
 
 
 def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any,

@@ -71,6 +71,10 @@ def test_a_shipped_recipe_is_found_by_name_and_a_missing_one_lists_them() -> Non
     ("seed: 99999999999999999999999", "seed must be a 64-bit integer"),
     ("api-key: 12345", "api_key must hold at least one key"),
     ("port: 1.5", "port must be an integer in [0, 65535], got 1.5"),
+    ("shutdown-timeout: '30'", "shutdown_timeout must be a number, got '30'"),
+    ("body-timeout: null", "body_timeout must be a number, got None"),
+    ("host: 5", "host must be a string, got 5"),
+    ("lora-modules: 5", "lora_modules must be a list of strings or unset, got 5"),
 ])
 def test_yaml_values_of_the_wrong_type_are_one_line_errors(tmp_path: Path, yaml: str,
                                                           says: str) -> None:
@@ -217,3 +221,12 @@ def test_version_and_output_files_whose_folder_is_missing(tmp_path: Path) -> Non
         result = CliRunner().invoke(app, args)  # refused before any run, not after it
         shown = " ".join(result.output.replace("│", " ").split())  # (the box's lines joined)
         assert result.exit_code == 2 and says in shown, (args, result.output)
+
+
+def test_a_keyless_server_off_loopback_is_flagged_in_its_summary() -> None:
+    from pkv.cli.serve import _open_auth
+
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert _open_auth(host) == "none (loopback only)"
+    for host in ("0.0.0.0", "10.1.2.3", "myhost.example"):
+        assert "anyone who reaches it" in _open_auth(host) and host in _open_auth(host)
