@@ -32,6 +32,10 @@ def num_kv_blocks(config: EngineConfig, groups: KVGroups, per_block: int,
         return config.max_num_seqs * per_seq
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory)
+        total = _device_memory(device)
+        if budget > total:  # (a typo: 2TB for 2GB) refused here, not by a failed allocation
+            raise ValueError(f"kv_cache_memory={budget} bytes is more than this {device.type} "
+                             f"device's memory ({total / 2**30:.1f} GiB)")
         num_blocks = budget // per_block
         source = f"kv_cache_memory={budget} bytes"
     else:
@@ -49,6 +53,12 @@ def num_kv_blocks(config: EngineConfig, groups: KVGroups, per_block: int,
             f"one sequence of max_model_len={max_model_len} needs ({per_seq}): raise "
             "kv_cache_memory or lower max_model_len")
     return num_blocks
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return psutil.virtual_memory().total
 
 
 def _blocks_from_utilization(config: EngineConfig, device: torch.device, per_block: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pkv import LLM, SamplingParams, TextPrompt, TokensPrompt
@@ -413,3 +415,9 @@ def test_a_request_an_idle_engine_cannot_place_fails_instead_of_waiting(smol_llm
         pool.free(held)
     assert engine.get_stats().num_blocks_used == 0
     assert _text(smol_llm, "Hello", temperature=0, max_tokens=3)  # still serving
+
+
+def test_a_kv_pool_past_the_machines_memory_is_a_one_line_error(tiny_llama_dir: Path):
+    with pytest.raises(ValueError, match="more than this cpu device's memory") as caught:
+        LLM(str(tiny_llama_dir), kv_cache_memory="1000TiB", show_progress=False)
+    assert "\n" not in str(caught.value)
