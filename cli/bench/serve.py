@@ -81,6 +81,15 @@ def check_server(url: str, headers: dict[str, str]) -> str:
     return get_json(url, "/v1/models", headers, timeout=10)["data"][0]["id"]
 
 
+async def _error_message(response: httpx.Response) -> str:
+    """The server's own words for a refused request (its error object's message)."""
+    text = (await response.aread()).decode(errors="replace")
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:
     start = time.perf_counter()
     last = start
@@ -89,7 +98,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
-                record.error = f"HTTP {r.status_code}"
+                record.error = f"HTTP {r.status_code}: {await _error_message(r)}"
                 return record
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -461,5 +461,9 @@ def test_attention_bench_times_every_usable_backend():
     assert all(ms >= 0 for ms, _, _ in rows.values())
     assert all(re.fullmatch(r"\d+\.\d\dx faster", r) for _, *ratios in rows.values()
                for r in ratios)
-    bad = _bench("attention", "--layers", "0")
-    assert bad.exit_code != 0 and "every size must be >= 1" in bad.output
+    for args, says in ((["--layers", "0"], "every size must be >= 1"),
+                       (["--block-size", "0"], "every size must be >= 1"),
+                       (["--heads", "4", "--kv-heads", "3"], "must be a multiple of --kv-heads"),
+                       (["--sliding-window", "0"], "--sliding-window must be >= 1")):
+        bad = _bench("attention", *args)
+        assert bad.exit_code == 2 and says in bad.output and "Traceback" not in bad.output

@@ -29,6 +29,16 @@ def test_bench_serve_reports_every_percentile(server, tmp_path: Path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_serve_fails_where_every_request_does(server):
+    result = CliRunner().invoke(app, [
+        "bench", "serve", "--url", server.base_url, "--api-key", server.api_key,
+        "--model", "no-such-model", "--concurrency", "1", "--num-prompts", "2",
+        "--input-len", "8", "--output-len", "4"])
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 2 and "every request failed at concurrency 1" in shown
+    assert "HTTP 404" in shown and "no-such-model" in shown  # the server's own words
+
+
 def test_offline_bench_with_openai_baseline(server, tmp_path: Path, tiny_llama_dir: Path):
     out = tmp_path / "openai.json"
     result = CliRunner().invoke(app, [

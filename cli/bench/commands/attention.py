@@ -36,8 +36,12 @@ def attention(
 
     print_cpu_line(console)
     with user_errors():
-        if min(batch, context, heads, kv_heads, head_dim, layers, repeat) < 1:
+        if min(batch, context, heads, kv_heads, head_dim, layers, repeat, block_size) < 1:
             raise ValueError("every size must be >= 1")
+        if heads % kv_heads:
+            raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError("--sliding-window must be >= 1")
         formats = [kv_format(name.strip(), torch.float32, head_dim)
                    for name in kv_cache_dtype.split(",")]
         device = "cuda" if torch.cuda.is_available() else "cpu"

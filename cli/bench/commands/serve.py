@@ -37,6 +37,8 @@ def serve(
         levels = int_list(concurrency, "--concurrency")
         if request_rate <= 0:
             raise ValueError("--request-rate must be > 0 (or inf)")
+        if input_len < 1 or output_len < 1:
+            raise ValueError("--input-len and --output-len must be >= 1")
         url = base_url(url)
         headers = auth_headers(api_key)
         model = model or check_server(url, headers)
@@ -48,6 +50,9 @@ def serve(
                 slo_ttft_ms / 1000 if slo_ttft_ms else None,
                 slo_tpot_ms / 1000 if slo_tpot_ms else None, seed))
             failed = [r.error for r in result.records if not r.ok]
+            if failed and len(failed) == len(result.records):  # nothing to measure
+                raise ValueError(f"every request failed at concurrency {level}, e.g. "
+                                 f"{failed[0]}")
             if failed:
                 console.print(f"[yellow]{len(failed)} requests failed, e.g. {failed[0]}[/]")
             summaries.append(result.summary())
