@@ -4,8 +4,9 @@ at a time, with a time limit, a bounded cache, and a cap on runaway compiles."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -35,12 +36,38 @@ class CompilingBackend:
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar (cached); ValueError if invalid or over the time limit."""
         key = params.key
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            future = self._submitted(params)
+            try:
+                return future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except CancelledError:  # queued behind a runaway compile whose worker was replaced:
+                deadline = time.monotonic() + self.timeout_s  # its own time starts again
+                continue
+            except FutureTimeout:
+                self._abandon(future)
+                raise ValueError(f"compiling the {params.kind} constraint took longer than "
+                                 f"{self.timeout_s:g} s") from None
+            finally:
+                if future.done():
+                    with self._lock:
+                        if self._pending.get(key) is future:
+                            del self._pending[key]
+
+    def _submitted(self, params: StructuredOutputsParams) -> Any:
+        """The future of `params`' grammar: cached, compiling, or submitted now."""
+        key = params.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                done: Future[Any] = Future()
+                done.set_result(self._cache[key])
+                return done
             future = self._pending.get(key)
-            if future is None:
+            if future is not None and future in self._abandoned:  # this one ran away before
+                raise ValueError(f"compiling the {params.kind} constraint took longer than "
+                                 f"{self.timeout_s:g} s; it is still running")
+            if future is None or future.cancelled():
                 self._abandoned = {f for f in self._abandoned if not f.done()}
                 if len(self._abandoned) >= MAX_ABANDONED_COMPILES:
                     raise ConstraintCompilerBusyError(
@@ -48,26 +75,18 @@ class CompilingBackend:
                         "the time limit; retry later")
                 future = self._pool.submit(self._compile, params)
                 self._pending[key] = future
-        try:
-            grammar = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            self._abandon(future)
-            raise ValueError(f"compiling the {params.kind} constraint took longer than "
-                             f"{self.timeout_s:g} s") from None
-        finally:
-            if future.done():
-                with self._lock:
-                    self._pending.pop(key, None)
-        return grammar
+            return future
 
     def _abandon(self, future: Any) -> None:
-        """A thread cannot be stopped: leave it to finish on its own and give later
-        constraints a fresh worker, so one poison constraint does not time them all out."""
+        """A thread cannot be stopped: leave a runaway compile to finish on its own and give
+        later constraints a fresh worker, so one poison constraint does not time them all
+        out. Compiles queued behind it are cancelled; their callers submit them again."""
         with self._lock:
-            if future not in self._abandoned:
-                self._abandoned.add(future)
-                self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
+            if future.cancel() or future in self._abandoned:
+                return  # (one still queued: its own worker is the one that ran away)
+            self._abandoned.add(future)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pkv-guided")
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -146,6 +147,38 @@ def test_a_runaway_constraint_does_not_block_the_next(smol_llm: LLM):
             time.sleep(0.1)
         backend.timeout_s = 30
         assert backend.compile(SO(choice=["up", "down"])) is not None
+    finally:
+        backend.timeout_s = saved
+
+
+def test_a_constraint_queued_behind_a_runaway_one_compiles(smol_llm: LLM):
+    """One worker compiles: a constraint that arrives while a runaway one runs waits behind
+    it, and is compiled by the fresh worker once that one is abandoned (it timed out with
+    it before, and stayed pending, timing out every retry of the same constraint)."""
+    backend = smol_llm.llm_engine.guided
+    saved = backend.timeout_s
+    backend.timeout_s = 0.5
+    slow = SO(regex="[a-z]{1,1700}")  # ~1.5 s or more
+    outcome: dict[str, BaseException] = {}
+
+    def compile_slow() -> None:
+        try:
+            backend.compile(slow)
+        except ValueError as exc:
+            outcome["slow"] = exc
+
+    try:
+        runaway = threading.Thread(target=compile_slow)
+        runaway.start()
+        time.sleep(0.1)  # it runs; the next one queues behind it
+        assert backend.compile(SO(choice=["left", "right"])) is not None
+        runaway.join()
+        assert "took longer than" in str(outcome["slow"])
+        with pytest.raises(ValueError, match="still running"):  # at once, not after a wait
+            backend.compile(slow)
+        deadline = time.monotonic() + 120
+        while any(not f.done() for f in backend._abandoned) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         backend.timeout_s = saved
 
