@@ -102,6 +102,12 @@ class SchemaRewriter:
             pattern = FORMATS[node["format"]]
             node = {**{k: v for k, v in node.items() if k != "format"}, "pattern": pattern}
         kind = node.get("type")
+        if (self.ranges and isinstance(kind, list) and any(b in node for b in BOUNDS)
+                and any(k in ("integer", "number") for k in kind)):
+            # ["integer", "null"] and the like: a branch a type, so that the bounds hold
+            rest = {k: v for k, v in node.items() if k not in BOUNDS and k != "type"}
+            return {"anyOf": [self._special({**node, "type": k}) if k in ("integer", "number")
+                              else {**rest, "type": k} for k in kind]}
         if self.ranges and kind in ("integer", "number") and any(b in node for b in BOUNDS):
             key = f"PKVRANGE{len(self.numbers)}X"
             self.numbers[key] = _range_regex(kind, node)

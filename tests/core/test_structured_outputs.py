@@ -228,3 +228,18 @@ def test_a_constraint_can_start_after_a_thinking_block(smol_llm: LLM):
     params = SamplingParams(max_tokens=3, structured_outputs=SO(choice=["yes", "no"],
                                                                 starts_after="</think>"))
     assert params.structured_outputs.key == SO(choice=["yes", "no"]).key  # one compiled grammar
+
+
+def test_bounds_hold_on_a_nullable_number():
+    # OpenAI strict schemas spell an optional field ["integer", "null"]; outlines ignores
+    # bounds itself, so the rewrite splits the types and bounds the number's branch
+    from pkv.plugins.guided.outlines_backend import to_regex
+
+    schema = {"type": "object", "required": ["n", "x"], "properties": {
+        "n": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+        "x": {"type": ["null", "number"], "maximum": 2.5}}}
+    regex = to_regex(SO(json=schema))
+    for text, ok in (('{"n": 3, "x": 2.5}', True), ('{"n": null, "x": null}', True),
+                     ('{"n": 7, "x": 1}', False), ('{"n": -1, "x": 1}', False),
+                     ('{"n": 0, "x": 3}', False)):
+        assert bool(re.fullmatch(regex, text)) == ok, text
