@@ -53,6 +53,7 @@ class SchemaRewriter:
         if isinstance(node.get("$ref"), str):
             return self._ref(node["$ref"], depth)
         out: dict[str, Any] = {}
+        empty_only = False
         for key, value in node.items():
             if key in ("$defs", "definitions"):
                 continue
@@ -68,8 +69,13 @@ class SchemaRewriter:
                 out[key] = {k: v for k, v in props.items() if v is not NEVER}
             elif isinstance(value, dict):
                 sub = self._node(value, depth)
+                if sub is NEVER and key == "items":  # (outlines takes no `items: false`)
+                    if node.get("minItems", 0) > 0:
+                        return NEVER
+                    empty_only = True  # an empty array is all that is left
+                    continue
                 if sub is NEVER:
-                    if key not in ("items", "additionalProperties"):
+                    if key != "additionalProperties":
                         return NEVER
                     sub = False
                 out[key] = sub
@@ -80,6 +86,8 @@ class SchemaRewriter:
                 out[key] = subs
             else:
                 out[key] = value
+        if empty_only:
+            out["maxItems"] = 0
         return self._special(out)
 
     def _ref(self, ref: str, depth: dict[str, int]) -> Any:

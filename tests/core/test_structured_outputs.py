@@ -243,3 +243,22 @@ def test_bounds_hold_on_a_nullable_number():
                      ('{"n": 7, "x": 1}', False), ('{"n": -1, "x": 1}', False),
                      ('{"n": 0, "x": 3}', False)):
         assert bool(re.fullmatch(regex, text)) == ok, text
+
+
+def test_a_recursive_tree_schema_compiles_and_bounds_its_depth():
+    # The recursion is cut a few levels down: there a node's children can only be empty
+    from pkv.plugins.guided.outlines_backend import to_regex
+
+    node = {"type": "object", "required": ["name", "children"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "maxLength": 4},
+                           "children": {"type": "array", "maxItems": 3,
+                                        "items": {"$ref": "#/$defs/Node"}}}}
+    regex = to_regex(SO(json={"$ref": "#/$defs/Node", "$defs": {"Node": node}}))
+    leaf = '{"name": "a", "children": []}'
+    assert re.fullmatch(regex, leaf)
+    assert re.fullmatch(regex, '{"name": "r", "children": [%s, %s]}' % (leaf, leaf))
+    assert not re.fullmatch(regex, '{"name": "r", "children": [%s, %s, %s, %s]}' % ((leaf,) * 4))
+    deep = leaf
+    for _ in range(12):
+        deep = '{"name": "n", "children": [%s]}' % deep
+    assert not re.fullmatch(regex, deep)
