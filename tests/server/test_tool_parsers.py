@@ -40,6 +40,10 @@ CASES = {
          '"celsius"}}, {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', "Sure.",
          CALLS),
         ("[INST] is not [TOOL_CALLS", "[INST] is not [TOOL_CALLS", []),
+        # v11 tokenizers (Mistral Small 3.2, Devstral): a marker and a name a call
+        ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]'
+         'get_time[ARGS]{"tz": "Europe/Paris"}', "Sure.", CALLS),
+        ('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"tz": "Europe/Paris"}', "", CALLS[1:]),
     ],
     "pythonic": [
         ('[get_weather(city="Paris", unit="celsius"), get_time(tz="Europe/Paris")]', "", CALLS),
