@@ -64,9 +64,9 @@ class CompilingBackend:
                 done.set_result(self._cache[key])
                 return done
             future = self._pending.get(key)
-            if future is not None and future in self._abandoned:  # this one ran away before
+            if future is not None and not future.done() and future in self._abandoned:
                 raise ValueError(f"compiling the {params.kind} constraint took longer than "
-                                 f"{self.timeout_s:g} s; it is still running")
+                                 f"{self.timeout_s:g} s; it is still running")  # (ran away)
             if future is None or future.cancelled():
                 self._abandoned = {f for f in self._abandoned if not f.done()}
                 if len(self._abandoned) >= MAX_ABANDONED_COMPILES:

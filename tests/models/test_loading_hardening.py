@@ -58,14 +58,21 @@ def test_truncated_gguf_is_a_clear_error(tmp_path: Path, smol_gguf: Path) -> Non
         open_model(str(truncated))
 
 
-def test_a_tensor_that_runs_into_the_next_is_a_clear_error(tmp_path: Path, tiny_llama_dir: Path,
-                                                          smol_gguf: Path) -> None:
+def _q8_gguf_at_attn_q(tmp_path: Path, model_dir: Path, tokenizer: Path
+                       ) -> tuple[bytearray, int]:
+    """A Q8_0 GGUF of `model_dir` as bytes, and where blk.0.attn_q.weight's n_dims sits in
+    its header (its dims follow, then its type)."""
     from pkv.tests.gguf_writer import write_gguf
 
-    written = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", "Q8_0", smol_gguf)
+    written = write_gguf(model_dir, tmp_path / "q8.gguf", "Q8_0", tokenizer)
     raw = bytearray(written.read_bytes())
     name = b"blk.0.attn_q.weight"
-    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # its n_dims
+    return raw, raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+
+
+def test_a_tensor_that_runs_into_the_next_is_a_clear_error(tmp_path: Path, tiny_llama_dir: Path,
+                                                          smol_gguf: Path) -> None:
+    raw, at = _q8_gguf_at_attn_q(tmp_path, tiny_llama_dir, smol_gguf)
     n_dims = struct.unpack_from("<I", raw, at)[0]
     struct.pack_into("<I", raw, at + 4 + 8 * n_dims, 0)  # Q8_0 -> F32: 3.8x the bytes
     (tmp_path / "overlap.gguf").write_bytes(raw)
@@ -128,12 +135,7 @@ def test_odd_metadata_is_a_one_line_error(tmp_path: Path, fields: dict, message:
 
 def test_a_shape_past_int64_is_named_not_wrapped(tmp_path: Path, tiny_llama_dir: Path,
                                                  smol_gguf: Path) -> None:
-    from pkv.tests.gguf_writer import write_gguf
-
-    written = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", "Q8_0", smol_gguf)
-    raw = bytearray(written.read_bytes())
-    name = b"blk.0.attn_q.weight"
-    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # its n_dims
+    raw, at = _q8_gguf_at_attn_q(tmp_path, tiny_llama_dir, smol_gguf)
     struct.pack_into("<Q", raw, at + 4 + 8, 2**62)  # rows x 2^62 values: 0 bytes in int64
     (tmp_path / "huge.gguf").write_bytes(raw)
     with pytest.raises(ValueError, match="blk.0.attn_q.weight .* past the file's end"):

@@ -5,6 +5,7 @@ it (a dead stage: tests/parallel/test_tp_server.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,8 +50,15 @@ def test_two_nodes_serve_a_request_and_die_with_the_driver(tmp_path: Path,
         driver.kill()  # SIGKILL: no shutdown of its own; the rest must notice and go
         every = [n.pid for n in nodes] + [r.pid for r in ranks]
         assert _gone(every, 60), [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
-    finally:
+    finally:  # the agents' ranks too: a failed start must leave no server behind
         for node in nodes:
+            try:
+                ranks = psutil.Process(node.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                ranks = []
+            for rank in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    rank.kill()
             node.kill()
 
 
