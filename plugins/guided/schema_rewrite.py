@@ -24,7 +24,8 @@ BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 FORMATS = {
     "date-time": (r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:"
                   r"[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"),
-    "email": r"[a-z0-9._%+-]{1,32}@[a-z0-9-]{1,32}(\.[a-z0-9-]{1,32}){0,3}\.[a-z]{2,8}",
+    "email": r"[A-Za-z0-9._%+-]{1,32}@[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,32}){0,3}"
+             r"\.[A-Za-z]{2,8}",
 }
 
 NEVER: Any = object()  # a schema no value satisfies (where recursion was cut)

@@ -262,3 +262,11 @@ def test_a_recursive_tree_schema_compiles_and_bounds_its_depth():
     for _ in range(12):
         deep = '{"name": "n", "children": [%s]}' % deep
     assert not re.fullmatch(regex, deep)
+
+
+def test_an_email_may_have_capitals():
+    from pkv.plugins.guided.outlines_backend import to_regex
+
+    regex = to_regex(SO(json={"type": "string", "format": "email"}))
+    assert re.fullmatch(regex, '"Jane.Doe@Example.COM"')
+    assert not re.fullmatch(regex, '"jane@"') and not re.fullmatch(regex, '"a b@c.de"')
