@@ -195,6 +195,10 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot read
             raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: "
                              f"{exc}") from None
+        # A file's own truncation and padding (all-MiniLM-L6-v2's cuts at 128 tokens) are not
+        # the model's: transformers turns them off unless a call asks, and so does pkv.
+        backend.no_truncation()
+        backend.no_padding()
         cfg_path = folder / "tokenizer_config.json"
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}

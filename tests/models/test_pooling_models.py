@@ -295,3 +295,22 @@ def test_a_decoder_pooling_its_last_token_hits_the_prefix_cache(tiny_llama_dir: 
     got = [first[0].outputs.data, second[0].outputs.data]
     assert min(_cosines(got, ref)) >= 0.9999
     assert _cosines([salted[0].outputs.data], ref[1:])[0] >= 0.9999
+
+
+def test_a_tokenizer_files_own_truncation_and_padding_are_not_the_models(tmp_path: Path):
+    # all-MiniLM-L6-v2's tokenizer.json truncates at 128 (sentence-transformers cuts at 256),
+    # and some files pad to a fixed length: transformers ignores both, and so must pkv
+    from tokenizers import Tokenizer as HFTokenizer
+
+    folder = write_random_bert(tmp_path / "m", SHAPE, "mean", seed=4)
+    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.enable_truncation(max_length=8)
+    backend.enable_padding(length=8)
+    backend.save(str(folder / "tokenizer.json"))
+    long, short = TEXTS[1], "a"
+    outs = LLM(str(folder), show_progress=False).embed([long, short])
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert [o.prompt_token_ids for o in outs] == [tok(t)["input_ids"] for t in (long, short)]
+    assert len(outs[0].prompt_token_ids) > 8 and len(outs[1].prompt_token_ids) < 8
+    ref = _bert_reference(folder, [long, short], "mean")
+    assert min(_cosines([o.outputs.data for o in outs], ref)) >= 0.9999
