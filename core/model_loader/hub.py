@@ -29,6 +29,10 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+# sentence-transformers' description of an embedding model: its modules and their configs
+# (1_Pooling/config.json decides mean or CLS pooling)
+SENTENCE_FILES = re.compile(r"(modules\.json|sentence_bert_config\.json|"
+                            r"config_sentence_transformers\.json|\d+_\w+/[^/]+\.json)")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TRUE = ("1", "ON", "YES", "TRUE")
 
@@ -199,7 +203,7 @@ def _complete(folder: Path, repo_id: str, gguf_file: str | None,
     _pick_weights(repo_id, names, revision)  # raises for pickles / GGUF-only
     if "config.json" not in names:
         return None
-    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    indexes = _indexes(names)
     if indexes:
         shards = _index_shards(folder / indexes[0])
         return folder if all((folder / s).is_file() for s in shards) else None
@@ -227,6 +231,13 @@ def _pick_weights(repo_id: str, files: list[str], revision: str | None) -> list[
                          f"({', '.join(pickles)}), which pkv never loads (they can run code): "
                          "use a safetensors or GGUF repo, or convert them")
     return []
+
+
+def _indexes(files: list[str]) -> list[str]:
+    """The safetensors indexes at the top of a listing, the Hugging Face one first (Mistral
+    repos also index their consolidated.safetensors shards, in Mistral's own names)."""
+    top = [f for f in files if "/" not in f and f.endswith(".safetensors.index.json")]
+    return sorted(top, key=lambda f: (f.startswith("consolidated"), f))
 
 
 def _index_shards(index: Path) -> list[str]:
@@ -265,12 +276,13 @@ def _download(repo_id: str, revision: str | None, gguf_file: str | None,
             if not weights:
                 raise ValueError(f"{repo_id}{_at(revision)} has no *.safetensors or *.gguf "
                                  "weights pkv can load")
-            indexes = [f for f in files if "/" not in f and f.endswith(".safetensors.index.json")]
+            indexes = _indexes(files)
             if indexes:  # exactly the shards it names
                 index = hf_hub_download(repo_id, indexes[0], revision=revision,
                                         cache_dir=cache_dir)
                 weights = [indexes[0], *_index_shards(Path(index))]
-            patterns = weights + [f for f in CONFIG_FILES + TOKENIZER_FILES if f in files]
+            patterns = (weights + [f for f in CONFIG_FILES + TOKENIZER_FILES if f in files]
+                        + [f for f in files if SENTENCE_FILES.fullmatch(f)])
         logger.info("downloading %s%s from the Hugging Face Hub into %s", repo_id,
                     _at(revision), cache_dir)
         return fetch(patterns)

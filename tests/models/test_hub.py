@@ -140,16 +140,19 @@ def test_local_paths_are_not_hub_ids(hub_cache: Path, tiny_llama_dir: Path):
 def test_download_fetches_only_safetensors_config_and_tokenizer(
         hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The online path with the Hub replaced: the allow-list holds the index's shards, the
-    config and tokenizer files, never pickles or Mistral's consolidated copy."""
+    config, tokenizer and sentence-transformers files (its pooling), never pickles or
+    Mistral's consolidated copy (nor its index, which sorts first)."""
     import huggingface_hub
     from huggingface_hub import constants
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    listing = ["config.json", "generation_config.json", "tokenizer.json", "README.md",
+    listing = ["consolidated.safetensors.index.json",  # (the Hub lists names sorted)
+               "config.json", "generation_config.json", "tokenizer.json", "README.md",
                "model.safetensors.index.json", "model-00001-of-00002.safetensors",
                "model-00002-of-00002.safetensors", "consolidated.safetensors",
-               "pytorch_model.bin", "original/consolidated.00.pth"]
+               "pytorch_model.bin", "original/consolidated.00.pth", "modules.json",
+               "1_Pooling/config.json", "config_sentence_transformers.json"]
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors",
                                                 "y": "model-00002-of-00002.safetensors"}}))
@@ -163,7 +166,8 @@ def test_download_fetches_only_safetensors_config_and_tokenizer(
         resolve_model("org/big")  # the stub fetched nothing
     assert asked[-1] == ["model.safetensors.index.json", "model-00001-of-00002.safetensors",
                          "model-00002-of-00002.safetensors", "config.json",
-                         "generation_config.json", "tokenizer.json"]
+                         "generation_config.json", "tokenizer.json", "modules.json",
+                         "1_Pooling/config.json", "config_sentence_transformers.json"]
     listing[:] = ["config.json", "pytorch_model.bin", "model.pt"]
     with pytest.raises(ValueError, match=r"only pickle weights \(pytorch_model.bin, model.pt\)"):
         resolve_model("org/old")
