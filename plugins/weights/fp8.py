@@ -56,7 +56,10 @@ class FP8LinearMethod(LinearMethod):
         self.dtype = dtype
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
                                                 dtype=FP8), requires_grad=False)
-        layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, 1),
+        # float32 whatever the default dtype (the model is built under the compute dtype):
+        # _scaled_mm takes no other scales
+        layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, 1,
+                                                      dtype=torch.float32),
                                           requires_grad=False)
         layouts = {"weight": ParamLayout(output_dim=0, input_dim=1)}
         if not self.quantize_on_load:

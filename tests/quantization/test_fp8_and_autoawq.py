@@ -35,6 +35,23 @@ def test_scaled_mm_matches_dequantized_fp8() -> None:
     assert (expected - x @ weight.t()).abs().max() < 0.05 * (x @ weight.t()).abs().max()
 
 
+def test_scaled_mm_runs_on_a_model_built_in_16_bits() -> None:
+    # Models are built under their compute dtype (bfloat16 on a GPU by default): the scales
+    # must stay float32, the only kind _scaled_mm takes
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(48, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = _fp8_linear(True, weight)
+    finally:
+        torch.set_default_dtype(default)
+    assert layer.weight_scale.dtype == torch.float32
+    y = layer(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), _fp8_linear(False, weight)(x), rtol=0.08, atol=0.3)
+
+
 def test_autoawq_output_loads_in_pkv(tmp_path: Path, tiny_llama_dir: Path) -> None:
     pytest.importorskip("awq", reason="autoawq is optional (pip install 'pkv[autoawq]')")
     from pkv.quantize.autoawq_backend import quantize_with_autoawq
