@@ -6,8 +6,9 @@ pooling mode. Without them: CLS for BERT encoders, the last token for decoders (
 position is the only one that has seen the whole prompt), normalized either way.
 
 A classifier (a cross-encoder) pools its CLS row and runs its head on it (`head`); its
-logits become scores through the classifier's activation: sigmoid for one label, softmax
-for several (what sentence-transformers' CrossEncoder returns).
+logits become scores through the classifier's activation: the one its config names, else
+sigmoid for one label and softmax for several (what sentence-transformers' CrossEncoder
+returns).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class PoolerConfig:
     mode: str
     normalize: bool
     matryoshka: tuple[int, ...] | None = None
+    # a classifier's: "default" (sigmoid for one label, softmax for several), "sigmoid" or
+    # "identity" (the logits), as its config names it
+    activation: str = "default"
 
     @classmethod
     def for_model(cls, folder: Path | None, default_mode: str,
@@ -131,7 +135,8 @@ class Pooler:
         pooled = pool_rows(hidden, spans, self.config.mode)
         if self.head is not None:
             logits = self.head(pooled).float()
-            return [_activate(row, p.activation) for row, p in zip(logits, params)]
+            return [_activate(row, self.config.activation if p.activation else "identity")
+                    for row, p in zip(logits, params)]
         return [self._finish(row.float(), p) for row, p in zip(pooled, params)]
 
     def _finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
@@ -157,7 +162,19 @@ def pool_rows(hidden: torch.Tensor, spans: list[tuple[int, int]], mode: str) -> 
     raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
 
 
-def _activate(logits: torch.Tensor, activation: bool) -> torch.Tensor:
-    if not activation:
+def _activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "identity":
         return logits
-    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)
+    if activation == "sigmoid" or logits.numel() == 1:
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, -1)
+
+
+def classifier_activation(hf_config: dict[str, Any]) -> str:
+    """What a cross-encoder's scores go through, as sentence-transformers reads its config
+    (`sentence_transformers.activation_fn`, or the older `sbert_ce_default_activation_
+    function`): ms-marco-MiniLM's Identity returns the logits themselves."""
+    named = ((hf_config.get("sentence_transformers") or {}).get("activation_fn")
+             or hf_config.get("sbert_ce_default_activation_function"))
+    tail = named.rsplit(".", 1)[-1] if isinstance(named, str) else ""
+    return {"Identity": "identity", "Sigmoid": "sigmoid"}.get(tail, "default")

@@ -14,7 +14,7 @@ from typing import Any
 from pkv.core.config.engine import TASKS
 from pkv.core.models.config import ModelConfig
 from pkv.core.models.registry import POOLING_TASKS
-from pkv.core.pooling.pooler import Pooler, PoolerConfig
+from pkv.core.pooling.pooler import Pooler, PoolerConfig, classifier_activation
 
 
 def resolve_task(asked: str, config: ModelConfig, folder: Path | None) -> str:
@@ -40,6 +40,7 @@ def resolve_task(asked: str, config: ModelConfig, folder: Path | None) -> str:
 def build_pooler(task: str, config: ModelConfig, folder: Path | None, model: Any) -> Pooler:
     """The pooler of an embed or classify model (its classifier head included)."""
     if task == "classify":
-        return Pooler(PoolerConfig("cls", False), config.hidden_size, model.classify)
+        return Pooler(PoolerConfig("cls", False, activation=classifier_activation(config.hf)),
+                      config.hidden_size, model.classify)
     default_mode = getattr(model, "default_pooling", "last")
     return Pooler(PoolerConfig.for_model(folder, default_mode, config.hf), config.hidden_size)

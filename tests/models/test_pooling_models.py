@@ -314,3 +314,20 @@ def test_a_tokenizer_files_own_truncation_and_padding_are_not_the_models(tmp_pat
     assert len(outs[0].prompt_token_ids) > 8 and len(outs[1].prompt_token_ids) < 8
     ref = _bert_reference(folder, [long, short], "mean")
     assert min(_cosines([o.outputs.data for o in outs], ref)) >= 0.9999
+
+
+def test_a_cross_encoder_scores_through_the_activation_its_config_names(tmp_path: Path):
+    # ms-marco-MiniLM-L-6-v2 names Identity: sentence-transformers returns its raw logits
+    import json
+
+    folder = write_random_bert(tmp_path / "ce", SHAPE, classifier=True, seed=5)
+    config = json.loads((folder / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (folder / "config.json").write_text(json.dumps(config))
+    query, docs = "what is w5", ["w5 is a word", "nothing here"]
+    scores = [o.outputs.score for o in LLM(str(folder), show_progress=False).score(query, docs)]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        ref = [model(**tok(query, d, return_tensors="pt")).logits[0, 0].item() for d in docs]
+    assert scores == pytest.approx(ref, abs=1e-5)
