@@ -157,12 +157,16 @@ class Scheduler:
         return max(0, room)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Requests whose adapter waits for a LoRA slot step aside for the ones behind them
+        # (the base model's, a resident adapter's), keeping their place in the queue.
+        skipped: list[Request] = []
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < self._step_seqs):
             request = self.waiting[0]
             newly = self._acquire_lora(request, out)
-            if newly is None:
-                break  # every LoRA slot is pinned by running requests of other adapters
+            if newly is None:  # every slot is pinned by running requests of other adapters
+                skipped.append(self.waiting.popleft())
+                continue
             if request.pooling is not None and not request.pool_in_chunks:
                 if request.num_tokens > budget:
                     self._unacquire_lora(request, out, newly)
@@ -185,6 +189,7 @@ class Scheduler:
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _acquire_lora(self, request: Request, out: SchedulerOutput) -> bool | None:
         """Pin the request's adapter into a slot: whether its weights load this step, or

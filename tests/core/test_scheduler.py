@@ -192,3 +192,21 @@ def test_a_pooling_request_waiting_for_budget_leaves_its_adapter_unpinned():
     while s.has_unfinished_requests():
         _step(s)
     assert not slots.pins(1)  # (a pin left behind would make other adapters wait)
+
+
+def test_a_request_waiting_for_a_lora_slot_lets_the_others_pass():
+    from types import SimpleNamespace
+
+    from pkv.core.lora.slots import LoRASlotTable
+
+    s = Scheduler(KVCacheManager(64, 4, False), 8, 64, max_model_len=256,
+                  lora_slots=LoRASlotTable(1))
+    a = _add(s, "a", 3, max_tokens=20)
+    a.lora = SimpleNamespace(uid=1)
+    _step(s)  # "a" holds the one slot while it runs
+    b = _add(s, "b", 3)
+    b.lora = SimpleNamespace(uid=2)
+    base = _add(s, "base", 3)
+    out = _step(s)
+    assert base in out.scheduled and b not in out.scheduled  # not stuck behind "b"
+    assert list(s.waiting) == [b]
