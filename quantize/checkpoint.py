@@ -56,10 +56,15 @@ def _split_bias(path: str, linear: Linear, dtype: torch.dtype) -> dict[str, torc
 
 
 def hf_config(source: ModelSource, quant_config: dict[str, Any]) -> dict[str, Any]:
-    """The source's config.json with `quantization_config` and float16 as its dtype."""
-    config = {k: v for k, v in source.hf_config.items() if v is not None}
+    """The source's config.json with `quantization_config` and float16 as its dtype. Its
+    nulls stay (Mistral's `sliding_window: null` is no window; left out, transformers and
+    vLLM read their default of 4096)."""
+    config = dict(source.hf_config)
     config.setdefault("model_type", MODEL_TYPES[source.config.architecture])
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = config["dtype"] = "float16"  # (transformers 4's name, and 5's)
+    rope = config.get("rope_parameters")
+    if "rope_theta" not in config and isinstance(rope, dict) and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]  # transformers 4 reads only this one
     config["quantization_config"] = quant_config
     return config
 

@@ -140,3 +140,18 @@ def test_fp8_on_load_quantizes_a_float_checkpoint(tiny_llama_dir: Path) -> None:
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0,
                                                    ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_written_config_keeps_nulls_and_names_one_dtype() -> None:
+    from types import SimpleNamespace
+
+    from pkv.quantize.checkpoint import hf_config
+
+    source = SimpleNamespace(
+        hf_config={"model_type": "mistral", "sliding_window": None, "dtype": "bfloat16",
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        config=SimpleNamespace(architecture="mistral"))
+    config = hf_config(source, {"quant_method": "awq"})  # type: ignore[arg-type]
+    assert "sliding_window" in config and config["sliding_window"] is None  # no window
+    assert config["dtype"] == config["torch_dtype"] == "float16"
+    assert config["rope_theta"] == 1e6  # where transformers 4 reads it
