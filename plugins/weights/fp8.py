@@ -118,6 +118,10 @@ def supports_scaled_mm(device: torch.device) -> bool:
 
 def _check_config(quant_config: dict) -> None:
     method = quant_config.get("quant_method")
+    if quant_config.get("weight_block_size"):  # DeepSeek-V3's, Qwen3-FP8's: weight_scale_inv
+        raise ValueError(f"block-scaled FP8 (weight_block_size "
+                         f"{quant_config['weight_block_size']}) is not supported; pkv reads "
+                         "per-tensor and per-channel FP8 scales")
     if method == "compressed-tensors":
         for group in (quant_config.get("config_groups") or {}).values():
             weights = group.get("weights") or {}

@@ -166,6 +166,17 @@ def test_unsupported_checkpoint_method_is_named(tmp_path: Path, tiny_llama_dir: 
         _load(gptq)
 
 
+def test_block_scaled_fp8_is_refused_by_name(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    blocks = tmp_path / "blocks"
+    shutil.copytree(tiny_llama_dir, blocks)
+    config = json.loads((blocks / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    (blocks / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"block-scaled FP8 \(weight_block_size \[128, 128\]\)"):
+        _load(blocks)
+
+
 def _escape(text: str) -> str:
     import re
 
