@@ -77,8 +77,12 @@ def check_lora_dir(path: str, lora_dir: str | None) -> None:
     if lora_dir is None:
         return
     root = Path(lora_dir).expanduser().resolve()
-    if not Path(path).expanduser().resolve().is_relative_to(root):
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_relative_to(root):
         raise ValueError(f"lora_path {path} is outside the allowed --lora-dir {root}")
+    if not resolved.exists():  # (else an `org/name` would go on to the Hugging Face Hub)
+        raise ValueError(f"lora_path {path} is not in --lora-dir {root}: with --lora-dir, "
+                         "adapters load from that folder only")
 
 
 def _check_runtime_lora(config: ServerConfig, engine: LLMEngine) -> None:

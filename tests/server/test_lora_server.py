@@ -98,6 +98,12 @@ def test_runtime_load_and_unload(lora_server: RunningServer, adapter_dir: Path,
                          json={"lora_name": "x", "lora_path": str(tmp_path)})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "lora_path"
     assert "--lora-dir" in outside.json()["error"]["message"]
+    # a name under the folder that is no folder there (from inside it, "org/name" would
+    # otherwise be a Hub id to fetch)
+    missing = httpx.post(f"{url}/v1/load_lora_adapter", headers=lora_server.headers,
+                         json={"lora_name": "x", "lora_path": str(adapter_dir / "org" / "name")})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+    assert "load from that folder only" in missing.json()["error"]["message"]
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers=lora_server.headers, json=body)
     assert loaded.status_code == 200, loaded.text
     assert _complete(lora_server, "late")
