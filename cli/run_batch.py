@@ -28,6 +28,7 @@ def run_batch(
     max_concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 256,
 ) -> None:
     """Answer every request of a batch file with one engine and write the results."""
+    from pkv.cli.http import auth_headers
     from pkv.cli.serve import serve_options, start_app
     from pkv.core.progress import make_progress
     from pkv.core.server.batch import answer_batch, parse_batch
@@ -57,7 +58,8 @@ def run_batch(
 
                 # as the first tenant, where the config names keys
                 key = next(iter(split_keys(options.get("api_key"))), None)
-                results = asyncio.run(answer_batch(app, lines, max_concurrency, done, key))
+                results = asyncio.run(answer_batch(app, lines, max_concurrency, done,
+                                                   auth_headers(key)))
         finally:
             async_llm.shutdown()
         _write_jsonl(output_file, results)

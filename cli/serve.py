@@ -147,7 +147,7 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
                          f"{getattr(exc, 'problem', None) or 'cannot parse'}{where}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{config_file} must hold a mapping of option: value")
-    options = {}
+    options, types = {}, _option_types()
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         if name not in known:
@@ -156,7 +156,7 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
         value = [value] if name in _list_options() and isinstance(value, str) else value
         # the engine's options are checked by EngineConfig, port and api_key by their own rules
         typed = name in SERVER_OPTIONS and name not in ("port", "api_key")
-        options[name] = _typed(name, value, _option_types()[name]) if typed else value
+        options[name] = _typed(name, value, types[name]) if typed else value
     return options
 
 

@@ -217,8 +217,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     open_nucleus = (k == vocab) & (top_p < 1)  # a nucleus with no top-k to bound it
-    width = min(vocab, max([int(x) for x in k[k < vocab]]
-                           + [_NUCLEUS_CANDIDATES if bool(open_nucleus.any()) else 1]))
+    bounded = k[k < vocab]
+    width = min(vocab, max(int(bounded.max()) if bounded.numel() else 1,
+                           _NUCLEUS_CANDIDATES if bool(open_nucleus.any()) else 1))
     values, order = logits.topk(width, dim=-1)
     # Rows without a top-k (k beyond the candidates) keep every token before top-p: their
     # candidates' probabilities are over the whole row (softmax's: a 64 x 128k batch's

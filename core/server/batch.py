@@ -73,15 +73,14 @@ def _parse_line(number: int, text: str, seen: set[str]) -> BatchLine:
 
 async def answer_batch(app: Any, lines: list[BatchLine], concurrency: int,
                        done: Callable[[dict[str, Any]], None] | None = None,
-                       api_key: str | None = None) -> list[dict[str, Any]]:
+                       headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The output line of every input line, in input order; at most `concurrency` requests
-    in flight (the engine batches them). `done` is called as each one ends. `api_key`: the
-    key requests are sent with, where the app requires one."""
+    in flight (the engine batches them). `done` is called as each one ends. `headers`: sent
+    with every request (the API key, where the app requires one)."""
     limit = asyncio.Semaphore(concurrency)
     transport = httpx.ASGITransport(app=app)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(transport=transport, base_url="http://pkv-batch",
-                                 headers=headers, timeout=None) as client:
+                                 headers=headers or {}, timeout=None) as client:
 
         async def one(line: BatchLine) -> dict[str, Any]:
             async with limit:

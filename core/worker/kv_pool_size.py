@@ -32,7 +32,7 @@ def num_kv_blocks(config: EngineConfig, groups: KVGroups, per_block: int,
         return config.max_num_seqs * per_seq
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory)
-        total = _device_memory(device)
+        total, _ = _device_memory(device)
         if budget > total:  # (a typo: 2TB for 2GB) refused here, not by a failed allocation
             raise ValueError(f"kv_cache_memory={budget} bytes is more than this {device.type} "
                              f"device's memory ({total / 2**30:.1f} GiB)")
@@ -55,17 +55,14 @@ def num_kv_blocks(config: EngineConfig, groups: KVGroups, per_block: int,
     return num_blocks
 
 
-def _device_memory(device: torch.device) -> int:
+def _device_memory(device: torch.device) -> tuple[int, int]:
+    """(total, in use) bytes: the GPU's, or the machine's and this process's resident set."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return psutil.virtual_memory().total
+        free, total = torch.cuda.mem_get_info(device)
+        return total, total - free
+    return psutil.virtual_memory().total, psutil.Process().memory_info().rss
 
 
 def _blocks_from_utilization(config: EngineConfig, device: torch.device, per_block: int) -> int:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-    else:
-        total = psutil.virtual_memory().total
-        used = psutil.Process().memory_info().rss
+    total, used = _device_memory(device)
     return max(0, int(total * config.memory_utilization) - used) // per_block
