@@ -8,7 +8,8 @@ modules, optional per-module rank_pattern / alpha_pattern) and `adapter_model.sa
 `.bin` adapters are refused, as pickled checkpoints are.
 
 Each LoRA'd projection lands on one of the model's linears: q/k/v on the fused `qkv_proj`
-(shards 0/1/2), gate/up on `gate_up_proj`, o and down on themselves. The scale
+(shards 0/1/2), gate/up on `gate_up_proj`, o and down on themselves; a checkpoint that fuses
+them itself (Phi-3) has one pair on `qkv_proj` whose B spans every shard. The scale
 (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B at load.
 """
 
@@ -163,13 +164,17 @@ def _place(config: dict, tensors: dict[str, torch.Tensor], targets: dict[str, Lo
         alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         path, shard, linear = _target_for(targets, module)
-        out = linear.out_sizes[shard or 0]
+        # A checkpoint's own fused projection (Phi-3's qkv_proj, gate_up_proj) as one pair:
+        # B's rows cover every shard, each shard's with the one A.
+        shards = range(len(linear.out_sizes)) if shard is None else [shard]
+        out = sum(linear.out_sizes[s] for s in shards)
         if a.shape[1] != linear.in_features or b.shape[0] != out:
             raise ValueError(f"{module}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the "
                              f"model's projection ({out} x {linear.in_features}); an adapter "
                              "for another base model?")
-        weights.setdefault(path, []).append(LoRAWeight(shard or 0, a.contiguous(),
-                                                       (b * scale).contiguous()))
+        rows = torch.split(b * scale, [linear.out_sizes[s] for s in shards])
+        weights.setdefault(path, []).extend(LoRAWeight(s, a.contiguous(), part.contiguous())
+                                            for s, part in zip(shards, rows))
         top_rank = max(top_rank, rank)
     return weights, top_rank
 

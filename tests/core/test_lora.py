@@ -91,6 +91,24 @@ def test_adapters_on_the_gguf_in_its_blocks_match_merged_transformers(
                       served=smol_gguf)
 
 
+def test_an_adapter_on_phi3s_own_fused_projections_matches_merged_transformers(
+        tmp_path: Path, smol_hf_dir: Path):
+    # Phi-3's checkpoint fuses q/k/v and gate/up, so PEFT targets qkv_proj and gate_up_proj:
+    # one A and a B over every shard's rows.
+    base = build_tiny_model(tmp_path / "phi3", smol_hf_dir, "phi3", head_dim=16)
+    merged = make_lora_adapter(base, tmp_path / "a", 8, ["qkv_proj", "gate_up_proj",
+                                                         "down_proj"], seed=5)
+    prompts = parity_prompts(3, 9, 30)
+    expected = hf_greedy(merged, prompts, NEW, 2)
+    llm = LLM(str(base), show_progress=False, kv_cache_memory="8MiB", enable_lora=True)
+    request = LoRARequest("a", 1, str(tmp_path / "a"))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW),
+                        lora_request=request)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=NEW))[0] \
+        .outputs[0].token_ids != expected[0]  # the adapter matters
+
+
 def test_the_same_prompt_under_two_adapters_shares_no_blocks(tiny_llama_dir: Path,
                                                              tmp_path: Path):
     make_lora_adapter(tiny_llama_dir, tmp_path / "a", 4, ["q_proj"], seed=3)
