@@ -24,7 +24,7 @@ from pkv.core.engine.async_engine import RequestStream
 from pkv.core.engine.outputs import CompletionOutput, RequestOutput
 from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError, anthropic_error
-from pkv.core.server.protocol import STRICT, ChatCompletionRequest
+from pkv.core.server.protocol import STRICT, ChatCompletionRequest, RequestBody
 from pkv.core.server.serving_chat import OpenAIServingChat, chat_request_from, named_as
 from pkv.core.server.serving_engine import (EngineStreamingResponse, single_choice_deltas,
                                             stream_error)
@@ -60,7 +60,7 @@ class AnthropicThinking(BaseModel):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(RequestBody):
     """The body of POST /v1/messages (fields pkv does not use are accepted and ignored, but
     remote MCP servers, which would change what the model can do, are refused)."""
 
@@ -96,7 +96,7 @@ class MessagesRequest(BaseModel):
         return None
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(RequestBody):
     """The body of POST /v1/messages/count_tokens: a Messages conversation, no max_tokens."""
 
     model_config = STRICT

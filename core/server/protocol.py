@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server.errors import OpenAIError
@@ -23,6 +23,24 @@ from pkv.core.tokenizer.chat_messages import (first_non_text_part, may_omit_cont
 # Strict types, finite floats: see the module docstring. Unknown fields are accepted and
 # ignored, as OpenAI-compatible servers do: clients send vendor extras (e.g. `metadata`).
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class RequestBody(BaseModel):
+    """A request body whose fields read `null` as "not given", as OpenAI's and Anthropic's
+    APIs do: their SDKs type such fields optional and send null for them (`store=None`), so a
+    null takes the field's default instead of failing its type."""
+
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for field_name, info in cls.model_fields.items()
+                     if info.default is not None and not info.is_required()
+                     for name in (field_name, info.alias) if name}
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
 
 class JsonSchemaFormat(BaseModel):
@@ -78,7 +96,7 @@ def _asks_nothing(name: str, value: Any) -> bool:
     return number and value == _NO_OP.get(name)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestBody):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
 
     model_config = STRICT
@@ -318,7 +336,7 @@ class CompletionRequest(_SamplingFields):
                               "each choice is its own sample", "best_of")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a prompt, or a conversation rendered as chat renders it (its tools,
     generation prompt, prefilled answer and template variables included)."""
 
@@ -343,7 +361,7 @@ class TokenizeRequest(BaseModel):
             chat_template_kwargs=self.chat_template_kwargs)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model_config = STRICT
 
     model: str | None = None
@@ -370,7 +388,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=256)
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings (OpenAI's body; `normalize` is vLLM's extra)."""
 
     model_config = STRICT
@@ -385,7 +403,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-class ClassificationRequest(BaseModel):
+class ClassificationRequest(RequestBody):
     """POST /classify (vLLM's body): a sequence classifier's label scores for each input."""
 
     model_config = STRICT
@@ -402,7 +420,7 @@ class RerankDocument(BaseModel):
     text: str
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(RequestBody):
     """POST /v1/rerank (Jina's and Cohere's body, as vLLM and llama.cpp accept it)."""
 
     model_config = STRICT
@@ -415,7 +433,7 @@ class RerankRequest(BaseModel):
     truncate_prompt_tokens: int | None = None  # vLLM's: each text's last N (embedding models)
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(RequestBody):
     """POST /score (vLLM's body): text_1 against each text_2, or pair by pair."""
 
     model_config = STRICT

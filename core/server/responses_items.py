@@ -10,16 +10,16 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from pkv.core.engine.outputs import RequestOutput
 from pkv.core.server.errors import OpenAIError
-from pkv.core.server.protocol import STRICT, ChatCompletionRequest
+from pkv.core.server.protocol import STRICT, ChatCompletionRequest, RequestBody
 from pkv.core.server.serving_chat import chat_request_from
 from pkv.core.server.tools import json_object
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """The body of POST /v1/responses (fields pkv does not use are accepted and ignored, but
     those whose meaning it does not serve are refused: `check_supported`)."""
 

@@ -205,3 +205,34 @@ def test_an_assistant_message_with_tool_calls_needs_no_content(server: RunningSe
     r = _send(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
                                                "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+_NULLABLE_BASE = {
+    **BASE,
+    "/v1/responses": {"model": MODEL, "input": "Hi"},
+    "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+}
+_TEXT = {  # the answer's text in each endpoint's response
+    "/v1/completions": lambda r: r["choices"][0]["text"],
+    "/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
+    "/v1/responses": lambda r: r["output"][-1]["content"][0]["text"],
+    "/v1/messages": lambda r: r["content"][0]["text"],
+}
+
+
+@pytest.mark.parametrize("path", list(_NULLABLE_BASE))
+def test_null_takes_a_fields_default(server: RunningServer, path: str) -> None:
+    # The SDKs type these fields optional and send null for "not given" (store=None).
+    from pkv.core.server.anthropic_messages import MessagesRequest
+    from pkv.core.server.responses_items import ResponsesRequest
+
+    model = {**MODELS, "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest}[path]
+    nulls = {info.alias or name: None for name, info in model.model_fields.items()
+             if info.default is not None and not info.is_required()}
+    assert {"stream", "n", "logprobs", "store", "parallel_tool_calls"} & set(nulls)
+    limit = {"/v1/responses": "max_output_tokens"}.get(path, "max_tokens")
+    body = {**_NULLABLE_BASE[path], limit: 4, "temperature": 0}
+    plain = _send(server, path, body)
+    nulled = _send(server, path, {**nulls, **body})
+    assert plain.status_code == 200 and nulled.status_code == 200, nulled.text
+    assert _TEXT[path](nulled.json()) == _TEXT[path](plain.json())
