@@ -63,23 +63,26 @@ def error_response(err: OpenAIError, request: Request | None = None) -> JSONResp
     """The error as OpenAI's error object, or Anthropic's on its Messages route."""
     body = error_body(err.status, err.message, err.param, err.code)
     if request is not None:
-        body = for_path(body, request.url.path)
+        body = for_path(body, request.url.path, err.status)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)
 
 
-def for_path(body: dict, path: str) -> dict:
-    """An OpenAI error body as the API served at `path` shapes errors."""
-    return anthropic_error(body) if path.startswith(ANTHROPIC_PATHS) else body
+def for_path(body: dict, path: str, status: int | None = None) -> dict:
+    """An OpenAI error body (sent with HTTP `status`) as the API served at `path` shapes
+    errors."""
+    return anthropic_error(body, status) if path.startswith(ANTHROPIC_PATHS) else body
 
 
-def anthropic_error(body: dict) -> dict:
+def anthropic_error(body: dict, status: int | None = None) -> dict:
     """An OpenAI error body in Anthropic's shape ({"type": "error", "error": {...}})."""
     error = body["error"]
     kind = {"internal_server_error": "api_error",
             "service_unavailable": "overloaded_error"}.get(error["type"], error["type"])
+    if status == 413:  # Anthropic's own type for a body over the limit
+        kind = "request_too_large"
     return {"type": "error", "error": {"type": kind, "message": error["message"],
                                        "param": error.get("param")}}
 
@@ -87,7 +90,7 @@ def anthropic_error(body: dict) -> dict:
 def error_bytes(status: int, message: str, path: str, param: str | None = None) -> bytes:
     """The error, as the API served at `path` shapes errors, as JSON (for ASGI middleware,
     which answers before any route)."""
-    return json.dumps(for_path(error_body(status, message, param), path)).encode()
+    return json.dumps(for_path(error_body(status, message, param), path, status)).encode()
 
 
 def _param(loc: list[str | int]) -> str | None:

@@ -364,10 +364,10 @@ class OpenAIServingResponses:
         except Exception as exc:  # the engine failed it: the stored response says so
             if key not in self._background:
                 return
-            known = stream_error(exc)["error"]
+            # "server_error": the one code of the API's list for what the engine reports
             failed = {**base, "status": "failed",
-                      "error": {"code": known.get("code") or "server_error",
-                                "message": known["message"]}}
+                      "error": {"code": "server_error",
+                                "message": stream_error(exc)["error"]["message"]}}
             self.store.put(tenant, _Stored(failed, turn, time.time()))
         finally:
             stream.close()
@@ -409,7 +409,9 @@ class OpenAIServingResponses:
         except Exception as exc:  # Responses' error event: type "error", code, message, param
             events.finished = True
             error = stream_error(exc)["error"]
-            yield events.emit("error", {"code": error["code"] or error["type"],
+            code = error["code"] or {"internal_server_error": "server_error"}.get(
+                error["type"], error["type"])
+            yield events.emit("error", {"code": code,
                                         "message": error["message"], "param": error["param"]})
             return
         cut = final is not None and final.outputs[0].finish_reason == "length"

@@ -253,6 +253,10 @@ def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             part = "output_text" if item["role"] == "assistant" else "input_text"
             if isinstance(item.get("content"), str):
                 out["content"] = [{"type": part, "text": item["content"]}]
+            # An output_text part always lists its annotations (the SDK's type needs them).
+            out["content"] = [{**c, "annotations": c.get("annotations") or []}
+                              if c.get("type") == "output_text" else c for c in out["content"]]
+        if kind != "reasoning":  # a status is part of every other item's type
             out.setdefault("status", "completed")
         listed.append(out)
     return listed
@@ -293,5 +297,8 @@ def response_usage(final: RequestOutput) -> dict[str, Any]:
     prompt = len(final.prompt_token_ids or [])
     output = sum(len(c.token_ids) for c in final.outputs)
     return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-            "input_tokens_details": {"cached_tokens": max(0, final.num_cached_tokens)},
+            # Nothing is written to a cache on request (the prefix cache is automatic), as
+            # the Messages API's cache_creation_input_tokens says too.
+            "input_tokens_details": {"cached_tokens": max(0, final.num_cached_tokens),
+                                     "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}

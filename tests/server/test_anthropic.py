@@ -156,6 +156,7 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
     too_large = httpx.post(url, content=b"x" * (5 * 2**20),
                            headers={"x-api-key": server.api_key}, timeout=60)
     assert too_large.status_code == 413 and too_large.json()["type"] == "error"
+    assert too_large.json()["error"]["type"] == "request_too_large"  # Anthropic's own type
     assert "request body is over" in too_large.json()["error"]["message"]
     cases = [({**body, "max_tokens": "4"}, "max_tokens"),
              ({"model": MODEL, "messages": ASK}, "max_tokens"),

@@ -192,6 +192,28 @@ def test_function_call_round_trip_and_previous_response(client: openai.OpenAI):
         client.responses.delete(answer.id)
 
 
+def test_responses_and_input_items_are_whole_as_the_sdk_types_them(server: RunningServer,
+                                                                   client: openai.OpenAI):
+    # The client parses leniently (a missing field reads None); its types, validated, do not.
+    from openai.types.responses import Response
+    from openai.types.responses.response_item_list import ResponseItemList
+
+    made = client.responses.create(model=MODEL, tools=[WEATHER], temperature=0,
+                                   max_output_tokens=4, input=[
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Where?"},
+        {"role": "user", "content": "Paris."},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny."}])
+    url = f"{server.base_url}/v1/responses/{made.id}"
+    stored = httpx.get(url, headers=server.headers, timeout=60).json()
+    assert Response.model_validate(stored).usage.input_tokens_details.cached_tokens >= 0
+    listed = httpx.get(f"{url}/input_items", headers=server.headers, timeout=60).json()
+    items = ResponseItemList.model_validate(listed).data
+    assert [i.type for i in items][:2] == ["function_call_output", "function_call"]
+    assert all(i.status == "completed" for i in items)
+
+
 def test_json_schema_format(client: openai.OpenAI):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
               "required": ["city"], "additionalProperties": False}
