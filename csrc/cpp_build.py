@@ -13,12 +13,14 @@ what it includes).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -142,26 +144,30 @@ def _kernels(flavour: str) -> Any:
         raise RuntimeError(f"cannot build the CPU kernels: {'; '.join(reasons)}")
     flags = compile_flags(flavour)
     name = f"pkv_kernels_{flavour}_{_source_hash(flags)}"
-    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
-    with Console(stderr=True).status(f"building the CPU kernels for {flavour} (cached after once)"):
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    status = f"building the CPU kernels for {flavour} (cached after once)"
+    with Console(stderr=True).status(status), build_lock(build_dir):
         return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def clear_stale_lock(build_dir: Path, max_age_s: float = 600.0) -> bool:
-    """Remove the lock a killed build left in `build_dir` (torch would wait on it forever,
-    idle and silent); a live build takes about a minute, so an older lock is stale."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    logging.getLogger("pkv.kernels").warning("removing a stale build lock (%.0f s old): %s",
-                                             age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """pkv's own lock on a build folder, held while torch loads (or builds) from it. The OS
+    drops it when its holder dies, so a torch `lock` found under it was left by a loader
+    killed mid-way: it is removed at once (torch would wait on it, idle and silent)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "pkv.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logging.getLogger("pkv.kernels").warning(
+                    "removing the build lock a killed process left: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def kernels_or_none(flavour: str | None = None) -> Any:

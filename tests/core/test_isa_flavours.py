@@ -153,18 +153,28 @@ def test_kernels_cross_compile_for_aarch64_neon(tmp_path: Path):
     assert b"generic (NEON)" in data
 
 
-def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path: Path):
-    # A build killed mid-way leaves `lock`; torch's load() would then wait forever.
-    import os
-    import time
+def test_a_killed_loaders_build_lock_is_cleared_and_a_live_one_waited_for(tmp_path: Path):
+    # A loader killed mid-way leaves torch's `lock`, on which torch's load() would wait,
+    # idle and silent; pkv's own lock (the OS drops it with its holder) tells the two apart.
+    import threading
 
-    lock = tmp_path / "lock"
-    assert not cpp_build.clear_stale_lock(tmp_path)  # none there
-    lock.write_text("")
-    assert not cpp_build.clear_stale_lock(tmp_path) and lock.exists()  # a build running now
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    assert cpp_build.clear_stale_lock(tmp_path) and not lock.exists()
+    stale = tmp_path / "lock"
+    stale.write_text("")
+    with cpp_build.build_lock(tmp_path):
+        assert not stale.exists()  # nobody held pkv's lock: a killed loader's
+        stale.write_text("")  # a live load's own
+        entered = threading.Event()
+
+        def second() -> None:
+            with cpp_build.build_lock(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not entered.wait(0.5)  # waits for the live load
+        stale.unlink()  # the live load ends
+    waiter.join(10)
+    assert entered.is_set()
 
 
 def test_two_copies_of_the_sources_build_apart(tmp_path: Path):
