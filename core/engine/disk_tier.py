@@ -13,6 +13,7 @@ from pkv.core.config.engine import EngineConfig
 from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.kv_cache_manager import cdiv
 from pkv.core.sched.kv_offload import KVOffloadStore, block_ids, model_fingerprint
+from pkv.core.sched.kv_offload_files import smallest_file
 from pkv.core.version import pkv_version
 from pkv.core.worker.kv_parts import KVTransfer, KVWork
 from pkv.core.worker.model_runner import ModelRunner
@@ -35,18 +36,24 @@ def open_offload_store(config: EngineConfig, setup: ModelSetup, runner: ModelRun
         "pkv": pkv_version(),
     }
     block_bytes = math.prod(layout["kv_block_shape"]) * kv.element_size()
-    if int(config.kv_offload_size) < block_bytes:
-        raise ValueError(f"kv_offload_size ({int(config.kv_offload_size)} bytes) holds no KV "
-                         f"block of this model ({block_bytes} bytes each)")
     if runner.kv_parts is not None:  # a file holds every rank's part (heads, layers)
         layout["kv_parts"] = runner.kv_parts.sizes
         layout["parallel"] = [config.tensor_parallel_size, config.pipeline_parallel_size]
+        # Which layers a stage holds: two splits can give every stage as many bytes
+        layout["pp_layer_partition"] = config.pp_layer_partition
+        block_bytes += runner.kv_parts.remote_bytes
+    fingerprint = model_fingerprint(setup.source.path, layout)
+    smallest = smallest_file(fingerprint, config.block_size, block_bytes)
+    if int(config.kv_offload_size) < smallest:
+        raise ValueError(f"kv_offload_size ({int(config.kv_offload_size)} bytes) holds no KV "
+                         f"block of this model ({smallest} bytes a file: {block_bytes} of K/V "
+                         "and the block's key)")
     # A step's allocations can evict a whole batch of blocks at once, in every KV group;
     # stage two steps' (in bytes about two steps of tokens over all layers, whatever the groups).
     per_step = cdiv(max_num_batched_tokens, config.block_size) * len(runner.kv_groups.groups)
     max_pending = max(64, 2 * per_step)
     store = KVOffloadStore(str(config.kv_offload_dir), int(config.kv_offload_size),
-                           model_fingerprint(setup.source.path, layout),
+                           fingerprint,
                            lambda: runner.kv_cache, max_pending, runner.kv_parts)
     logger.info("KV disk tier: %s (%d blocks indexed, %.1f MiB of %.1f MiB)",
                 config.kv_offload_dir, store.stats.files, store.stats.bytes_used / 2**20,

@@ -229,14 +229,19 @@ class LLMEngine:
         """Run one iteration: schedule, forward, sample, detokenize. Returns updated outputs."""
         try:
             if self.micro_batches is not None:
-                return self._pipelined_step(self.micro_batches)
-            return self._step()
+                outputs = self._pipelined_step(self.micro_batches)
+            else:
+                outputs = self._step()
         except BaseException:
             # Scheduling registered the step's full blocks in the prefix cache before their
-            # K/V were written; a later request must not find them (callers may serve on).
+            # K/V were written (or read from disk into the pool); a later request must not
+            # find them (callers may serve on).
             for request in list(self.scheduler.requests.values()):
                 self.kv_cache.forget_unwritten(request)
+            self.kv_cache.forget_loads()
             raise
+        self.kv_cache.loads_landed()
+        return outputs
 
     def _step(self) -> list[RequestOutput | PoolingRequestOutput]:
         if self.workers is not None:

@@ -64,6 +64,7 @@ class KVCacheCoordinator:
         # allocated (a request that must wait for blocks is not read again every step).
         self._disk_found: DiskHit | None = None
         self.pending_loads: list[tuple[int, torch.Tensor]] = []  # (block id, bytes)
+        self._loading: list[int] = []  # blocks taken for loading since the last whole step
         if offload is not None:
             self.pool.on_evict = lambda b: offload.save(b.block_hash, b.key, b.block_id)
 
@@ -233,7 +234,19 @@ class KVCacheCoordinator:
         """The (block id, bytes) read from disk that must be in the pool before the next
         forward; the caller copies them in."""
         loads, self.pending_loads = self.pending_loads, []
+        self._loading += [block_id for block_id, _ in loads]
         return loads
+
+    def loads_landed(self) -> None:
+        """The step that took the loads ran whole: their bytes are in every rank's pool."""
+        self._loading = []
+
+    def forget_loads(self) -> None:
+        """After a failed step: blocks read from disk for it may not have reached the pool
+        (or another rank's part of it), so no hash may find them."""
+        for block_id in self._loading + [block_id for block_id, _ in self.pending_loads]:
+            self.pool.forget(self.pool.blocks[block_id])
+        self._loading, self.pending_loads = [], []
 
     def save_cached_blocks(self) -> int:
         """Write every free hashed block to the disk tier (a graceful shutdown: those a

@@ -58,6 +58,7 @@ class OffloadStats:
     writes: int = 0
     drops: int = 0  # evicted blocks not saved: staging full
     corrupt: int = 0  # torn or damaged files found (deleted, counted as misses)
+    write_errors: int = 0  # writes that failed (a full or vanished disk)
     evictions: int = 0  # files deleted to stay under kv_offload_size
     bytes_used: int = 0
     files: int = 0
@@ -169,7 +170,10 @@ class KVOffloadStore:
         """Stage block `block_id` (holding `key`) for writing. The step's path never waits on
         the disk: with the staging area full the write is dropped, unless `wait` (shutdown)."""
         fid = file_id(self.fingerprint, block_hash)
-        if (self._closed or fid in self.files or fid in self._staging.pending
+        if fid in self.files:  # evicted again: the hotter for it
+            self.files.touch(fid)
+            return
+        if (self._closed or fid in self._staging.pending
                 or fid in self._handed or any(fid == f for f, *_ in self._awaiting)):
             return
         kv = self._pool()
@@ -268,4 +272,4 @@ class KVOffloadStore:
     def stats(self) -> OffloadStats:
         f = self.files.stats
         return OffloadStats(self.hits, self.saved_tokens, f.writes, self.drops, f.corrupt,
-                            f.evictions, f.bytes_used, len(self.files))
+                            f.write_errors, f.evictions, f.bytes_used, len(self.files))

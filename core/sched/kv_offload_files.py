@@ -16,6 +16,7 @@ bad header) is deleted when read and counts as a miss.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 import threading
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pkv.core.sched.block_pool import BlockKey
+
+logger = logging.getLogger("pkv.kv_offload")
 
 MAGIC = b"PKVKVBLK"
 VERSION = 1
@@ -40,6 +43,13 @@ def encode_key(fingerprint: bytes, block_hash: bytes, key: BlockKey) -> bytes:
     parts = [fingerprint, block_hash, parent or b"", bytes(extra)]
     head = struct.pack("<4I", *(len(p) for p in parts))
     return head + b"".join(parts) + array("q", token_ids).tobytes()
+
+
+def smallest_file(fingerprint: bytes, block_size: int, payload_bytes: int) -> int:
+    """The bytes of the smallest file of a block (a block without a salt, a child block)."""
+    digest = bytes(32)  # a SHA-256 block hash
+    return HEADER.size + len(encode_key(fingerprint, digest, (digest, [0] * block_size, b""))) \
+        + payload_bytes
 
 
 def file_id(fingerprint: bytes, block_hash: bytes) -> str:
@@ -103,7 +113,9 @@ class OffloadFiles:
     def write(self, fid: str, key: bytes, payload: memoryview) -> bool:
         """Write one block's file atomically and index it; False if it cannot fit or fails."""
         size = HEADER.size + len(key) + payload.nbytes
-        if size > self.max_bytes:
+        if size > self.max_bytes:  # (the tier's size holds a file of a block: a long salt's)
+            with self._lock:
+                self.stats.write_errors += 1
             return False
         crc = zlib.crc32(payload, zlib.crc32(key))
         path = self._path(fid)
@@ -116,10 +128,13 @@ class OffloadFiles:
             # No fsync: after a power loss a renamed file may be short or zeroed, which the
             # length and CRC checks catch on read (a miss, never wrong KV).
             os.replace(tmp, path)
-        except OSError:
+        except OSError as exc:
             _unlink(tmp)
             with self._lock:
                 self.stats.write_errors += 1
+                first = self.stats.write_errors == 1
+            if first:  # (a full disk fails every write: said once, counted in /metrics)
+                logger.warning("KV disk tier: cannot write %s: %s", path, exc)
             return False
         with self._lock:
             old = self._index.pop(fid, None)
@@ -147,22 +162,27 @@ class OffloadFiles:
         except FileNotFoundError:  # deleted under us (LRU on the writer thread)
             self._forget(fid)
             return False
-        except OSError:
-            whole = False
+        except OSError:  # the file may be whole (too many open files, EIO): a miss, kept
+            return False
         if not whole:
             with self._lock:
                 self.stats.corrupt += 1
             self._forget(fid)
             _unlink(path)
             return False
+        self.touch(fid)
+        return True
+
+    def touch(self, fid: str) -> None:
+        """Make a file the most recently used (a hit, or its block evicted from RAM again)."""
         with self._lock:
-            if fid in self._index:
-                self._index.move_to_end(fid)
+            if fid not in self._index:
+                return
+            self._index.move_to_end(fid)
         try:  # the LRU order survives a restart through mtimes
-            os.utime(path)
+            os.utime(self._path(fid))
         except OSError:
             pass
-        return True
 
     @staticmethod
     def _whole(head: bytes, key_len: int, payload_len: int, file_size: int) -> bool:

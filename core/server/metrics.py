@@ -79,6 +79,8 @@ def _kv_offload_metrics(o: OffloadStats) -> Iterator[Metric]:
                                  o.drops),
         "pkv:kv_offload_corrupt": ("Torn or damaged disk-tier files found (deleted).",
                                    o.corrupt),
+        "pkv:kv_offload_write_errors": ("Disk-tier writes that failed (a full or vanished "
+                                        "disk).", o.write_errors),
         "pkv:kv_offload_evictions": ("Disk-tier files deleted to stay under its size.",
                                      o.evictions),
     }

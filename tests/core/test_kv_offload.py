@@ -97,6 +97,55 @@ def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_block_evicted_again_is_the_most_recently_used_file(tmp_path: Path) -> None:
+    kv = _kv()
+    probe = _store(tmp_path / "probe", kv)
+    probe.save(*_block(0), 0)
+    probe.flush(10)
+    size = probe.stats.bytes_used
+    probe.close()
+    store = _store(tmp_path / "lru", kv, max_bytes=2 * size)
+    for i in (0, 1, 0, 2):  # block 0 read back into RAM and evicted again, then a new one
+        store.save(*_block(i), i)
+        store.flush(10)
+    assert store.load(*_block(1)) is None  # the coldest went, not block 0
+    assert store.load(*_block(0)) is not None and store.load(*_block(2)) is not None
+    store.close()
+
+
+def test_a_failed_write_is_counted_and_said_once(tmp_path: Path, caplog) -> None:
+    import shutil
+
+    store = _store(tmp_path / "gone", _kv())
+    shutil.rmtree(tmp_path / "gone")  # the folder vanishes (a full disk fails alike)
+    with caplog.at_level("WARNING", logger="pkv.kv_offload"):
+        for i in range(3):
+            store.save(*_block(i), i)
+        store.flush(10)
+    assert store.stats.write_errors == 3 and store.stats.writes == 0
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+    store.close()
+
+
+def test_a_file_that_cannot_be_opened_now_is_a_miss_and_kept(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    import errno
+
+    from pkv.core.sched import kv_offload_files
+
+    store, path = _one_file(tmp_path)
+
+    def too_many_open_files(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(kv_offload_files, "open", too_many_open_files, raising=False)
+    assert store.load(*_block(1)) is None
+    monkeypatch.undo()
+    assert path.exists() and store.stats.corrupt == 0
+    assert store.load(*_block(1)) is not None  # whole all along
+    store.close()
+
+
 def _one_file(tmp_path: Path) -> tuple[KVOffloadStore, Path]:
     store = _store(tmp_path, _kv())
     store.save(*_block(1), 2)
@@ -405,6 +454,34 @@ def test_engine_with_a_draft_model_keeps_its_tokens_and_drafts(tiny_llama_dir: P
             engine.shutdown()
 
 
+def test_blocks_a_failed_step_was_reading_from_disk_are_not_found(tiny_llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    # The step failed copying them in: their blocks hold another document's K/V.
+    prompts = _prompts(num_docs=3, rounds=1)
+    engine = _engine(tiny_llama_dir, tmp_path / "kv")
+    want = _run(engine, prompts)  # the first document is on disk now, not in RAM
+    first_id, first_prompt = prompts[0]
+
+    def copy_fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected fault: staging out of memory")
+
+    from pkv.core.sample.sampling_params import SamplingParams
+
+    engine.add_request("x", first_prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                         ignore_eos=True))
+    engine.runner.load_kv_blocks = copy_fails
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            engine.step()
+    finally:
+        del engine.runner.load_kv_blocks
+    engine.abort_request("x")
+    hits = engine.get_stats().kv_offload.hits
+    assert _run(engine, [prompts[0]]) == {first_id: want[first_id]}
+    assert engine.get_stats().kv_offload.hits > hits  # read from disk again, not from RAM
+    engine.shutdown()
+
+
 def test_engine_corrupt_file_is_recomputed(tiny_llama_dir: Path, tmp_path: Path) -> None:
     prompts = _prompts(num_docs=2, rounds=1)
     engine = _engine(tiny_llama_dir, tmp_path / "kv")
@@ -499,8 +576,9 @@ def test_a_tier_that_holds_no_block_is_refused(tiny_llama_dir: Path, tmp_path: P
     from pkv.core.engine.llm_engine import LLMEngine
 
     # 2 layers, K and V, 16 slots, 2 heads of 16 float32 values: 8,192 bytes a block
+    # (and a file holds its key too: one of exactly 8,192 bytes would hold nothing)
     config = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="1MiB", max_model_len=200,
-                          kv_offload_dir=str(tmp_path), kv_offload_size="8000")
-    with pytest.raises(ValueError, match=r"kv_offload_size \(8000 bytes\) holds no KV block "
-                                         r"of this model \(8192 bytes each\)"):
+                          kv_offload_dir=str(tmp_path), kv_offload_size="8192")
+    with pytest.raises(ValueError, match=r"kv_offload_size \(8192 bytes\) holds no KV block "
+                                         r"of this model \(\d+ bytes a file: 8192 of K/V"):
         LLMEngine(config, show_progress=False)
