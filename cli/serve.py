@@ -381,11 +381,12 @@ def start_app(options: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def _print_summary(engine: Any, server: Any, options: dict[str, Any]) -> None:
-    from pkv.core.sched.kv_cache_manager import cdiv
+    from pkv.core.worker.kv_pool_size import blocks_per_seq
 
     cfg, runner = engine.model_config, engine.runner
     kv_gib = engine.kv_cache_bytes / 2**30
-    per_seq = cdiv(engine.max_model_len, engine.config.block_size)
+    # (every KV group's blocks: a windowed group's as well as the global layers')
+    per_seq = blocks_per_seq(engine.config, runner.kv_groups, engine.max_model_len)
     table = Table.grid(padding=(0, 2))
     rows = [("model", f"{server.served_model_name} ({cfg.architecture}, "
                       f"{cfg.num_parameters / 1e6:.1f} M parameters)"),

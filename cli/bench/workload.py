@@ -184,7 +184,7 @@ def run_pkv(engine: Any, prompts: list[list[int]], output_len: int, batch: int,
     engine.scheduler.max_num_seqs = batch + (long_prompt is not None)
     engine.kv_cache.pool.reset_prefix_cache()  # runs of a sweep share prompts: no reuse
     result = BenchResult("pkv", batch, len(prompts), 0.0, sum(map(len, prompts)), 0)
-    block_bytes = engine.runner.kv_bytes_per_block
+    block_bytes = engine.kv_bytes_per_block
     token_bytes = block_bytes // engine.config.block_size
     process = psutil.Process()
     prefill_before = engine.scheduler.num_prefill_tokens

@@ -384,5 +384,11 @@ class LLMEngine:
         return finals
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        """A pool block's bytes: the model's K/V of its tokens and a draft model's."""
+        draft = self.proposer.kv_bytes_per_block if self.proposer else 0
+        return self.runner.kv_bytes_per_block + draft
+
+    @property
     def kv_cache_bytes(self) -> int:
-        return self.runner.num_blocks * self.runner.kv_bytes_per_block
+        return self.runner.num_blocks * self.kv_bytes_per_block

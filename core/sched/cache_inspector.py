@@ -96,7 +96,7 @@ def take_snapshot(engine: Any) -> CacheSnapshot:
     cached_free = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
     return CacheSnapshot(
         num_blocks=pool.num_blocks, block_size=kv.block_size,
-        bytes_per_block=engine.runner.kv_bytes_per_block, used=used, cached_free=cached_free,
+        bytes_per_block=engine.kv_bytes_per_block, used=used, cached_free=cached_free,
         free=pool.num_free_blocks - cached_free, prefix_cache_queries=kv.prefix_queries,
         prefix_cache_hits=kv.prefix_hits, evictions=pool.num_evictions,
         preemptions=engine.scheduler.num_preemptions, slots_allocated=used * kv.block_size,

@@ -64,7 +64,7 @@ def _kv_cache_info(engine: LLMEngine) -> Metric:
                              labels=["dtype", "block_size", "bytes_per_block"])
     runner = engine.runner
     info.add_metric([runner.kv_format.name, str(runner.block_size),
-                     str(runner.kv_bytes_per_block)], 1)
+                     str(engine.kv_bytes_per_block)], 1)
     return info
 
 

@@ -230,3 +230,32 @@ def test_a_keyless_server_off_loopback_is_flagged_in_its_summary() -> None:
         assert _open_auth(host) == "none (loopback only)"
     for host in ("0.0.0.0", "10.1.2.3", "myhost.example"):
         assert "anyone who reaches it" in _open_auth(host) and host in _open_auth(host)
+
+
+def test_the_summarys_concurrency_counts_every_kv_groups_blocks(tmp_path: Path,
+                                                               smol_hf_dir: Path,
+                                                               monkeypatch) -> None:
+    # A sliding-window model holds blocks in its windowed group as well as its global one.
+    import re
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from pkv.cli import serve
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.engine.llm_engine import LLMEngine
+    from pkv.tests.helpers import build_tiny_model
+
+    hybrid = build_tiny_model(tmp_path / "qwen2", smol_hf_dir, "qwen2", sliding_window=16,
+                              use_sliding_window=True, max_window_layers=1)
+    engine = LLMEngine(EngineConfig(model=str(hybrid), kv_cache_memory="1MiB",
+                                    max_model_len=256), show_progress=False)
+    assert len(engine.runner.kv_groups.groups) == 2
+    printed = Console(record=True, width=200)
+    monkeypatch.setattr(serve, "console", printed)
+    server = SimpleNamespace(served_model_name="tiny", api_key=None)
+    serve._print_summary(engine, server, {"host": "127.0.0.1", "port": 8000})
+    shown = float(re.search(r"([\d.]+)x at max_model_len", printed.export_text())[1])
+    # 256 tokens: 16 blocks in the global group, the window's 16 + one step's chunk in the
+    # other (the budget: 256 tokens), capped at 16
+    assert shown == round(engine.runner.num_blocks / 32, 1)

@@ -268,6 +268,21 @@ def test_engine_sampling_with_a_draft_follows_the_target(tiny_llama_dir: Path):
     assert stat < chi_square_bound(df), (stat, df)
 
 
+def test_a_blocks_bytes_count_the_drafts_kv_too(tiny_llama_dir: Path):
+    # Each block of the pool holds the draft model's K/V of its tokens beside the target's.
+    from pkv.core.sched.cache_inspector import take_snapshot
+
+    llm = LLM(str(tiny_llama_dir), show_progress=False, kv_cache_memory="1MiB",
+              speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    held = sum(kv.numel() * kv.element_size()
+               for kv in (engine.runner.kv_cache, engine.proposer.runner.kv_cache))
+    assert engine.kv_cache_bytes == held
+    per_block = take_snapshot(engine).bytes_per_block
+    assert per_block * engine.runner.num_blocks == held
+    assert f'bytes_per_block="{per_block}"' in ServerMetrics(engine).render().decode()
+
+
 # ---- metrics ---------------------------------------------------------------------------------
 
 def test_metrics_count_drafts_and_acceptance(smol_ngram):
