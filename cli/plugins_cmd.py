@@ -68,10 +68,11 @@ def _features() -> Table:
     table.add_row("speculative decoding", "--speculative-config '{\"method\": \"ngram\", ...}' "
                   "or '{\"model\": DRAFT, ...}'",
                   "drafts verified in the ordinary batch, on every backend; a draft model's KV "
-                  "shares the pool; not with tensor parallelism")
+                  "shares the pool; with tensor and pipeline parallelism too")
     table.add_row("LoRA adapters", "--enable-lora --lora-modules NAME=PATH",
                   "batched per adapter slot: inside the C++ decoder stack on CPU, the Python "
-                  "layer loop elsewhere; not with tensor parallelism")
+                  "layer loop elsewhere; each rank its share of the adapters under tensor "
+                  "parallelism")
     return table
 
 

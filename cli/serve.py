@@ -320,6 +320,7 @@ def _run(options: dict[str, Any]) -> None:
         # rank 0 serves HTTP; the others compute with it
         torchrun_worker(asdict(_engine_config(options)))
         return
+    _server_config(options)  # (a bad port is a one-line error before the socket's)
     sock = _listening_socket(options["host"], options["port"])
     async_llm, app, server_config = start_app(options)
     _print_summary(async_llm.engine, server_config, options)

@@ -161,6 +161,10 @@ def test_a_taken_port_or_a_foreign_host_is_refused_before_the_model_loads() -> N
     assert "pkv serve" not in result.output  # (the summary printed once the model is up)
     result = _serve("--host", "999.1.1.1", "--port", "0")
     assert result.exit_code == 2 and "cannot listen on 999.1.1.1:0" in result.stderr
+    for port in ("70000", "-1"):  # (socket's OverflowError was a traceback)
+        result = _serve("--port", port)
+        assert result.exit_code == 2 and "port must be an integer in [0, 65535]" in \
+            result.stderr
     result = _serve("--port", "0", "--enable-lora", "--lora-dir", "/nonexistent/adapters")
     assert result.exit_code == 2 and "--lora-dir /nonexistent/adapters is not a folder" in \
         result.stderr
