@@ -10,14 +10,14 @@ even a small model's forced calls validate.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from pkv.core.structured_output.params import check_json_schema
-from pkv.core.structured_output.tool_calls import (Extractor, ToolParser, forced_named,
-                                                   forced_required)
+from pkv.core.structured_output.tool_calls import (Extraction, Extractor, ToolParser,
+                                                   forced_named, forced_required)
 
 MAX_TOOLS = 128  # OpenAI's own bound
 
@@ -74,7 +74,10 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolPl
     if choice == "none" or not tools:
         return ToolPlan(template_tools, None)
     if choice == "auto":
-        return ToolPlan(template_tools, parser.extract if parser else None,
+        extract = parser.extract if parser else None
+        if extract is not None and not body.parallel_tool_calls:
+            extract = first_call_only(extract)
+        return ToolPlan(template_tools, extract,
                         skip_special_tokens=not getattr(parser, "needs_special_tokens", False))
     if body.constraint_fields():
         raise OpenAIError(400, "a forced tool call (tool_choice required or a named function) "
@@ -88,6 +91,15 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolPl
         raise OpenAIError(400, f"tool_choice names {name!r}, which is not among the tools",
                           "tool_choice")
     return ToolPlan(template_tools, forced_named(name), schema=_parameters(named[name]))
+
+
+def first_call_only(extract: Extractor) -> Extractor:
+    """`parallel_tool_calls: false` under `auto`: the model's first call, the others
+    dropped (as vLLM does: nothing in free text can stop a model writing two)."""
+    def first(text: str, final: bool) -> Extraction:
+        found = extract(text, final)
+        return replace(found, calls=found.calls[:1])
+    return first
 
 
 def _check_tools(tools: list[Tool]) -> None:

@@ -174,3 +174,20 @@ def test_forced_outputs_are_read_whole_and_streamed() -> None:
     message, finish = ChoiceShaper(forced_named("f"), None).message('{"city": "Pa', "length")
     assert [c["function"] for c in message["tool_calls"]] == [
         {"name": "f", "arguments": '{"city": "Pa'}] and finish == "length"
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(name: str) -> None:
+    from pkv.core.server.protocol import ChatCompletionRequest
+    from pkv.core.server.tools import plan_tools
+
+    text = CASES[name][0][0]  # two calls
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n, _ in CALLS]
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "?"}], "tools": tools,
+        "parallel_tool_calls": False})
+    plan = plan_tools(body, select_tool_parser(name, None))
+    assert _whole(ChoiceShaper(plan.extractor, None), text)[1] == CALLS[:1]
+    streamed = _streamed(ChoiceShaper(plan.extractor, None), text, list(range(len(text))))
+    assert streamed[1] == CALLS[:1]
