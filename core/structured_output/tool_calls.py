@@ -167,8 +167,12 @@ class ToolCallDeltas:
 
     def advance(self, text: str, final: bool) -> tuple[str, list[dict]]:
         found = self.extract(text, final)
-        content = found.content[self.content_sent:]
-        self.content_sent = max(self.content_sent, len(found.content))
+        content = ""
+        # Whitespace alone is held back: before a call it is no content at all (as the whole
+        # message has it); it goes out once text follows, or at the end without a call.
+        if found.content.strip() or (final and not found.calls):
+            content = found.content[self.content_sent:]
+            self.content_sent = max(self.content_sent, len(found.content))
         deltas = []
         for index, call in enumerate(found.calls):
             if call.name is None:

@@ -27,6 +27,10 @@ CASES = {
         ("No tools needed: 2 < 3 and <tool isn't a tag.", "No tools needed: 2 < 3 and <tool "
          "isn't a tag.", []),
         ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        # whitespace before a call is no content, streamed or not; alone it is the content
+        ('\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+         '"celsius"}}</tool_call>', "", CALLS[:1]),
+        (" \n", " \n", []),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
