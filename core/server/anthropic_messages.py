@@ -396,7 +396,8 @@ class _BlockStream:
         out: list[bytes] = []
         if delta.get("reasoning_content"):
             if self.open != "thinking":
-                out += self._start("thinking", {"type": "thinking", "thinking": ""})
+                out += self._start("thinking", {"type": "thinking", "thinking": "",
+                                                "signature": ""})
             if self.show_thinking:
                 out.append(self._delta({"type": "thinking_delta",
                                         "thinking": delta["reasoning_content"]}))
@@ -419,5 +420,9 @@ class _BlockStream:
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
+        # A thinking block ends with its signature, as Anthropic's stream has it (pkv signs
+        # nothing: an empty one, as the whole message's block carries).
+        out = [self._delta({"type": "signature_delta", "signature": ""})] \
+            if self.open == "thinking" else []
         self.open = None
-        return [_event("content_block_stop", {"index": self.index})]
+        return out + [_event("content_block_stop", {"index": self.index})]

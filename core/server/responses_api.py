@@ -449,15 +449,17 @@ class _EventStream:
         out = self.close()
         self.items.append(item)
         self.open = key
-        # A message's part arrives in its own event (content_part.added), as OpenAI sends it:
-        # clients that add each part up would hold the empty one twice.
-        added = {**item, "content": []} if item["type"] == "message" else item
+        # A message's (or reasoning's) part arrives in its own event (content_part.added), as
+        # OpenAI sends it: clients that add each part up would hold the empty one twice.
+        parted = item["type"] in ("message", "reasoning")
+        added = {**item, "content": []} if parted else item
         out.append(self.emit("response.output_item.added", {"output_index": self._index,
                                                             "item": added}))
-        if item["type"] == "message":
+        if parted:
+            part = {k: v for k, v in item["content"][0].items() if k != "logprobs"}
             out.append(self.emit("response.content_part.added", {
                 "item_id": item["id"], "output_index": self._index, "content_index": 0,
-                "part": {"type": "output_text", "text": "", "annotations": []}}))
+                "part": part}))
         return out
 
     def feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
@@ -518,6 +520,14 @@ class _EventStream:
             out.append(self.emit("response.content_part.done", {
                 "item_id": item["id"], "output_index": index, "content_index": 0,
                 "part": item["content"][0]}))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out.append(self.emit("response.reasoning_text.done", {
+                "item_id": item["id"], "output_index": index, "content_index": 0,
+                "text": part["text"]}))
+            out.append(self.emit("response.content_part.done", {
+                "item_id": item["id"], "output_index": index, "content_index": 0,
+                "part": part}))
         elif item["type"] == "function_call":
             out.append(self.emit("response.function_call_arguments.done", {
                 "item_id": item["id"], "output_index": index, "name": item["name"],

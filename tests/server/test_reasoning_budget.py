@@ -85,3 +85,30 @@ def test_a_budget_needs_a_reasoning_parser(server: RunningServer):
     assert refused.status_code == 400 and error["param"] == "thinking.budget_tokens"
     assert error["message"].startswith("thinking.budget_tokens needs a server started with "
                                        "--reasoning-parser")
+
+
+def test_streamed_thinking_closes_as_the_sdks_expect(thinking_server: RunningServer):
+    # Responses: a reasoning item's part is added and done, its text done; Messages: a
+    # thinking block ends with its signature (the SDK's final message has one, as unstreamed).
+    client = openai.OpenAI(base_url=f"{thinking_server.base_url}/v1",
+                           api_key=thinking_server.api_key, max_retries=0, timeout=120)
+    events = list(client.responses.create(model=MODEL, input=ASK[0]["content"], stream=True,
+                                          temperature=0, max_output_tokens=16))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") > kinds.index(
+        "response.content_part.added")
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == "".join(e.delta for e in events
+                                if e.type == "response.reasoning_text.delta")
+    parts = [e.part.type for e in events if e.type == "response.content_part.done"]
+    assert parts[0] == "reasoning_text"
+    claude = anthropic.Anthropic(base_url=thinking_server.base_url,
+                                 api_key=thinking_server.api_key, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, max_tokens=24, messages=ASK, extra_body={"temperature": 0},
+              thinking={"type": "adaptive"})
+    with claude.messages.stream(**kw) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert deltas[-1] == "signature_delta"
+    assert final.content[0].type == "thinking" and final.content[0].signature == ""
+    assert final.content == claude.messages.create(**kw).content
