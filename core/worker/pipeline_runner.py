@@ -173,7 +173,9 @@ class PipelineModelRunner(ModelRunner):
             else:
                 if step.logits_idx.numel():
                     sent += stage.send_rows(out[step.logits_idx])
-                if step.pool_idx is not None:
+                # Pooling rows go to the driver alone (member 0: the first stage's other
+                # members pool nothing and would never receive them).
+                if step.pool_idx is not None and stage.member == 0:
                     sent += stage.send_rows(out[step.pool_idx])
             self.held_heap.after_step()
         for done in sent:
