@@ -4,6 +4,8 @@ the same on every rank (the tightest rank's)."""
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import torch
 import torch.distributed as dist
@@ -39,7 +41,8 @@ def num_kv_blocks(config: EngineConfig, groups: KVGroups, per_block: int,
         num_blocks = budget // per_block
         source = f"kv_cache_memory={budget} bytes"
     else:
-        num_blocks = _blocks_from_utilization(config, device, per_block)
+        num_blocks = _blocks_from_utilization(config, device, per_block,
+                                              _ranks_sharing(device) if distributed else 1)
         # More than every running sequence at full length could use is never needed.
         num_blocks = min(num_blocks, config.max_num_seqs * per_seq)
         source = f"memory_utilization={config.memory_utilization}"
@@ -63,6 +66,18 @@ def _device_memory(device: torch.device) -> tuple[int, int]:
     return psutil.virtual_memory().total, psutil.Process().memory_info().rss
 
 
-def _blocks_from_utilization(config: EngineConfig, device: torch.device, per_block: int) -> int:
+def _ranks_sharing(device: torch.device) -> int:
+    """How many ranks share this rank's memory: a GPU is each rank's own; a host's RAM is
+    shared by every rank on it (torchrun's LOCAL_WORLD_SIZE, else all: pkv starts its
+    ranks on one machine)."""
+    if device.type == "cuda":
+        return 1
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else dist.get_world_size()
+
+
+def _blocks_from_utilization(config: EngineConfig, device: torch.device, per_block: int,
+                             ranks_sharing: int = 1) -> int:
+    """The blocks this rank's share of memory_utilization holds after its own use."""
     total, used = _device_memory(device)
-    return max(0, int(total * config.memory_utilization) - used) // per_block
+    return max(0, int(total * config.memory_utilization / ranks_sharing) - used) // per_block

@@ -8,10 +8,8 @@ environment) or, for ranks other than 0, by `pkv serve` under torchrun.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,14 +25,10 @@ from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
 from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, StepInputs, broadcast,
                                      dist_backend, share_cores, use_local_gpu, world_size)
 
-PR_SET_PDEATHSIG = 1
-
-
 def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    # A watcher, not prctl's PDEATHSIG: that fires when the *thread* that started the
+    # worker ends (an LLM built on a thread that then returns lost its ranks at once).
+    if os.getppid() != parent_pid:  # the parent died already
         os._exit(1)
 
     def watch() -> None:

@@ -116,6 +116,10 @@ class WorkerGroup:
     def start(cls, config_dict: dict[str, Any], device: str) -> WorkerGroup:
         """Start ranks 1..N-1 here (or join the group torchrun made), then rendezvous."""
         size = world_size(config_dict)
+        if dist.is_initialized():  # (torch's own error named neither the engine nor a remedy)
+            raise ValueError("another multi-rank engine runs in this process: shut it down "
+                             "(LLM.shutdown()) before starting one with tensor or pipeline "
+                             "parallelism")
         processes: list[subprocess.Popen] = []
         threads_before = torch.get_num_threads()
         if launched_by_torchrun():
@@ -135,7 +139,14 @@ class WorkerGroup:
                     env={**os.environ, PAYLOAD_ENV: payload}))
             share_cores(size)
         use_local_gpu(device, 0)
-        _rendezvous(device, init, size, processes)
+        try:
+            _rendezvous(device, init, size, processes)
+        except BaseException:  # no worker left waiting, the driver's cores given back
+            for proc in processes:
+                proc.kill()
+                proc.wait()
+            torch.set_num_threads(threads_before)
+            raise
         return cls(size, processes, threads_before,
                    config_dict.get("pipeline_parallel_size", 1) > 1)
 

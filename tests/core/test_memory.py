@@ -174,3 +174,20 @@ def test_resident_bytes_counts_the_pages_written():
     assert resident_bytes(torch.empty(4, device="meta")) is None
     del t
     area.close()
+
+
+def test_ranks_on_one_host_share_its_memory_utilization(monkeypatch) -> None:
+    # Each rank took memory_utilization of the whole machine: two ranks reserved 1.8x it.
+    from pkv.core.config.engine import EngineConfig
+    from pkv.core.worker import kv_pool_size
+
+    gib = 2**30
+    monkeypatch.setattr(kv_pool_size, "_device_memory", lambda device: (10 * gib, gib))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = EngineConfig(memory_utilization=0.5)
+    cpu = torch.device("cpu")
+    ranks = kv_pool_size._ranks_sharing(cpu)
+    assert ranks == 2
+    # half of 5 GiB, less this rank's own 1 GiB, in blocks of 1 MiB
+    assert kv_pool_size._blocks_from_utilization(config, cpu, 2**20, ranks) == 1536
+    assert kv_pool_size._blocks_from_utilization(config, cpu, 2**20) == 4096  # one rank

@@ -134,3 +134,26 @@ def test_workers_die_with_their_driver(tiny_llama_dir: Path, sig: signal.Signals
         assert _gone(pids, 5), "a worker outlived its driver"
     finally:
         driver.kill()
+
+
+def test_an_engine_built_on_a_thread_keeps_its_ranks_and_a_second_is_refused(
+        tiny_llama_dir: Path) -> None:
+    # (the kernel's PDEATHSIG fired when the building thread ended, killing rank 1)
+    import threading
+
+    built: list[LLM] = []
+    kw = dict(tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256,
+              show_progress=False)
+    thread = threading.Thread(target=lambda: built.append(LLM(str(tiny_llama_dir), **kw)))
+    thread.start()
+    thread.join()
+    (tp,) = built
+    try:
+        time.sleep(1.0)
+        assert len(_greedy(tp, [[1, 2, 3, 4]])[0]) == GREEDY.max_tokens
+        before = set(psutil.Process().children(recursive=True))
+        with pytest.raises(ValueError, match="another multi-rank engine runs in this process"):
+            LLM(str(tiny_llama_dir), **kw)
+        assert set(psutil.Process().children(recursive=True)) <= before  # none left behind
+    finally:
+        tp.shutdown()
