@@ -135,6 +135,8 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
     """The options a YAML file (or a shipped recipe) sets, each name one of `known`."""
     import yaml
 
+    from pkv.core.config.engine import VLLM_HINTS
+
     config_file = _config_path(config_file)
     try:
         loaded = yaml.safe_load(config_file.read_text()) or {}
@@ -151,7 +153,9 @@ def yaml_options(config_file: Path, known: set[str]) -> dict[str, Any]:
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            raise ValueError(f"unknown option {key!r} in {config_file}")
+            hint = VLLM_HINTS.get(name)  # a vLLM user's option, and what pkv has instead
+            raise ValueError(f"unknown option {key!r} in {config_file}"
+                             + (f": {hint}" if hint else ""))
         # a list option given one value (`lora_modules: a=/x`) is a list of one, as its flag
         value = [value] if name in _list_options() and isinstance(value, str) else value
         # the engine's options are checked by EngineConfig, port and api_key by their own rules

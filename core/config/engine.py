@@ -246,7 +246,7 @@ class EngineConfig:
         """Build from a mapping (YAML, kwargs); unknown keys are an error, never dropped."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
-        hints = [f"{name}: {_VLLM_HINTS[name]}" for name in unknown if name in _VLLM_HINTS]
+        hints = [f"{name}: {VLLM_HINTS[name]}" for name in unknown if name in VLLM_HINTS]
         if hints:
             raise ValueError(f"unknown engine option(s): {'; '.join(hints)}")
         if unknown:
@@ -256,7 +256,7 @@ class EngineConfig:
 
 
 # vLLM options a vLLM user passes, and what pkv has instead.
-_VLLM_HINTS = {
+VLLM_HINTS = {
     "gpu_memory_utilization": "pkv calls it memory_utilization (it applies on CPU too)",
     "trust_remote_code": "pkv runs no code from a checkpoint; leave it out",
     "enforce_eager": "pkv captures no graphs to turn off; leave it out",

@@ -298,8 +298,8 @@ def _download(repo_id: str, revision: str | None, gguf_file: str | None,
         raise FileNotFoundError(f"{repo_id} has no revision {revision!r}") from None
     except (OfflineModeIsEnabled, LocalEntryNotFoundError, httpx2.TransportError) as exc:
         raise FileNotFoundError(
-            f"{repo_id}{_at(revision)} is not in the Hugging Face cache ({cache_dir}) and the "
-            f"Hub cannot be reached ({type(exc).__name__}): fetch it with "
+            f"{repo_id}{_at(revision)} is no local folder, not in the Hugging Face cache "
+            f"({cache_dir}), and the Hub cannot be reached ({type(exc).__name__}): fetch it with "
             f"`{fetch_command(repo_id, revision, gguf_file)}` where there is network") from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else "?"

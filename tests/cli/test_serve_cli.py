@@ -33,6 +33,9 @@ def test_unknown_yaml_key_is_an_error(tmp_path: Path):
     result = _serve("--config", str(config))
     assert result.exit_code == 2 and "unknown option 'max-num-seq'" in result.output
     assert "Traceback" not in result.output
+    config.write_text("gpu_memory_utilization: 0.5\n")  # a vLLM config's: what pkv has
+    result = _serve("--config", str(config))
+    assert result.exit_code == 2 and "pkv calls it memory_utilization" in result.stderr
     config.write_text("password_hash: x: y\n")
     result = _serve("--config", str(config))
     assert result.exit_code == 2 and result.stderr.count("\n") == 1  # one line
