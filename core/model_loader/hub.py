@@ -298,7 +298,7 @@ def _download(repo_id: str, revision: str | None, gguf_file: str | None,
         raise FileNotFoundError(f"{repo_id} has no revision {revision!r}") from None
     except (OfflineModeIsEnabled, LocalEntryNotFoundError, httpx2.TransportError) as exc:
         raise FileNotFoundError(
-            f"{repo_id}{_at(revision)} is no local folder, not in the Hugging Face cache "
+            f"{repo_id}{_at(revision)} is neither a local path nor in the Hugging Face cache "
             f"({cache_dir}), and the Hub cannot be reached ({type(exc).__name__}): fetch it with "
             f"`{fetch_command(repo_id, revision, gguf_file)}` where there is network") from None
     except HfHubHTTPError as exc:

@@ -82,7 +82,7 @@ def test_offline_miss_is_one_line_naming_the_id(hub_cache: Path):
     message = str(err.value)
     assert "\n" not in message and "org/missing" in message and "HF_HUB_OFFLINE=1" in message
     assert "hf download org/missing" in message and str(hub_cache) in message
-    assert "is no local folder" in message  # (a mistyped local path reads as an id too)
+    assert "neither a local path" in message  # (a mistyped local path reads as an id too)
 
 
 def test_pickle_only_repo_is_refused(hub_cache: Path, tiny_llama_dir: Path):
