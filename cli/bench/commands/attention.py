@@ -47,7 +47,7 @@ def attention(
         device = "cuda" if torch.cuda.is_available() else "cpu"
         registry = discover()
         q, k, v, k_cache, v_cache, meta = random_paged_layout(
-            [(context, 1)] * batch, block_size, heads, kv_heads, head_dim, seed=0)
+            [(context, 1)] * batch, block_size, heads, kv_heads, head_dim, seed=0, device=device)
         times: dict[tuple[str, str], float] = {}
         for fmt in formats:
             kc, vc = ((quantize_rows(k_cache, fmt.dtype), quantize_rows(v_cache, fmt.dtype))
