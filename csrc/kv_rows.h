@@ -119,7 +119,10 @@ inline void store(const float* x, Kind kind, int64_t D, uint8_t* row) {
     std::memcpy(row + D, &nan, sizeof nan);
     return;
   }
-  const float scale = amax / (kind == Kind::I8 ? 127.f : 448.f);
+  float scale = amax / (kind == Kind::I8 ? 127.f : 448.f);
+  // A subnormal scale divides x past the largest code (e4m3's 480 is NaN): such a row, every
+  // value below ~1e-36, is stored as zeros (kv_format.py's quantize_rows alike).
+  if (scale < std::numeric_limits<float>::min()) scale = 0.f;
   const float div = scale > 0.f ? scale : 1.f;
   for (int64_t d = 0; d < D; ++d) {
     const float v = x[d] / div;

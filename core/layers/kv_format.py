@@ -83,6 +83,9 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.to(dtype)
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True) / _LARGEST[dtype]
+    # A subnormal scale divides x past the largest code: such a row (every value below
+    # ~1e-36) is stored as zeros, as the C++ writer (csrc/kv_rows.h) stores it.
+    scale = torch.where(scale < torch.finfo(torch.float32).tiny, torch.zeros_like(scale), scale)
     codes = x / torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = codes.round().to(dtype) if dtype == torch.int8 else codes.to(dtype)
     rows = torch.empty((*x.shape[:-1], x.shape[-1] + SCALE_BYTES), dtype=dtype, device=x.device)

@@ -165,6 +165,28 @@ def test_backend_reads_q_k_v_as_views_of_one_fused_qkv(backend_name: str):
     assert torch.equal(v_cache.view(-1, 3, 64)[meta.slot_mapping], v)
 
 
+@pytest.mark.parametrize("backend_name", [n for n in BACKENDS
+                                          if not (n == "triton" and DEVICE == "cpu")])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_rows_too_small_to_scale_are_stored_as_zeros(backend_name: str,
+                                                     cache_dtype: torch.dtype):
+    # A row of values below ~1e-36 has a subnormal scale; dividing by it overflowed the codes
+    # (e4m3's NaN in the C++ writer, a saturated code in torch's).
+    backend = select_attention_backend(backend_name, DEVICE)
+    q, k, v, k_cache, v_cache, meta = random_paged_layout(
+        LAYOUTS["mixed"], 16, 9, 3, 64, seed=5, device=DEVICE)
+    k, v = k * 1e-37, v * 1e-38
+    k_cache, v_cache = quantize_rows(k_cache, cache_dtype), quantize_rows(v_cache, cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    AttentionBackend.write_kv(k, v, k_ref, v_ref, meta.slot_mapping)
+    backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    for cache in (k_cache, v_cache):
+        written = dequantize_rows(cache.view(-1, *cache.shape[2:])[meta.slot_mapping])
+        assert torch.equal(written, torch.zeros_like(written))
+
+
 def _dequantized_reference(q, k, v, k_cache, v_cache, meta, scale):
     """The dense reference over what a quantized cache holds once the step's K/V are in:
     the torch backend's own writes (quantize_rows), widened back to float32."""
