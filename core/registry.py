@@ -36,10 +36,15 @@ class AttentionBackendSpec:
     priority: int = 0  # higher wins in `auto`
     check: Callable[[str], list[str]] = lambda device: []  # reasons it is unusable
     description: str = ""
+    # Whether it reads int8 / fp8 caches, whose rows hold codes and a scale
+    # (core/layers/kv_format.py): a backend written for value rows would misread them.
+    scaled_kv: bool = False
 
-    def unusable_reasons(self, device: str) -> list[str]:
+    def unusable_reasons(self, device: str, scaled_kv: bool = False) -> list[str]:
         if device not in self.devices:
             return [f"runs on {', '.join(self.devices)}, not {device}"]
+        if scaled_kv and not self.scaled_kv:
+            return ["reads no int8 / fp8 KV cache"]
         return self.check(device)
 
     def load(self) -> Any:
@@ -103,8 +108,9 @@ class PluginRegistry:
     tool_parsers: dict[str, ToolParserSpec] = field(default_factory=dict)
     plugins: list[PluginInfo] = field(default_factory=list)
 
-    def usable_attention_backends(self, device: str) -> list[str]:
-        return [n for n, s in self.attention_backends.items() if not s.unusable_reasons(device)]
+    def usable_attention_backends(self, device: str, scaled_kv: bool = False) -> list[str]:
+        return [n for n, s in self.attention_backends.items()
+                if not s.unusable_reasons(device, scaled_kv)]
 
 
 def discover(group: str = PROJECT) -> PluginRegistry:
@@ -150,11 +156,13 @@ _AUTO_ORDER = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
 
 
 def select_attention_backend(name: str, device: str,
-                             registry: PluginRegistry | None = None) -> Any:
-    """Build the backend called `name` (or the best usable one for `auto`)."""
+                             registry: PluginRegistry | None = None,
+                             scaled_kv: bool = False) -> Any:
+    """Build the backend called `name` (or the best usable one for `auto`); `scaled_kv`:
+    the cache is int8 or fp8 (rows of codes and a scale)."""
     registry = registry or discover()
     specs = registry.attention_backends
-    usable = registry.usable_attention_backends(device)
+    usable = registry.usable_attention_backends(device, scaled_kv)
     if name == "auto":
         order = [n for n in _AUTO_ORDER.get(device, ()) if n in usable]
         order += sorted((n for n in usable if n not in order),
@@ -167,7 +175,7 @@ def select_attention_backend(name: str, device: str,
                                candidate, exc)
         raise ValueError(f"no usable attention backend for {device}")
     check_attention_backend(name, registry, usable)
-    reasons = specs[name].unusable_reasons(device)
+    reasons = specs[name].unusable_reasons(device, scaled_kv)
     if reasons:
         raise ValueError(f"attention backend {name!r} is unusable here ({'; '.join(reasons)}); "
                          f"usable: {', '.join(usable) or 'none'}")

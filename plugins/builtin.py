@@ -34,13 +34,14 @@ def _triton_reasons(device: str) -> list[str]:
 def pkv_attention_backends() -> list[AttentionBackendSpec]:
     return [
         AttentionBackendSpec("torch", "pkv.plugins.attention.torch_backend:TorchAttentionBackend",
-                             ("cpu", "cuda"), priority=0,
+                             ("cpu", "cuda"), priority=0, scaled_kv=True,
                              description="reference: gathers blocks, dense attention"),
         AttentionBackendSpec("cpu", "pkv.plugins.attention.cpu_backend:CPUAttentionBackend",
-                             ("cpu",), priority=10, check=_cpu_reasons,
+                             ("cpu",), priority=10, check=_cpu_reasons, scaled_kv=True,
                              description="C++/OpenMP kernel reading blocks in place"),
         AttentionBackendSpec("triton", "pkv.plugins.attention.triton_backend:TritonAttentionBackend",
                              ("cuda", "cpu"), priority=20, check=_triton_reasons,
+                             scaled_kv=True,
                              description="Triton paged decode/prefill (CUDA and ROCm)"),
     ]
 

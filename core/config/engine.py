@@ -20,6 +20,7 @@ _AWQ_ACTIVATIONS = ("float32", "int16", "int8")
 # `fp8` is vLLM's spelling of fp8_e4m3.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
+SCALED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8")  # rows of codes and a scale
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,
                "G": 1000**3, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3,
                "TIB": 1024**4}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from pkv.core.config.engine import EngineConfig
+from pkv.core.config.engine import SCALED_KV_CACHE_DTYPES, EngineConfig
 from pkv.core.distributed.parallel import TPGroup, check_tp_size
 from pkv.core.distributed.pipeline import (PipelineStage, object_group, partition_layers,
                                            stage_of)
@@ -86,7 +86,8 @@ class ModelSetup:
         source = open_model(config.model, registry, revision=config.revision,
                             gguf_file=config.gguf_file)
         device = resolve_device(config.device)
-        backend = select_attention_backend(config.attention_backend, device.type, registry)
+        backend = select_attention_backend(config.attention_backend, device.type, registry,
+                                           config.kv_cache_dtype in SCALED_KV_CACHE_DTYPES)
         loader = resolve_weight_loader(config.quantization, source, registry)
         task = check_model(config, source)
         return cls(source, resolve_max_model_len(config, source.config.max_position_embeddings),

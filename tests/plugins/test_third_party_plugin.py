@@ -53,6 +53,13 @@ p = SamplingParams(temperature=0, max_tokens=5)
 a = llm.generate([[5, 6, 7, 8]], p)[0].outputs[0].token_ids
 b = ref.generate([[5, 6, 7, 8]], p)[0].outputs[0].token_ids
 assert a == b, (a, b)
+try:  # (it reads value rows only: the spec says nothing of int8 / fp8 caches)
+    LLM({str(tiny_llama_dir)!r}, kv_cache_memory="8MiB", attention_backend="sample",
+        kv_cache_dtype="int8", show_progress=False)
+except ValueError as exc:
+    assert "reads no int8 / fp8 KV cache" in str(exc), exc
+else:
+    raise AssertionError("an int8 cache reached a backend that reads value rows only")
 print("calls", pkv_sample_plugin.CountingBackend.calls)
 """
     result = _run(plugin_path, "-c", code)
