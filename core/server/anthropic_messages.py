@@ -118,7 +118,7 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" \
                 or not isinstance(block.get("text"), str):
             raise OpenAIError(400, f"{where}[{i}]: expected a text block", where)
-    return "".join(block["text"] for block in content)
+    return "\n".join(block["text"] for block in content)  # as chat joins text parts
 
 
 def _check_answered(asked: set[str], answered: set[str], where: str) -> None:

@@ -98,7 +98,7 @@ def _item_text(content: Any, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") not in (
                 "input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise OpenAIError(400, f"{where}[{i}]: expected an input_text part", f"{where}[{i}]")
-    return "".join(part["text"] for part in content)
+    return "\n".join(part["text"] for part in content)  # as chat joins text parts
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -34,8 +34,12 @@ from pkv.core.structured_output.reasoning import START as REASONING_START
 from pkv.core.structured_output.reasoning import ReasoningParser
 from pkv.core.structured_output.tool_calls import ToolParser
 
-# Template variables a request may set (chat templates of Qwen3 and others read these).
-ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "reasoning_effort"})
+# Template variables pkv sets itself: a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
+                                      "continue_final_message", "bos_token", "eos_token",
+                                      "chat_template", "tokenize", "raise_exception",
+                                      "strftime_now"})
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 2**10
 TEMPLATE_TIMEOUT_S = 5.0
 MAX_RENDERED_CHARS = 8 * 2**20
 
@@ -138,6 +142,23 @@ class OpenAIServingChat(OpenAIServing):
                                         else encode(REASONING_START, add_special_tokens=False))
         params.think_end_token_ids = encode(REASONING_END, add_special_tokens=False)
 
+    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """The request's template variables (chat_template_kwargs, and reasoning_effort where
+        the template reads it: gpt-oss's): those the template never reads are dropped, as
+        vLLM drops them; pkv's own are refused."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: pkv "
+                              "sets it", "chat_template_kwargs")
+        if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise OpenAIError(400, f"chat_template_kwargs: at most "
+                              f"{MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "chat_template_kwargs")
+        reads = self.tokenizer.template_variables()
+        if body.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        return {key: value for key, value in kwargs.items() if key in reads}
+
     def _thinks(self, body: ChatCompletionRequest) -> bool:
         """Whether the answer opens with a thinking block to leave unconstrained."""
         kwargs = body.chat_template_kwargs or {}
@@ -202,13 +223,7 @@ class OpenAIServingChat(OpenAIServing):
         if body.chat_template is not None:
             raise OpenAIError(400, "requests may not supply a chat template; the server uses "
                               "the model's own", "chat_template")
-        kwargs = body.chat_template_kwargs or {}
-        for key, value in kwargs.items():
-            if key not in ALLOWED_TEMPLATE_KWARGS or not isinstance(value, (bool, int, str)) \
-                    or len(str(value)) > 256:
-                raise OpenAIError(400, f"chat_template_kwargs may hold only "
-                                  f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))} with short "
-                                  f"scalar values; got {key!r}", "chat_template_kwargs")
+        kwargs = self._template_kwargs(body)
         check_messages(body.messages)
         if body.continue_final_message and body.add_generation_prompt:
             raise OpenAIError(400, "continue_final_message needs add_generation_prompt=false: "

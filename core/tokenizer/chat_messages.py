@@ -47,14 +47,24 @@ def first_non_text_part(parts: list[Any]) -> int | None:
     return None
 
 
+# One thinking block, three names: templates read any of them (transformers fills all).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message without a problem (see message_problem) as templates read it: text parts
-    joined, no null content, tool-call arguments as objects (templates write
-    `arguments | tojson`; OpenAI sends the JSON text)."""
+    joined by newlines (vLLM's rule), no null content, no other null field (a replayed
+    `"tool_calls": null` broke `'tool_calls' in message` templates; transformers drops them
+    too), a thinking block under each of its names, tool-call arguments as objects
+    (templates write `arguments | tojson`; OpenAI sends the JSON text)."""
     content = message.get("content")
     if isinstance(content, list):
-        content = "".join(part["text"] for part in content)
-    out = {**message, "content": content or ""}
+        content = "\n".join(part["text"] for part in content)
+    out = {key: value for key, value in message.items() if value is not None}
+    out["content"] = content or ""
+    reasoning = next((out[k] for k in REASONING_FIELDS if isinstance(out.get(k), str)), None)
+    if reasoning is not None:
+        out.update({k: reasoning for k in REASONING_FIELDS if k not in out})
     if out.get("tool_calls"):
         out["tool_calls"] = [_parsed_arguments(call) for call in out["tool_calls"]]
     return out

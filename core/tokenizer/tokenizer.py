@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -38,11 +40,22 @@ def _strftime_now(format: str) -> str:  # Granite's, SmolLM3's, Mistral's date l
     return datetime.now().strftime(format)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's
+    text for training masks: rendered, it is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[Any]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    """Where chat templates render: sandboxed, with the globals and filters that
+    """Where chat templates render: sandboxed, with the globals, filters and tags that
     transformers gives them."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
@@ -63,14 +76,18 @@ class Tokenizer:
 
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None,
                  eos_token_ids: set[int], add_bos_token: bool,
-                 chat_template: str | None, appended_eos_id: int | None = None) -> None:
+                 chat_template: str | None, appended_eos_id: int | None = None,
+                 own_eos_id: int | None = None) -> None:
         """`appended_eos_id`: a token `encode` ends a text with where special tokens are
         added (a GGUF's add_eos_token: last-token-pooled embedding models pool on it); a
-        tokenizer.json's post-processor does this for a model folder."""
+        tokenizer.json's post-processor does this for a model folder. `own_eos_id`: the
+        tokenizer's own EOS (tokenizer_config's eos_token), the template's `eos_token` (the
+        EOS set also holds the configs' and the template's end-of-turn tokens)."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
         self.appended_eos_id = appended_eos_id
+        self.own_eos_id = own_eos_id
         self.chat_template = chat_template
         # End-of-turn tokens the template uses count as EOS (SmolLM2's <|im_end|>, ...).
         self.eos_token_ids = set(eos_token_ids)
@@ -81,6 +98,7 @@ class Tokenizer:
         self.special_token_ids = {
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self._template: jinja2.Template | None = None
+        self._variables: frozenset[str] | None = None
         if chat_template:
             try:
                 self._compiled_template()
@@ -137,12 +155,23 @@ class Tokenizer:
         if not (chat_template or self.chat_template):
             raise ValueError("this model has no chat template; use generate() with a prompt")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        eos_id = self.own_eos_id if self.own_eos_id is not None else self.eos_token_id
+        eos = self.id_to_token(eos_id) if eos_id is not None else ""
         template = (self._compiled_template() if chat_template is None
                     else _compile(chat_template, "the chat template given"))
         return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
             eos_token=eos, **kwargs)
+
+    def template_variables(self) -> frozenset[str]:
+        """The variables the model's chat template reads and does not set itself."""
+        if self._variables is None:
+            try:
+                parsed = _environment().parse(self.chat_template or "")
+            except jinja2.TemplateSyntaxError:
+                return frozenset()
+            self._variables = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+        return self._variables
 
     def _compiled_template(self) -> jinja2.Template:
         """The model's chat template, compiled once."""
@@ -177,8 +206,9 @@ class Tokenizer:
                                   "add_bos_token": self.add_bos_token}
         if self.bos_token_id is not None:
             config["bos_token"] = name(self.bos_token_id)
-        if self.eos_token_id is not None:
-            config["eos_token"] = name(self.eos_token_id)
+        eos_id = self.own_eos_id if self.own_eos_id is not None else self.eos_token_id
+        if eos_id is not None:
+            config["eos_token"] = name(eos_id)
         if self.chat_template:
             config["chat_template"] = self.chat_template
         self.backend.save(str(folder / "tokenizer.json"))
@@ -222,7 +252,7 @@ class Tokenizer:
         # without one (pkv's own, written from a GGUF) relies on add_bos_token instead.
         add_bos = bool(cfg.get("add_bos_token")) and backend.post_processor is None
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
-                   add_bos_token=add_bos, chat_template=template)
+                   add_bos_token=add_bos, chat_template=template, own_eos_id=eos_id)
 
 
 def _default_template(value: Any) -> str | None:

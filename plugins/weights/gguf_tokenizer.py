@@ -86,7 +86,8 @@ def gguf_tokenizer(field: Field) -> Tokenizer:
     return Tokenizer(backend, bos_token_id=field("tokenizer.ggml.bos_token_id"),
                      eos_token_ids=eos, add_bos_token=bool(add_bos),
                      chat_template=field("tokenizer.chat_template"),
-                     appended_eos_id=appended_eos)
+                     appended_eos_id=appended_eos,
+                     own_eos_id=field("tokenizer.ggml.eos_token_id"))
 
 
 def _token_at(tokens: list[str], token_id: Any, key: str) -> str:

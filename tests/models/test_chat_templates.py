@@ -203,6 +203,38 @@ def test_server_passes_chat_template_kwargs_to_the_template(qwen3_tokenizer: Tok
     assert render(chat_template_kwargs={"enable_thinking": False}) == (
         prompt + "<think>\n\n</think>\n\n")
     assert render(chat_template_kwargs={"enable_thinking": True}) == prompt
+    # what the template never reads is dropped (as vLLM drops it), not refused
+    assert render(chat_template_kwargs={"enable_thinking": False, "documents": [{"a": 1}]}) \
+        == prompt + "<think>\n\n</think>\n\n"
+
+
+def test_what_templates_read_as_transformers_gives_it(tmp_path: Path, tiny_llama_dir: Path):
+    # The tokenizer's own eos_token (not the smallest EOS id), {% generation %}, a thinking
+    # block under each of its names, no null field, text parts joined by newlines, and a
+    # request's reasoning_effort where the template reads it.
+    from pkv.core.server.protocol import ChatCompletionRequest
+    from pkv.core.server.serving_chat import OpenAIServingChat
+    from pkv.core.server.serving_engine import ServerLimits
+    from pkv.core.tokenizer.chat_messages import template_message
+
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.role == 'assistant' %}"
+                "{% generation %}[{{ m.thinking }}]{{ m.content }}{% endgeneration %}"
+                "{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}"
+                "{% else %}{{ m.content }}{% endif %}{{ eos_token }}{% endfor %}"
+                "{{ reasoning_effort | default('-') }}")
+    folder = _model_folder(tmp_path / "m", tiny_llama_dir, template, in_config=True)
+    tokenizer = Tokenizer.from_folder(folder, eos_token_ids=(0,))  # generation_config's 0
+    assert 0 in tokenizer.eos_token_ids and tokenizer.own_eos_id == 2
+    turns = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": "c", "reasoning": "r", "tool_calls": None}]
+    text = tokenizer.apply_chat_template([template_message(m) for m in turns],
+                                         add_generation_prompt=False)
+    assert text == "user:a\nb<|im_end|>assistant:[r]c<|im_end|>-"
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer))
+    serving = OpenAIServingChat(engine, "m", ServerLimits())  # type: ignore[arg-type]
+    body = ChatCompletionRequest(messages=turns[:1], reasoning_effort="low")
+    assert asyncio.run(serving._render_chat(body)).endswith("<|im_end|>low")
 
 
 def test_template_folder_layouts_are_both_read(gemma_folder: Path, tmp_path: Path):

@@ -114,8 +114,7 @@ def test_requests_cannot_supply_or_steer_chat_templates(server: RunningServer,
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     _assert_error(_post(server, "/v1/chat/completions", {**body, "chat_template": evil}),
                   400, "chat_template")
-    for kwargs in ({"bos_token": "x"}, {"messages": []}, {"enable_thinking": ["a"]},
-                   {"enable_thinking": "x" * 300}):
+    for kwargs in ({"bos_token": "x"}, {"messages": []}, {"enable_thinking": "x" * 70000}):
         _assert_error(_post(server, "/v1/chat/completions",
                             {**body, "chat_template_kwargs": kwargs}),
                       400, "chat_template_kwargs")
