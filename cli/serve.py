@@ -81,6 +81,7 @@ def serve(
     enable_runtime_lora: Annotated[bool, typer.Option("--enable-runtime-lora", "--allow-runtime-lora", help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).")] = False,
     lora_dir: Annotated[Optional[str], typer.Option(help="Load adapters only from under this folder.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for unseeded requests.")] = 0,
+    generation_config: Annotated[str, typer.Option(help="Sampling defaults for unset fields: auto (the model's generation_config.json) or none (OpenAI's).")] = "auto",
     config: Annotated[Optional[Path], typer.Option(help="YAML file, or a shipped recipe's name (smollm2-cpu); any flag as a key.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     shutdown_timeout: Annotated[float, typer.Option(help="Grace period on SIGTERM, seconds.")] = 30.0,

@@ -86,6 +86,10 @@ class EngineConfig:
         None, "Most tokens in one step (default: 2048 or max_model_len if smaller).")
     max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
     seed: int = _opt(0, "Seed for requests that do not set their own.")
+    generation_config: str = _opt(
+        "auto", "Sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty) or "
+        "none (OpenAI's).")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
     kv_offload_dir: str | None = _opt(
         None, "Folder for a disk tier of the prefix cache: full blocks evicted from the pool "
@@ -140,6 +144,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be auto or none, got "
+                             f"{self.generation_config!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

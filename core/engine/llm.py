@@ -102,6 +102,8 @@ class LLM:
         `{"prompt_token_ids": ids}`); outputs come back in prompt order.
         `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = self._per_prompt(lora_request, len(prompts), "LoRA requests")
         engine = self.llm_engine
@@ -224,6 +226,12 @@ class LLM:
         if prompts and isinstance(prompts[0], int):
             return [prompts]  # one prompt given as token ids
         return prompts
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given no SamplingParams: the
+        model's generation_config.json settings (EngineConfig.generation_config auto), else
+        SamplingParams' own defaults (vLLM's method of the same name)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
 
     @staticmethod
     def _params_per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:

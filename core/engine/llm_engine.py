@@ -50,6 +50,12 @@ class LLMEngine:
         self.task = setup.task  # generate, embed or classify
         self.tokenizer = source.tokenizer
         self.max_model_len = setup.max_model_len
+        # What a request that leaves them unset samples with (generation_config auto).
+        self.sampling_defaults = (dict(source.sampling_defaults)
+                                  if config.generation_config == "auto" else {})
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s",
+                        self.sampling_defaults)
         logger.info("attention backend: %s", setup.backend.name)
         self.attention_backend = setup.backend.name
         self.quantization = setup.loader.name if setup.loader else None
@@ -232,16 +238,30 @@ class LLMEngine:
                 outputs = self._pipelined_step(self.micro_batches)
             else:
                 outputs = self._step()
-        except BaseException:
+        except BaseException as exc:
             # Scheduling registered the step's full blocks in the prefix cache before their
             # K/V were written (or read from disk into the pool); a later request must not
             # find them (callers may serve on).
             for request in list(self.scheduler.requests.values()):
                 self.kv_cache.forget_unwritten(request)
             self.kv_cache.forget_loads()
+            if self.workers is not None and not isinstance(exc, Exception):
+                self._stop_interrupted_ranks(exc)
             raise
         self.kv_cache.loads_landed()
         return outputs
+
+    def _stop_interrupted_ranks(self, exc: BaseException) -> None:
+        """Ctrl-C mid-step: the other ranks may wait in a collective the driver left, and
+        no message brings them back in step (a later step, or shutdown's last word, would
+        wait forever): they are stopped, and the engine with them."""
+        workers = self.workers
+        if workers is None:
+            return
+        workers.error = workers.error or (f"the engine was stopped mid-step "
+                                          f"({type(exc).__name__}); its ranks went with it: "
+                                          "start a new one")
+        workers.shutdown(force=True)
 
     def _step(self) -> list[RequestOutput | PoolingRequestOutput]:
         if self.workers is not None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -49,6 +50,8 @@ class ModelSource:
     weights: Callable[[], Iterator[tuple[str, Any]]]
     hf_config: dict[str, Any]  # config.json, or its equivalent for other formats
     quantization: str | None = None  # the weight loader the checkpoint calls for
+    # generation_config.json's sampling settings, as SamplingParams' names
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def folder(self) -> Path | None:
@@ -126,15 +129,40 @@ def open_folder(path: Path) -> ModelSource:
                 "them to safetensors)" if pickled else "")
         raise ValueError(f"{path} has no *.safetensors weights{hint}")
     gen_path = path / "generation_config.json"
-    eos = config.eos_token_ids
+    eos, generation = config.eos_token_ids, {}
     if gen_path.is_file():
-        eos += eos_token_ids(_json_object(gen_path).get("eos_token_id"), f"{gen_path}: ")
+        generation = _json_object(gen_path)
+        eos += eos_token_ids(generation.get("eos_token_id"), f"{gen_path}: ")
     tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
     num_tensors = sum(len(_safetensor_keys(f)) for f in files)
     return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,
                        num_tensors=num_tensors, weights=lambda: _iter_safetensors(files),
                        hf_config=hf_config,
-                       quantization=checkpoint_quantization(hf_config.get("quantization_config")))
+                       quantization=checkpoint_quantization(hf_config.get("quantization_config")),
+                       sampling_defaults=sampling_defaults(generation, gen_path))
+
+
+# generation_config.json's sampling keys (vLLM's set but max_new_tokens, which pkv leaves to
+# max_tokens: a length the prompt's room does not bound would make long prompts errors)
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The sampling settings a model's generation_config.json gives (the ones a request
+    leaves unset take them, as vLLM's `--generation-config auto`); a value of the wrong
+    type is skipped with a warning, not an error (the model still serves)."""
+    found = {}
+    for key in _SAMPLING_KEYS:
+        value = generation.get(key)
+        if value is None:
+            continue
+        integer = key == "top_k"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            logging.getLogger("pkv.loader").warning("%s: %s=%r is not a number; ignored",
+                                                    where, key, value)
+            continue
+        found[key] = value
+    return found
 
 
 def _json_object(path: Path) -> dict[str, Any]:

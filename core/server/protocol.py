@@ -184,24 +184,30 @@ class _SamplingFields(RequestBody):
         return StructuredOutputsParams(**spec), name
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None) -> SamplingParams:
-        """Build SamplingParams; OpenAI's defaults where a field is absent. `structured` is
-        this body's `structured()`, built once by the caller (it validates the schema)."""
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+                        structured: StructuredOutputsParams | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build SamplingParams; where a field is absent, the model's default (`defaults`:
+        its generation_config's, as vLLM takes them), else OpenAI's. `structured` is this
+        body's `structured()`, built once by the caller (it validates the schema)."""
+        defaults = defaults or {}
+
+        def pick(value: Any, name: str, default: Any) -> Any:
+            return defaults.get(name, default) if value is None else value
 
         return SamplingParams(
-            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed,
+            n=self.n, temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0), top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0), seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             logit_bias=self._logit_bias(),
-            presence_penalty=pick(self.presence_penalty, 0.0),
-            frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+            presence_penalty=pick(self.presence_penalty, "presence_penalty", 0.0),
+            frequency_penalty=pick(self.frequency_penalty, "frequency_penalty", 0.0),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
+            logprobs=logprobs,
             structured_outputs=structured, truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=self.asked_prompt_logprobs())
 

@@ -98,8 +98,7 @@ class OpenAIServing:
             raise OpenAIError(400, f"stop strings must be at most {self.limits.max_stop_length} "
                               "characters", "stop")
 
-    @staticmethod
-    def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+    def _params(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                 names: dict[str, str] | None = None) -> SamplingParams:
         """SamplingParams of the request; a 400 naming the field the client sent (`names`
         maps SamplingParams' names to the request's where they differ)."""
@@ -110,7 +109,8 @@ class OpenAIServing:
             param = fields[0] if len(fields) == 1 else "response_format"
             raise OpenAIError(400, str(exc), param) from None
         try:
-            return body.sampling_params(max_tokens, logprobs, structured)
+            return body.sampling_params(max_tokens, logprobs, structured,
+                                        self.llm.engine.sampling_defaults)
         except ValueError as exc:
             # SamplingParams messages start with the field's name.
             message = str(exc)

@@ -421,3 +421,34 @@ def test_a_kv_pool_past_the_machines_memory_is_a_one_line_error(tiny_llama_dir: 
     with pytest.raises(ValueError, match="more than this cpu device's memory") as caught:
         LLM(str(tiny_llama_dir), kv_cache_memory="1000TiB", show_progress=False)
     assert "\n" not in str(caught.value)
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(tmp_path: Path,
+                                                                 tiny_llama_dir: Path):
+    # vLLM's --generation-config auto: a model that asks for greedy decoding gets it from a
+    # call that names no SamplingParams (it sampled at temperature 1.0 regardless).
+    import json
+    import shutil
+
+    from pkv.core.server.protocol import ChatCompletionRequest
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.0, "top_k": 5, "repetition_penalty": 1.3,
+         "top_p": "high"}))  # (a value of the wrong type is skipped)
+    llm = LLM(str(model), kv_cache_memory="8MiB", show_progress=False)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty,
+            defaults.top_p) == (0.0, 5, 1.3, 1.0)
+    prompt = [[5, 6, 7, 8, 9]]
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, repetition_penalty=1.3,
+                                                 max_tokens=defaults.max_tokens))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt * 2)] == \
+        [greedy[0].outputs[0].token_ids] * 2
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_k=3)
+    served = body.sampling_params(None, None, None, llm.llm_engine.sampling_defaults)
+    assert (served.temperature, served.top_k, served.repetition_penalty) == (0.0, 3, 1.3)
+    plain = LLM(str(model), kv_cache_memory="8MiB", show_progress=False,
+                generation_config="none")
+    assert plain.get_default_sampling_params().temperature == 1.0

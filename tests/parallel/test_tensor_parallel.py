@@ -157,3 +157,26 @@ def test_an_engine_built_on_a_thread_keeps_its_ranks_and_a_second_is_refused(
         assert set(psutil.Process().children(recursive=True)) <= before  # none left behind
     finally:
         tp.shutdown()
+
+
+def test_ctrl_c_mid_step_stops_the_ranks_and_says_so(tiny_llama_dir: Path) -> None:
+    # The other ranks may be waiting in a collective the driver left: no later step (nor
+    # shutdown's last word) could reach them, so they go with the interrupted step.
+    tp = LLM(str(tiny_llama_dir), tensor_parallel_size=2, kv_cache_memory="16MiB",
+             max_model_len=256, show_progress=False)
+    pids = tp.llm_engine.workers.pids
+    runner = tp.llm_engine.runner
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    runner.execute_model = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        tp.generate([[1, 2, 3, 4]], GREEDY)
+    del runner.execute_model
+    assert _gone(pids, 10), "a rank outlived the interrupted step"
+    with pytest.raises(RuntimeError, match="stopped mid-step \\(KeyboardInterrupt\\)"):
+        tp.generate([[1, 2, 3, 4]], GREEDY)
+    started = time.monotonic()
+    tp.shutdown()
+    assert time.monotonic() - started < 5
