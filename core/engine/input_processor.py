@@ -157,6 +157,9 @@ class InputProcessor:
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         if lora_request is None:
             return None
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request takes a LoRARequest(lora_name, lora_int_id, "
+                            f"lora_path), not a {type(lora_request).__name__}")
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with "
                              "enable_lora=True (pkv serve --enable-lora)")

@@ -16,7 +16,8 @@ from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.progress import make_progress
 from pkv.core.sample.sampling_params import SamplingParams
-from pkv.core.tokenizer.chat_messages import message_problem, template_message
+from pkv.core.tokenizer.chat_messages import (RESERVED_TEMPLATE_KWARGS, message_problem,
+                                               template_message)
 
 
 class _Salted(TypedDict, total=False):
@@ -122,7 +123,7 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
@@ -131,13 +132,22 @@ class LLM:
         Jinja template given instead), then generate (vLLM's arguments): `tools` (OpenAI
         function tools) go to the template as `tools`, `continue_final_message` has the model
         go on writing the last (assistant) message, `chat_template_kwargs` go to the template
-        (e.g. Qwen3's `enable_thinking`). Each output's `prompt` is the rendered text."""
+        (e.g. Qwen3's `enable_thinking`; its add_generation_prompt and
+        continue_final_message win over the arguments, as vLLM merges them). Each output's
+        `prompt` is the rendered text. The arguments after `lora_request` are keywords only
+        (vLLM's 5th positional argument is another)."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict")
+        kwargs = dict(chat_template_kwargs or {})
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: chat sets it")
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError("chat_template must be a Jinja template (a string)")
         tokenizer = self.llm_engine.tokenizer
-        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        kwargs.update({"tools": tools} if tools else {})
         texts = [tokenizer.apply_chat_template(conversation, add_generation_prompt,
                                                continue_final_message, chat_template, **kwargs)
                  for conversation in _conversations(messages)]
@@ -161,7 +171,7 @@ class LLM:
         if self.llm_engine.task == "classify":  # (its score would come back as a "vector")
             raise ValueError("embed needs an embedding model (task=embed); this model is a "
                              "classifier (task=classify): use score or classify")
-        bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
+        bodies = [resolve_prompt(p) for p in self._as_list(prompts)]
         params = self._params_per_prompt(pooling_params, len(bodies), PoolingParams)
         params = [_truncated(p, truncate_prompt_tokens) for p in params]
         loras = self._per_prompt(lora_request, len(bodies), "LoRA requests")
@@ -174,7 +184,7 @@ class LLM:
         if task != "classify":  # (an embedding model would hand back its vectors)
             raise ValueError(f"classify needs a classifier (task=classify); this model serves "
                              f"task={task}")
-        bodies = [resolve_prompt(p)[0] for p in self._as_list(prompts)]
+        bodies = [resolve_prompt(p) for p in self._as_list(prompts)]
         return self._pool(bodies, [PoolingParams()] * len(bodies), use_tqdm)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
@@ -186,9 +196,12 @@ class LLM:
         two texts' embeddings (each text cut to `truncate_prompt_tokens`, as vLLM's; a pair
         refuses it). `lora_request`: the adapter every pair runs under."""
         pairs = score_pairs(text_1, text_2)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"score's pooling_params is one PoolingParams for every pair, not "
+                            f"{_type_names(pooling_params)}")
         params = _truncated(pooling_params or PoolingParams(), truncate_prompt_tokens)
         if self.llm_engine.task == "classify":
-            return self._pool(list(pairs), [params] * len(pairs), use_tqdm,
+            return self._pool([(pair, None) for pair in pairs], [params] * len(pairs), use_tqdm,
                               [lora_request] * len(pairs))
         texts = sorted({t for pair in pairs for t in pair})
         vectors = dict(zip(texts, self.embed(texts, params, use_tqdm, lora_request)))
@@ -200,14 +213,15 @@ class LLM:
                 str(i), None, va.prompt_token_ids + vb.prompt_token_ids, PoolingOutput(score)))
         return outputs
 
-    def _pool(self, bodies: list[str | list[int] | tuple[str, str]],
+    def _pool(self, bodies: list[tuple[str | list[int] | tuple[str, str], str | None]],
               params: list[PoolingParams], use_tqdm: bool | None,
               loras: list[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
+        """Pool each (prompt, cache salt) of `bodies`."""
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for body, p, lora in zip(bodies, params, loras or [None] * len(bodies)):
-                ids.append(engine.add_request(None, body, p, lora_request=lora))
+            for (body, salt), p, lora in zip(bodies, params, loras or [None] * len(bodies)):
+                ids.append(engine.add_request(None, body, p, cache_salt=salt, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -193,7 +193,8 @@ class OutputProcessor:
         state = self.parents[parent_id]
         self._forget(state)
         return PoolingRequestOutput(parent_id, state.prompt, state.prompt_token_ids,
-                                    PoolingOutput(data))
+                                    PoolingOutput(data),
+                                    num_cached_tokens=max(0, request.num_cached_tokens))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished sample aborted; return the final output."""

@@ -23,5 +23,11 @@ class PoolingParams:
     def __post_init__(self) -> None:
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.dimensions is not None and (not isinstance(self.dimensions, int)
+                                            or isinstance(self.dimensions, bool)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        # (a string "false" is true: it would normalize what was asked not to be)
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true, false or None, got {self.normalize!r}")
+        if not isinstance(self.activation, bool):
+            raise ValueError(f"activation must be true or false, got {self.activation!r}")

@@ -33,12 +33,8 @@ from pkv.core.structured_output.reasoning import END as REASONING_END
 from pkv.core.structured_output.reasoning import START as REASONING_START
 from pkv.core.structured_output.reasoning import ReasoningParser
 from pkv.core.structured_output.tool_calls import ToolParser
+from pkv.core.tokenizer.chat_messages import RESERVED_TEMPLATE_KWARGS
 
-# Template variables pkv sets itself: a request's chat_template_kwargs may not.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
-                                      "continue_final_message", "bos_token", "eos_token",
-                                      "chat_template", "tokenize", "raise_exception",
-                                      "strftime_now"})
 MAX_TEMPLATE_KWARGS_BYTES = 64 * 2**10
 TEMPLATE_TIMEOUT_S = 5.0
 MAX_RENDERED_CHARS = 8 * 2**20

@@ -7,6 +7,11 @@ import json
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Template variables pkv sets itself: chat_template_kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
+                                      "continue_final_message", "bos_token", "eos_token",
+                                      "chat_template", "tokenize", "raise_exception",
+                                      "strftime_now"})
 
 
 def message_problem(message: Any) -> str | None:

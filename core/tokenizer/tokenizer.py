@@ -159,9 +159,12 @@ class Tokenizer:
         eos = self.id_to_token(eos_id) if eos_id is not None else ""
         template = (self._compiled_template() if chat_template is None
                     else _compile(chat_template, "the chat template given"))
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-            eos_token=eos, **kwargs)
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=bos, eos_token=eos, **kwargs)
+        except jinja2.TemplateError as exc:  # raise_exception's own message, or jinja's
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
 
     def template_variables(self) -> frozenset[str]:
         """The variables the model's chat template reads and does not set itself."""

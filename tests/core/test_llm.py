@@ -452,3 +452,28 @@ def test_unset_sampling_fields_take_the_models_generation_config(tmp_path: Path,
     plain = LLM(str(model), kv_cache_memory="8MiB", show_progress=False,
                 generation_config="none")
     assert plain.get_default_sampling_params().temperature == 1.0
+
+
+def test_offline_misuses_are_one_line_errors(smol_llm: LLM, tiny_llama_dir: Path):
+    from pkv import PoolingParams
+
+    chat = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="may not set 'bos_token'"):
+        smol_llm.chat(chat, chat_template_kwargs={"bos_token": "x"})
+    # vLLM merges these over the arguments
+    quiet = smol_llm.chat(chat, SamplingParams(max_tokens=1),
+                          chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert not quiet.prompt.endswith("assistant\n")
+    with pytest.raises(TypeError):  # (vLLM's 5th positional argument is the template)
+        smol_llm.chat(chat, None, None, None, "{{ messages }}")  # type: ignore[misc]
+    with pytest.raises(ValueError, match="the chat template refused these messages"):
+        smol_llm.chat(chat, chat_template="{{ raise_exception('no thanks') }}")
+    with pytest.raises(TypeError, match="lora_request takes a LoRARequest"):
+        LLM(str(tiny_llama_dir), kv_cache_memory="8MiB", show_progress=False,
+            enable_lora=True).generate("hi", lora_request="a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="one PoolingParams for every pair"):
+        smol_llm.score("a", ["b", "c"], pooling_params=[PoolingParams()])  # type: ignore
+    for bad in (dict(normalize="false"), dict(activation="no"), dict(dimensions=True)):
+        with pytest.raises(ValueError):
+            PoolingParams(**bad)
+    assert smol_llm.llm_engine.get_stats().num_blocks_used == 0

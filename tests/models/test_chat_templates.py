@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-import jinja2
 import pytest
 
 from pkv import LLM, SamplingParams
@@ -119,7 +118,7 @@ def test_gemma_folds_the_system_prompt_into_the_first_user_turn(gemma_folder: Pa
         "<start_of_turn>model\n")
     assert tokenizer.apply_chat_template(CHAT[1:2], add_generation_prompt=False) == (
         "<|endoftext|><start_of_turn>user\nHi!<end_of_turn>\n")
-    with pytest.raises(jinja2.TemplateError, match="alternate"):
+    with pytest.raises(ValueError, match="alternate"):
         tokenizer.apply_chat_template(CHAT[1:2] * 2)
 
 
@@ -142,7 +141,7 @@ def test_gemma2_template_refuses_a_system_prompt(tmp_path: Path, tiny_llama_dir:
         "<|endoftext|><start_of_turn>user\nHi!<end_of_turn>\n"
         "<start_of_turn>model\nHello.<end_of_turn>\n"
         "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n")
-    with pytest.raises(jinja2.TemplateError, match="System role not supported"):
+    with pytest.raises(ValueError, match="System role not supported"):
         tokenizer.apply_chat_template(CHAT)
 
 

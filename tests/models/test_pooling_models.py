@@ -295,6 +295,11 @@ def test_a_decoder_pooling_its_last_token_hits_the_prefix_cache(tiny_llama_dir: 
     got = [first[0].outputs.data, second[0].outputs.data]
     assert min(_cosines(got, ref)) >= 0.9999
     assert _cosines([salted[0].outputs.data], ref[1:])[0] >= 0.9999
+    assert second[0].num_cached_tokens == len(instruction)  # (it said 0)
+    # embed() keeps a prompt dict's cache_salt (it dropped it, and read unsalted blocks)
+    hits = engine.kv_cache.prefix_hits
+    llm.embed([{"prompt_token_ids": prompts[1], "cache_salt": "tenant-c"}])
+    assert engine.kv_cache.prefix_hits == hits
 
 
 def test_a_tokenizer_files_own_truncation_and_padding_are_not_the_models(tmp_path: Path):
