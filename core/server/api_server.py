@@ -99,7 +99,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     engine = async_llm.engine
     serving_chat = OpenAIServingChat(async_llm, config.served_model_name, config.limits,
                                      select_tool_parser(config.tool_call_parser,
-                                                        engine.tokenizer.chat_template),
+                                                        engine.tokenizer.template_for(True)),
                                      reasoning_parser(config.reasoning_parser))
     serving_completion = OpenAIServingCompletion(async_llm, config.served_model_name,
                                                  config.limits)

@@ -225,7 +225,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(400, "continue_final_message needs add_generation_prompt=false: "
                               "the model goes on writing the last message, it opens no new "
                               "one", "continue_final_message")
-        tools, template = tools or [], self.tokenizer.chat_template or ""
+        tools = tools or []
+        template = self.tokenizer.template_for(bool(tools))
         messages = template_messages([m.as_template_dict() for m in body.messages], tools,
                                      template)
         if tools and template_knows_tools(template):

@@ -77,18 +77,21 @@ class Tokenizer:
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None,
                  eos_token_ids: set[int], add_bos_token: bool,
                  chat_template: str | None, appended_eos_id: int | None = None,
-                 own_eos_id: int | None = None) -> None:
+                 own_eos_id: int | None = None, tool_template: str | None = None) -> None:
         """`appended_eos_id`: a token `encode` ends a text with where special tokens are
         added (a GGUF's add_eos_token: last-token-pooled embedding models pool on it); a
         tokenizer.json's post-processor does this for a model folder. `own_eos_id`: the
         tokenizer's own EOS (tokenizer_config's eos_token), the template's `eos_token` (the
-        EOS set also holds the configs' and the template's end-of-turn tokens)."""
+        EOS set also holds the configs' and the template's end-of-turn tokens).
+        `tool_template`: a checkpoint's template named "tool_use", which transformers
+        renders a conversation with tools through (Hermes-2-Pro's)."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
         self.appended_eos_id = appended_eos_id
         self.own_eos_id = own_eos_id
         self.chat_template = chat_template
+        self.tool_template = tool_template
         # End-of-turn tokens the template uses count as EOS (SmolLM2's <|im_end|>, ...).
         self.eos_token_ids = set(eos_token_ids)
         for tok in _END_OF_TURN:
@@ -97,11 +100,12 @@ class Tokenizer:
                 self.eos_token_ids.add(tid)
         self.special_token_ids = {
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special}
-        self._template: jinja2.Template | None = None
+        self._templates: dict[str, jinja2.Template] = {}  # compiled, by source
         self._variables: frozenset[str] | None = None
-        if chat_template:
+        for source in (chat_template, tool_template):
             try:
-                self._compiled_template()
+                if source:
+                    self._compiled(source)
             except ValueError as exc:  # the model still completes text; chat is refused
                 logging.getLogger("pkv.tokenizer").warning("%s", exc)
 
@@ -152,12 +156,13 @@ class Tokenizer:
         if continue_final_message:
             return self._continuing(messages, add_generation_prompt,
                                     {**kwargs, "chat_template": chat_template})
-        if not (chat_template or self.chat_template):
+        own = self.template_for(bool(kwargs.get("tools")))
+        if not (chat_template or own):
             raise ValueError("this model has no chat template; use generate() with a prompt")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos_id = self.own_eos_id if self.own_eos_id is not None else self.eos_token_id
         eos = self.id_to_token(eos_id) if eos_id is not None else ""
-        template = (self._compiled_template() if chat_template is None
+        template = (self._compiled(own) if chat_template is None
                     else _compile(chat_template, "the chat template given"))
         try:
             return template.render(
@@ -166,21 +171,29 @@ class Tokenizer:
         except jinja2.TemplateError as exc:  # raise_exception's own message, or jinja's
             raise ValueError(f"the chat template refused these messages: {exc}") from None
 
+    def template_for(self, tools: bool) -> str:
+        """The model's template for a conversation with `tools` or without (transformers
+        takes the "tool_use" one where a checkpoint names it)."""
+        return (self.tool_template if tools and self.tool_template else self.chat_template) or ""
+
     def template_variables(self) -> frozenset[str]:
-        """The variables the model's chat template reads and does not set itself."""
+        """The variables the model's chat templates read and do not set themselves."""
         if self._variables is None:
-            try:
-                parsed = _environment().parse(self.chat_template or "")
-            except jinja2.TemplateSyntaxError:
-                return frozenset()
-            self._variables = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+            found: set[str] = set()
+            for source in (self.chat_template, self.tool_template):
+                try:
+                    parsed = _environment().parse(source or "")
+                except jinja2.TemplateSyntaxError:
+                    continue
+                found |= jinja2.meta.find_undeclared_variables(parsed)
+            self._variables = frozenset(found)
         return self._variables
 
-    def _compiled_template(self) -> jinja2.Template:
-        """The model's chat template, compiled once."""
-        if self._template is None:
-            self._template = _compile(self.chat_template or "", "the model's chat template")
-        return self._template
+    def _compiled(self, source: str) -> jinja2.Template:
+        """One of the model's chat templates, compiled once."""
+        if source not in self._templates:
+            self._templates[source] = _compile(source, "the model's chat template")
+        return self._templates[source]
 
     def _continuing(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     kwargs: dict[str, Any]) -> str:
@@ -241,7 +254,10 @@ class Tokenizer:
             raise ValueError(f"{cfg_path} must hold a JSON object")
         jinja_path = folder / "chat_template.jinja"  # first, as transformers reads them
         template = jinja_path.read_text() if jinja_path.is_file() else \
-            _default_template(cfg.get("chat_template"))
+            _named_template(cfg.get("chat_template"), "default")
+        tool_path = folder / "additional_chat_templates" / "tool_use.jinja"
+        tool_template = tool_path.read_text() if tool_path.is_file() else \
+            _named_template(cfg.get("chat_template"), "tool_use")
 
         def token_id(key: str) -> int | None:
             tok = cfg.get(key)
@@ -255,13 +271,14 @@ class Tokenizer:
         # without one (pkv's own, written from a GGUF) relies on add_bos_token instead.
         add_bos = bool(cfg.get("add_bos_token")) and backend.post_processor is None
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
-                   add_bos_token=add_bos, chat_template=template, own_eos_id=eos_id)
+                   add_bos_token=add_bos, chat_template=template, own_eos_id=eos_id,
+                   tool_template=tool_template)
 
 
-def _default_template(value: Any) -> str | None:
-    """tokenizer_config's chat_template: a string, or a list of named templates (the one
-    named "default")."""
+def _named_template(value: Any, name: str) -> str | None:
+    """tokenizer_config's chat_template called `name`: a list of named templates holds
+    several; a string is the one "default" template."""
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        return named.get("default")
-    return value if isinstance(value, str) else None
+        return named.get(name)
+    return value if isinstance(value, str) and name == "default" else None

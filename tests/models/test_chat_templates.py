@@ -246,6 +246,31 @@ def test_template_folder_layouts_are_both_read(gemma_folder: Path, tmp_path: Pat
     assert Tokenizer.from_folder(folder).chat_template == GEMMA3_TEMPLATE
 
 
+def test_a_tool_use_template_renders_conversations_with_tools(tmp_path: Path,
+                                                            tiny_llama_dir: Path):
+    # Hermes-2-Pro's layout: named templates, "tool_use" for a conversation with tools; and
+    # transformers 5's folder of additional templates. Both as transformers renders them.
+    from transformers import AutoTokenizer
+
+    default = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    tool_use = "TOOLS {{ tools | length }}\n" + default
+    named = _model_folder(tmp_path / "named", tiny_llama_dir, default, in_config=True)
+    config = json.loads((named / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": default},
+                               {"name": "tool_use", "template": tool_use}]
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    folder = _model_folder(tmp_path / "folder", tiny_llama_dir, default, in_config=False)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for model in (named, folder):
+        ours, theirs = Tokenizer.from_folder(model), AutoTokenizer.from_pretrained(model)
+        for given in (None, tools):
+            text = ours.apply_chat_template(CHAT[1:2], False, tools=given)
+            assert text == theirs.apply_chat_template(CHAT[1:2], tools=given, tokenize=False)
+            assert text.startswith("TOOLS 1") == (given is not None)
+
+
 TOOLS_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\nTools:\\n' }}
     {%- for tool in tools %}
