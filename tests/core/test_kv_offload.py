@@ -76,13 +76,19 @@ def test_a_block_still_staged_is_read_from_staging(tmp_path: Path) -> None:
     store.close()
 
 
-def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
-    kv = _kv()
-    probe = _store(tmp_path / "probe", kv)
+def _file_size(path: Path, kv: torch.Tensor) -> int:
+    """The bytes of one block's file."""
+    probe = _store(path, kv)
     probe.save(*_block(0), 0)
     probe.flush(10)
     size = probe.stats.bytes_used
     probe.close()
+    return size
+
+
+def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
+    kv = _kv()
+    size = _file_size(tmp_path / "probe", kv)
     store = _store(tmp_path / "lru", kv, max_bytes=3 * size)
     for i in range(3):
         store.save(*_block(i), i)
@@ -99,12 +105,7 @@ def test_lru_bound_deletes_oldest_first(tmp_path: Path) -> None:
 
 def test_a_block_evicted_again_is_the_most_recently_used_file(tmp_path: Path) -> None:
     kv = _kv()
-    probe = _store(tmp_path / "probe", kv)
-    probe.save(*_block(0), 0)
-    probe.flush(10)
-    size = probe.stats.bytes_used
-    probe.close()
-    store = _store(tmp_path / "lru", kv, max_bytes=2 * size)
+    store = _store(tmp_path / "lru", kv, max_bytes=2 * _file_size(tmp_path / "probe", kv))
     for i in (0, 1, 0, 2):  # block 0 read back into RAM and evicted again, then a new one
         store.save(*_block(i), i)
         store.flush(10)
