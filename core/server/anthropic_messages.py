@@ -218,6 +218,11 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                           "tools as tools", "mcp_servers")
     # A final assistant turn is a prefill: the answer goes on from its text, as Anthropic's.
     prefill = body.messages[-1].role == "assistant"
+    if prefill and messages[-1].get("tool_calls"):  # (Anthropic refuses it: nothing to go on)
+        where = f"messages[{len(body.messages) - 1}].content"
+        raise OpenAIError(400, f"{where}: a final assistant turn is a prefill of text; its "
+                          "tool_use blocks need a user turn with their tool_result after it",
+                          where)
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_tokens": body.max_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,

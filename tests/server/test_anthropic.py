@@ -181,6 +181,9 @@ def test_x_api_key_and_errors_in_anthropic_shape(server: RunningServer):
                  {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
                  {"role": "user", "content": "and now?"}]}, "messages[2].content"),
              ({**body, "output_config": {"format": {"type": "json"}}}, "output_config.format"),
+             ({**body, "messages": [*ASK, {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]},
+              "messages[1].content"),
              ({**body, "mcp_servers": [{"type": "url", "url": "https://x.example/mcp",
                                         "name": "x"}]}, "mcp_servers")]
     for bad, param in cases:
