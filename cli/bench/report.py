@@ -27,7 +27,7 @@ def offline_table(results: list[BenchResult]) -> Table:
         table.add_row(r.name, str(r.batch), f"{j['request_throughput']:.2f}",
                       f"{j['output_throughput']:.1f}",
                       f"{r.decode_tps:.1f}" if r.decode_s else "-", f"{j['total_throughput']:.1f}",
-                      f"{j['mean_step_ms']:.1f}",
+                      f"{j['mean_step_ms']:.1f}" if r.num_steps else "-",
                       f"{j['mean_ttft_ms']:.0f}" if r.mean_ttft_s else "-",
                       f"{j['max_itl_ms']:.0f}" if r.max_itl_s else "-",
                       str(r.prefill_tokens or "-"), str(r.peak_blocks or "-"),
@@ -40,8 +40,6 @@ def offline_table(results: list[BenchResult]) -> Table:
 def rounds_table(batch: int, pairs: list[tuple[BenchResult, BenchResult | None]]) -> Table:
     """pkv and its baseline round by round (`--rounds`): decode and output tok/s and their
     ratios, with the medians."""
-    import statistics
-
     name = pairs[0][1].name if pairs[0][1] is not None else "-"
     table = Table(title=f"pkv bench --rounds: batch {batch}, pkv against {name}, run alternately")
     for column in ("round", "pkv decode tok/s", f"{name} decode tok/s", "decode ratio",
@@ -61,11 +59,17 @@ def rounds_table(batch: int, pairs: list[tuple[BenchResult, BenchResult | None]]
                       f"{other.decode_tps:.1f}" if other.decode_s else "-",
                       f"{decode[-1]:.2f}x" if timed else "-", f"{mine.output_tps:.1f}",
                       f"{other.output_tps:.1f}", f"{out[-1]:.2f}x")
-    if out:
+    if out:  # (the median round's, as the ratio quoted: the lower middle of an even count)
         table.add_row("median", "", "",
-                      f"[bold]{statistics.median(decode):.2f}x[/]" if decode else "-", "", "",
-                      f"[bold]{statistics.median(out):.2f}x[/]")
+                      f"[bold]{lower_median(decode):.2f}x[/]" if decode else "-", "", "",
+                      f"[bold]{lower_median(out):.2f}x[/]")
     return table
+
+
+def lower_median(values: list[float]) -> float:
+    """The median of an odd count; of an even one, the lower of the two middle values (a
+    round that was run, not an average of two)."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def profile_table(results: list[BenchResult]) -> Table:

@@ -104,6 +104,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # the stream ended in an error: not a completed request
+                    record.error = str(chunk["error"].get("message") or chunk["error"])
+                    return record
                 if chunk.get("usage"):
                     record.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     record.output_tokens = chunk["usage"]["completion_tokens"]

@@ -276,14 +276,19 @@ def is_error_event(line: str) -> bool:
 
 
 def is_token_event(line: str) -> bool:
-    """Whether a `data: ` line carries generated text: any OpenAI chunk, a typed event's
-    deltas (Responses' `*.delta`, Anthropic's `content_block_delta`), not the events that
-    open a response or a block before any token."""
+    """Whether a `data: ` line carries generated text: an OpenAI chunk with content, a
+    tool call or text (not the role-only chunk a chat stream opens with before any token),
+    a typed event's deltas (Responses' `*.delta`, Anthropic's `content_block_delta`), not
+    the events that open a response or a block."""
     data = _event(line)
     if data is None:
         return False
     kind = data.get("type")
-    return kind is None or kind.endswith(".delta") or kind == "content_block_delta"
+    if kind is None:
+        return any(choice.get("text") or (choice.get("delta") or {}).get("content")
+                   or (choice.get("delta") or {}).get("tool_calls")
+                   for choice in data.get("choices") or [])
+    return kind.endswith(".delta") or kind == "content_block_delta"
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], minute: Minute,

@@ -91,7 +91,9 @@ class BenchResult:
                 "elapsed_s": self.elapsed_s, "output_throughput": self.output_tps,
                 "total_throughput": (self.input_tokens + self.output_tokens) / self.elapsed_s,
                 "request_throughput": self.num_requests / self.elapsed_s,
-                "mean_step_ms": 1000 * self.elapsed_s / max(self.num_steps, 1),
+                # (None where the engine's steps were not counted: a baseline's)
+                "mean_step_ms": (1000 * self.elapsed_s / self.num_steps if self.num_steps
+                                 else None),
                 "peak_kv_blocks": self.peak_blocks, "kv_allocated_bytes": self.kv_allocated_bytes,
                 "kv_filled_bytes": self.kv_filled_bytes,
                 "kv_fragmentation_pct": self.fragmentation_pct,

@@ -34,7 +34,9 @@ def test_offline_sweep_with_hf_baseline_writes_json_and_plot(tmp_path: Path,
             assert key in run and key in run["baseline"], key
         assert run["output_throughput"] > 0 and run["request_throughput"] > 0
         assert 0 <= run["kv_fragmentation_pct"] < 100
-        assert run["peak_rss_bytes"] > 0 and run["baseline"]["ratio"] > 0
+        assert run["baseline"]["ratio"] > 0
+        # one process holds both models: neither side's peak RSS is its own, none is shown
+        assert run["peak_rss_bytes"] == run["baseline"]["peak_rss_bytes"] == 0
         assert run["baseline"]["name"].startswith("hf")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "pkv / hf" in result.output
@@ -232,9 +234,12 @@ def test_soak_tells_an_error_event_from_text_that_says_error():
                   {"type": "response.failed", "response": {"error": {"message": "boom"}}},
                   {"type": "error", "error": {"type": "overloaded_error", "message": "boom"}}):
         assert is_error_event(data(event)), event
-    # the first token: any OpenAI chunk, a typed event's delta; not an opening event
+    # the first token: an OpenAI chunk with text, a typed event's delta; not an opening
+    # event, nor the role-only chunk a chat stream opens with
     assert is_token_event(data(chunk)) and is_token_event(data(text_delta))
     assert is_token_event(data(block_delta))
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    assert not is_token_event(data(role))
     assert not is_token_event(data(created)) and not is_token_event("data: [DONE]")
     assert not is_token_event(data({"type": "content_block_start", "index": 0}))
 
@@ -467,3 +472,32 @@ def test_attention_bench_times_every_usable_backend():
                        (["--sliding-window", "0"], "--sliding-window must be >= 1")):
         bad = _bench("attention", *args)
         assert bad.exit_code == 2 and says in bad.output and "Traceback" not in bad.output
+
+
+def test_baseline_figures_compare_like_with_like():
+    # llama-batched-bench runs one prompt length, none shared: other workloads are refused
+    for flags in (["--workload", "repeat"], ["--shared-prefix-len", "8"],
+                  ["--long-prompt-len", "64"]):
+        result = _bench("run", "--baseline", "llama.cpp", *flags)
+        assert result.exit_code == 2 and "--baseline llama.cpp runs" in result.output, flags
+    # an even count of rounds: the table's median is the round quoted, not an average
+    from pkv.cli.bench.compare import median_round
+    from pkv.cli.bench.report import lower_median, rounds_table
+    from pkv.cli.bench.workload import BenchResult
+
+    def result(name: str, tps: float) -> BenchResult:
+        return BenchResult(name, 1, 1, 1.0, 1, int(tps))
+
+    pairs = [(result("pkv", 120), result("llama.cpp", 100)),
+             (result("pkv", 100), result("llama.cpp", 100))]
+    mine, other = median_round(pairs)
+    assert mine.output_tps / other.output_tps == lower_median([1.2, 1.0]) == 1.0
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(rounds_table(1, pairs))
+    assert "1.00x" in console.export_text().splitlines()[-2]  # the median row
+    assert "step ms" not in result("llama.cpp", 1).as_json() or \
+        result("llama.cpp", 1).as_json()["mean_step_ms"] is None  # (no steps counted)
+    window = _bench("window", "--output-len", "4", "--every", "4")
+    assert window.exit_code == 2 and "output_len > every" in window.output

@@ -82,6 +82,15 @@ def run(
             raise ValueError(f"--rounds must be >= 1, got {rounds}")
         if workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+        # llama-batched-bench runs prompts of one length, none shared: another workload's
+        # ratio would compare two different runs
+        shaped = [flag for flag, on in (("--workload repeat", workload != "synthetic"),
+                                        ("--dataset", dataset is not None),
+                                        ("--shared-prefix-len", shared_prefix_len > 0),
+                                        ("--long-prompt-len", long_prompt_len > 0)) if on]
+        if baseline == "llama.cpp" and shaped:
+            raise ValueError(f"--baseline llama.cpp runs --input-len-token prompts, none "
+                             f"shared; not with {', '.join(shaped)}")
         sampling = sampling_options(temperature, top_p, top_k)
         _run_offline(locals() | {"batches": batches, "sampling": sampling})
 
@@ -107,6 +116,8 @@ def sampling_options(temperature: float, top_p: float, top_k: int) -> dict[str, 
 
 
 def _run_offline(o: dict[str, Any]) -> None:
+    import resource
+
     import psutil
 
     from pkv.cli.bench import report
@@ -177,7 +188,9 @@ def _run_offline(o: dict[str, Any]) -> None:
                       f"weights {engine.quantization or 'float'} "
                       f"{engine.runner.weight_bytes / 2**20:.0f} MiB ({weight_types(engine)}), "
                       f"process RSS "
-                      f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB")
+                      f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB, peak "
+                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB "
+                      f"(loading included)")
         loras = ([lora_requests[i % len(lora_requests)] for i in range(len(prompts))]
                  if lora_requests else None)
         def ours() -> Any:
@@ -198,12 +211,16 @@ def _run_offline(o: dict[str, Any]) -> None:
 
             def theirs() -> Any:
                 with console.status(f"llama.cpp, batch {b}, KV cache {kv_type}"):
-                    return lcpp.run_batched_bench(*llama_cpp, b, o["input_len"],
-                                                  o["output_len"], torch_threads(), kv_type)
+                    # (as many sequences at once as pkv's: fewer prompts than the batch)
+                    return lcpp.run_batched_bench(*llama_cpp, min(b, len(prompts)),
+                                                  o["input_len"], o["output_len"],
+                                                  torch_threads(), kv_type)
         pairs = alternate(ours, theirs, o["rounds"])
         if len(pairs) > 1:
             console.print(report.rounds_table(b, pairs))
         result, other = median_round(pairs)
+        if hf_model is not None:  # one process holds both models: neither's RSS is its own
+            result.peak_rss_bytes = other.peak_rss_bytes = 0
         if b in rooflines:
             result.roofline_tps = rooflines[b].tokens_per_s
             result.roofline_gflops = rooflines[b].gflops_per_s

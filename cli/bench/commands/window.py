@@ -27,8 +27,9 @@ def window(
     from pkv.cli.bench.window import hybrid_vs_least, window_table, window_vs_full
 
     with user_errors():
-        if window < 1 or output_len < every or every < 1:
-            raise ValueError("window and every must be >= 1, output_len >= every")
+        # (the request's last step frees its blocks: a sample needs a step before it)
+        if window < 1 or output_len <= every or every < 1:
+            raise ValueError("window and every must be >= 1, output_len > every")
         if hybrid not in (None, "gemma2", "gemma3"):
             raise ValueError(f"--hybrid takes gemma2 or gemma3, not {hybrid!r}")
         print_cpu_line(console)
