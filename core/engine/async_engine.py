@@ -64,11 +64,33 @@ class RequestTimings:
 
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """Where the engine thread leaves a request's outputs for its reader. An output holds
+    everything so far (token ids, text, logprobs), so only the newest is kept: a reader that
+    falls behind (a client not reading its stream) skips to it, and holds one output, not
+    every step's copy (quadratic in the output's length)."""
 
-    def put(self, item: RequestOutput | Exception) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    loop: asyncio.AbstractEventLoop
+    latest: RequestOutput | PoolingRequestOutput | Exception | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: RequestOutput | PoolingRequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self._keep, item)
+
+    def _keep(self, item: RequestOutput | PoolingRequestOutput | Exception) -> None:
+        last = self.latest
+        # A failure, or the final output, is the last word (a failed step after a request
+        # finished does not take its answer away).
+        if not (isinstance(last, Exception) or getattr(last, "finished", False)):
+            self.latest = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | PoolingRequestOutput | Exception:
+        """The newest output (or the failure) not yet read, once there is one."""
+        while self.latest is None:
+            self.ready.clear()
+            await self.ready.wait()
+        item, self.latest = self.latest, None
+        return item
 
 
 class RequestStream:
@@ -88,7 +110,7 @@ class RequestStream:
         """Each output of the request until the final one; raises the request's failure."""
         try:
             while not self.finished:
-                item = await self._stream.queue.get()
+                item = await self._stream.get()
                 if isinstance(item, Exception):
                     self.finished = True
                     raise item

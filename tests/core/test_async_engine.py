@@ -48,6 +48,26 @@ def test_concurrent_requests_match_sequential(async_llm: AsyncLLM):
     assert together == alone and all(len(t) == 12 for t in together)
 
 
+def test_a_reader_that_falls_behind_holds_only_the_newest_output(async_llm: AsyncLLM):
+    # A client not reading its stream: every step's output (each a copy of all so far) was
+    # queued for it, quadratic in the output's length; the newest holds everything.
+    prompt = [100 + j for j in range(6)]
+
+    async def main() -> tuple[list[int], list[object]]:
+        alone = await _run(async_llm, "alone", prompt, 40)
+        prepared = await async_llm.prepare("slow", prompt, SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True))
+        [stream] = async_llm.submit([prepared])
+        while async_llm.engine.has_unfinished_requests() or not stream._stream.latest:
+            await asyncio.sleep(0.05)  # the engine runs it to the end, nobody reading
+        read = [output async for output in stream.outputs()]
+        return alone, read
+
+    alone, read = asyncio.run(main())
+    assert len(read) == 1 and read[0].finished  # one output kept, the final one
+    assert read[0].outputs[0].token_ids == alone
+
+
 def test_freed_memory_goes_back_only_after_an_idle_while(async_llm: AsyncLLM,
                                                        monkeypatch: pytest.MonkeyPatch):
     # Requests closer together than the idle time keep the heap's pages (no page faults on
