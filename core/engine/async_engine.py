@@ -62,6 +62,11 @@ class RequestTimings:
     finish_reasons: list[str] = field(default_factory=list)
 
 
+def _fail_future(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():  # (its caller may have left)
+        future.set_exception(error)
+
+
 @dataclass
 class _Stream:
     """Where the engine thread leaves a request's outputs for its reader. An output holds
@@ -268,6 +273,8 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._send("call", (fn, loop, future))
+        if not self.is_alive:  # (it stopped meanwhile: nobody else would answer it)
+            self._refuse_commands()
         return await future
 
     def _send(self, kind: str, payload: object) -> None:
@@ -317,6 +324,20 @@ class AsyncLLM:
             self._failure = f"the engine loop crashed: {exc}"
             self._stop.set()
         self._fail_in_flight(EngineDeadError(self._failure or "the server is shutting down"))
+        self._refuse_commands()
+
+    def _refuse_commands(self) -> None:
+        """Once the loop has stopped (or is wedged in a step): every queued call gets the
+        engine's failure, not a wait forever (/admin/cache, a runtime adapter load)."""
+        error = EngineDeadError(self._failure or "the engine loop is not running")
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                _, loop, future = payload  # type: ignore[misc]
+                loop.call_soon_threadsafe(_fail_future, future, error)
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
@@ -355,6 +376,7 @@ class AsyncLLM:
                     streams = list(self._streams.values())
                 for stream in streams:
                     stream.put(EngineDeadError(self._failure))
+                self._refuse_commands()
                 return
 
     def _drain_commands(self) -> None:

@@ -195,14 +195,21 @@ def test_watchdog_declares_a_wedged_step(engine: LLMEngine):
 
     llm = _async(engine, step_timeout=0.5)
     try:
+        async def stats_call() -> None:  # (/admin/cache's way in) queued behind the step
+            await asyncio.sleep(0.2)
+            with pytest.raises(EngineDeadError, match="wedged"):
+                await llm.call_in_engine(lambda e: e.get_stats())
+
         async def main() -> float:
             prepared = await llm.prepare("r", [1, 2, 3], SamplingParams(max_tokens=50,
                                                                         ignore_eos=True))
             start = time.monotonic()
             engine.step = wedged
+            asked = asyncio.create_task(stats_call())
             with pytest.raises(EngineDeadError, match="wedged"):
                 async for _ in llm.generate(prepared):
                     pass
+            await asked  # answered by the watchdog too, not left waiting forever
             return time.monotonic() - start
 
         assert asyncio.run(main()) < 3.5  # failed by the watchdog, not by the step's end
