@@ -182,6 +182,14 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            # No token covers more characters than the longest token's text: a text longer
+            # than the model could take is refused without the seconds tokenizing it costs
+            # (a few 4 MiB bodies starved every running stream of CPU).
+            most = self.limits.max_model_len * self.tokenizer.max_token_chars
+            if keep is None and len(prompt) > most:
+                raise ContextLengthError(f"prompt has {len(prompt)} characters, more than "
+                                         f"max_model_len ({self.limits.max_model_len}) tokens "
+                                         "of this model can hold")
             ids = self.tokenizer.encode(prompt)
             if keep is not None and len(ids) > keep:
                 ids = self._last(prompt, ids, keep)

@@ -76,6 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         """Render, validate and queue a chat request: its engine request, the stream of its
         outputs and a shaper per choice (other APIs built on chat share this)."""
         self._check_generates()
+        self.llm.check_admission(body.n)  # (a full queue refuses before the rendering)
         top = body.top_logprobs
         self._check_common(body, top, "top_logprobs")
         top = (top or 0) if body.logprobs else None

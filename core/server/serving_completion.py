@@ -35,6 +35,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) * body.n > self.limits.max_prompts:
             raise OpenAIError(400, f"at most {self.limits.max_prompts} prompts (times n) per "
                               "request", "prompt")
+        # A full queue refuses before the prompts' tokenizing, not after it (submit checks
+        # again: this is the early answer, not the guard)
+        self.llm.check_admission(len(prompts) * body.n)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         prepared = [await self._prepare(f"{base_id}-{i}", p, params, body, "prompt", raw)
                     for i, p in enumerate(prompts)]

@@ -5,6 +5,7 @@ Built from a Hugging Face folder (tokenizer.json) or from GGUF metadata (see plu
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from datetime import datetime
@@ -112,6 +113,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: its vocabulary entry's length
+        bounds it (a byte-level or byte-fallback entry spells more than it covers)."""
+        return max((len(token) for token in self.backend.get_vocab(with_added_tokens=True)),
+                   default=1)
 
     @property
     def eos_token_id(self) -> int | None:

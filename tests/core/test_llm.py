@@ -477,3 +477,26 @@ def test_offline_misuses_are_one_line_errors(smol_llm: LLM, tiny_llama_dir: Path
         with pytest.raises(ValueError):
             PoolingParams(**bad)
     assert smol_llm.llm_engine.get_stats().num_blocks_used == 0
+
+
+def test_a_text_longer_than_any_prompt_is_refused_before_tokenizing(smol_llm: LLM):
+    # No token covers more characters than the longest vocabulary entry: past that bound the
+    # text cannot fit, and tokenizing megabytes of it first cost seconds of CPU.
+    from pkv.core.engine.input_processor import ContextLengthError
+
+    engine = smol_llm.llm_engine
+    most = engine.max_model_len * engine.tokenizer.max_token_chars
+    assert 4 <= engine.tokenizer.max_token_chars < 100
+    calls = []
+    real = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with pytest.raises(ContextLengthError, match="characters, more than max_model_len"):
+            smol_llm.generate("a" * (most + 1), SamplingParams(max_tokens=1))
+        assert not calls
+        # truncated to its last tokens, it is served
+        kept = smol_llm.generate("a " * (most // 2 + 1), SamplingParams(
+            max_tokens=1, truncate_prompt_tokens=8))[0]
+        assert len(kept.prompt_token_ids) <= 9
+    finally:
+        del engine.tokenizer.encode
