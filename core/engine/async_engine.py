@@ -118,6 +118,10 @@ class RequestStream:
                 item = await self._stream.get()
                 if isinstance(item, Exception):
                     self.finished = True
+                    # (counted, as a finish reason of its own: failures show in /metrics)
+                    self.timings.finished = time.monotonic()
+                    self.timings.finish_reasons = ["error"] * self.timings.num_samples
+                    self._owner._report(self.timings)
                     raise item
                 self._owner._record(item, self.timings)
                 self.finished = item.finished

@@ -107,6 +107,8 @@ async def _tokens(llm: AsyncLLM, rid: str, prompt: list[int], max_tokens: int = 
 
 def test_async_request_failure_reaches_only_its_stream(engine: LLMEngine):
     llm = _async(engine)
+    reported: list = []
+    llm.on_request_finished = reported.append  # (what /metrics counts)
     try:
         async def main() -> list:
             return await asyncio.gather(_tokens(llm, "a", PROMPTS["a"], 30),
@@ -115,6 +117,8 @@ def test_async_request_failure_reaches_only_its_stream(engine: LLMEngine):
         ok, failed = asyncio.run(main())
         assert isinstance(failed, EngineStepError) and "injected fault" in str(failed)
         assert isinstance(ok, list) and len(ok) == 30 and llm.is_alive
+        # the failure is counted as one, beside the request that finished
+        assert sorted(t.finish_reasons[0] for t in reported) == ["error", "length"]
     finally:
         llm.shutdown()
 
