@@ -151,6 +151,11 @@ class WorkerGroup:
                    config_dict.get("pipeline_parallel_size", 1) > 1)
 
     @property
+    def threads_before(self) -> int:
+        """The driver's threads before the ranks took their shares: all of them together."""
+        return self._threads_before
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 

@@ -214,7 +214,7 @@ def _run_offline(o: dict[str, Any]) -> None:
                     # (as many sequences at once as pkv's: fewer prompts than the batch)
                     return lcpp.run_batched_bench(*llama_cpp, min(b, len(prompts)),
                                                   o["input_len"], o["output_len"],
-                                                  torch_threads(), kv_type)
+                                                  engine_threads(engine), kv_type)
         pairs = alternate(ours, theirs, o["rounds"])
         if len(pairs) > 1:
             console.print(report.rounds_table(b, pairs))
@@ -281,7 +281,10 @@ def _gguf_path(o: dict[str, Any]) -> Path:
     return path
 
 
-def torch_threads() -> int:
+def engine_threads(engine: Any) -> int:
+    """The threads pkv computes with: the driver's, or under tensor or pipeline parallelism
+    all its ranks' (each takes a share of the cores), as a baseline's -t should be."""
     import torch
 
-    return torch.get_num_threads()
+    workers = engine.workers
+    return workers.threads_before if workers is not None else torch.get_num_threads()
