@@ -47,10 +47,13 @@ def find_batched_bench(folder: str | None) -> Path:
 def run_batched_bench(binary: Path, gguf: Path, batch: int, input_len: int, output_len: int,
                       threads: int, kv_type: str = "f16") -> BenchResult:
     """One llama-batched-bench run of `batch` sequences with a KV cache of `kv_type`; its peak
-    RSS sampled while it runs."""
+    RSS sampled while it runs. As pkv's, a sequence's first token comes from its prefill and
+    the other `output_len - 1` from decode steps (-ntg counts decode steps only: with
+    -ntg output_len llama.cpp ran a step more than pkv for the tokens credited)."""
     context = batch * (input_len + output_len) + 256
+    decodes = output_len - 1
     command = [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(context),
-               "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch),
+               "-npp", str(input_len), "-ntg", str(decodes), "-npl", str(batch),
                "-ctk", kv_type, "-ctv", kv_type]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
@@ -63,7 +66,7 @@ def run_batched_bench(binary: Path, gguf: Path, batch: int, input_len: int, outp
     result = BenchResult("llama.cpp", batch, batch, row["T s"], batch * input_len,
                          batch * output_len, peak_rss_bytes=peak,
                          prefill_tokens=batch * input_len, prefill_s=row["T_PP s"],
-                         decode_tokens=batch * output_len, decode_s=row["T_TG s"])
+                         decode_tokens=batch * decodes, decode_s=row["T_TG s"])
     return result
 
 

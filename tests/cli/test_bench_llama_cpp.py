@@ -56,3 +56,6 @@ def test_llama_cpp_runs_with_the_kv_cache_type_like_pkvs(tmp_path: Path):
     assert "-ctk q8_0 -ctv q8_0" in args.read_text()
     assert "-npl 16" in args.read_text() and "-t 2" in args.read_text()
     assert result.decode_s == 10.871 and result.prefill_s == 1.204
+    # 128 tokens a sequence: the first from the prefill, 127 decode steps, as pkv's
+    assert "-ntg 127" in args.read_text()
+    assert result.output_tokens == 16 * 128 and result.decode_tokens == 16 * 127
