@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pkv.core.config.engine import EngineConfig
 from pkv.core.worker.kv_parts import KVTransfer
 from pkv.core.worker.model_runner import ModelRunner
-from pkv.core.worker.model_setup import ModelSetup, parallel_groups
+from pkv.core.worker.model_setup import ModelSetup, parallel_groups, resolve_device
 from pkv.core.worker.pipeline_runner import PipelineModelRunner, runner_class
 from pkv.core.worker.workers import (COLLECTIVE_TIMEOUT, PAYLOAD_ENV, StepInputs, broadcast,
                                      dist_backend, share_cores, use_local_gpu, world_size)
@@ -65,8 +65,11 @@ def worker_main(rank: int, size: int, init: str, config_dict: dict[str, Any],
         _die_with_parent(parent_pid)
         share_cores(size)
     config = EngineConfig.from_dict(config_dict)
-    use_local_gpu(config.device, rank)
-    dist.init_process_group(dist_backend(config.device), init_method=init, rank=rank,
+    # The device resolved as the driver resolves it (`auto` is the GPU where there is one):
+    # the ranks' backends must agree.
+    device = resolve_device(config.device).type
+    use_local_gpu(device, rank)
+    dist.init_process_group(dist_backend(device), init_method=init, rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
     try:
         runner = build_runner(config, rank)

@@ -82,7 +82,10 @@ def launched_by_torchrun() -> bool:
 
 
 def dist_backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+    """The process group's backends for ranks computing on `device` (a resolved type, not
+    `auto`): on GPUs NCCL for CUDA tensors and gloo for the CPU ones (the pool-size count,
+    objects), which NCCL does not take."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def use_local_gpu(device: str, rank: int) -> None:

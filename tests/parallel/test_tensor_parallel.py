@@ -180,3 +180,12 @@ def test_ctrl_c_mid_step_stops_the_ranks_and_says_so(tiny_llama_dir: Path) -> No
     started = time.monotonic()
     tp.shutdown()
     assert time.monotonic() - started < 5
+
+
+def test_ranks_on_gpus_agree_on_backends_that_take_both_devices() -> None:
+    # Workers read `auto` from the config and chose gloo where the driver chose NCCL; NCCL
+    # alone refuses the CPU tensors of the pool-size count.
+    from pkv.core.worker.workers import dist_backend
+
+    assert dist_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert dist_backend("cpu") == "gloo"
