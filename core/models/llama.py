@@ -73,7 +73,9 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def layer_windows(cls, hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-        return windows_from_layer_types(hf, num_layers)
+        # transformers' Llama (and Granite, OLMo2) attend over everything whatever a config's
+        # sliding_window or layer_types say
+        return (None,) * num_layers
 
     def make_decoder(self, cfg: ModelConfig, ctx: BuildContext) -> DecoderModel:
         rope = RotaryEmbedding(cfg.rope_spec(), cfg.head_dim, ctx.max_len)
@@ -104,13 +106,17 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama with `sliding_window` on every layer."""
+    """Llama with `sliding_window` on every layer (4,096 where the config has no such key,
+    as transformers' MistralConfig; null: none); a config with `layer_types` is Ministral's
+    to transformers, each layer windowed as its type says."""
 
     o_proj_follows_attention_bias = False
 
     @classmethod
     def layer_windows(cls, hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-        return (hf.get("sliding_window"),) * num_layers
+        if hf.get("layer_types") is not None:
+            return windows_from_layer_types(hf, num_layers)
+        return (hf.get("sliding_window", 4096),) * num_layers
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -38,6 +38,11 @@ class MixtralForCausalLM(MistralForCausalLM):
     default_rope_theta = 1e6  # transformers' MixtralConfig defaults, where config.json is silent
 
     @classmethod
+    def layer_windows(cls, hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+        # (MixtralConfig's sliding_window defaults to none, and its layers ignore layer_types)
+        return (hf.get("sliding_window"),) * num_layers
+
+    @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
         super().configure(config, hf)
         if "rms_norm_eps" not in hf:

@@ -25,6 +25,39 @@ def test_mistral_window_matches_transformers(mistral_window_dir: Path):
     check_matches_transformers(mistral_window_dir)
 
 
+def _with_config(model_dir: Path, **fields: object) -> Path:
+    """`model_dir`'s config.json with `fields` set (None: the key removed)."""
+    import json
+
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in fields.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return model_dir
+
+
+def test_windows_are_where_transformers_puts_them(tmp_path: Path, smol_hf_dir: Path):
+    from pkv.core.model_loader.loader import open_model
+
+    # transformers loads a Mistral config with layer_types as Ministral: windows per layer
+    mistral = _with_config(build_tiny_model(tmp_path / "mistral", smol_hf_dir, "mistral"),
+                           sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+    check_matches_transformers(mistral)
+    # with no sliding_window key, MistralConfig's 4096 (null: none)
+    assert open_model(str(_with_config(mistral, sliding_window=None, layer_types=None))) \
+        .config.layer_windows == (4096, 4096)
+    # its Llama, Granite and OLMo2 attention reads neither field (its generate() then keeps
+    # a windowed cache for decode: not the model's attention, so not compared here)
+    for arch in ("llama", "granite", "olmo2"):
+        model = _with_config(build_tiny_model(tmp_path / arch, smol_hf_dir, arch),
+                             sliding_window=8, layer_types=["sliding_attention"] * 2)
+        assert open_model(str(model)).config.layer_windows == (None, None)
+
+
 def test_qwen2_windowed_upper_layers_match_transformers(tmp_path: Path, smol_hf_dir: Path):
     # layer 0 global, layer 1 windowed: the hybrid case keeps every block
     model_dir = build_tiny_model(tmp_path / "qwen2", smol_hf_dir, "qwen2",
