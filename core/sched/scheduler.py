@@ -68,7 +68,12 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  long_rope_threshold: int | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 lora_slots: LoRASlotTable | None = None) -> None:
+                 lora_slots: LoRASlotTable | None = None,
+                 long_rope_recompute: bool = True) -> None:
+        """`long_rope_threshold`: a LongRoPE model's (prompts past it take the long table,
+        their blocks salted apart); `long_rope_recompute`: a sequence crossing it while
+        decoding is recomputed with the long table (Phi-3's, as transformers does; other
+        families go on with their cache)."""
         self.kv_cache = kv_cache
         self.speculative = speculative
         self.lora_slots = lora_slots
@@ -76,6 +81,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.long_rope_threshold = long_rope_threshold
+        self.long_rope_recompute = long_rope_recompute
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -292,7 +298,7 @@ class Scheduler:
 
     def _crossed_long_rope(self, request: Request, num_new: int) -> bool:
         threshold = self.long_rope_threshold
-        if threshold is None:
+        if threshold is None or not self.long_rope_recompute:
             return False
         last = request.num_tokens - 1
         return last - num_new < threshold <= last

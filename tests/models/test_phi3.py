@@ -135,3 +135,25 @@ def test_phi3_tp2_equals_tp1(tmp_path: Path, smol_hf_dir: Path) -> None:
     """Tensor parallelism slices the fused checkpoint tensors per part (q, k, v; gate, up)."""
     model_dir = build_tiny_model(tmp_path / "phi3", smol_hf_dir, "phi3")
     assert _greedy(model_dir, tensor_parallel_size=2) == _greedy(model_dir)
+
+
+def test_other_families_switch_longrope_tables_for_new_tokens_only(tmp_path: Path,
+                                                                   smol_hf_dir: Path) -> None:
+    # transformers recomputes a sequence crossing the threshold with the long table for
+    # Phi-3 only; Llama's cache keeps its short-rotated keys and the tokens past it take the
+    # long table (pkv recomputed every family's).
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL,
+               "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 4.0],
+               "long_factor": [1.0, 1.5, 2, 3, 4, 5, 6, 8]}
+    model_dir = build_tiny_model(tmp_path / "llama", smol_hf_dir, "llama", rope_scaling=scaling)
+    prompts = [parity_prompts(1, 20, 20)[0], parity_prompts(1, 40, 40)[0]]  # across; past
+    from transformers import AutoModelForCausalLM
+
+    from pkv.tests.helpers import hf_greedy
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    llm = LLM(str(model_dir), kv_cache_memory="16MiB", show_progress=False)
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                               ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(hf, prompts, NEW_TOKENS, None)
