@@ -134,7 +134,12 @@ def open_folder(path: Path) -> ModelSource:
         generation = _json_object(gen_path)
         eos += eos_token_ids(generation.get("eos_token_id"), f"{gen_path}: ")
     tokenizer = Tokenizer.from_folder(path, eos_token_ids=eos)
-    num_tensors = sum(len(_safetensor_keys(f)) for f in files)
+    names = [name for f in files for name in _safetensor_keys(f)]
+    num_tensors = len(names)
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        # A head saved beside a tied config: transformers keeps it (untied), as pkv does
+        # (identical values give the same logits either way).
+        config.tie_word_embeddings = False
     return ModelSource(path=path, name=path.name, config=config, tokenizer=tokenizer,
                        num_tensors=num_tensors, weights=lambda: _iter_safetensors(files),
                        hf_config=hf_config,

@@ -88,16 +88,19 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """One view of the RoPE settings: transformers 5.x keeps them in `rope_parameters`
     (per layer type for Gemma 3), 4.x in `rope_theta`, `rope_scaling` and top-level fields."""
     params: dict[str, Any] = {}
-    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+    for key in ("partial_rotary_factor",):
         if cfg.get(key) is not None:
             params[key] = cfg[key]
     if cfg.get("rope_theta") is not None:
         params["rope_theta"] = cfg["rope_theta"]
-    params.update(cfg.get("rope_scaling") or {})
-    rope = cfg.get("rope_parameters") or {}
+    # transformers takes rope_scaling in place of rope_parameters where a config has both
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if "full_attention" in rope:  # per layer type: the global layers' settings
         rope = rope["full_attention"] or {}
     params.update(rope)
+    # and a top-level original_max_position_embeddings over theirs
+    if cfg.get("original_max_position_embeddings") is not None:
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return params
 
 

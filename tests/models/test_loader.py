@@ -216,3 +216,38 @@ def test_sharded_safetensors_load_through_their_index(tmp_path: Path, smol_hf_di
     (sharded / shards[-1]).unlink()
     with pytest.raises(ValueError, match="lacks 1 shard"):
         LLM(str(sharded), kv_cache_memory="4MiB", show_progress=False)
+
+
+def test_rope_fields_and_a_saved_head_read_as_transformers_reads_them(tmp_path: Path,
+                                                                      tiny_llama_dir: Path):
+    from safetensors.torch import load_file, save_file
+
+    from pkv.core.model_loader.loader import open_model
+    from pkv.tests.helpers import check_matches_transformers
+
+    def config_with(**fields: object) -> dict:
+        config = json.loads((tiny_llama_dir / "config.json").read_text())
+        return {**config, **fields}
+
+    from pkv.core.models.config import ModelConfig
+
+    # rope_scaling in place of rope_parameters where a config has both
+    both = ModelConfig.from_hf_dict(config_with(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    assert both.rope_spec().kind == "linear"
+    # a top-level original_max_position_embeddings over rope_scaling's
+    llama3 = ModelConfig.from_hf_dict(config_with(original_max_position_embeddings=16,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+    assert llama3.rope_spec().scaling["original_max_position_embeddings"] == 16
+    # a tied config whose checkpoint holds its own (different) head: transformers keeps it
+    folder = tmp_path / "head"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "config.json").write_text(json.dumps(config_with(tie_word_embeddings=True)))
+    [weights] = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert not open_model(str(folder)).config.tie_word_embeddings
+    check_matches_transformers(folder, 8)
