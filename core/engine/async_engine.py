@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -334,14 +334,18 @@ class AsyncLLM:
         """Once the loop has stopped (or is wedged in a step): every queued call gets the
         engine's failure, not a wait forever (/admin/cache, a runtime adapter load)."""
         error = EngineDeadError(self._failure or "the engine loop is not running")
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._take_commands():
             if kind == "call":
                 _, loop, future = payload  # type: ignore[misc]
                 loop.call_soon_threadsafe(_fail_future, future, error)
+
+    def _take_commands(self) -> Iterator[tuple[str, object]]:
+        """The commands queued so far, each taken off the queue as it is read."""
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
@@ -384,11 +388,7 @@ class AsyncLLM:
                 return
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._take_commands():
             if kind == "add":
                 self._add(payload)  # type: ignore[arg-type]
             elif kind == "call":
