@@ -69,7 +69,7 @@ def test_adaptive_thinking_and_its_omitted_display(thinking_server: RunningServe
         events = list(stream)
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]
     deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
-    assert starts == ["thinking"] and deltas == []
+    assert starts == ["thinking"] and deltas == ["signature_delta"]  # no thinking_delta
 
 
 def test_a_budget_needs_a_reasoning_parser(server: RunningServer):
