@@ -35,8 +35,9 @@ class RopeSpec:
     @property
     def long_threshold(self) -> int | None:
         """Sequences longer than this use LongRoPE's long factors (None: one table)."""
-        if self.kind in ("longrope", "su"):
-            return int(self.scaling["original_max_position_embeddings"])
+        if self.kind in ("longrope", "su"):  # (transformers' default: the model's length)
+            return int(self.scaling.get("original_max_position_embeddings")
+                       or self.max_position_embeddings)
         return None
 
 
@@ -61,7 +62,7 @@ def rope_inv_freq(spec: RopeSpec, long: bool = False) -> tuple[torch.Tensor, flo
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled), 1.0
     if kind in ("longrope", "su"):
-        original = s["original_max_position_embeddings"]
+        original = spec.long_threshold
         factor = s.get("factor") or spec.max_position_embeddings / original
         attention = s.get("attention_factor")
         if attention is None:

@@ -28,7 +28,8 @@ _FAMILY_FIELDS: dict[str, tuple[set[str], tuple[Any, ...]]] = {
     "mlp_bias": (set(), (None, False)),
     "use_bidirectional_attention": (set(), (None, False)),
     "attention_chunk_size": (set(), (None,)),
-    "shared_expert_intermediate_size": (set(), (None, 0)),
+    # (transformers' Qwen3-MoE has no shared expert and ignores the field)
+    "shared_expert_intermediate_size": ({"qwen3_moe"}, (None, 0)),
     "use_qk_norm": (set(), (None, False)),
 }
 
@@ -184,7 +185,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=_flag(cfg, "tie_word_embeddings",
                                       model_cls.default_tie_word_embeddings),
-            attention_bias=_flag(cfg, "attention_bias", False) or model_cls.qkv_bias,
+            attention_bias=(getattr(model_cls, "reads_attention_bias", True)
+                            and _flag(cfg, "attention_bias", False)) or model_cls.qkv_bias,
             rope_scaling=scaling,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),

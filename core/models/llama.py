@@ -63,6 +63,7 @@ class LlamaForCausalLM(CausalLM):
     default_tie_word_embeddings = False
     layer_cls: type[nn.Module] = DecoderLayer  # built with (cfg, attention, mlp)
     qkv_bias = False  # q/k/v biases whatever the config says (Qwen2)
+    reads_attention_bias = True  # `attention_bias` adds biases (transformers' Mistral: none)
     # transformers' Llama-style attention biases o_proj too when `attention_bias` is set
     o_proj_follows_attention_bias = True
 
@@ -111,6 +112,7 @@ class MistralForCausalLM(LlamaForCausalLM):
     to transformers, each layer windowed as its type says."""
 
     o_proj_follows_attention_bias = False
+    reads_attention_bias = False
 
     @classmethod
     def layer_windows(cls, hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -251,3 +251,25 @@ def test_rope_fields_and_a_saved_head_read_as_transformers_reads_them(tmp_path: 
     save_file(tensors, weights, metadata={"format": "pt"})
     assert not open_model(str(folder)).config.tie_word_embeddings
     check_matches_transformers(folder, 8)
+
+
+def test_fields_transformers_ignores_or_defaults_are_read_so(tiny_llama_dir: Path):
+    from pkv.core.models.config import ModelConfig
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    # transformers' Mistral has no attention biases whatever attention_bias says
+    mistral = ModelConfig.from_hf_dict({**config, "architectures": ["MistralForCausalLM"],
+                                        "attention_bias": True})
+    assert not mistral.attention_bias
+    assert ModelConfig.from_hf_dict({**config, "attention_bias": True}).attention_bias
+    # LongRoPE without original_max_position_embeddings: the model's length (a KeyError)
+    longrope = ModelConfig.from_hf_dict({**config, "max_position_embeddings": 256,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                         "long_factor": [2.0] * 8}})
+    assert longrope.rope_spec().long_threshold == 256
+    # transformers' Qwen3-MoE has no shared expert and ignores the field (it was refused)
+    moe = ModelConfig.from_hf_dict({**config, "architectures": ["Qwen3MoeForCausalLM"],
+                                    "num_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32,
+                                    "shared_expert_intermediate_size": 64})
+    assert moe.num_experts == 4
