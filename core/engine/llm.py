@@ -16,7 +16,7 @@ from pkv.core.pooling.params import PoolingParams
 from pkv.core.pooling.scoring import cosine, score_pairs
 from pkv.core.progress import make_progress
 from pkv.core.sample.sampling_params import SamplingParams
-from pkv.core.tokenizer.chat_messages import (RESERVED_TEMPLATE_KWARGS, message_problem,
+from pkv.core.tokenizer.chat_messages import (check_template_kwargs, message_problem,
                                                template_message)
 
 
@@ -141,9 +141,7 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
-        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: chat sets it")
+        check_template_kwargs(kwargs)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError("chat_template must be a Jinja template (a string)")
         tokenizer = self.llm_engine.tokenizer

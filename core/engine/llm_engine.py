@@ -99,14 +99,12 @@ class LLMEngine:
                                            self.runner.kv_groups.windows, self.kv_offload)
         self.lora = (LoRAManager(self.runner.lora_targets, config.max_lora_rank)
                      if config.enable_lora else None)
-        # A sequence crossing LongRoPE's threshold is recomputed with the long table where
-        # transformers recomputes it: Phi-3's generate() does; other families switch tables
-        # for the tokens past it alone, their cache as it was.
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    source.config.rope_spec().long_threshold, spec,
                                    LoRASlotTable(config.max_loras) if self.lora else None,
-                                   long_rope_recompute=source.config.architecture == "phi3")
+                                   long_rope_recompute=getattr(
+                                       self.runner.model, "recomputes_past_long_rope", False))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
         self.num_prompt_tokens = 0

@@ -64,6 +64,9 @@ class LlamaForCausalLM(CausalLM):
     layer_cls: type[nn.Module] = DecoderLayer  # built with (cfg, attention, mlp)
     qkv_bias = False  # q/k/v biases whatever the config says (Qwen2)
     reads_attention_bias = True  # `attention_bias` adds biases (transformers' Mistral: none)
+    # A sequence crossing LongRoPE's threshold is recomputed with the long table (transformers
+    # does so for Phi-3; other families take the long table for the tokens past it alone).
+    recomputes_past_long_rope = False
     # transformers' Llama-style attention biases o_proj too when `attention_bias` is set
     o_proj_follows_attention_bias = True
 

@@ -29,6 +29,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     loaded its layers are Llama's, so csrc/decoder_cpu.cpp computes them too, except with
     LongRoPE (see fused_decoder_gaps)."""
 
+    recomputes_past_long_rope = True  # (its generate() restarts a sequence crossing it)
+
     @classmethod
     def configure(cls, config: ModelConfig, hf: dict[str, Any]) -> None:
         super().configure(config, hf)

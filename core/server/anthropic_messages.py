@@ -64,7 +64,6 @@ class MessagesRequest(RequestBody):
     """The body of POST /v1/messages (fields pkv does not use are accepted and ignored, but
     remote MCP servers, which would change what the model can do, are refused)."""
 
-    model_config = STRICT
     model: str | None = None  # optional, as the OpenAI endpoints' (llama.cpp's too)
     max_tokens: int
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -99,7 +98,6 @@ class MessagesRequest(RequestBody):
 class CountTokensRequest(RequestBody):
     """The body of POST /v1/messages/count_tokens: a Messages conversation, no max_tokens."""
 
-    model_config = STRICT
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

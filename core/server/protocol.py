@@ -99,8 +99,6 @@ def _asks_nothing(name: str, value: Any) -> bool:
 class _SamplingFields(RequestBody):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
 
-    model_config = STRICT
-
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -346,8 +344,6 @@ class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a prompt, or a conversation rendered as chat renders it (its tools,
     generation prompt, prefilled answer and template variables included)."""
 
-    model_config = STRICT
-
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -368,8 +364,6 @@ class TokenizeRequest(RequestBody):
 
 
 class DetokenizeRequest(RequestBody):
-    model_config = STRICT
-
     model: str | None = None
     tokens: list[int]
 
@@ -397,8 +391,6 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings (OpenAI's body; `normalize` is vLLM's extra)."""
 
-    model_config = STRICT
-
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -411,8 +403,6 @@ class EmbeddingRequest(RequestBody):
 
 class ClassificationRequest(RequestBody):
     """POST /classify (vLLM's body): a sequence classifier's label scores for each input."""
-
-    model_config = STRICT
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
@@ -429,8 +419,6 @@ class RerankDocument(BaseModel):
 class RerankRequest(RequestBody):
     """POST /v1/rerank (Jina's and Cohere's body, as vLLM and llama.cpp accept it)."""
 
-    model_config = STRICT
-
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]
@@ -441,8 +429,6 @@ class RerankRequest(RequestBody):
 
 class ScoreRequest(RequestBody):
     """POST /score (vLLM's body): text_1 against each text_2, or pair by pair."""
-
-    model_config = STRICT
 
     model: str | None = None
     text_1: str | list[str]

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from pkv.core.engine.outputs import RequestOutput
 from pkv.core.server.errors import OpenAIError
-from pkv.core.server.protocol import STRICT, ChatCompletionRequest, RequestBody
+from pkv.core.server.protocol import ChatCompletionRequest, RequestBody
 from pkv.core.server.serving_chat import chat_request_from
 from pkv.core.server.tools import json_object
 
@@ -23,7 +23,6 @@ class ResponsesRequest(RequestBody):
     """The body of POST /v1/responses (fields pkv does not use are accepted and ignored, but
     those whose meaning it does not serve are refused: `check_supported`)."""
 
-    model_config = STRICT
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None

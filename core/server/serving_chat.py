@@ -33,7 +33,7 @@ from pkv.core.structured_output.reasoning import END as REASONING_END
 from pkv.core.structured_output.reasoning import START as REASONING_START
 from pkv.core.structured_output.reasoning import ReasoningParser
 from pkv.core.structured_output.tool_calls import ToolParser
-from pkv.core.tokenizer.chat_messages import RESERVED_TEMPLATE_KWARGS
+from pkv.core.tokenizer.chat_messages import check_template_kwargs
 
 MAX_TEMPLATE_KWARGS_BYTES = 64 * 2**10
 TEMPLATE_TIMEOUT_S = 5.0
@@ -144,10 +144,10 @@ class OpenAIServingChat(OpenAIServing):
         the template reads it: gpt-oss's): those the template never reads are dropped, as
         vLLM drops them; pkv's own are refused."""
         kwargs = dict(body.chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise OpenAIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: pkv "
-                              "sets it", "chat_template_kwargs")
+        try:
+            check_template_kwargs(kwargs)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "chat_template_kwargs") from None
         if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
             raise OpenAIError(400, f"chat_template_kwargs: at most "
                               f"{MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "chat_template_kwargs")

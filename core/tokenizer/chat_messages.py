@@ -14,6 +14,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_promp
                                       "strftime_now"})
 
 
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """A ValueError naming the first variable of `kwargs` that pkv sets itself."""
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: pkv sets it")
+
+
 def message_problem(message: Any) -> str | None:
     """What keeps `message` from being an OpenAI chat message a text model reads (None:
     nothing)."""

@@ -456,7 +456,8 @@ def test_engine_with_a_draft_model_keeps_its_tokens_and_drafts(tiny_llama_dir: P
 
 
 def test_blocks_a_failed_step_was_reading_from_disk_are_not_found(tiny_llama_dir: Path,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path,
+                                                                   monkeypatch) -> None:
     # The step failed copying them in: their blocks hold another document's K/V.
     prompts = _prompts(num_docs=3, rounds=1)
     engine = _engine(tiny_llama_dir, tmp_path / "kv")
@@ -470,12 +471,10 @@ def test_blocks_a_failed_step_was_reading_from_disk_are_not_found(tiny_llama_dir
 
     engine.add_request("x", first_prompt, SamplingParams(temperature=0, max_tokens=6,
                                                          ignore_eos=True))
-    engine.runner.load_kv_blocks = copy_fails
-    try:
-        with pytest.raises(RuntimeError, match="injected fault"):
-            engine.step()
-    finally:
-        del engine.runner.load_kv_blocks
+    monkeypatch.setattr(engine.runner, "load_kv_blocks", copy_fails)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    monkeypatch.undo()
     engine.abort_request("x")
     hits = engine.get_stats().kv_offload.hits
     assert _run(engine, [prompts[0]]) == {first_id: want[first_id]}
