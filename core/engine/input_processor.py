@@ -81,9 +81,12 @@ class InputProcessor:
     def prepare(self, request_id: str | None, prompt: str | list[int] | tuple[str, str],
                 params: SamplingParams | PoolingParams | None = None,
                 cache_salt: str | None = None,
-                lora_request: LoRARequest | None = None) -> PreparedRequest:
+                lora_request: LoRARequest | None = None, *,
+                cap_max_tokens: bool = False) -> PreparedRequest:
         """Tokenize and validate (ValueError on bad input). PoolingParams make an embedding /
-        scoring request (a pair of texts: a cross-encoder's query and document)."""
+        scoring request (a pair of texts: a cross-encoder's query and document).
+        `cap_max_tokens`: a max_tokens past max_model_len stops the output there (vLLM's
+        offline rule) instead of refusing the request (OpenAI's)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if isinstance(params, PoolingParams):
             adapter = self._adapter(lora_request)
@@ -99,7 +102,7 @@ class InputProcessor:
         room = self.limits.max_model_len - (params.max_tokens or 1)
         prompt_text, prompt_ids = self._tokenize(prompt, params.truncate_prompt_tokens,
                                                  max(1, room))
-        self._validate(prompt_ids, params)
+        self._validate(prompt_ids, params, cap_max_tokens)
         adapter = self._adapter(lora_request)
         grammar = (self.guided.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
@@ -218,8 +221,10 @@ class InputProcessor:
                              f"{lead + len(tail)} special tokens the tokenizer adds")
         return ids[:lead] + body[-room:] + tail
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        check_context_length(len(prompt_ids), params.max_tokens, self.limits.max_model_len)
+    def _validate(self, prompt_ids: list[int], params: SamplingParams,
+                  cap_max_tokens: bool) -> None:
+        check_context_length(len(prompt_ids), None if cap_max_tokens else params.max_tokens,
+                             self.limits.max_model_len)
         vocab = self.limits.vocab_size
         for name in ("stop_token_ids", "think_start_token_ids", "think_end_token_ids",
                      "allowed_token_ids"):

@@ -112,7 +112,8 @@ class LLM:
         try:
             for prompt, p, lora in zip(prompts, params, loras):
                 body, salt = resolve_prompt(prompt)
-                ids.append(engine.add_request(None, body, p, cache_salt=salt, lora_request=lora))
+                ids.append(engine.add_request(None, body, p, cache_salt=salt, lora_request=lora,
+                                              cap_max_tokens=True))
         except Exception:
             engine.abort_request(ids)  # all or nothing: a bad prompt leaves the engine as it was
             raise

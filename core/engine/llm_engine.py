@@ -145,22 +145,26 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int] | tuple[str, str],
                     params: SamplingParams | PoolingParams | None = None,
                     cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, *,
+                    cap_max_tokens: bool = False) -> str:
         """Validate and queue a request (see `prepare_request`); returns its id. Raises
         ValueError on bad input."""
         return self.add_prepared(self.prepare_request(request_id, prompt, params, cache_salt,
-                                                      lora_request))
+                                                      lora_request,
+                                                      cap_max_tokens=cap_max_tokens))
 
     def prepare_request(self, request_id: str | None, prompt: str | list[int] | tuple[str, str],
                         params: SamplingParams | PoolingParams | None = None,
                         cache_salt: str | None = None,
-                        lora_request: LoRARequest | None = None) -> PreparedRequest:
+                        lora_request: LoRARequest | None = None, *,
+                        cap_max_tokens: bool = False) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from another thread;
         see InputProcessor.prepare)."""
         if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
                 and self.config.pipeline_parallel_size > 1):
             raise ValueError("prompt_logprobs is not served under pipeline parallelism")
-        return self.processor.prepare(request_id, prompt, params, cache_salt, lora_request)
+        return self.processor.prepare(request_id, prompt, params, cache_salt, lora_request,
+                                      cap_max_tokens=cap_max_tokens)
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load an adapter under `name` (requests then name it)."""

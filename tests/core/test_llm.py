@@ -269,7 +269,6 @@ def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
     ("", SamplingParams(), "prompt must not be empty"),
     ([], SamplingParams(), "prompt must not be empty"),
     ("hi " * 600, SamplingParams(), "max_model_len"),
-    ("hi", SamplingParams(max_tokens=600), "max_model_len"),
     ([10**9], SamplingParams(), "token ids"),
     ({"prompt": [1, 2]}, SamplingParams(), "prompt must be a string"),
     (None, SamplingParams(), "a prompt is a string, a list of token ids or a prompt dict"),
@@ -333,6 +332,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(smol_llm: LLM):
     fitted = smol_llm.generate([[7] * (limit + 50)], SamplingParams(
         temperature=0, max_tokens=3, ignore_eos=True, truncate_prompt_tokens=-1))[0]
     assert len(fitted.prompt_token_ids) == limit - 3 and len(fitted.outputs[0].token_ids) == 3
+
+
+def test_max_tokens_past_max_model_len_stops_there(smol_llm: LLM):
+    """Offline, as vLLM's LLM: the output ends at max_model_len ("length"), where the
+    server refuses the request (OpenAI's rule)."""
+    limit = smol_llm.llm_engine.max_model_len
+    out = smol_llm.generate([[7] * (limit - 4)], SamplingParams(
+        temperature=0, max_tokens=600, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    assert smol_llm.llm_engine.get_stats().num_blocks_used == 0
 
 
 @pytest.mark.parametrize("prompts", [None, 5, b"hello"])
