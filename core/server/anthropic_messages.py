@@ -242,8 +242,11 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     if schema is not None:
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": schema}}
+    # Anthropic's thinking is off unless asked for, whatever a template's own default
+    # (Qwen3's is on): a client reading content[0].text gets text.
+    thinks = body.thinking is not None and body.thinking.type != "disabled"
+    chat["chat_template_kwargs"] = {"enable_thinking": thinks}
     if body.thinking is not None:
-        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
         budget = body.thinking.budget_tokens
         if body.thinking.type == "enabled" and budget is not None:
             if budget >= body.max_tokens:  # the answer would have no room

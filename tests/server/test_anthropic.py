@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
+from pkv.core.server.anthropic_messages import MessagesRequest, to_chat_request
 from pkv.tests.server.conftest import RunningServer
 from pkv.tests.server.test_http import MODEL, _post
 
@@ -240,3 +241,13 @@ def test_count_tokens_is_the_prompt_a_message_takes(claude: anthropic.Anthropic)
     with pytest.raises(anthropic.BadRequestError) as empty:
         claude.messages.count_tokens(model=MODEL, messages=[])
     assert empty.value.body["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("thinking,enabled", [
+    (None, False), ({"type": "disabled"}, False), ({"type": "adaptive"}, True),
+    ({"type": "enabled", "budget_tokens": 1024}, True)])
+def test_thinking_is_off_unless_asked_for(thinking: dict | None, enabled: bool):
+    """Anthropic's default, whatever the template's own (Qwen3 thinks unless told not to)."""
+    body = {"model": MODEL, "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}]}
+    chat = to_chat_request(MessagesRequest(**body, thinking=thinking))
+    assert chat.chat_template_kwargs == {"enable_thinking": enabled}
