@@ -68,6 +68,14 @@ class _Stored:
     response: dict[str, Any]
     turn: _Turn
     created: float
+    size: int = 0  # about the bytes it holds (set by the store)
+
+
+def _size(stored: _Stored) -> int:
+    """About the bytes a stored response holds: its JSON and its turn's (the history a
+    chain repeats in every turn)."""
+    return len(json.dumps([stored.response, stored.turn.messages, stored.turn.inputs],
+                          default=str))
 
 
 @dataclass
@@ -97,39 +105,56 @@ class _Running:
 
 
 class ResponseStore:
-    """Responses by tenant and id: each tenant's own `max_items` at most (least recently
-    used out first: one API key's traffic never evicts another's), each for `ttl` seconds."""
+    """Responses by tenant and id: each tenant's own `max_items` and `max_bytes` at most
+    (least recently used out first, the newest always kept: one API key's traffic never
+    evicts another's), each for `ttl` seconds."""
 
-    def __init__(self, max_items: int = 1024, ttl: float = 3600.0) -> None:
-        self.max_items, self.ttl = max_items, ttl
+    def __init__(self, max_items: int = 1024, ttl: float = 3600.0,
+                 max_bytes: int = 256 * 2**20) -> None:
+        self.max_items, self.ttl, self.max_bytes = max_items, ttl, max_bytes
         self._tenants: dict[str | None, OrderedDict[str, _Stored]] = {}
+        self._bytes: dict[str | None, int] = {}
 
     def put(self, tenant: str | None, stored: _Stored) -> None:
         items = self._tenants.setdefault(tenant, OrderedDict())
-        self._drop_expired(items)
+        self._drop_expired(tenant)
+        self._pop(tenant, stored.response["id"])
+        stored.size = _size(stored)
         items[stored.response["id"]] = stored
-        items.move_to_end(stored.response["id"])
-        while len(items) > self.max_items:
-            items.popitem(last=False)
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + stored.size
+        while len(items) > 1 and (len(items) > self.max_items
+                                  or self._bytes[tenant] > self.max_bytes):
+            self._pop(tenant, next(iter(items)))
 
     def __len__(self) -> int:
-        for items in self._tenants.values():
-            self._drop_expired(items)
+        for tenant in self._tenants:
+            self._drop_expired(tenant)
         return sum(len(items) for items in self._tenants.values())
+
+    def nbytes(self, tenant: str | None) -> int:
+        """About the bytes `tenant`'s stored responses hold."""
+        return self._bytes.get(tenant, 0)
 
     @property
     def capacity(self) -> int:
         """Responses the tenants seen so far may hold together."""
         return self.max_items * max(1, len(self._tenants))
 
-    def _drop_expired(self, items: OrderedDict[str, _Stored]) -> None:
+    def _pop(self, tenant: str | None, response_id: str) -> _Stored | None:
+        stored = self._tenants.get(tenant, OrderedDict()).pop(response_id, None)
+        if stored is not None:
+            self._bytes[tenant] -= stored.size
+        return stored
+
+    def _drop_expired(self, tenant: str | None) -> None:
         # A scan of at most max_items: the order is by use, not by age.
         now = time.time()
+        items = self._tenants[tenant]
         for key in [k for k, s in items.items() if now - s.created > self.ttl]:
-            del items[key]
+            self._pop(tenant, key)
 
     def delete(self, tenant: str | None, response_id: str) -> bool:
-        return self._tenants.get(tenant, {}).pop(response_id, None) is not None
+        return self._pop(tenant, response_id) is not None
 
     def get(self, tenant: str | None, response_id: str) -> _Stored | None:
         items = self._tenants.get(tenant)
@@ -137,7 +162,7 @@ class ResponseStore:
         if stored is None:
             return None
         if time.time() - stored.created > self.ttl:
-            del items[response_id]  # type: ignore[union-attr]
+            self._pop(tenant, response_id)
             return None
         items.move_to_end(response_id)  # type: ignore[union-attr]
         return stored
