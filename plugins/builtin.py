@@ -1,5 +1,5 @@
-"""pkv's own plugin: the built-in attention backends, registered through the `pkv` entry
-point like any third-party plugin."""
+"""pkv's own plugin: the built-in attention backends, weight loaders, guided-decoding backends
+and tool parsers, registered through the `pkv` entry point like any third-party plugin."""
 
 from __future__ import annotations
 

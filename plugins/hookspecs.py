@@ -1,5 +1,5 @@
-"""Deprecated home of the hook markers: a plugin imports them from `pkv.core.hookspecs`, where
-the interface lives now. Kept so that plugins written against this path still load."""
+"""Deprecated home of the hook markers: a plugin imports them from `pkv.core.hookspecs`, the
+interface's home. Kept so that plugins written against this path still load."""
 
 from __future__ import annotations
 

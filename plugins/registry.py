@@ -1,6 +1,6 @@
 """Deprecated home of the plugin specs and registry: a plugin imports them from
-`pkv.core.registry`, where the interface lives now. Kept so that plugins written against this
-path still load."""
+`pkv.core.registry`, the interface's home. Kept so that plugins written against this path
+still load."""
 
 from __future__ import annotations
 

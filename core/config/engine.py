@@ -1,6 +1,7 @@
 """EngineConfig: every engine setting in one place, validated at construction.
 
-Field docstrings (the `help` metadata) double as CLI help text in `pkv serve`.
+`pkv serve` (cli/serve.py) names each field as an option of the same name (dashes for
+underscores), with its own help text.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASKS = ("auto", "generate", "embed", "classify", "score")
 _LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8")
 _AWQ_ACTIVATIONS = ("float32", "int16", "int8")
-# `fp8` is vLLM's spelling of fp8_e4m3.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# `fp8` is vLLM's spelling of fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 SCALED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8")  # rows of codes and a scale
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2,

@@ -178,10 +178,6 @@ class AsyncLLM:
         workers = self.engine.workers
         return self._failure or (workers.error if workers is not None else None)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     def stop(self) -> None:
         """Take no more steps: what is in flight fails ("the server is shutting down") once
         the running step ends, each stream with its API's error; shutdown() joins the loop."""

@@ -13,7 +13,7 @@ layers, not all of them (layer i uses slot `slot_of[i]` of the blocks its group 
       a 4,096-token sequence holds 256 blocks for the global group and ~33 for each of the six
       windowed ones: 454 blocks of 4 layers, where one table for all 26 layers held 256 of 26.
 
-A model whose layers all attend alike has one group of all its layers: one table, as before.
+A model whose layers all attend alike has one group of all its layers: one table.
 Under pipeline parallelism the groups are the whole model's (the driver's block tables), and
 each stage's blocks hold only its own layers of them (`KVGroups.for_layers`).
 """

@@ -90,7 +90,7 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         """ValueError naming the first field of the wrong type: each is checked here, once,
-        not deep in a step (a float `logprobs` failed in the sampler's topk)."""
+        not deep in a step (where a float `logprobs` would fail in the sampler's topk)."""
         for name in _INTEGERS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

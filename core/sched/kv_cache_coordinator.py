@@ -53,7 +53,8 @@ class KVCacheCoordinator:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        # Group 0 keeps the plain hashes (a one-group model caches exactly as before).
+        # Group 0 keeps the plain hashes: a one-group model's keys (and its disk tier's files)
+        # are those of a model without groups.
         self.groups = [KVCacheManager(num_blocks, block_size, enable_caching, window, self.pool,
                                       tag=b"" if g == 0 else f"#kv-group-{g}".encode())
                        for g, window in enumerate(windows)]
@@ -262,9 +263,6 @@ class KVCacheCoordinator:
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table of each group."""
         return [g.block_ids(request_id) for g in self.groups]
-
-    def request_blocks(self, request_id: str) -> list[list[KVBlock]]:
-        return [g.req_blocks.get(request_id, []) for g in self.groups]
 
     @property
     def usage(self) -> float:

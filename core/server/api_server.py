@@ -183,7 +183,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                 "max_model_len": engine.max_model_len}
         adapters = [{**base, "id": name, "root": adapter.path,
                      "parent": config.served_model_name}
-                    for name, adapter in (engine.lora.adapters if engine.lora else {}).items()]
+                    for name, adapter in list((engine.lora.adapters if engine.lora else {}).items())]
         return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/load_lora_adapter")
@@ -205,8 +205,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         _check_runtime_lora(config, engine)
-        try:
-            engine.remove_lora(body.lora_name)
+        try:  # on the engine thread, as loads: requests resolve adapters there
+            await async_llm.call_in_engine(lambda e: e.remove_lora(body.lora_name))
         except ValueError as exc:
             raise OpenAIError(404, str(exc), "lora_name", "model_not_found") from None
         return PlainTextResponse(f"unloaded LoRA adapter {body.lora_name}")

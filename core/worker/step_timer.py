@@ -52,8 +52,3 @@ class StepTimer:
     @property
     def total_s(self) -> float:
         return sum(self.totals.values())
-
-    @property
-    def overhead_s(self) -> float:
-        """Everything in the step that is not the model forward."""
-        return self.total_s - self.totals["forward"]
