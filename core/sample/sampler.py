@@ -1,7 +1,8 @@
 """Sampler: turns a batch of logits into one token per row, on tensors, per-row parameters.
 
-Order: penalties -> min_tokens mask -> (greedy rows: argmax) -> temperature -> top-k ->
-top-p -> min-p -> sample. Sampling inverts each row's cumulative distribution at one uniform
+Order, vLLM's: logit bias -> penalties -> bans (min_tokens, bad words) -> allowed tokens ->
+(greedy rows: argmax) -> temperature -> min-p -> top-k -> top-p (over what min-p kept) ->
+sample. Sampling inverts each row's cumulative distribution at one uniform
 draw (`draw`), so a row with its own seed draws from its own generator and its result does
 not depend on what else is in the batch.
 """
@@ -58,8 +59,8 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._apply_bias(logits, rows)  # before the penalties, as vLLM's
         logits = self._apply_penalties(logits, rows)
-        self._apply_bias(logits, rows)
         self._apply_bans(logits, rows)
         self._apply_allowed(logits, rows)
         return logits, raw_logprobs
@@ -139,11 +140,14 @@ class Sampler:
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Probabilities after temperature, top-k, top-p and min-p (rows not normalized
-        again after min-p: `draw` scales its uniform by each row's total)."""
+        """Probabilities after temperature, min-p, top-k and top-p."""
         device = logits.device
         temp = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         logits = logits / temp
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        if bool((min_p > 0).any()):  # p < min_p * p_max, in logits (log 0 = -inf: off)
+            floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)
+            logits = logits.masked_fill(logits < floor, float("-inf"))
         # A top_k past the vocabulary keeps every token; clamped here, as one past int64 would
         # not fit the tensor and fail the whole step.
         vocab = logits.shape[-1]
@@ -151,11 +155,7 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any()) or bool((top_p < 1).any()):
             logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
-        return probs
+        return torch.softmax(logits, dim=-1)
 
     @staticmethod
     def logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,

@@ -168,6 +168,23 @@ def test_min_p_drops_unlikely_tokens():
     assert set(_sampler()(logits, rows).token_ids) == {0, 1}
 
 
+def test_min_p_comes_before_top_p():
+    """vLLM's order: the nucleus is taken over what min-p kept, renormalized (0.4 and 0.3 ->
+    0.57 and 0.43: token 0 alone reaches top_p 0.5; over the whole row it would not)."""
+    probs = torch.tensor([0.4, 0.3] + [0.001] * 300)
+    logits = probs.log().repeat(200, 1)
+    rows = [_row(SamplingParams(temperature=1.0, top_p=0.5, min_p=0.5), seed=s)
+            for s in range(200)]
+    assert set(_sampler()(logits, rows).token_ids) == {0}
+
+
+def test_logit_bias_comes_before_the_penalties():
+    """vLLM's order: a biased token the repetition penalty also hits is (2 + 5) / 1.3."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.3, logit_bias={1: 5.0})
+    logits, _ = _sampler().process(torch.tensor([[0.0, 2.0, 1.0]]), [_row(params, prompt=[1])])
+    assert logits[0, 1].item() == pytest.approx(7.0 / 1.3)
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.7, 0.2, 0.1])
     logits = probs.log().repeat(4000, 1)
