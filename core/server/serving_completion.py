@@ -69,12 +69,15 @@ class OpenAIServingCompletion(OpenAIServing):
         before these tokens (a stream's earlier chunks)."""
         if body.logprobs is None or entries is None:
             return None
-        output = lpf.completion(entries, token_ids, body.logprobs, offset + len(echo))
         if not echo or final.prompt_logprobs is None:
-            return output
+            return lpf.completion(entries, token_ids, body.logprobs, offset + len(echo))
         first = self.tokenizer.decode(final.prompt_token_ids[:1], skip_special_tokens=False)
-        return lpf.joined(lpf.completion_prompt(final.prompt_logprobs, final.prompt_token_ids,
-                                                first, body.logprobs), output)
+        prompt = lpf.completion_prompt(final.prompt_logprobs, final.prompt_token_ids, first,
+                                       body.logprobs)
+        # One run of offsets over the tokens' strings, as vLLM's (the echoed text may spell
+        # a token otherwise: a character split over byte tokens)
+        after = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
+        return lpf.joined(prompt, lpf.completion(entries, token_ids, body.logprobs, after))
 
     @staticmethod
     def _prompt_field(body: CompletionRequest, final: RequestOutput) -> dict:
@@ -121,8 +124,9 @@ class OpenAIServingCompletion(OpenAIServing):
         yield sse("[DONE]")
 
     def _prompt_text(self, output: RequestOutput) -> str:
+        # A prompt of token ids echoes every one of them, special tokens too (vLLM's)
         return output.prompt if output.prompt is not None else self.tokenizer.decode(
-            output.prompt_token_ids)
+            output.prompt_token_ids, skip_special_tokens=False)
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]

@@ -205,6 +205,19 @@ def test_echo_and_token_prompts(client, server):
     assert text == PROMPT
 
 
+def test_echoed_offsets_run_on_and_echoed_ids_keep_their_special_tokens(client):
+    """One run of text_offset over prompt and output tokens (a CJK character split over
+    byte tokens spells the text otherwise); ids echo as they are, special tokens too."""
+    kw = dict(model="SmolLM2-135M-Instruct.Q4_1", temperature=0, echo=True, logprobs=0,
+              max_tokens=3)
+    for prompt in ("中文：你好", [1, 4093, 198, 19556, 2]):  # <|im_start|>user\nHello<|im_end|>
+        choice = client.completions.create(**kw, prompt=prompt).choices[0]
+        lp = choice.logprobs
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i])
+                                  for i in range(len(lp.tokens))]
+    assert choice.text.startswith("<|im_start|>user\nHello<|im_end|>")
+
+
 def test_echo_with_logprobs_scores_the_prompt(client, server):
     """OpenAI's scoring request (echo, logprobs, max_tokens 0: what lm-eval-harness sends):
     the prompt back with every token's logprob (the first null); with tokens to make, the
