@@ -70,7 +70,7 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
-    continuous_usage_stats: Any = None  # vLLM's; named only to be refused
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk
 
 
 # vLLM fields that would change the answer and that pkv does not serve: each is refused by
@@ -144,9 +144,6 @@ class _SamplingFields(RequestBody):
         for name, why in _UNSERVED.items():
             if not _asks_nothing(name, getattr(self, name)):
                 raise OpenAIError(400, f"{name}: {why}", name)
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise OpenAIError(400, "stream_options.continuous_usage_stats: usage comes once, "
-                              "in the last chunk (include_usage)", "stream_options")
 
     def constraint_fields(self) -> list[str]:
         """The request fields that carry a structured-output constraint."""
@@ -228,6 +225,11 @@ class _SamplingFields(RequestBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatMessage(BaseModel):

@@ -175,10 +175,14 @@ class OpenAIServingChat(OpenAIServing):
                            ) -> AsyncIterator[bytes]:
         base = {"id": prepared.request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.served_name(body.model)}
+        prompt_len = len(prepared.children[0].prompt_token_ids)
+        running = ({"usage": {"prompt_tokens": prompt_len, "completion_tokens": 0,
+                              "total_tokens": prompt_len}} if body.continuous_usage else {})
         for i in range(len(shapers)):
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+                                             "logprobs": None, "finish_reason": None}],
+                       **running})
         tracker = DeltaTracker()
         final = None
         prompt: dict = {}  # vLLM's prompt_logprobs, on the first chunk that can carry them
@@ -187,6 +191,8 @@ class OpenAIServingChat(OpenAIServing):
                 if final is None and body.prompt_logprobs is not None:
                     prompt = {"prompt_logprobs": lpf.vllm_prompt(output.prompt_logprobs)}
                 final = output
+                if body.continuous_usage:
+                    running = {"usage": usage([output])}
                 for c in output.outputs:
                     new = tracker.advance(c.index, c)
                     if new is None:
@@ -204,7 +210,7 @@ class OpenAIServingChat(OpenAIServing):
                                                      "logprobs": logprobs,
                                                      "finish_reason": finish,
                                                      "stop_reason": c.stop_reason}],
-                               **prompt})
+                               **prompt, **running})
                     prompt = {}
         except Exception as exc:
             yield sse(stream_error(exc))

@@ -115,7 +115,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         "index": index, "text": echo + text,
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        **(self._prompt_field(body, output) if first else {})}]})
+                        **(self._prompt_field(body, output) if first else {})}],
+                        **({"usage": usage(list(finals.values()))} if body.continuous_usage
+                           else {})})
         except Exception as exc:
             yield sse(stream_error(exc))
         else:

@@ -39,6 +39,22 @@ def test_chat_stream_joins_to_the_non_streamed_text(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """vLLM's stream option: each chunk's usage counts the tokens sent so far."""
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                               max_tokens=8, stream=True,
+                                               stream_options=options))
+    text = list(client.completions.create(model=model, prompt=PROMPT, temperature=0,
+                                          max_tokens=8, stream=True, stream_options=options))
+    for chunks in (chat, text):
+        done = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert done == sorted(done) and done[-1] == 8 and done[-2] == 8 and done[0] <= 1
+        assert chunks[-1].choices == []  # the include_usage chunk still ends the stream
+
+
 def test_continue_final_message_goes_on_writing_it(client):
     model = "SmolLM2-135M-Instruct.Q4_1"
     whole = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
