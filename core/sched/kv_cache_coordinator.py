@@ -59,7 +59,8 @@ class KVCacheCoordinator:
                                       tag=b"" if g == 0 else f"#kv-group-{g}".encode())
                        for g, window in enumerate(windows)]
         self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0  # tokens found
+        self.prefix_hits = 0  # tokens found in RAM (the disk tier counts its own)
+        self._ram_hit: tuple[str, int] | None = None  # the last lookup's (request, RAM tokens)
         self.offload = offload
         # Blocks read from disk for the request at the head of the queue, kept until it is
         # allocated (a request that must wait for blocks is not read again every step).
@@ -84,12 +85,22 @@ class KVCacheCoordinator:
                                 for g, c in zip(self.groups, found)):
             k -= 1
         hits = [self._hits(g, c, k) for g, c in zip(self.groups, found)]
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += k * self.block_size
+        self._ram_hit = (request.request_id, k * self.block_size)
         disk = self._find_on_disk(request, found, k, max_blocks)
         if disk is None:
             return hits, k * self.block_size
         return disk.blocks, disk.end * self.block_size
+
+    def record_prefix_hit(self, request: Request, num_cached: int) -> None:
+        """Count a request's lookup once, as it is admitted with `num_cached` tokens from the
+        cache (a request waiting for blocks is looked up again every step); of those, the
+        ones its lookup found in RAM are hits here."""
+        if not self.enable_caching:
+            return
+        self.prefix_queries += request.num_tokens
+        last, self._ram_hit = self._ram_hit, None
+        self.prefix_hits += last[1] if last is not None and last[0] == request.request_id \
+            else num_cached
 
     def _find_on_disk(self, request: Request, found: list[list[KVBlock | None]], k: int,
                       max_blocks: int) -> DiskHit | None:

@@ -52,9 +52,15 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_hit(self, request: Request, num_cached: int) -> None:
+        """Count a request's lookup once, as it is admitted with `num_cached` tokens from the
+        cache (a request waiting for blocks is looked up again every step)."""
+        if not self.enable_caching:
+            return
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_cached
 
     def cached_blocks(self, request: Request, num_blocks: int) -> list[KVBlock | None]:
         """The cached block (or None) of each of the request's first `num_blocks` blocks."""

@@ -187,6 +187,8 @@ class Scheduler:
                 self._unacquire_lora(request, out, newly)
                 break
             self.waiting.popleft()
+            if computed is not None:
+                self.kv_cache.record_prefix_hit(request, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached

@@ -181,9 +181,9 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                 "owned_by": "pkv", "root": engine.config.model or engine.model_name,
                 "parent": None,
                 "max_model_len": engine.max_model_len}
-        adapters = [{**base, "id": name, "root": adapter.path,
-                     "parent": config.served_model_name}
-                    for name, adapter in list((engine.lora.adapters if engine.lora else {}).items())]
+        loaded = list((engine.lora.adapters if engine.lora else {}).items())  # (a copy: the
+        adapters = [{**base, "id": name, "root": adapter.path,  # engine thread loads them)
+                     "parent": config.served_model_name} for name, adapter in loaded]
         return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/load_lora_adapter")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pkv.core.sample.sampling_params import SamplingParams
+from pkv.core.sched.kv_cache_coordinator import KVCacheCoordinator
 from pkv.core.sched.kv_cache_manager import KVCacheManager
 from pkv.core.sched.request import Request, RequestStatus
 from pkv.core.sched.scheduler import Scheduler, SchedulerOutput
@@ -210,3 +213,26 @@ def test_a_request_waiting_for_a_lora_slot_lets_the_others_pass():
     out = _step(s)
     assert base in out.scheduled and b not in out.scheduled  # not stuck behind "b"
     assert list(s.waiting) == [b]
+
+
+@pytest.mark.parametrize("coordinated", [False, True])
+def test_a_request_waiting_for_blocks_is_counted_once_in_the_prefix_stats(coordinated: bool):
+    """Looked up again every step it waits, counted once, as it is admitted: a hit rate
+    read under KV pressure is the requests' reuse, not the queue's retries."""
+    kv = (KVCacheCoordinator(8, 4, True, [None]) if coordinated
+          else KVCacheManager(8, 4, True))
+    s = Scheduler(kv, 8, 64, max_model_len=256)
+    _add(s, "a", 16, max_tokens=6)
+    s.add_request(Request("b", list(range(300, 320)), SamplingParams(temperature=0, max_tokens=2),
+                          frozenset({2}), 4))  # 5 blocks: more than a leaves
+    waited = 0
+    while s.waiting or s.running:
+        waited += any(r.request_id == "b" for r in s.waiting)
+        _step(s)
+    assert waited >= 3
+    assert (kv.prefix_queries, kv.prefix_hits) == (16 + 20, 0)
+    # b's prompt again: its first 4 blocks (the last token is never taken from the cache)
+    s.add_request(Request("c", list(range(300, 320)), SamplingParams(temperature=0, max_tokens=1),
+                          frozenset({2}), 4))
+    _step(s)
+    assert (kv.prefix_queries, kv.prefix_hits) == (16 + 20 + 20, 16)
