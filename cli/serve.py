@@ -33,6 +33,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 # Seconds the requests the engine ended at shutdown have to send their error events.
 _STREAM_END_SECONDS = 5
+_DEAD_EXIT_SECONDS = 5  # of 503s from a dead engine before the process exits
 
 # Options that configure the HTTP side rather than the engine.
 SERVER_OPTIONS = ("host", "port", "api_key", "served_model_name", "log_level",
@@ -332,7 +333,12 @@ def _run(options: dict[str, Any]) -> None:
     try:
         _serve_until_signal(app, options, async_llm, sock)
     finally:
+        dead = async_llm.dead_reason
         async_llm.shutdown()
+    if dead is not None:  # a supervisor restarts it on this exit (compose, systemd, k8s)
+        Console(stderr=True).print(f"[bold red]error:[/] the engine stopped: {escape(dead)}",
+                                   highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
     console.print("[bold]pkv stopped[/]")
 
 
@@ -435,6 +441,7 @@ def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any,
     grace = options["shutdown_timeout"]
 
     class _Server(uvicorn.Server):
+        dead_ticks = 0  # uvicorn's ticks (0.1 s) since the engine died
         # uvicorn re-raises SIGTERM after its shutdown (exit by signal); we exit 0 instead.
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -450,6 +457,16 @@ def _serve_until_signal(app: Any, options: dict[str, Any], async_llm: Any,
             finally:
                 for s, h in previous.items():
                     signal.signal(s, h)
+
+        async def on_tick(self, counter: int) -> bool:
+            # A dead engine (its loop failed, a rank died, a step wedged) serves nothing
+            # again: after a few seconds of 503s the process exits non-zero, since compose's
+            # and systemd's restarts act on an exit, not on /health.
+            if async_llm.dead_reason is not None:
+                self.dead_ticks += 1
+                if self.dead_ticks > 10 * _DEAD_EXIT_SECONDS:
+                    return True
+            return await super().on_tick(counter)
 
         async def shutdown(self, sockets: Any = None) -> None:
             # At the grace period's end the engine stops, so each request still running ends

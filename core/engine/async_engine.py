@@ -57,6 +57,7 @@ class RequestTimings:
     arrival: float
     num_samples: int = 1
     first_token: float | None = None
+    last_token: float | None = None  # when its latest tokens came
     finished: float | None = None
     num_output_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
@@ -152,6 +153,8 @@ class AsyncLLM:
         self._step_started: float | None = None  # monotonic start of the running step
         self._failed_steps = 0
         self.on_request_finished = on_request_finished
+        # Seconds from a request's last tokens to its next (one step's, whatever their number)
+        self.on_token_interval: Callable[[float], None] | None = None
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -292,6 +295,10 @@ class AsyncLLM:
         tokens = sum(len(c.token_ids) for c in output.outputs)
         if tokens and timings.first_token is None:
             timings.first_token = now
+        if tokens > timings.num_output_tokens:
+            if timings.last_token is not None and self.on_token_interval is not None:
+                self.on_token_interval(now - timings.last_token)
+            timings.last_token = now
         timings.num_output_tokens = tokens
         if output.finished:
             timings.finished = now

@@ -96,6 +96,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pkv", version=PKV_VERSION, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(async_llm.engine)
     async_llm.on_request_finished = metrics.observe
+    async_llm.on_token_interval = metrics.itl.observe
     engine = async_llm.engine
     serving_chat = OpenAIServingChat(async_llm, config.served_model_name, config.limits,
                                      select_tool_parser(config.tool_call_parser,
@@ -211,7 +212,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             raise OpenAIError(404, str(exc), "lora_name", "model_not_found") from None
         return PlainTextResponse(f"unloaded LoRA adapter {body.lora_name}")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe)
     async def health() -> Response:
         if async_llm.is_alive:
             return Response(status_code=200)

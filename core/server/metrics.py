@@ -15,8 +15,12 @@ from pkv.core.engine.llm_engine import LLMEngine
 from pkv.core.sched.kv_offload import OffloadStats
 from pkv.core.spec_decode.proposer import SpecDecodeStats
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
-_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+# Up to vLLM's tops: a long request on a busy CPU runs for many minutes, and one past the
+# last bucket reads as that bucket in every quantile.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 640, 2560)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 7680)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10, 20,
+                 40, 80)
 
 
 class _EngineCollector(Collector):
@@ -132,12 +136,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram("pkv:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("pkv:time_per_output_token_seconds",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        # vLLM's two: every step's gap (where stalls show) and each request's mean
+        self.itl = Histogram("pkv:inter_token_latency_seconds",
+                             "Time from a request's tokens to its next, each step.",
+                             buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pkv:request_time_per_output_token_seconds",
                               "Mean time between output tokens of a request.",
                               buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pkv:e2e_request_latency_seconds", "Request latency, end to end.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_E2E_BUCKETS, registry=self.registry)
         self.success = Counter("pkv:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
         self.http = Counter("pkv:http_requests", "HTTP requests by API endpoint and status.",

@@ -20,7 +20,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Everything needs the key except these: a route added later is protected by default.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})  # probes carry no key
 # What shows or changes every tenant's state needs the first key (the operator's) where
 # there are several: /admin/* (other tenants' requests) and the runtime adapter endpoints.
 OPERATOR_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

@@ -27,7 +27,7 @@ COUNTERS = {"pkv:prompt_tokens_total", "pkv:generation_tokens_total", "pkv:reque
             "pkv:prefix_cache_hits_total"}
 GAUGES = {"pkv:num_requests_running", "pkv:num_requests_waiting", "pkv:kv_cache_usage_perc",
           "pkv:kv_blocks_free", "pkv:kv_blocks_total"}
-HISTOGRAMS = {"pkv:time_to_first_token_seconds", "pkv:time_per_output_token_seconds"}
+HISTOGRAMS = {"pkv:time_to_first_token_seconds", "pkv:inter_token_latency_seconds"}
 ALLOWED_METRICS = COUNTERS | GAUGES | {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 METRIC_RE = re.compile(r"pkv:[a-z_]+")
 

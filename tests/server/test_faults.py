@@ -123,3 +123,21 @@ def test_a_wedged_step_ends_a_messages_stream_with_anthropics_error(
     error = failed.value.body
     assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
     assert "wedged" in error["error"]["message"]
+
+
+def test_pkv_serve_exits_non_zero_once_its_engine_is_dead(tmp_path: Path):
+    """A step past --step-timeout wedges the engine for good: after a few seconds of 503s
+    the process exits 1 with the reason, for compose's or systemd's restart to act on."""
+    from pkv.tests.server.conftest import start_server, stop_server
+    from pkv.tests.server.test_http import MODEL
+
+    running = start_server(str(tmp_path), "--step-timeout", "0.001", api_key=None)
+    try:
+        r = httpx.post(f"{running.base_url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 8})
+        assert r.status_code == 503
+        assert httpx.get(f"{running.base_url}/health", timeout=5).status_code == 503
+        assert running.process.wait(timeout=30) == 1
+        assert "error: the engine stopped" in running.log()
+    finally:
+        stop_server(running)

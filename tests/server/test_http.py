@@ -38,6 +38,11 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
 
 def test_health_version_and_metrics_names(server: RunningServer):
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # open without a key
+    assert httpx.head(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/ping").status_code == 200  # vLLM's (SageMaker's)
+    assert httpx.post(f"{server.base_url}/ping").status_code == 200
+    _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                      "ignore_eos": True})
     assert httpx.get(f"{server.base_url}/version", headers=server.headers).json()["version"]
     names = set(server.metrics())
     for name in ("pkv:num_requests_running", "pkv:num_requests_waiting",
@@ -46,6 +51,10 @@ def test_health_version_and_metrics_names(server: RunningServer):
                  "pkv:generation_tokens_total", "pkv:prefix_cache_queries_total",
                  "pkv:prefix_cache_hits_total"):
         assert name in names, name
+    metrics = server.metrics()  # a step's gap each (3 after the first token), a mean each
+    assert metrics["pkv:inter_token_latency_seconds_count"] >= 3
+    assert metrics["pkv:request_time_per_output_token_seconds_count"] >= 1
+    assert 'le="7680.0"' in httpx.get(f"{server.base_url}/metrics", headers=server.headers).text
     text = httpx.get(f"{server.base_url}/metrics", headers=server.headers).text
     # The KV cache's storage: float32 rows of SmolLM2's 30 layers x 3 KV heads x 64.
     assert ('pkv:kv_cache_info{block_size="16",bytes_per_block="737280",dtype="float32"} 1.0'
