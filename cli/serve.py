@@ -243,6 +243,10 @@ def _server_config(options: dict[str, Any]) -> Any:
     if not 0 <= options["shutdown_timeout"] < float("inf"):
         raise ValueError("shutdown_timeout must be a finite number of seconds >= 0, got "
                          f"{options['shutdown_timeout']}")
+    if options["log_level"].lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise ValueError(f"log_level must be debug, info, warning or error, got "
+                         f"{options['log_level']!r}")
+    _check_parsers(options)
     return ServerConfig(
         served_model_name=options["served_model_name"] or "",
         api_key=options["api_key"], max_body_bytes=options["max_body_bytes"],
@@ -255,6 +259,18 @@ def _server_config(options: dict[str, Any]) -> Any:
         enable_runtime_lora=options["enable_runtime_lora"], lora_dir=options["lora_dir"])
 
 
+def _check_parsers(options: dict[str, Any]) -> None:
+    """The reasoning and tool call parsers named exist (before any weights load)."""
+    from pkv.core.registry import discover
+    from pkv.core.structured_output.reasoning import reasoning_parser
+
+    reasoning_parser(options["reasoning_parser"])
+    parsers = discover().tool_parsers
+    if options["tool_call_parser"] != "auto" and options["tool_call_parser"] not in parsers:
+        raise ValueError(f"unknown tool call parser {options['tool_call_parser']!r}; choose "
+                         f"auto or one of {', '.join(sorted(parsers))}")
+
+
 def _check(options: dict[str, Any]) -> None:
     """Validate every option, and the model's config and tokenizer where the path exists
     here; never load weights."""
@@ -264,19 +280,10 @@ def _check(options: dict[str, Any]) -> None:
     _lora_modules(options)
     _server_config(options)
     from pkv.core.registry import check_attention_backend, discover, select_guided_backend
-    from pkv.core.structured_output.reasoning import reasoning_parser
 
-    reasoning_parser(options["reasoning_parser"])
     registry = discover()
     select_guided_backend(config.guided_decoding_backend, registry)
     check_attention_backend(config.attention_backend, registry)
-    parsers = registry.tool_parsers
-    if options["tool_call_parser"] != "auto" and options["tool_call_parser"] not in parsers:
-        raise ValueError(f"unknown tool call parser {options['tool_call_parser']!r}; choose "
-                         f"auto or one of {', '.join(sorted(parsers))}")
-    if options["log_level"].lower() not in ("debug", "info", "warning", "error", "critical"):
-        raise ValueError(f"log_level must be debug, info, warning or error, got "
-                         f"{options['log_level']!r}")
     from pkv.core.model_loader.hub import on_this_machine
 
     if config.model is None or on_this_machine(config.model, config.revision, config.gguf_file):

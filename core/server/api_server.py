@@ -60,8 +60,10 @@ class ServerConfig:
         # A key list with no key in it would leave the server open while saying it is not.
         if self.api_key is not None and (not isinstance(self.api_key, str)
                                          or not split_keys(self.api_key)):
-            raise ValueError(f"api_key must hold at least one key (k1,k2,...), got "
-                             f"{self.api_key!r}")
+            # (its type named, never its value: a key is never written to a log)
+            got = ("no key" if isinstance(self.api_key, str)
+                   else f"a {type(self.api_key).__name__}; quote it in YAML")
+            raise ValueError(f"api_key must hold at least one key (k1,k2,...), got {got}")
         for name, value in (("max_body_bytes", self.max_body_bytes),
                             ("max_waiting_requests", self.max_waiting_requests)):
             if not isinstance(value, int) or value < 1:

@@ -171,6 +171,21 @@ def test_a_taken_port_or_a_foreign_host_is_refused_before_the_model_loads() -> N
     result = _serve("--port", "0", "--enable-lora", "--lora-dir", "/nonexistent/adapters")
     assert result.exit_code == 2 and "--lora-dir /nonexistent/adapters is not a folder" in \
         result.stderr
+    # what --check refuses, a real start refuses before loading too
+    for args, says in ((["--log-level", "warn"], "log_level must be debug, info"),
+                       (["--tool-call-parser", "nope"], "unknown tool call parser 'nope'"),
+                       (["--reasoning-parser", "nope"], "nope")):
+        result = _serve("--port", "0", *args)
+        assert result.exit_code == 2 and says in result.stderr, args
+        assert "pkv serve" not in result.output and "Traceback" not in result.output
+
+
+def test_a_key_of_the_wrong_type_is_refused_without_being_echoed(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: [sk-tenant-a-SECRET, sk-tenant-b-SECRET]\n")
+    result = _serve("--config", str(config), "--check")
+    assert result.exit_code == 2 and "api_key must hold at least one key" in result.output
+    assert "SECRET" not in result.output
 
 
 def test_accepted_connections_send_without_waiting_for_acks() -> None:
