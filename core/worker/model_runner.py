@@ -403,5 +403,14 @@ class ModelRunner:
         outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
         if params.bad_words_token_ids:
             banned += params.bad_word_bans(outputs)
+        if allowed is not None and banned and not _allows_beyond(allowed, banned):
+            banned = []  # the grammar's next token (its end: EOS) is not optional
         return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
                            banned, allowed)
+
+
+def _allows_beyond(allowed: torch.Tensor, banned: list[int]) -> bool:
+    """Whether the mask `allowed` leaves a token outside `banned`."""
+    kept = allowed.clone()
+    kept[banned] = False
+    return bool(kept.any())

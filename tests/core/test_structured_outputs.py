@@ -51,6 +51,16 @@ def test_json_schema_outputs_validate(smol_llm: LLM, name: str, temperature: flo
         jsonschema.validate(json.loads(completion.text), schema)
 
 
+def test_a_finished_grammar_ends_even_under_min_tokens(smol_llm: LLM):
+    """Once the constraint is complete only EOS fits it: min_tokens (which bans EOS) gives way
+    rather than leave no token to sample (token 0, outside the grammar)."""
+    params = SamplingParams(temperature=0, max_tokens=15, min_tokens=8,
+                            structured_outputs=SO(choice=["alpha", "beta"]))
+    out = smol_llm.generate("Pick one:", params)[0].outputs[0]
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+    assert 0 not in out.token_ids and len(out.token_ids) < 8
+
+
 def test_json_object_regex_and_choice(smol_llm: LLM):
     obj = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=80,
                                                    structured_outputs=SO(json_object=True)))
