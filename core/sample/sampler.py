@@ -27,6 +27,8 @@ class SamplingRow:
     generator: torch.Generator | None
     banned_token_ids: list[int]  # stop/eos tokens under min_tokens; a bad word's next token
     allowed_mask: torch.Tensor | None = None  # [vocab] bool: guided decoding's allowed tokens
+    # The token a thinking budget writes in place of the sampled one: its logprob is reported
+    forced_token: int | None = None
 
 
 @dataclass(slots=True)
@@ -166,6 +168,11 @@ class Sampler:
             return [None] * len(rows)
         k = max(r.params.logprobs or 0 for r in rows)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        forced = [(i, r.forced_token) for i, r in enumerate(rows) if r.forced_token is not None]
+        if forced:
+            token_ids = token_ids.clone()
+            for i, token in forced:
+                token_ids[i] = token
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         ranks = (raw > chosen.unsqueeze(1)).sum(dim=-1) + 1
         out: list[tuple[list[int], list[float], float, int] | None] = []

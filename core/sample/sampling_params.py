@@ -159,6 +159,12 @@ class SamplingParams:
               f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}")
         check(self.thinking_token_budget is None or bool(self.think_end_token_ids),
               "thinking_token_budget needs think_end_token_ids (the end-of-thinking tokens)")
+        # (the tokens the budget writes would land inside the constrained output)
+        check(self.thinking_token_budget is None or self.structured_outputs is None
+              or self.structured_outputs.starts_after is not None,
+              "thinking_token_budget with structured_outputs needs structured_outputs."
+              "starts_after (the end of thinking): a constraint from the first token leaves "
+              "no thinking block to cap")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -131,8 +131,10 @@ class OpenAIServingChat(OpenAIServing):
                               "thinking_token_budget")
         if budget is None and body.reasoning_effort is not None and self.reasoning_parser:
             budget = EFFORT_BUDGETS.get(body.reasoning_effort)  # (max: none)
-        if budget is None or self.reasoning_parser is None:
-            return  # (an effort without a reasoning parser has nothing to cap)
+        if budget is None or self.reasoning_parser is None or not self._thinks(body):
+            # (an effort without a reasoning parser, or with thinking switched off in the
+            # template, has nothing to cap: the budget's tokens would land in the answer)
+            return
         encode = self.tokenizer.encode
         params.thinking_token_budget = budget
         params.think_start_token_ids = ([] if self.reasoning_parser.implicit_start

@@ -7,6 +7,8 @@ parallelism each rank's runner is a PipelineModelRunner (pipeline_runner.py).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -406,7 +408,7 @@ class ModelRunner:
         if allowed is not None and banned and not _allows_beyond(allowed, banned):
             banned = []  # the grammar's next token (its end: EOS) is not optional
         return SamplingRow(params, request.prompt_token_ids, outputs, request.generator,
-                           banned, allowed)
+                           banned, allowed, _forced_token(request, drafts))
 
 
 def _allows_beyond(allowed: torch.Tensor, banned: list[int]) -> bool:
@@ -414,3 +416,13 @@ def _allows_beyond(allowed: torch.Tensor, banned: list[int]) -> bool:
     kept = allowed.clone()
     kept[banned] = False
     return bool(kept.any())
+
+
+def _forced_token(request: Request, drafts: list[int]) -> int | None:
+    """The token the request's thinking budget writes after `drafts` (None: the model's)."""
+    if request.thinking is None or request.sampling_params.logprobs is None:
+        return None
+    budget = copy.copy(request.thinking)  # (its state after the drafts, not changed)
+    for token in drafts:
+        budget.observe(token)
+    return budget.forced()

@@ -43,6 +43,33 @@ def test_the_budget_closes_the_block_and_the_answer_follows(smol_llm: LLM):
     assert batch[2].outputs[0].token_ids[:len(end)] == end
 
 
+def test_a_forced_token_reports_its_own_logprob(smol_llm: LLM):
+    """The end marker's tokens come with their own logprobs and ranks (those the model gave
+    them, as prompt_logprobs of the same text read them), not the sampled tokens'."""
+    end = smol_llm.get_tokenizer().encode("</think>", add_special_tokens=False)
+    prompt = smol_llm.get_tokenizer().encode(PROMPT)
+    out = smol_llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=5 + len(end), logprobs=2, thinking_token_budget=5,
+        think_end_token_ids=end))[0].outputs[0]
+    assert out.token_ids[5:] == end
+    read = smol_llm.generate([prompt + out.token_ids], SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs[len(prompt):]
+    for token, entry, truth in zip(out.token_ids, out.logprobs, read):
+        assert entry[token].logprob == pytest.approx(truth[token].logprob, abs=1e-3)
+        assert entry[token].rank == truth[token].rank
+    assert [entry[t].rank for t, entry in zip(end, out.logprobs[5:])] != [1] * len(end)
+
+
+def test_a_budget_cannot_cut_into_a_constraint_from_the_first_token():
+    from pkv.core.structured_output.params import StructuredOutputsParams as SO
+
+    with pytest.raises(ValueError, match="needs structured_outputs.starts_after"):
+        SamplingParams(thinking_token_budget=4, think_end_token_ids=[7],
+                       structured_outputs=SO(json_object=True))
+    SamplingParams(thinking_token_budget=4, think_end_token_ids=[7],
+                   structured_outputs=SO(json_object=True, starts_after="</think>"))
+
+
 def test_under_ngram_speculation(smol_llm: LLM):
     spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4},
                kv_cache_memory="64MiB", max_model_len=256, show_progress=False)

@@ -55,6 +55,18 @@ def test_the_budget_ends_thinking_streamed_or_not(thinking_server: RunningServer
                                                           message.content)
 
 
+def test_no_budget_where_the_template_was_told_not_to_think(thinking_server: RunningServer):
+    # The output is then the answer: the budget's end marker would land in it.
+    client = openai.OpenAI(base_url=f"{thinking_server.base_url}/v1",
+                           api_key=thinking_server.api_key, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=24)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    free = client.chat.completions.create(**kw, extra_body=off).choices[0].message
+    capped = client.chat.completions.create(
+        **kw, extra_body={**off, "thinking_token_budget": 6}).choices[0].message
+    assert (capped.content, capped.reasoning_content) == (free.content, free.reasoning_content)
+
+
 def test_adaptive_thinking_and_its_omitted_display(thinking_server: RunningServer):
     claude = anthropic.Anthropic(base_url=thinking_server.base_url,
                                  api_key=thinking_server.api_key, max_retries=0, timeout=120)
