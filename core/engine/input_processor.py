@@ -119,7 +119,10 @@ class InputProcessor:
     def _salt(self, cache_salt: str | None, adapter: LoRAAdapter | None) -> bytes:
         """What sets a request's prefix-cache blocks apart: its salt (the tenant's), and the
         adapter they are computed under."""
-        salt = cache_salt.encode() if cache_salt else b""
+        # The client's part is length-prefixed: no salt can spell the engine's own parts
+        # (an adapter's, LongRoPE's "\0longrope") and take their blocks.
+        data = cache_salt.encode() if cache_salt else b""
+        salt = len(data).to_bytes(4, "little") + data if data else b""
         if adapter is not None:  # blocks computed under an adapter are its own
             salt += b"\0lora:" + str(adapter.uid).encode() + b"@" + self._lora_salt_nonce
         return salt

@@ -409,6 +409,21 @@ def test_vllm_prompt_dicts_are_prompts(smol_llm: LLM):
     assert salted[0].num_cached_tokens == 0 and again[0].num_cached_tokens >= 48
 
 
+def test_no_cache_salt_spells_the_engines_own(smol_llm: LLM):
+    """A client's salt is kept apart from the parts the engine adds (LongRoPE's long table,
+    an adapter): one spelling "\0longrope" does not take the blocks of the long table."""
+    from pkv.core.sched.scheduler import LONG_ROPE_SALT
+
+    engine = smol_llm.llm_engine
+    ids = smol_llm.get_tokenizer().encode(" ".join([PROMPT] * 4))
+    [long_table] = engine.prepare_request(None, ids, SamplingParams()).children
+    long_table.resalt(LONG_ROPE_SALT)
+    [spelled] = engine.prepare_request(None, ids, SamplingParams(),
+                                       cache_salt=LONG_ROPE_SALT.decode()).children
+    assert long_table.block_hashes and not set(spelled.block_hashes) & set(
+        long_table.block_hashes)
+
+
 def test_a_request_an_idle_engine_cannot_place_fails_instead_of_waiting(smol_llm: LLM):
     engine = smol_llm.llm_engine
     pool = engine.kv_cache.pool
