@@ -94,9 +94,14 @@ class LLMEngine:
         self.kv_offload = (open_offload_store(config, setup, self.runner,
                                               self.max_num_batched_tokens)
                            if config.kv_offload_dir else None)
+        # A draft model catches up from up to k + 1 tokens behind the target: its queries
+        # see that much further back, so a windowed group keeps that much more.
+        lag = (spec.num_speculative_tokens + 1
+               if self.proposer is not None and self.proposer.kv_bytes_per_block else 0)
+        windows = [None if w is None else w + lag for w in self.runner.kv_groups.windows]
         self.kv_cache = KVCacheCoordinator(self.runner.num_blocks, config.block_size,
-                                           config.enable_prefix_caching,
-                                           self.runner.kv_groups.windows, self.kv_offload)
+                                           config.enable_prefix_caching, windows,
+                                           self.kv_offload)
         self.lora = (LoRAManager(self.runner.lora_targets, config.max_lora_rank)
                      if config.enable_lora else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -380,8 +385,9 @@ class LLMEngine:
         if self.proposer is None:  # lookahead is only given with a speculative config
             return
         try:
+            held = {r.request_id: self.kv_cache.held_from(r.request_id) for r in requests}
             drafts = self.proposer.propose(requests, sched.spec_lookahead, tables,
-                                           self.kv_cache.pool.high_watermark)
+                                           self.kv_cache.pool.high_watermark, held)
         except Exception as exc:
             for request in requests:
                 record_failure(failures, request.request_id, exc)

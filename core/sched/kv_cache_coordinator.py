@@ -271,6 +271,10 @@ class KVCacheCoordinator:
                 self.offload.save(block.block_hash, block.key, block.block_id, wait=True)
         return len(blocks)
 
+    def held_from(self, request_id: str) -> int:
+        """The first position whose block the request's first group still holds."""
+        return self.groups[0].held_from(request_id)
+
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table of each group."""
         return [g.block_ids(request_id) for g in self.groups]

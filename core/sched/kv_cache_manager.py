@@ -183,6 +183,11 @@ class KVCacheManager:
         self._num_released.pop(request.request_id, None)
         self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
 
+    def held_from(self, request_id: str) -> int:
+        """The first position whose block the request still holds (a window gives back the
+        blocks behind it: their places in its table are placeholders)."""
+        return self._num_released.get(request_id, 0) * self.block_size
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 

@@ -87,12 +87,16 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], lookahead: dict[str, int],
-                tables: dict[str, list[list[int]]], high_watermark: int) -> dict[str, list[int]]:
-        """Up to lookahead[id] drafts per request."""
+                tables: dict[str, list[list[int]]], high_watermark: int,
+                held_from: dict[str, int] | None = None) -> dict[str, list[int]]:
+        """Up to lookahead[id] drafts per request. A catch-up starts no earlier than the
+        blocks its table still holds: the places of those given back behind a window are
+        other requests' blocks now (its first drafts then see less than the whole past)."""
         chunks = []
         for r in requests:
             table = tables[r.request_id][0]
-            start = r.num_draft_computed_tokens or self._reusable(r, table)
+            start = max(r.num_draft_computed_tokens or self._reusable(r, table),
+                        (held_from or {}).get(r.request_id, 0))
             self._forget(r, table, start, lookahead[r.request_id])
             chunks.append(SeqChunk(r.all_token_ids[start:], start, [table], r.num_tokens, 1))
             r.num_draft_computed_tokens = r.num_tokens

@@ -29,7 +29,8 @@ class NgramProposer:
         """Nothing to allocate."""
 
     def propose(self, requests: list[Request], lookahead: dict[str, int],
-                tables: dict[str, list[list[int]]], high_watermark: int) -> dict[str, list[int]]:
+                tables: dict[str, list[list[int]]], high_watermark: int,
+                held_from: dict[str, int] | None = None) -> dict[str, list[int]]:
         """Up to lookahead[id] drafts per request (none where nothing matches)."""
         return {r.request_id: self.lookup(r.all_token_ids, lookahead[r.request_id])
                 for r in requests}

@@ -27,8 +27,10 @@ class Proposer(Protocol):
     def allocate_kv(self, num_blocks: int) -> None: ...
 
     def propose(self, requests: list[Request], lookahead: dict[str, int],
-                tables: dict[str, list[list[int]]],
-                high_watermark: int) -> dict[str, list[int]]: ...
+                tables: dict[str, list[list[int]]], high_watermark: int,
+                held_from: dict[str, int] | None = None) -> dict[str, list[int]]:
+        """`held_from`: the first position whose block each request's first table still
+        holds (a windowed model gives back the blocks behind its window)."""
 
 
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, max_model_len: int,

@@ -372,3 +372,33 @@ def test_a_draft_reuses_its_kv_of_a_cached_prefix(tiny_llama_dir: Path):
     generated = sum(len(g) for g in got)
     assert engine.proposer.num_catch_up_tokens <= len(prompts[0]) + 3 * 1 + generated
     llm.shutdown()
+
+
+def test_a_windowed_models_draft_never_writes_into_the_blocks_it_gave_back(
+        tmp_path: Path, smol_hf_dir: Path):
+    """Behind a window a request's table keeps placeholders where other requests' blocks
+    now are: a long prompt's draft catch-up starts at the blocks it holds, so a neighbour's
+    drafts (here a short request holding block 0) are what they are alone."""
+    from pkv.tests.helpers import build_tiny_model
+
+    model = str(build_tiny_model(tmp_path / "mistral", smol_hf_dir, "mistral",
+                                 sliding_window=16))
+    llm = LLM(model, kv_cache_memory="16MiB", max_model_len=256, block_size=4,
+              show_progress=False,
+              speculative_config={"model": model, "num_speculative_tokens": 3})
+    short = [(11 * j) % 40000 + 300 for j in range(8)]
+    long = [(7 * j) % 40000 + 100 for j in range(59)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = llm.llm_engine.spec_stats
+
+    def drafted(prompts: list[list[int]]) -> tuple[list[list[int]], int, int]:
+        before = (spec.num_accepted_tokens, spec.num_draft_tokens)
+        llm.llm_engine.kv_cache.pool.reset_prefix_cache()
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return outs, spec.num_accepted_tokens - before[0], spec.num_draft_tokens - before[1]
+
+    alone = [drafted([p]) for p in (short, long)]
+    together = drafted([short, long])
+    assert together[0] == [alone[0][0][0], alone[1][0][0]]
+    assert together[1:] == (alone[0][1] + alone[1][1], alone[0][2] + alone[1][2])
+    assert alone[0][1] == alone[0][2] > 0  # the short one: every draft accepted
