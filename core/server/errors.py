@@ -159,5 +159,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
+        logger.exception("unhandled error in %s %s (%s)", request.method, request.url.path,
+                         request.scope.get("state", {}).get("request_id"))
         return error_response(OpenAIError(500, "internal server error"), request)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -191,11 +192,16 @@ def _client_request_id(value: bytes | None) -> bytes | None:
     return None
 
 
+access_logger = logging.getLogger("pkv.access")
+
+
 class RequestIdMiddleware:
     """Answer every request with its id in `x-request-id` (OpenAI's header) and `request-id`
     (Anthropic's): the one the client or a proxy sent in `x-request-id`, else a fresh one. The
     `openai` and `anthropic` clients show it as a response's `_request_id`, so a user's report
-    and the server's log name the same request."""
+    and the server's log name the same request: one access line per request (logger
+    `pkv.access`, INFO: method, path, status, seconds, the id and the engine requests it made,
+    whose ids the engine's own log lines name). Never a prompt, a query string or a key."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -206,11 +212,21 @@ class RequestIdMiddleware:
             return
         given = _client_request_id(dict(scope["headers"]).get(b"x-request-id"))
         request_id = given or f"req_{uuid.uuid4().hex}".encode()
+        state = scope.setdefault("state", {})  # (a handler's `request.state`)
+        state["request_id"] = request_id.decode()
+        started, status = time.monotonic(), 0
 
         async def send_with_id(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 message["headers"] = [*message.get("headers", []),
                                       (b"x-request-id", request_id), (b"request-id", request_id)]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            access_logger.info("%s %s %d %.3fs %s%s", scope["method"], scope["path"], status,
+                               time.monotonic() - started, state["request_id"],
+                               "".join(f" {i}" for i in state.get("engine_request_ids", ())))

@@ -126,6 +126,8 @@ class OpenAIServing:
         # Tenants (API keys) never share prefix-cache blocks: their name salts every hash.
         tenant = request_tenant(raw.scope)
         salt = body.cache_salt if tenant is None else f"{tenant}:{body.cache_salt or ''}"
+        # (the access line names them beside the HTTP request's id)
+        raw.scope.setdefault("state", {}).setdefault("engine_request_ids", []).append(request_id)
         try:
             return await self.llm.prepare(request_id, prompt, params, salt,
                                           self._lora_request(body.model))

@@ -131,11 +131,17 @@ def test_pkv_serve_exits_non_zero_once_its_engine_is_dead(tmp_path: Path):
     from pkv.tests.server.conftest import start_server, stop_server
     from pkv.tests.server.test_http import MODEL
 
-    running = start_server(str(tmp_path), "--step-timeout", "0.001", api_key=None)
+    running = start_server(str(tmp_path), "--step-timeout", "0.001", "--log-level", "info",
+                           api_key=None)
     try:
         r = httpx.post(f"{running.base_url}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "hello", "max_tokens": 8})
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 8},
+                       headers={"x-request-id": "ticket-4711"})
         assert r.status_code == 503
+        # The access line names the client's id beside the engine request's (whose id the
+        # engine's own lines about the failure name)
+        line = next(x for x in running.log().splitlines() if "ticket-4711" in x)
+        assert "POST /v1/completions 503" in line and " cmpl-" in line and "hello" not in line
         assert httpx.get(f"{running.base_url}/health", timeout=5).status_code == 503
         assert running.process.wait(timeout=30) == 1
         assert "error: the engine stopped" in running.log()
