@@ -313,7 +313,7 @@ def _check(options: dict[str, Any]) -> None:
 def _lora_modules(options: dict[str, Any]) -> list[tuple[str, str]]:
     """--lora-modules NAME=PATH pairs, checked against --enable-lora and --lora-dir."""
     from pkv.core.lora.manager import parse_lora_modules
-    from pkv.core.server.api_server import check_lora_dir
+    from pkv.core.server.routes.adapters import check_lora_dir
 
     pairs = parse_lora_modules(options["lora_modules"] or [])
     for _, path in pairs:
