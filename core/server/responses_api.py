@@ -326,15 +326,17 @@ class OpenAIServingResponses:
         return True
 
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
+        defaults = self.chat.llm.engine.sampling_defaults  # (generation_config.json's)
         return {"id": response_id, "object": "response", "created_at": int(time.time()),
                 "completed_at": None,
                 "status": "in_progress", "model": self.chat.served_name(body.model), "output": [],
                 "instructions": body.instructions, "tools": body.tools or [],
                 "tool_choice": body.tool_choice or "auto",
                 "parallel_tool_calls": body.parallel_tool_calls,
-                # the values it runs with (OpenAI's defaults where not sent)
-                "temperature": 1.0 if body.temperature is None else body.temperature,
-                "top_p": 1.0 if body.top_p is None else body.top_p,
+                # the values it runs with: the model's defaults (else OpenAI's) where not sent
+                "temperature": (defaults.get("temperature", 1.0) if body.temperature is None
+                                else body.temperature),
+                "top_p": defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
                 "top_logprobs": body.top_logprobs or 0,
                 "max_output_tokens": body.max_output_tokens,
                 "previous_response_id": body.previous_response_id,

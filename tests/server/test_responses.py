@@ -401,3 +401,28 @@ def test_truncation_auto_drops_the_earliest_messages_that_do_not_fit(server: Run
     alone = {**body, "input": [{"role": "user", "content": "apple " * 1100}]}
     _assert_error(_post(server, "/v1/responses", {**alone, "truncation": "auto"}), 400,
                   "input", "context_length_exceeded")  # the last message alone is too long
+
+
+def test_a_response_reports_the_models_sampling_defaults(tmp_path, tiny_llama_dir):
+    """Unsent temperature and top_p run at generation_config.json's values, and the response
+    says so (not OpenAI's 1.0)."""
+    import shutil
+
+    from pkv.tests.server.conftest import start_server, stop_server
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    running = start_server(str(tmp_path), str(model), "--max-model-len", "256", api_key=None)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none",
+                               max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        made = client.responses.create(model=name, input="hi", max_output_tokens=2)
+        assert (made.temperature, made.top_p) == (0.6, 0.9)
+        sent = client.responses.create(model=name, input="hi", max_output_tokens=2,
+                                       temperature=0.2)
+        assert (sent.temperature, sent.top_p) == (0.2, 0.9)
+    finally:
+        stop_server(running)
