@@ -69,7 +69,7 @@ class Scheduler:
                  long_rope_threshold: int | None = None,
                  speculative: SpeculativeConfig | None = None,
                  lora_slots: LoRASlotTable | None = None,
-                 long_rope_recompute: bool = True) -> None:
+                 long_rope_recompute: bool = False) -> None:
         """`long_rope_threshold`: a LongRoPE model's (prompts past it take the long table,
         their blocks salted apart); `long_rope_recompute`: a sequence crossing it while
         decoding is recomputed with the long table (Phi-3's, as transformers does; other
