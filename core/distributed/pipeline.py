@@ -16,12 +16,13 @@ later stages still run the previous one (core/engine/llm_engine.py keeps P in fl
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pkv.core.distributed import objects
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def send_object(obj: object, dst: int, group: Any = None) -> list[Sent]:
     """A step's inputs (or None: stop) to another rank without waiting: its pickled bytes'
     length, then the bytes (CPU tensors: `group` must be a gloo one). The caller keeps the
     returned works until they are done."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(objects.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
     return [Sent(dist.isend(size, dst, group=group), size),
             Sent(dist.isend(data, dst, group=group), data)]
@@ -163,7 +164,7 @@ def recv_object(src: int, group: Any = None) -> object:
     dist.recv(size, src, group=group)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(data, src, group=group)
-    return pickle.loads(data.numpy().tobytes())
+    return objects.loads(data.numpy().tobytes())
 
 
 def object_group() -> Any:

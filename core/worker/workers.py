@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pkv.core.distributed import objects
 from pkv.core.layers.attention_backend import AttentionMetadata
 from pkv.core.worker.kv_parts import KVTransfer
 
@@ -60,10 +61,11 @@ class StepInputs:
 def broadcast(obj: Any = None, group: Any = None) -> Any:
     """Rank 0 (of the world, or of `group`: its first rank) sends `obj`; every rank of the
     group returns it."""
-    box = [obj]
     src = 0 if group is None else dist.get_global_rank(group, 0)
+    sending = dist.get_rank() == src
+    box = [objects.dumps(obj) if sending else None]  # (GPU tensors land on each rank's GPU)
     dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    return obj if sending else objects.loads(box[0])
 
 
 def free_port() -> int:
@@ -88,10 +90,17 @@ def dist_backend(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
+def local_rank(rank: int) -> int:
+    """This rank's place on its node: torchrun's LOCAL_RANK under torchrun; else (ranks pkv
+    started itself, on one node) the rank, whatever LOCAL_RANK an outer launcher left in the
+    environment every rank inherits."""
+    return int(os.environ.get("LOCAL_RANK", rank)) if launched_by_torchrun() else rank
+
+
 def use_local_gpu(device: str, rank: int) -> None:
-    """Each rank on a node takes its own GPU (torchrun says which; else the rank)."""
+    """Each rank on a node takes its own GPU (`local_rank`)."""
     if device.startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(local_rank(rank))
 
 
 def share_cores(world: int) -> None:

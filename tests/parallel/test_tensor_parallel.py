@@ -189,3 +189,18 @@ def test_ranks_on_gpus_agree_on_backends_that_take_both_devices() -> None:
 
     assert dist_backend("cuda") == "cpu:gloo,cuda:nccl"
     assert dist_backend("cpu") == "gloo"
+
+
+def test_ranks_pkv_starts_take_their_rank_not_an_inherited_local_rank(monkeypatch) -> None:
+    # An outer launcher's LOCAL_RANK=0, inherited by every rank pkv spawns, would put them
+    # all on GPU 0; under torchrun its LOCAL_RANK is the rank's own.
+    from pkv.core.worker.workers import local_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert [local_rank(r) for r in range(3)] == [0, 1, 2]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_rank(5) == 1
