@@ -50,6 +50,7 @@ class SparseMoE(nn.Module):
         self.block_kernel: Any = None
         self._block_types: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._loaded: set[tuple[str, int]] = set()
+        self._float_parts = False  # an expert tensor of this layer came (or went) float
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), both [T, top_k]."""
@@ -129,12 +130,16 @@ class SparseMoE(nn.Module):
                    expert_dim: int | None) -> None:
         # One expert's whole tensor (a stacked checkpoint: its row of the stack), then this
         # rank's channels of it.
+        # A layer's experts are all in blocks or all float: a GGUF can hold some of them
+        # float (16-bit rows too short for whole blocks), in any order.
         if isinstance(tensor, GGMLTensor) and part in ("gate", "up", "down"):
-            self._keep_blocks(part, e, tensor, name)
-            return
-        if self.expert_blocks:
-            raise ValueError(f"checkpoint tensor {name!r} is float where the other experts "
-                             "are in ggml blocks")
+            if not self._float_parts:
+                self._keep_blocks(part, e, tensor, name)
+                return
+            tensor = tensor.dequantize()
+        elif self.expert_blocks:
+            self._unblock()
+        self._float_parts = True
         t = as_tensor(take(tensor, 0, e, 1))[0] if expert_dim is not None else as_tensor(tensor)
         s, n = self.start, self.size
         if part == "down":
@@ -174,6 +179,24 @@ class SparseMoE(nn.Module):
         self.expert_blocks[(part, e)] = rows
         self.register_buffer(f"blocks_{part}_{e}", rows.data, persistent=False)
         self._loaded.add((part, e))
+
+    def _unblock(self) -> None:
+        """The experts kept in blocks so far, widened into the float stacks."""
+        n, hidden = self.size, self.gate.in_features
+        dtype = self.gate.weight.dtype
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * n, hidden, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, n, dtype=dtype),
+                               requires_grad=False)
+        blocks, self.expert_blocks = self.expert_blocks, {}
+        for (part, e), rows in blocks.items():
+            delattr(self, f"blocks_{part}_{e}")
+            values = rows.dequantize()
+            if part == "down":
+                self.w2.data[e].copy_(values)
+            else:
+                i = 0 if part == "gate" else 1
+                self.w13.data[e, i * n:(i + 1) * n].copy_(values)
 
     @staticmethod
     def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -263,6 +263,8 @@ class CausalLM(nn.Module):
         moe = {p: m for p, m in modules.items() if isinstance(m, SparseMoE)}
         missing = self._expected_tensors()
         for name, tensor in self._renamed(weights):
+            if isinstance(tensor, GGMLTensor) and not self.keeps_blocks:
+                tensor = as_tensor(tensor)  # (experts too: float32 or a GPU asked for floats)
             owner = _moe_owner(name, moe)
             if owner is not None:
                 moe[owner].load_checkpoint(name[len(owner) + 1:], tensor, name)
@@ -272,9 +274,7 @@ class CausalLM(nn.Module):
             fused, shard = STACKED.get(part, (part, None))
             path = f"{base}.{fused}" if base else fused
             module = modules.get(path)
-            if isinstance(tensor, GGMLTensor) and not self.keeps_blocks:
-                tensor = as_tensor(tensor)
-            elif (self.keeps_blocks and leaf == "weight"
+            if (self.keeps_blocks and leaf == "weight"
                   and (module is self.lm_head or isinstance(module, VocabEmbedding))):
                 tensor = sixteen_bit_blocks(tensor)
             if isinstance(module, Linear):

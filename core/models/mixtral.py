@@ -21,8 +21,8 @@ from pkv.core.models.llama import MistralForCausalLM
 
 
 def sparse_moe(cfg: ModelConfig, ctx: BuildContext, renormalize: bool, arch: str) -> SparseMoE:
-    """The MoE block of `cfg`; experts hold plain float weights only (a GGUF's experts are
-    dequantized as they load: its other linears keep their blocks)."""
+    """The MoE block of `cfg`: experts in float, or a GGUF's in their ggml blocks where its
+    other linears keep theirs (core/layers/moe.py); AWQ and FP8 experts are refused."""
     if ctx.method is not None and not isinstance(ctx.method, (UnquantizedLinearMethod,
                                                               GGMLLinearMethod)):
         raise ValueError(f"{arch} experts do not run with {ctx.method.name} weights: "

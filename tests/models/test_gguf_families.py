@@ -133,6 +133,36 @@ def test_q8_0_experts_and_permuted_qk_dequantize_exactly(tmp_path: Path, smol_hf
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_partly_float_in_a_gguf_run_all_float(family: str, tmp_path: Path,
+                                                      smol_hf_dir: Path, smol_gguf: Path):
+    # Experts 48 wide: in an F16 file gate / up keep rows of whole 32-value blocks, down's
+    # rows of 48 cannot (float32 as they load), in the file's order (Qwen3-MoE's down first)
+    width = ({"moe_intermediate_size": 48, "num_experts": 4, "norm_topk_prob": True}
+             if family == "qwen3_moe"
+             else {"intermediate_size": 48, "num_local_experts": 4})
+    model_dir = build_tiny_model(tmp_path / "hf", smol_hf_dir, family, **MOE, **width)
+    gguf_path = write_gguf(model_dir, tmp_path / "f16.gguf", "F16", smol_gguf)
+    rounded = quantized_copy(model_dir, tmp_path / "hf-f16", "F16")
+    prompts = parity_prompts(count=3)
+    assert _greedy_pkv(gguf_path, prompts)[0] == _greedy_hf(rounded, prompts)
+
+
+def test_float32_dequantizes_a_ggufs_experts_too(tmp_path: Path, smol_hf_dir: Path,
+                                                 smol_gguf: Path):
+    family, overrides = CASES["mixtral-window"]
+    model_dir = build_tiny_model(tmp_path / "hf", smol_hf_dir, family, **overrides)
+    gguf_path = write_gguf(model_dir, tmp_path / "mixtral-q8.gguf", "Q8_0", smol_gguf)
+    llm = LLM(str(gguf_path), dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+              show_progress=False)
+    try:
+        moe = llm.llm_engine.runner.model.model.layers[0].mlp
+        assert not moe.expert_blocks and moe.w13.numel() > 0
+        assert set(llm.llm_engine.runner.weight_bytes_by_type) == {"float32"}
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize(("case", "quant"), [("mistral-window", "Q4_0"),
                                              ("mistral-window", "Q5_0"), ("qwen2", "Q4_1")])
 def test_quantized_blocks_compute_as_their_dequantized_weights(
