@@ -131,6 +131,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(OpenAIError(
                 400, f"the request body is not valid JSON: {reason} (character {where})"),
                 request)
+        if first.get("type") == "unicode":  # (RequestBody's check: its param is its path)
+            return error_response(OpenAIError(400, first["msg"], first["ctx"]["param"]),
+                                  request)
         loc = tuple(first.get("loc", ()))
         # The location's first name says where (the body, the URL's query); a field may be
         # named `query` too (/v1/rerank's).

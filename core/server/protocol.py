@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pkv.core.sample.sampling_params import SamplingParams
 from pkv.core.server.errors import OpenAIError
@@ -37,10 +38,30 @@ class RequestBody(BaseModel):
     def _null_is_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        _check_unicode(data)
         defaulted = {name for field_name, info in cls.model_fields.items()
                      if info.default is not None and not info.is_required()
                      for name in (field_name, info.alias) if name}
         return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    """A 400 naming the first string of `body` that is no Unicode text: a lone surrogate
+    (JSON's "\\ud800" decodes to one), which no tokenizer, template or stream can encode."""
+    stack: list[tuple[str, Any]] = [(key, value) for key, value in body.items()]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise PydanticCustomError(
+                    "unicode", "{param}: not valid Unicode: a lone surrogate at character "
+                    "{at}", {"param": where, "at": exc.start}) from None
+        elif isinstance(value, dict):
+            stack += [(f"{where}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
 
 
 class JsonSchemaFormat(BaseModel):

@@ -126,7 +126,11 @@ class Tokenizer:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # (the tokenizers library's word for a lone surrogate)
+            check_unicode(text)
+            raise
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
@@ -290,3 +294,13 @@ def _named_template(value: Any, name: str) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         return named.get(name)
     return value if isinstance(value, str) and name == "default" else None
+
+
+def check_unicode(text: str) -> None:
+    """A ValueError where `text` is no Unicode text (a lone surrogate, as JSON's "\\ud800"
+    decodes to), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate "
+                         f"({text[exc.start]!a}) at character {exc.start}") from None

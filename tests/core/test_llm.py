@@ -276,6 +276,7 @@ def test_blocks_return_after_finish_and_abort(smol_llm: LLM):
     ({"prompt": "a", "prompt_token_ids": [1]}, SamplingParams(), "exactly one of prompt"),
     ({"prompt": "a", "multi_modal_data": {}}, SamplingParams(), "not multi_modal_data"),
     ([True, 5], SamplingParams(), "token ids must be integers"),
+    ("x\ud800", SamplingParams(), "not valid Unicode: a lone surrogate"),
     # nothing left to sample: token 0 came out, allowed or not
     ("Hi", SamplingParams(allowed_token_ids=[28], bad_words=[","]), "every allowed token is"),
     ("Hi", SamplingParams(allowed_token_ids=[2], min_tokens=2), "every allowed token is banned"),

@@ -233,3 +233,22 @@ def test_null_takes_a_fields_default(server: RunningServer, path: str) -> None:
     nulled = _send(server, path, {**nulls, **body})
     assert plain.status_code == 200 and nulled.status_code == 200, nulled.text
     assert _TEXT[path](nulled.json()) == _TEXT[path](plain.json())
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "x\ud800", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["\ud800"]}, "stop[0]"),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x\ud800"}]}, "messages[0].content"),
+    ("/tokenize", {"prompt": "x\ud800"}, "prompt"),
+    ("/v1/responses", {"model": MODEL, "input": "x\ud800"}, "input"),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x\ud800"}]}, "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_its_field(server: RunningServer, path: str,
+                                                    body: dict, param: str) -> None:
+    # JSON's "\ud800" escape decodes to a string no tokenizer encodes (it was a 500)
+    response = _send(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "not valid Unicode" in error["message"]
