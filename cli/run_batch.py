@@ -40,7 +40,7 @@ def run_batch(
             options["model"] = model
         if not output_file.parent.is_dir():
             raise ValueError(f"--output-file: folder {output_file.parent} does not exist")
-        with input_file.open(encoding="utf-8") as f:
+        with input_file.open("rb") as f:  # (decoded line by line: one bad byte, one line)
             lines = parse_batch(f)
         if not lines:
             raise ValueError(f"{input_file} holds no requests")

@@ -31,12 +31,17 @@ class BatchLine:
     problem: str | None = None
 
 
-def parse_batch(lines: Iterable[str]) -> list[BatchLine]:
-    """Every non-blank line, each checked on its own: a bad line is answered with an error
-    line, the others still run."""
+def parse_batch(lines: Iterable[bytes | str]) -> list[BatchLine]:
+    """Every non-blank line, each checked on its own: a bad line (not UTF-8, not JSON, not a
+    request) is answered with an error line, the others still run."""
     out: list[BatchLine] = []
     seen: set[str] = set()
-    for number, text in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=1):
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as exc:
+            out.append(BatchLine(number, None, problem=f"line {number} is not UTF-8: {exc}"))
+            continue
         if text.strip():
             out.append(_parse_line(number, text, seen))
     return out
@@ -45,8 +50,9 @@ def parse_batch(lines: Iterable[str]) -> list[BatchLine]:
 def _parse_line(number: int, text: str, seen: set[str]) -> BatchLine:
     try:
         item = json.loads(text)
-    except ValueError as exc:
-        return BatchLine(number, None, problem=f"line {number} is not JSON: {exc}")
+    except (ValueError, RecursionError) as exc:
+        return BatchLine(number, None, problem=f"line {number} is not JSON: "
+                                               f"{exc or type(exc).__name__}")
     if not isinstance(item, dict):
         return BatchLine(number, None, problem=f"line {number} must be a JSON object")
     custom_id = item.get("custom_id")
@@ -65,9 +71,10 @@ def _parse_line(number: int, text: str, seen: set[str]) -> BatchLine:
                                  "/v1/chat/completions")
     if not isinstance(body, dict):
         return BatchLine(number, custom_id, problem=f"line {number}: body must be an object")
-    if body.get("stream"):
+    if body.get("stream") or body.get("background"):
+        what = "stream" if body.get("stream") else "run in the background"
         return BatchLine(number, custom_id,
-                         problem=f"line {number}: a batch request cannot stream")
+                         problem=f"line {number}: a batch request cannot {what}")
     return BatchLine(number, custom_id, url, body)
 
 
@@ -78,7 +85,8 @@ async def answer_batch(app: Any, lines: list[BatchLine], concurrency: int,
     in flight (the engine batches them). `done` is called as each one ends. `headers`: sent
     with every request (the API key, where the app requires one)."""
     limit = asyncio.Semaphore(concurrency)
-    transport = httpx.ASGITransport(app=app)
+    # A route's unhandled error answers its line with a 500, as over HTTP, not the batch
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://pkv-batch",
                                  headers=headers or {}, timeout=None) as client:
 
@@ -99,17 +107,21 @@ async def _send(client: httpx.AsyncClient, line: BatchLine) -> dict[str, Any]:
         out["error"] = {"code": "invalid_request", "message": line.problem}
         return out
     while True:
-        response = await client.post(line.url, json=line.body)
+        # As JSON's escapes and Python's reader write them: a NaN or a lone surrogate gets
+        # the 400 the server gives it over HTTP (httpx's own encoder refuses both)
+        response = await client.post(line.url, content=json.dumps(line.body),
+                                     headers={"content-type": "application/json"})
         try:
             body = response.json()
-        except ValueError:
-            body = {"error": {"message": response.text, "type": "server_error"}}
+        except ValueError:  # (an answer that is no JSON: a failure's, or a probe's text)
+            body = (response.text if response.status_code < 400 else
+                    {"error": {"message": response.text, "type": "server_error"}})
         if not _overloaded(response.status_code, body):
             break
         await asyncio.sleep(float(response.headers.get("retry-after", 1)))  # the queue is full
-    request_id = body.get("id") if isinstance(body, dict) else None
+    # (the id the access log names, as OpenAI's request_id is the x-request-id header's)
     out["response"] = {"status_code": response.status_code,
-                       "request_id": request_id or f"req_{uuid.uuid4().hex}", "body": body}
+                       "request_id": response.headers.get("x-request-id"), "body": body}
     return out
 
 

@@ -40,17 +40,28 @@ def answered(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
              _line("nowhere", "/v1/nope", {}),
              _line("chat", "/v1/completions", {"prompt": "x"}),
              _line("streamed", "/v1/completions", {"prompt": "x", "stream": True}),
+             # what over HTTP is a 400 each: a NaN, a lone surrogate (json.dumps escapes it)
+             '{"custom_id": "nan", "url": "/v1/completions", "body": {"prompt": "x", '
+             '"temperature": NaN}}',
+             _line("surrogate", "/v1/completions", {"prompt": "x\ud800"}),
+             # and lines that are no request: too deep for a JSON reader, in the background
+             '{"custom_id": "deep", "url": "/v1/completions", "body": {"prompt": '
+             + "[" * 100_000 + "]" * 100_000 + "}}",
+             _line("later", "/v1/responses", {"input": "x", "background": True}),
              ""]
-    (folder / "in.jsonl").write_text("\n".join(lines))
+    # and a line that is not UTF-8
+    (folder / "in.jsonl").write_bytes("\n".join(lines).encode() + b'\n{"custom_id": "b", '
+                                      b'"url": "/v1/completions", "body": {"prompt": "\xff"}}')
     result = CliRunner().invoke(app, [
         "run-batch", str(tiny_llama_dir), "-i", str(folder / "in.jsonl"),
         "-o", str(folder / "out.jsonl"), "--config", str(folder / "serve.yaml"),
         "--max-concurrency", "4"])
     assert result.exit_code == 0, result.output
-    assert "12 requests" in result.stderr and "7 answered, 5 failed" in result.stderr
+    assert "17 requests" in result.stderr and "7 answered, 10 failed" in result.stderr
     rows = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
     assert [r["custom_id"] for r in rows] == ["chat", *(f"text{i}" for i in range(6)), None,
-                                              "bad", "nowhere", "chat", "streamed"]
+                                              "bad", "nowhere", "chat", "streamed", "nan",
+                                              "surrogate", None, "later", None]
     return {"rows": rows, "model": tiny_llama_dir}
 
 
@@ -67,7 +78,8 @@ def test_answers_equal_the_engines_own(answered: dict[str, Any]) -> None:
     first = rows[0]["response"]
     assert first["status_code"] == 200 and first["body"]["choices"][0]["message"]["content"] == \
         chat
-    assert first["request_id"] == first["body"]["id"] and rows[0]["error"] is None
+    # (the id the server's access log names, as OpenAI's request_id is its request's)
+    assert first["request_id"].startswith("req_") and rows[0]["error"] is None
     assert len({r["id"] for r in rows}) == len(rows)
 
 
@@ -80,6 +92,12 @@ def test_each_bad_line_is_its_own_error(answered: dict[str, Any]) -> None:
     assert "custom_id 'chat' is used twice" in by_line[3]["error"]["message"]
     assert "cannot stream" in by_line[4]["error"]["message"]
     assert all(r["response"] is None for r in (by_line[0], by_line[3], by_line[4]))
+    nan, surrogate, deep, later, not_utf8 = by_line[5:]
+    assert [r["response"]["body"]["error"]["param"] for r in (nan, surrogate)] == [
+        "temperature", "prompt"]
+    assert deep["error"]["message"].startswith("line 15 is not JSON")
+    assert "cannot run in the background" in later["error"]["message"]
+    assert not_utf8["error"]["message"].startswith("line 18 is not UTF-8")
 
 
 def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
