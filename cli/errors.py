@@ -30,6 +30,9 @@ def user_errors() -> Iterator[None]:
 def output_file(value: Path | None) -> Path | None:
     """An option's file written at the end of a run: its folder must exist now, not be
     found missing after the run."""
-    if value is not None and not value.expanduser().parent.is_dir():
+    if value is None:
+        return None
+    value = value.expanduser()  # (a `--png=~/x.png` reaches us unexpanded by the shell)
+    if not value.parent.is_dir():
         raise typer.BadParameter(f"the folder {value.parent} does not exist")
     return value

@@ -33,7 +33,7 @@ def get_json(url: str, path: str, headers: dict[str, str], timeout: float = 30) 
 
     try:
         r = httpx.get(f"{url}{path}", headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ValueError(f"cannot reach {url}: {exc}") from None
     if r.status_code != 200:
         raise ValueError(f"{url}{path} answered {r.status_code}: {r.text[:200]}")

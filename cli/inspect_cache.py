@@ -41,6 +41,16 @@ def inspect_cache(
     with user_errors():
         if simulate == (url is not None):
             raise ValueError("give either --url URL or --simulate")
+        simulation = {"model": (model, None), "requests": (requests, 16),
+                      "shared-prefix-len": (shared_prefix_len, 64),
+                      "unique-len": (unique_len, 16), "output-len": (output_len, 16),
+                      "block-size": (block_size, 16), "kv-cache-memory": (kv_cache_memory, "64MiB"),
+                      "kv-cache-dtype": (kv_cache_dtype, "auto"),
+                      "max-model-len": (max_model_len, 1024)}
+        changed = [f"--{name}" for name, (value, default) in simulation.items()
+                   if value != default]
+        if url is not None and changed:  # (a server's cache is what it is)
+            raise ValueError(f"{', '.join(changed)}: for --simulate only, not with --url")
         if simulate:
             snapshot = _simulate(model, requests, shared_prefix_len, unique_len, output_len,
                                  block_size, kv_cache_memory, kv_cache_dtype, max_model_len)
@@ -53,7 +63,13 @@ def inspect_cache(
 
 
 def _fetch(url: str, api_key: str | None) -> CacheSnapshot:
-    return CacheSnapshot.from_dict(get_json(base_url(url), "/admin/cache", auth_headers(api_key)))
+    answer = get_json(base_url(url), "/admin/cache", auth_headers(api_key))
+    try:
+        return CacheSnapshot.from_dict(answer)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # another pkv's shape
+        raise ValueError(f"{url}/admin/cache answered no cache snapshot this pkv reads "
+                         f"({type(exc).__name__}: {exc}); is it a pkv server of this "
+                         "version?") from None
 
 
 def _simulate(model: str | None, num: int, shared: int, unique: int, output_len: int,

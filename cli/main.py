@@ -14,6 +14,7 @@ from pkv.cli.run_batch import run_batch
 from pkv.cli.serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="pkv: a self-hosted LLM inference engine.")
 app.command(help="Serve a model over the OpenAI API.")(serve)
 app.add_typer(bench_app, name="bench")

@@ -31,7 +31,7 @@ def plugins(
     for column in ("plugin", "distribution", "version", "provides", "status"):
         table.add_column(column)
     for info in registry.plugins:
-        status = f"[red]failed: {info.error}[/]" if info.error else "[green]loaded[/]"
+        status = f"[red]failed: {escape(info.error)}[/]" if info.error else "[green]loaded[/]"
         table.add_row(info.name, info.distribution, info.version,
                       ", ".join(info.provides) or "-", status)
     console.print(table)

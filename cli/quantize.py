@@ -49,6 +49,11 @@ def quantize(
             raise ValueError("--output DIR is required")
         if backend not in ("pkv", "autoawq"):
             raise ValueError(f"--backend must be pkv or autoawq, got {backend!r}")
+        unread = [flag for flag, given in (("--eval", eval is not None),
+                                           ("--no-search", not search), ("--no-clip", not clip))
+                  if given]
+        if backend == "autoawq" and unread:  # (AutoAWQ searches and clips its own way)
+            raise ValueError(f"{', '.join(unread)}: for the pkv backend only")
         opts = QuantizeOptions(model, output, "awq" if awq else "fp8", w_bit, group_size,
                                zero_point, search, clip, calib, calib_samples, calib_seq_len,
                                fp8_scheme, eval)

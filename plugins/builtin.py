@@ -14,6 +14,12 @@ def _cpu_reasons(device: str) -> list[str]:
     return unusable_reasons(device)
 
 
+def _torch_reasons(device: str) -> list[str]:
+    import torch
+
+    return ["no CUDA/ROCm device"] if device == "cuda" and not torch.cuda.is_available() else []
+
+
 def _triton_reasons(device: str) -> list[str]:
     import importlib.util
     import os
@@ -34,7 +40,8 @@ def _triton_reasons(device: str) -> list[str]:
 def pkv_attention_backends() -> list[AttentionBackendSpec]:
     return [
         AttentionBackendSpec("torch", "pkv.plugins.attention.torch_backend:TorchAttentionBackend",
-                             ("cpu", "cuda"), priority=0, scaled_kv=True,
+                             ("cpu", "cuda"), priority=0, check=_torch_reasons,
+                             scaled_kv=True,
                              description="reference: gathers blocks, dense attention"),
         AttentionBackendSpec("cpu", "pkv.plugins.attention.cpu_backend:CPUAttentionBackend",
                              ("cpu",), priority=10, check=_cpu_reasons, scaled_kv=True,

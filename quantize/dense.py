@@ -64,5 +64,6 @@ def token_samples(token_ids: list[int], num_samples: int, seq_len: int) -> torch
     rows = min(num_samples, len(token_ids) // seq_len)
     if rows == 0:
         raise ValueError(f"the text has {len(token_ids)} tokens, fewer than one sample of "
-                         f"{seq_len}: give more text or a smaller --calib-seq-len")
+                         f"{seq_len}: give more text (or, for --calib, a smaller "
+                         "--calib-seq-len)")
     return torch.tensor(token_ids[:rows * seq_len]).view(rows, seq_len)

@@ -73,8 +73,7 @@ def check_options(opts: QuantizeOptions) -> None:
         if path is not None and not path.is_file():
             raise FileNotFoundError(f"{flag} file {path} does not exist")
     for flag, value in (("--calib-samples", opts.calib_samples),
-                        ("--calib-seq-len", opts.calib_seq_len),
-                        ("--eval-seq-len", opts.eval_seq_len)):
+                        ("--calib-seq-len", opts.calib_seq_len)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if opts.group_size is not None and opts.group_size < 2:
@@ -133,10 +132,15 @@ def load_float_model(source: ModelSource, max_len: int, show_progress: bool) -> 
                        torch.device("cpu"), show_progress=show_progress)
 
 
-def text_samples(source: ModelSource, path: Path, num: int, seq_len: int) -> torch.Tensor:
+def text_samples(source: ModelSource, path: Path, num: int, seq_len: int,
+                 whole_if_short: bool = False) -> torch.Tensor:
+    """Rows of `seq_len` tokens of the file's text; `whole_if_short`: a text shorter than
+    one row is one row of all its tokens (an --eval text, whose row length is not a flag)."""
     lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     ids = [t for line in lines for t in source.tokenizer.encode(line + "\n",
                                                                 add_special_tokens=False)]
+    if whole_if_short and 1 < len(ids) < seq_len:
+        seq_len = len(ids)
     return token_samples(ids, num, seq_len)
 
 
@@ -156,7 +160,7 @@ def quantize_model(opts: QuantizeOptions, show_progress: bool = True,
         settings = awq.AWQSettings(group, opts.zero_point, opts.clip and opts.search)
     calib = text_samples(source, opts.calib or default_calibration(), opts.calib_samples,
                          opts.calib_seq_len) if settings and opts.search else None
-    evals = (text_samples(source, opts.eval_file, 64, opts.eval_seq_len)
+    evals = (text_samples(source, opts.eval_file, 64, opts.eval_seq_len, whole_if_short=True)
              if opts.eval_file else None)
     max_len = max(opts.calib_seq_len, opts.eval_seq_len)
     model = load_float_model(source, max_len, show_progress)

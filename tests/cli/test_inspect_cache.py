@@ -55,3 +55,34 @@ def test_a_folder_for_the_picture_is_refused(tmp_path: Path):
     result = CliRunner().invoke(app, ["inspect-cache", "--simulate", "--png", str(tmp_path)])
     assert result.exit_code == 2 and "Invalid value for '--png'" in result.output
     assert not tmp_path.with_suffix(".png").exists()  # matplotlib's own choice of name
+
+
+def test_server_mode_refuses_simulation_options_and_bad_urls():
+    result = CliRunner().invoke(app, ["inspect-cache", "--url", "http://127.0.0.1:9",
+                                      "--requests", "3", "--block-size", "32"])
+    assert result.exit_code == 2 and "--requests, --block-size: for --simulate only" in \
+        result.stderr
+    result = CliRunner().invoke(app, ["inspect-cache", "--url", "http://[::1"])
+    assert result.exit_code == 2 and "cannot reach http://[::1" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_picture_path_with_a_tilde_is_the_home_folders(tmp_path: Path, tiny_llama_dir: Path,
+                                                         monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # (`--png=~/map.png`: no shell expands it)
+    result = CliRunner().invoke(app, [
+        "inspect-cache", "--simulate", "--model", str(tiny_llama_dir), "--requests", "2",
+        "--output-len", "2", "--kv-cache-memory", "8MiB", "--max-model-len", "256",
+        "--png=~/map.png"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_help_answers_to_h_and_a_backend_needs_its_device():
+    import torch
+
+    assert CliRunner().invoke(app, ["-h"]).exit_code == 0
+    assert CliRunner().invoke(app, ["run-batch", "-h"]).exit_code == 0
+    shown = CliRunner().invoke(app, ["plugins", "--device", "cuda"]).output
+    torch_row = next(line for line in shown.splitlines() if "│ torch" in line)
+    assert ("no CUDA/ROCm device" in torch_row) == (not torch.cuda.is_available())

@@ -36,6 +36,7 @@ def _one_line_error(result, text: str) -> None:  # noqa: ANN001
     (["--awq", "--calib-samples", "0"], "--calib-samples must be >= 1"),
     (["--fp8", "--w-bit", "8", "--no-clip"], "--w-bit, --clip: for --awq only"),
     (["--awq", "--fp8-scheme", "tensor"], "--fp8-scheme: for --fp8 only"),
+    (["--awq", "--backend", "autoawq", "--no-search"], "--no-search: for the pkv backend only"),
 ])
 def test_bad_options_write_nothing(tmp_path: Path, tiny_llama_dir: Path, args: list[str],
                                    text: str) -> None:

@@ -155,3 +155,18 @@ def test_the_written_config_keeps_nulls_and_names_one_dtype() -> None:
     assert "sliding_window" in config and config["sliding_window"] is None  # no window
     assert config["dtype"] == config["torch_dtype"] == "float16"
     assert config["rope_theta"] == 1e6  # where transformers 4 reads it
+
+
+def test_an_eval_text_shorter_than_a_row_is_one_row(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """--eval's rows are 256 tokens and no flag changes that: a shorter text is read whole
+    (it was refused with a hint naming a flag that does not exist)."""
+    from typer.testing import CliRunner
+
+    from pkv.cli.main import app
+
+    short = tmp_path / "short.txt"
+    short.write_text("The cat sat on the mat. The dog lay by the door.\n")
+    result = CliRunner().invoke(app, ["quantize", str(tiny_llama_dir), "--fp8", "--output",
+                                      str(tmp_path / "out"), "--eval", str(short)])
+    assert result.exit_code == 0, result.output
+    assert "perplexity" in result.output.lower()
