@@ -91,13 +91,19 @@ class FP8LinearMethod(LinearMethod):
         return super().rank_part(layer, name, tensor, shard)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if not self.scaled_mm:
+        # _scaled_mm with row-wise scales takes bfloat16 out (other dtypes only on some torch
+        # versions) and sizes in multiples of 16 (an uneven tensor-parallel split is not):
+        # any other layer is dequantized once.
+        out_features, in_features = layer.weight.shape
+        layer.fp8_matmul = (self.scaled_mm and self.dtype == torch.bfloat16
+                            and in_features % 16 == 0 and out_features % 16 == 0)
+        if not layer.fp8_matmul:
             dense = layer.weight.float() * layer.weight_scale
             layer.weight = nn.Parameter(dense.to(self.dtype), requires_grad=False)
             del layer.weight_scale
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if not self.scaled_mm:
+        if not layer.fp8_matmul:
             return F.linear(x, layer.weight, layer.bias)
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_scale = quantize_per_channel(x2)  # dynamic, per token
@@ -112,8 +118,10 @@ def _shape(tensor: Any) -> tuple[int, ...]:
 
 
 def supports_scaled_mm(device: torch.device) -> bool:
-    """FP8 matmuls run natively on CUDA GPUs of compute capability 8.9 (Ada, Hopper) and up."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """FP8 matmuls run natively on CUDA GPUs of compute capability 8.9 (Ada, Hopper) and up;
+    not on ROCm, whose FP8 is another format (e4m3fnuz)."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def _check_config(quant_config: dict) -> None:

@@ -95,6 +95,8 @@ def _time_backends(registry: Any, device: str, q: Any, k: Any, v: Any, k_cache: 
             for kc, vc in caches:
                 backend.forward(q, k, v, kc, vc, meta, head_dim**-0.5,
                                 sliding_window=sliding_window, logits_soft_cap=soft_cap)
+            if q.is_cuda:  # (kernels run after their launch returns)
+                torch.cuda.synchronize(q.device)
             best = min(best, time.perf_counter() - start)
         times[name] = best
     return times
