@@ -46,7 +46,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -55,7 +55,7 @@ def _paged_attention_kernel(
     kv_len = tl.load(kv_lens_ptr + token)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
+    n = tl.arange(0, TILE)
     q_rows = token * NUM_HEADS + kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
@@ -69,23 +69,29 @@ def _paged_attention_kernel(
         first_key = tl.maximum(kv_len - window, 0)
     for b in range(first_key // BLOCK_SIZE, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + n
-        valid = (n < BLOCK_SIZE) & (pos < kv_len) & (pos >= first_key)
-        rows = (block * BLOCK_SIZE + n) * NUM_KV_HEADS + kv_head
-        k = _load_rows(k_ptr, k_scale_ptr, rows, d, valid, ROW, HEAD_DIM, SCALED, FP8)
-        v = _load_rows(v_ptr, v_scale_ptr, rows, d, valid, ROW, HEAD_DIM, SCALED, FP8)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        if HAS_SOFT_CAP:  # cap * tanh(s / cap), tanh from exp
-            e = tl.exp(-2.0 * tl.abs(s / soft_cap))
-            t = (1.0 - e) / (1.0 + e)
-            s = soft_cap * tl.where(s < 0, -t, t)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
+        # A block in tiles of TILE keys: what one tile holds must fit the GPU's shared memory
+        # (a whole block of 128 keys of 128 dims did not, on many cards).
+        for t0 in tl.static_range(0, BLOCK_N, TILE):
+            key = t0 + n
+            pos = b * BLOCK_SIZE + key
+            valid = (key < BLOCK_SIZE) & (pos < kv_len) & (pos >= first_key)
+            rows = (block * BLOCK_SIZE + key) * NUM_KV_HEADS + kv_head
+            k = _load_rows(k_ptr, k_scale_ptr, rows, d, valid, ROW, HEAD_DIM, SCALED, FP8)
+            v = _load_rows(v_ptr, v_scale_ptr, rows, d, valid, ROW, HEAD_DIM, SCALED, FP8)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            if HAS_SOFT_CAP:  # cap * tanh(s / cap), tanh from exp
+                e = tl.exp(-2.0 * tl.abs(s / soft_cap))
+                t = (1.0 - e) / (1.0 + e)
+                s = soft_cap * tl.where(s < 0, -t, t)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # (a tile wholly before the window, first: no key yet, nothing to subtract)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_ref[:, None])
+            alpha = tl.exp(m - m_ref)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = m_new
     out = acc / l[:, None]
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=q_mask)
@@ -123,6 +129,7 @@ class TritonAttentionBackend(AttentionBackend):
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             HEAD_DIM=head_dim, ROW=k_cache.shape[3], SCALED=scaled, FP8=fp8,
             BLOCK_SIZE=block_size, BLOCK_G=_pow2(group), BLOCK_N=_pow2(block_size),
+            TILE=min(_pow2(block_size), 32 if head_dim <= 128 else 16),
             BLOCK_D=_pow2(head_dim), HAS_WINDOW=sliding_window is not None,
             HAS_SOFT_CAP=logits_soft_cap is not None)
         return out

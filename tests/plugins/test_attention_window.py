@@ -65,8 +65,8 @@ def _dense_reference(q, k, v, k_cache, v_cache, meta, window: int | None,
 @pytest.mark.parametrize("backend_name, head_dim", CASES)
 @pytest.mark.parametrize("window", [None, 5], ids=["global", "window5"])
 @pytest.mark.parametrize("cap", [None, 3.0], ids=["nocap", "cap3"])
-@pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("block_size", [4, 16, 64])  # 64: Triton's tiles of 32 keys, the
+@pytest.mark.parametrize("layout", list(LAYOUTS))   # first of a block before the window
 def test_window_and_soft_cap_match_dense_reference(backend_name: str, window: int | None,
                                                    cap: float | None, block_size: int,
                                                    head_dim: int, layout: str):
