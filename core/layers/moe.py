@@ -51,6 +51,9 @@ class SparseMoE(nn.Module):
         self._block_types: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._loaded: set[tuple[str, int]] = set()
         self._float_parts = False  # an expert tensor of this layer came (or went) float
+        # A 16-bit checkpoint's experts kept as float16 / bfloat16 blocks (the model sets it
+        # where its linears keep their 16 bits), not widened to float32.
+        self.keeps_16_bit = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), both [T, top_k]."""
@@ -137,10 +140,12 @@ class SparseMoE(nn.Module):
                 self._keep_blocks(part, e, tensor, name)
                 return
             tensor = tensor.dequantize()
-        elif self.expert_blocks:
+        t = as_tensor(take(tensor, 0, e, 1))[0] if expert_dim is not None else as_tensor(tensor)
+        if not isinstance(tensor, GGMLTensor) and self._sixteen_bit_blocks(part, e, t, name):
+            return
+        if self.expert_blocks:
             self._unblock()
         self._float_parts = True
-        t = as_tensor(take(tensor, 0, e, 1))[0] if expert_dim is not None else as_tensor(tensor)
         s, n = self.start, self.size
         if part == "down":
             self._copy(self.w2[e], t[:, s:s + n], name)
@@ -155,6 +160,22 @@ class SparseMoE(nn.Module):
             i = 0 if piece == "gate" else 1
             self._copy(self.w13[e, i * n:(i + 1) * n], rows, name)
             self._loaded.add((piece, e))
+
+    def _sixteen_bit_blocks(self, part: str, e: int, t: torch.Tensor, name: str) -> bool:
+        """Keep expert `e`'s 16-bit `part` (gate_up: both halves) as blocks, where whole
+        32-value blocks make its rows; False: it goes float."""
+        if (not self.keeps_16_bit or self._float_parts
+                or t.dtype not in (torch.float16, torch.bfloat16) or t.shape[1] % 32
+                or self.start % 32 or self.size % 32):  # (a rank's slice of whole blocks)
+            return False
+        if part == "gate_up":
+            half = t.shape[0] // 2
+            pieces = {"gate": t[:half], "up": t[half:]}
+        else:
+            pieces = {part: t}
+        for piece, rows in pieces.items():
+            self._keep_blocks(piece, e, GGMLTensor.from_float(rows.contiguous()), name)
+        return True
 
     def _keep_blocks(self, part: str, e: int, tensor: GGMLTensor, name: str) -> None:
         """A GGUF expert tensor kept in its blocks: this rank's channels (rows of gate / up,

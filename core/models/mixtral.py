@@ -27,8 +27,11 @@ def sparse_moe(cfg: ModelConfig, ctx: BuildContext, renormalize: bool, arch: str
                                                               GGMLLinearMethod)):
         raise ValueError(f"{arch} experts do not run with {ctx.method.name} weights: "
                          f"pkv runs mixture-of-experts models in float only")
-    return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                     ctx.plan.moe_intermediate, cfg.hidden_act, renormalize, ctx.plan)
+    moe = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                    ctx.plan.moe_intermediate, cfg.hidden_act, renormalize, ctx.plan)
+    # Where the linears stay in blocks (a GGUF's, a 16-bit folder's), the experts do too
+    moe.keeps_16_bit = isinstance(ctx.method, GGMLLinearMethod)
+    return moe
 
 
 class MixtralForCausalLM(MistralForCausalLM):

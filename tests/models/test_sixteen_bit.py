@@ -59,6 +59,32 @@ def test_sixteen_bit_weights_stay_sixteen_bit(tmp_path: Path, smol_hf_dir: Path,
         widened.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_sixteen_bit_experts_stay_sixteen_bit(tmp_path: Path, smol_hf_dir: Path, family: str):
+    """Experts are most of a mixture's weights: kept as BF16 blocks too, not widened."""
+    from transformers import AutoModelForCausalLM
+
+    moe = (dict(num_local_experts=4) if family == "mixtral"
+           else dict(num_experts=4, moe_intermediate_size=64))
+    model_dir = _sixteen_bit_copy(build_tiny_model(
+        tmp_path / "hf", smol_hf_dir, family, num_experts_per_tok=2, head_dim=32,
+        tie_word_embeddings=True, **moe), torch.bfloat16)
+    prompts = parity_prompts(count=3)
+    llm = LLM(str(model_dir), kv_cache_memory="16MiB", max_model_len=256, show_progress=False)
+    try:
+        runner = llm.llm_engine.runner
+        layer = runner.model.model.layers[0].mlp
+        assert len(layer.expert_blocks) == 3 * layer.num_experts and layer.w13.numel() == 0
+        by_type = runner.weight_bytes_by_type
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    finally:
+        llm.llm_engine.shutdown()
+    assert by_type["BF16"] > 50 * by_type.get("float32", 0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, prompts, NEW_TOKENS, 2)
+
+
 def test_a_sixteen_bit_encoder_stays_sixteen_bit(tmp_path: Path):
     """A bfloat16 BERT: its linears and word table in BF16 blocks, embeddings as transformers'
     in float32 on the same weights."""
