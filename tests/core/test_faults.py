@@ -99,9 +99,11 @@ async def _tokens(llm: AsyncLLM, rid: str, prompt: list[int], max_tokens: int = 
                                                              ignore_eos=True))
     last = None
     async for output in llm.generate(prepared):
-        last = output
-        if rid == "victim" and len(output.outputs[0].token_ids) == 1:
+        # (the first output seen, whatever its tokens: a loaded machine's stream may bring
+        # several steps' at once)
+        if rid == "victim" and last is None:
             await llm.call_in_engine(lambda e: _inject(e, "detokenizer"))
+        last = output
     return last.outputs[0].token_ids
 
 
