@@ -33,10 +33,14 @@ _PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  intermediate: tuple[int, int], act: str, renormalize: bool,
-                 plan: ShardPlan) -> None:
-        """`intermediate` is this rank's (start, count) of each expert's channels."""
+                 plan: ShardPlan, float32_weights: bool = False) -> None:
+        """`intermediate` is this rank's (start, count) of each expert's channels;
+        `float32_weights`: the routing weights stay float32 and scale the experts' outputs in
+        float32, rounded once (Mixtral's), not rounded to a 16-bit compute dtype first
+        (Qwen3-MoE's)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.float32_weights = float32_weights
         self.start, self.size = intermediate
         self.tp = plan.tp
         self.act = check_activation(act)
@@ -62,7 +66,7 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
@@ -79,7 +83,7 @@ class SparseMoE(nn.Module):
                 continue
             out[start:start + n] = self._expert(e, grouped[start:start + n], act)
             start += n
-        out *= weights.flatten()[order].unsqueeze(-1)
+        out = (out * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, token, out)
         return self.tp.all_reduce(y)
 

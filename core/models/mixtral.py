@@ -20,7 +20,8 @@ from pkv.core.models.config import ModelConfig
 from pkv.core.models.llama import MistralForCausalLM
 
 
-def sparse_moe(cfg: ModelConfig, ctx: BuildContext, renormalize: bool, arch: str) -> SparseMoE:
+def sparse_moe(cfg: ModelConfig, ctx: BuildContext, renormalize: bool, arch: str,
+               float32_weights: bool = False) -> SparseMoE:
     """The MoE block of `cfg`: experts in float, or a GGUF's in their ggml blocks where its
     other linears keep theirs (core/layers/moe.py); AWQ and FP8 experts are refused."""
     if ctx.method is not None and not isinstance(ctx.method, (UnquantizedLinearMethod,
@@ -28,7 +29,8 @@ def sparse_moe(cfg: ModelConfig, ctx: BuildContext, renormalize: bool, arch: str
         raise ValueError(f"{arch} experts do not run with {ctx.method.name} weights: "
                          f"pkv runs mixture-of-experts models in float only")
     moe = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                    ctx.plan.moe_intermediate, cfg.hidden_act, renormalize, ctx.plan)
+                    ctx.plan.moe_intermediate, cfg.hidden_act, renormalize, ctx.plan,
+                    float32_weights)
     # Where the linears stay in blocks (a GGUF's, a 16-bit folder's), the experts do too
     moe.keeps_16_bit = isinstance(ctx.method, GGMLLinearMethod)
     return moe
@@ -58,7 +60,9 @@ class MixtralForCausalLM(MistralForCausalLM):
         config.moe_intermediate_size = config.intermediate_size
 
     def make_mlp(self, cfg: ModelConfig, i: int, ctx: BuildContext) -> SparseMoE:
-        return sparse_moe(cfg, ctx, renormalize=True, arch="MixtralForCausalLM")
+        # (transformers' Mixtral scales each expert's output by its float32 weight)
+        return sparse_moe(cfg, ctx, renormalize=True, arch="MixtralForCausalLM",
+                          float32_weights=True)
 
     def checkpoint_tensors(self, name: str, tensor: Any) -> Iterable[tuple[str, Any]]:
         yield name.replace(".block_sparse_moe.", ".mlp."), tensor

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pkv import LLM
 from pkv.core.distributed.parallel import ShardPlan, TPGroup
+from pkv.core.layers.mlp import ACTIVATIONS
 from pkv.core.layers.moe import SparseMoE
 from pkv.core.models.config import ModelConfig
 from pkv.tests.helpers import build_tiny_model, check_matches_transformers
@@ -151,3 +152,24 @@ def test_mixtral_fields_a_config_leaves_out_are_transformers_defaults():
     theirs = MixtralConfig(**shape)
     assert (ours.rms_norm_eps, ours.rope_theta) == (theirs.rms_norm_eps,
                                                     theirs.rope_parameters["rope_theta"])
+
+
+@pytest.mark.parametrize("float32_weights", [False, True])
+def test_sixteen_bit_routing_weights_round_as_each_family_does(float32_weights: bool) -> None:
+    """Mixtral (transformers) scales each expert's bfloat16 output by its float32 weight and
+    rounds the product once; Qwen3-MoE rounds the weight to bfloat16 first."""
+    moe = random_moe(True, seed=3).to(torch.bfloat16)
+    moe.float32_weights = float32_weights
+    x = torch.randn(33, HIDDEN).bfloat16()
+    with torch.inference_mode():
+        got = moe(x)
+        weights, experts = moe.route(x)
+        assert weights.dtype == (torch.float32 if float32_weights else torch.bfloat16)
+        want = torch.zeros_like(x)
+        act = ACTIVATIONS[moe.act]
+        for e in range(EXPERTS):  # transformers' loop: experts in order, index_add per expert
+            tokens, slot = torch.where(experts == e)
+            if len(tokens):
+                part = moe._expert(e, x[tokens], act) * weights[tokens, slot, None]
+                want.index_add_(0, tokens, part.to(x.dtype))
+    assert torch.equal(got, want)
