@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pkv.core.distributed.parallel import ShardPlan
+from pkv.core.layers.ggml_linear import sixteen_bit_blocks
 from pkv.core.layers.ggml_tensor import GGMLTensor
 from pkv.core.layers.linear import as_tensor, check_shape, take
 from pkv.core.layers.mlp import ACTIVATIONS, check_activation
@@ -168,17 +169,15 @@ class SparseMoE(nn.Module):
     def _sixteen_bit_blocks(self, part: str, e: int, t: torch.Tensor, name: str) -> bool:
         """Keep expert `e`'s 16-bit `part` (gate_up: both halves) as blocks, where whole
         32-value blocks make its rows; False: it goes float."""
-        if (not self.keeps_16_bit or self._float_parts
-                or t.dtype not in (torch.float16, torch.bfloat16) or t.shape[1] % 32
-                or self.start % 32 or self.size % 32):  # (a rank's slice of whole blocks)
+        if not self.keeps_16_bit or self._float_parts or self.start % 32 or self.size % 32:
+            return False  # (and a rank's slice must be whole blocks)
+        half = t.shape[0] // 2
+        pieces = {"gate": t[:half], "up": t[half:]} if part == "gate_up" else {part: t}
+        blocks = {piece: sixteen_bit_blocks(rows.contiguous()) for piece, rows in pieces.items()}
+        if not all(isinstance(b, GGMLTensor) for b in blocks.values()):
             return False
-        if part == "gate_up":
-            half = t.shape[0] // 2
-            pieces = {"gate": t[:half], "up": t[half:]}
-        else:
-            pieces = {part: t}
-        for piece, rows in pieces.items():
-            self._keep_blocks(piece, e, GGMLTensor.from_float(rows.contiguous()), name)
+        for piece, rows in blocks.items():
+            self._keep_blocks(piece, e, rows, name)
         return True
 
     def _keep_blocks(self, part: str, e: int, tensor: GGMLTensor, name: str) -> None:

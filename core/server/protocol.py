@@ -19,6 +19,7 @@ from pkv.core.server.errors import OpenAIError
 from pkv.core.structured_output.params import StructuredOutputsParams
 from pkv.core.tokenizer.chat_messages import (first_non_text_part, may_omit_content,
                                                template_message)
+from pkv.core.tokenizer.tokenizer import lone_surrogate
 
 
 # Strict types, finite floats: see the module docstring. Unknown fields are accepted and
@@ -52,12 +53,11 @@ def _check_unicode(body: dict[str, Any]) -> None:
     while stack:
         where, value = stack.pop()
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
+            at = lone_surrogate(value)
+            if at is not None:
                 raise PydanticCustomError(
                     "unicode", "{param}: not valid Unicode: a lone surrogate at character "
-                    "{at}", {"param": where, "at": exc.start}) from None
+                    "{at}", {"param": where, "at": at})
         elif isinstance(value, dict):
             stack += [(f"{where}.{k}", v) for k, v in value.items()]
         elif isinstance(value, list):

@@ -24,7 +24,8 @@ from pkv.core.server.chat_choice import ChoiceShaper
 from pkv.core.server.errors import OpenAIError
 from pkv.core.server.protocol import ChatCompletionRequest, ChatMessage
 from pkv.core.server.serving_engine import (DeltaTracker, EngineStreamingResponse, OpenAIServing,
-                                            ServerLimits, sse, stream_error, usage)
+                                            ServerLimits, sse, stream_error, usage,
+                                            usage_counts)
 from pkv.core.server.tools import (ToolPlan, check_tool_messages, plan_tools, template_knows_tools,
                                    template_messages)
 from pkv.core.structured_output.params import StructuredOutputsParams
@@ -177,9 +178,8 @@ class OpenAIServingChat(OpenAIServing):
                            ) -> AsyncIterator[bytes]:
         base = {"id": prepared.request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.served_name(body.model)}
-        prompt_len = len(prepared.children[0].prompt_token_ids)
-        running = ({"usage": {"prompt_tokens": prompt_len, "completion_tokens": 0,
-                              "total_tokens": prompt_len}} if body.continuous_usage else {})
+        running = ({"usage": usage_counts(len(prepared.children[0].prompt_token_ids), 0)}
+                   if body.continuous_usage else {})
         for i in range(len(shapers)):
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},

@@ -234,9 +234,13 @@ async def single_choice_deltas(stream: RequestStream, shaper: ChoiceShaper
 
 def usage(finals: list[RequestOutput]) -> dict[str, Any]:
     """OpenAI's usage; `cached_tokens`: the prompt tokens read from the prefix cache."""
-    prompt = sum(len(f.prompt_token_ids) for f in finals)
-    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
-    cached = sum(max(0, f.num_cached_tokens) for f in finals)
+    return usage_counts(sum(len(f.prompt_token_ids) for f in finals),
+                        sum(len(c.token_ids) for f in finals for c in f.outputs),
+                        sum(max(0, f.num_cached_tokens) for f in finals))
+
+
+def usage_counts(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage of these counts."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}

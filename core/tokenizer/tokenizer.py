@@ -296,11 +296,19 @@ def _named_template(value: Any, name: str) -> str | None:
     return value if isinstance(value, str) and name == "default" else None
 
 
-def check_unicode(text: str) -> None:
-    """A ValueError where `text` is no Unicode text (a lone surrogate, as JSON's "\\ud800"
-    decodes to), which no tokenizer encodes."""
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone surrogate (as JSON's "\\ud800" decodes to), which makes it no
+    Unicode text and no tokenizer encodes; None: nowhere."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"text is not valid Unicode: a lone surrogate "
-                         f"({text[exc.start]!a}) at character {exc.start}") from None
+        return exc.start
+    return None
+
+
+def check_unicode(text: str) -> None:
+    """A ValueError where `text` is no Unicode text (`lone_surrogate`)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate ({text[at]!a}) at "
+                         f"character {at}")
